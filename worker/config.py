@@ -1,0 +1,81 @@
+"""Model configuration: the subset of an HF ``config.json`` that a Llama-family decoder needs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModel(ValueError):
+    """The model folder describes an architecture this worker cannot run."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shapes and constants of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: dict | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        """Reads an HF config dict; raises UnsupportedModel for other architectures."""
+        model_type = raw.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported; only silu")
+        num_heads = int(raw["num_attention_heads"])
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            rope_scaling=_rope_scaling(raw),
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> ModelConfig:
+        return cls.from_dict(json.loads((Path(folder) / "config.json").read_text()))
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Exact KV-cache bytes of one token: K and V, every layer, every KV head."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _rope_scaling(raw: dict) -> dict | None:
+    """transformers < 5 writes ``rope_scaling``; transformers 5 writes ``rope_parameters`` with a rope_type."""
+    if raw.get("rope_scaling"):
+        return raw["rope_scaling"]
+    params = raw.get("rope_parameters") or {}
+    return params if params.get("rope_type", "default") != "default" else None

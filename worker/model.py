@@ -1,0 +1,76 @@
+"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
+
+The forward pass takes a flat run of tokens from many sequences (see kernels/paged_attention.py) and
+returns hidden states for all of them; the runner picks the rows it needs logits for.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.paged_attention import AttentionMetadata, PagedAttentionBackend
+from kvserve.kernels.rotary import apply_rotary, cos_sin_table, inverse_frequencies
+from kvserve.worker.config import ModelConfig
+from kvserve.worker.weights import LayerWeights, ModelWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, as HF does, then cast back."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LlamaDecoder:
+    """Stateless apart from its weights: all KV lives in the pool passed to ``forward``."""
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, backend: PagedAttentionBackend):
+        self.cfg = cfg
+        self.weights = weights
+        self.backend = backend
+        device = weights.embed.device
+        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = cos_sin_table(inv_freq, cfg.max_position_embeddings)
+        self.cos, self.sin = cos.to(device), sin.to(device)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [num_tokens] int64
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        x = F.embedding(token_ids, self.weights.embed)
+        dtype = x.dtype
+        cos = self.cos[meta.positions].to(dtype)
+        sin = self.sin[meta.positions].to(dtype)
+        state = self.backend.prepare(meta)
+        for i, layer in enumerate(self.weights.layers):
+            x = x + self._attention(rms_norm(x, layer.input_norm, self.cfg.rms_norm_eps), layer,
+                                    cos, sin, kv_cache[i], meta, state)
+            x = x + self._mlp(rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps), layer)
+        return rms_norm(x, self.weights.final_norm, self.cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] in fp32."""
+        return F.linear(hidden, self.weights.lm_head).float()
+
+    def _attention(self, x, layer: LayerWeights, cos, sin, kv_cache, meta, state) -> torch.Tensor:
+        cfg = self.cfg
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache, meta, state, self.scale)
+        return F.linear(out.reshape(-1, self.q_size), layer.o)
+
+    def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)

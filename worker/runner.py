@@ -1,0 +1,135 @@
+"""The model runner: validates a step, runs one forward pass over the page pool, samples.
+
+It keeps no scheduling state between steps: every step carries its page tables and positions.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.kernels.paged_attention import build_metadata, get_backend
+from kvserve.worker.batch import InvalidRequest, StaleEpoch, StepBatch, StepOutput
+from kvserve.worker.config import ModelConfig
+from kvserve.worker.kv_pool import allocate_pool, size_pool
+from kvserve.worker.model import LlamaDecoder
+from kvserve.worker.sampler import sample
+from kvserve.worker.validate import validate_batch
+from kvserve.worker.weights import load_weights, model_fingerprint
+
+DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    model_dir: Path
+    worker_id: str = "worker-0"
+    device: str = "auto"  # "auto" = cuda when present, else cpu
+    dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
+    page_size: int = 16
+    kv_cache_bytes: int | None = None  # default DEFAULT_KV_CACHE_BYTES when num_pages is None too
+    num_pages: int | None = None
+    attention_backend: str = "auto"
+    max_step_tokens: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    worker_id: str
+    epoch: int
+    model_name: str
+    model_fingerprint: str
+    page_size: int
+    num_pages: int
+    kv_dtype: str
+    bytes_per_token: int
+    pool_bytes: int
+    num_layers: int
+    num_kv_heads: int
+    num_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    device: str
+    attention_backend: str
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    return dev, DTYPES[dtype]
+
+
+class ModelRunner:
+    """Owns the weights and the KV pool of one worker incarnation. Thread-safe: steps run one at a time."""
+
+    def __init__(self, cfg: RunnerConfig):
+        self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+        self.model_cfg = ModelConfig.from_folder(cfg.model_dir)
+        budget = cfg.kv_cache_bytes
+        if budget is None and cfg.num_pages is None:
+            budget = DEFAULT_KV_CACHE_BYTES
+        self.pool_spec = size_pool(self.model_cfg, self.dtype, cfg.page_size,
+                                   kv_cache_bytes=budget, num_pages=cfg.num_pages)
+        self.kv_cache = allocate_pool(self.model_cfg, self.pool_spec, self.device)
+        weights = load_weights(cfg.model_dir, self.model_cfg, self.dtype, self.device)
+        self.model = LlamaDecoder(self.model_cfg, weights, get_backend(cfg.attention_backend, self.device))
+        self.cfg = cfg
+        self.epoch = time.time_ns()
+        self.info = self._describe(model_fingerprint(cfg.model_dir))
+        self._rng = torch.Generator(device=self.device).manual_seed(self.epoch & 0x7FFFFFFF)
+        self._lock = threading.Lock()
+
+    def _describe(self, fingerprint: str) -> WorkerInfo:
+        m, s = self.model_cfg, self.pool_spec
+        return WorkerInfo(
+            worker_id=self.cfg.worker_id, epoch=self.epoch, model_name=Path(self.cfg.model_dir).name,
+            model_fingerprint=fingerprint, page_size=s.page_size, num_pages=s.num_pages,
+            kv_dtype=str(s.dtype).removeprefix("torch."), bytes_per_token=s.bytes_per_token,
+            pool_bytes=s.pool_bytes, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
+            num_heads=m.num_heads, head_dim=m.head_dim, vocab_size=m.vocab_size,
+            max_model_len=m.max_position_embeddings, eos_token_ids=m.eos_token_ids,
+            device=str(self.device), attention_backend=self.model.backend.name,
+        )
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        """Runs one step. Raises InvalidRequest (nothing computed) or StaleEpoch."""
+        if batch.epoch and batch.epoch != self.epoch:
+            raise StaleEpoch(f"step addressed epoch {batch.epoch}, but this worker is epoch {self.epoch}")
+        info = self.info
+        validate_batch(batch, vocab_size=info.vocab_size, num_pages=info.num_pages, page_size=info.page_size,
+                       max_model_len=info.max_model_len, max_step_tokens=self.cfg.max_step_tokens)
+        with self._lock:
+            t0 = time.perf_counter()
+            sampled = self._run(batch)
+            ms = (time.perf_counter() - t0) * 1000
+        return StepOutput(sampled=sampled, num_tokens=sum(len(i.token_ids) for i in batch.items), compute_ms=ms)
+
+    def _run(self, batch: StepBatch):
+        items = batch.items
+        meta = build_metadata([i.start_pos for i in items], [len(i.token_ids) for i in items],
+                              [list(i.page_table) for i in items], self.pool_spec.page_size, self.device)
+        tokens = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(tokens, meta, self.kv_cache)
+        rows = [r for r, i in enumerate(items) if i.sample]
+        if not rows:
+            return []
+        last = meta.cu_q_lens[1:][torch.tensor(rows, device=self.device)] - 1  # last token of each sampled item
+        with torch.inference_mode():
+            logits = self.model.logits(hidden[last])
+        chosen = [items[r] for r in rows]
+        return sample([i.req_id for i in chosen], logits, [i.sampling for i in chosen],
+                      [i.end_pos for i in chosen], self._rng)
+
+
+__all__ = ["InvalidRequest", "ModelRunner", "RunnerConfig", "StaleEpoch", "WorkerInfo"]

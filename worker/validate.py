@@ -1,0 +1,76 @@
+"""Checks a step before anything touches the pool: a malformed step computes nothing and writes nothing."""
+
+from __future__ import annotations
+
+import math
+
+from kvserve.worker.batch import InvalidRequest, SamplingParams, StepBatch, StepItem
+
+MAX_TOP_LOGPROBS = 20
+
+
+def validate_batch(batch: StepBatch, *, vocab_size: int, num_pages: int, page_size: int,
+                   max_model_len: int, max_step_tokens: int) -> None:
+    """Raises InvalidRequest naming the first problem found."""
+    if not batch.items:
+        raise InvalidRequest("empty batch: a step needs at least one item")
+    seen: set[str] = set()
+    for item in batch.items:
+        if item.req_id in seen:
+            raise InvalidRequest(f"duplicate req_id {item.req_id!r} in one step")
+        seen.add(item.req_id)
+        _check_item(item, vocab_size, num_pages, page_size, max_model_len)
+    num_tokens = sum(len(i.token_ids) for i in batch.items)
+    if num_tokens > max_step_tokens:
+        raise InvalidRequest(f"step has {num_tokens} tokens; this worker takes at most {max_step_tokens}")
+    _check_no_shared_slots(batch.items, page_size)
+
+
+def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int, max_model_len: int) -> None:
+    where = f"item {item.req_id!r}"
+    if not item.req_id:
+        raise InvalidRequest("an item has an empty req_id")
+    if not item.token_ids:
+        raise InvalidRequest(f"{where}: token_ids is empty")
+    if item.start_pos < 0:
+        raise InvalidRequest(f"{where}: start_pos {item.start_pos} is negative")
+    if item.end_pos > max_model_len:
+        raise InvalidRequest(f"{where}: positions up to {item.end_pos} exceed max_model_len {max_model_len}")
+    bad = [t for t in item.token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    pages_needed = -(-item.end_pos // page_size)
+    if len(item.page_table) < pages_needed:
+        raise InvalidRequest(
+            f"{where}: page_table has {len(item.page_table)} pages but positions [0, {item.end_pos}) "
+            f"need {pages_needed} of {page_size} tokens"
+        )
+    bad = [p for p in item.page_table if not 0 <= p < num_pages]
+    if bad:
+        raise InvalidRequest(f"{where}: page id {bad[0]} is out of range [0, {num_pages})")
+    if item.sample:
+        _check_sampling(where, item.sampling)
+
+
+def _check_sampling(where: str, p: SamplingParams) -> None:
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise InvalidRequest(f"{where}: temperature must be finite and >= 0, got {p.temperature}")
+    if p.top_k < 0:
+        raise InvalidRequest(f"{where}: top_k must be >= 0 (0 disables it), got {p.top_k}")
+    if not math.isfinite(p.top_p) or not 0 < p.top_p <= 1:
+        raise InvalidRequest(f"{where}: top_p must lie in (0, 1], got {p.top_p}")
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"{where}: top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
+    if p.seed is not None and p.seed < 0:
+        raise InvalidRequest(f"{where}: seed must be >= 0, got {p.seed}")
+
+
+def _check_no_shared_slots(items: tuple[StepItem, ...], page_size: int) -> None:
+    """Two items writing the same page in one step would corrupt each other's K/V."""
+    owner: dict[int, str] = {}
+    for item in items:
+        first, last = item.start_pos // page_size, (item.end_pos - 1) // page_size
+        for page_id in set(item.page_table[first : last + 1]):
+            other = owner.setdefault(page_id, item.req_id)
+            if other != item.req_id:
+                raise InvalidRequest(f"items {other!r} and {item.req_id!r} both write page {page_id} in one step")

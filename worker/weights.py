@@ -1,0 +1,93 @@
+"""Loads HF-layout safetensors into the decoder's weight dataclasses.
+
+Q/K/V projections are fused into one matrix and gate/up into another, so a layer runs three GEMMs for its
+projections instead of five.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from safetensors import safe_open
+
+from kvserve.worker.config import ModelConfig
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim] (Qwen2)
+    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden], the embedding itself when tied
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _layer(t: dict[str, torch.Tensor], i: int, cast) -> LayerWeights:
+    p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    qkv = torch.cat([t[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")])
+    bias = None
+    if attn + "q_proj.bias" in t:
+        bias = cast(torch.cat([t[attn + f"{n}_proj.bias"] for n in ("q", "k", "v")]))
+    return LayerWeights(
+        input_norm=cast(t[p + "input_layernorm.weight"]),
+        qkv=cast(qkv),
+        qkv_bias=bias,
+        o=cast(t[attn + "o_proj.weight"]),
+        post_norm=cast(t[p + "post_attention_layernorm.weight"]),
+        gate_up=cast(torch.cat([t[mlp + "gate_proj.weight"], t[mlp + "up_proj.weight"]])),
+        down=cast(t[mlp + "down_proj.weight"]),
+    )
+
+
+def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+    """Reads every tensor of the folder, fuses projections, and moves them to ``device`` in ``dtype``."""
+    t = _read_tensors(folder)
+
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device=device, dtype=dtype).contiguous()
+
+    embed = cast(t["model.embed_tokens.weight"])
+    lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in t else cast(t["lm_head.weight"])
+    return ModelWeights(
+        embed=embed,
+        layers=[_layer(t, i, cast) for i in range(cfg.num_layers)],
+        final_norm=cast(t["model.norm.weight"]),
+        lm_head=lm_head,
+    )
+
+
+def model_fingerprint(folder: Path) -> str:
+    """xxh3-128 over config.json and every safetensors file: equal fingerprints mean equal KV."""
+    h = xxhash.xxh3_128()
+    for path in [Path(folder) / "config.json", *sorted(Path(folder).glob("*.safetensors"))]:
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
