@@ -1,0 +1,465 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PageOpStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAGE_OP_STATUS_UNSPECIFIED: _ClassVar[PageOpStatus]
+    PAGE_OP_STATUS_OK: _ClassVar[PageOpStatus]
+    PAGE_OP_STATUS_OUT_OF_PAGES: _ClassVar[PageOpStatus]
+    PAGE_OP_STATUS_STALE_EPOCH: _ClassVar[PageOpStatus]
+    PAGE_OP_STATUS_UNKNOWN_REQUEST: _ClassVar[PageOpStatus]
+PAGE_OP_STATUS_UNSPECIFIED: PageOpStatus
+PAGE_OP_STATUS_OK: PageOpStatus
+PAGE_OP_STATUS_OUT_OF_PAGES: PageOpStatus
+PAGE_OP_STATUS_STALE_EPOCH: PageOpStatus
+PAGE_OP_STATUS_UNKNOWN_REQUEST: PageOpStatus
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    num_pages: int
+    page_size: int
+    model_fingerprint: str
+    kv_dtype: str
+    bytes_per_token: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("ok", "previous_epoch", "dropped_req_ids")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    previous_epoch: int
+    dropped_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ok: _Optional[bool] = ..., previous_epoch: _Optional[int] = ..., dropped_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PageAllocation(_message.Message):
+    __slots__ = ("req_id", "tenant", "worker_id", "token_ids", "skip_prefix_cache")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    tenant: str
+    worker_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_prefix_cache: bool
+    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., skip_prefix_cache: _Optional[bool] = ...) -> None: ...
+
+class PageAllocationResult(_message.Message):
+    __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_SHORT_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    status: PageOpStatus
+    worker_id: str
+    epoch: int
+    page_table: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: int
+    num_pages_short: int
+    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_pages_short: _Optional[int] = ...) -> None: ...
+
+class PageExtension(_message.Message):
+    __slots__ = ("req_id", "num_tokens")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    num_tokens: int
+    def __init__(self, req_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class PageExtensionResult(_message.Message):
+    __slots__ = ("req_id", "status", "new_page_ids", "num_pages", "num_pages_short")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_SHORT_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    status: PageOpStatus
+    new_page_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_pages: int
+    num_pages_short: int
+    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., new_page_ids: _Optional[_Iterable[int]] = ..., num_pages: _Optional[int] = ..., num_pages_short: _Optional[int] = ...) -> None: ...
+
+class PageCommit(_message.Message):
+    __slots__ = ("req_id", "start_pos", "token_ids", "num_computed_tokens")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    start_pos: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    def __init__(self, req_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+
+class PageCommitResult(_message.Message):
+    __slots__ = ("req_id", "status", "num_committed_tokens")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    status: PageOpStatus
+    num_committed_tokens: int
+    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., num_committed_tokens: _Optional[int] = ...) -> None: ...
+
+class PageFree(_message.Message):
+    __slots__ = ("req_id",)
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    def __init__(self, req_id: _Optional[str] = ...) -> None: ...
+
+class PageFreeResult(_message.Message):
+    __slots__ = ("req_id", "status")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    status: PageOpStatus
+    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ...) -> None: ...
+
+class StepPagesRequest(_message.Message):
+    __slots__ = ("step_id", "allocations", "extensions", "commits", "frees")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    EXTENSIONS_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    FREES_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    allocations: _containers.RepeatedCompositeFieldContainer[PageAllocation]
+    extensions: _containers.RepeatedCompositeFieldContainer[PageExtension]
+    commits: _containers.RepeatedCompositeFieldContainer[PageCommit]
+    frees: _containers.RepeatedCompositeFieldContainer[PageFree]
+    def __init__(self, step_id: _Optional[int] = ..., allocations: _Optional[_Iterable[_Union[PageAllocation, _Mapping]]] = ..., extensions: _Optional[_Iterable[_Union[PageExtension, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[PageCommit, _Mapping]]] = ..., frees: _Optional[_Iterable[_Union[PageFree, _Mapping]]] = ...) -> None: ...
+
+class PoolSummary(_message.Message):
+    __slots__ = ("worker_id", "epoch", "num_free_pages", "num_evictable_pages")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    num_free_pages: int
+    num_evictable_pages: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_evictable_pages: _Optional[int] = ...) -> None: ...
+
+class StepPagesResponse(_message.Message):
+    __slots__ = ("allocation_results", "extension_results", "commit_results", "free_results", "pools", "handle_ms")
+    ALLOCATION_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    EXTENSION_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    allocation_results: _containers.RepeatedCompositeFieldContainer[PageAllocationResult]
+    extension_results: _containers.RepeatedCompositeFieldContainer[PageExtensionResult]
+    commit_results: _containers.RepeatedCompositeFieldContainer[PageCommitResult]
+    free_results: _containers.RepeatedCompositeFieldContainer[PageFreeResult]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolSummary]
+    handle_ms: float
+    def __init__(self, allocation_results: _Optional[_Iterable[_Union[PageAllocationResult, _Mapping]]] = ..., extension_results: _Optional[_Iterable[_Union[PageExtensionResult, _Mapping]]] = ..., commit_results: _Optional[_Iterable[_Union[PageCommitResult, _Mapping]]] = ..., free_results: _Optional[_Iterable[_Union[PageFreeResult, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolSummary, _Mapping]]] = ..., handle_ms: _Optional[float] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("worker_id", "epoch", "model_fingerprint", "kv_dtype", "page_size", "num_pages", "num_used_pages", "num_cached_pages", "num_free_pages", "num_pinned_pages", "num_requests", "pool_bytes", "used_bytes", "cached_bytes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    model_fingerprint: str
+    kv_dtype: str
+    page_size: int
+    num_pages: int
+    num_used_pages: int
+    num_cached_pages: int
+    num_free_pages: int
+    num_pinned_pages: int
+    num_requests: int
+    pool_bytes: int
+    used_bytes: int
+    cached_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "num_blocks", "num_pinned_blocks", "num_requests", "prefix_query_tokens", "prefix_hit_tokens")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    num_blocks: int
+    num_pinned_blocks: int
+    num_requests: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    def __init__(self, tenant: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("pools", "tenants", "prefix_query_tokens", "prefix_hit_tokens", "num_evicted_blocks", "store_ok")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_OK_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_evicted_blocks: int
+    store_ok: bool
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., store_ok: _Optional[bool] = ...) -> None: ...
+
+class ListTenantsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTenantsResponse(_message.Message):
+    __slots__ = ("tenants",)
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class InspectTenantRequest(_message.Message):
+    __slots__ = ("tenant", "max_blocks", "max_prefixes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    max_blocks: int
+    max_prefixes: int
+    def __init__(self, tenant: _Optional[str] = ..., max_blocks: _Optional[int] = ..., max_prefixes: _Optional[int] = ...) -> None: ...
+
+class CachedBlock(_message.Message):
+    __slots__ = ("block_hash", "parent_block_hash", "worker_id", "epoch", "page_id", "ref_cnt", "pinned", "block_index", "last_used_unix_ms")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    REF_CNT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    block_hash: str
+    parent_block_hash: str
+    worker_id: str
+    epoch: int
+    page_id: int
+    ref_cnt: int
+    pinned: bool
+    block_index: int
+    last_used_unix_ms: int
+    def __init__(self, block_hash: _Optional[str] = ..., parent_block_hash: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_id: _Optional[int] = ..., ref_cnt: _Optional[int] = ..., pinned: _Optional[bool] = ..., block_index: _Optional[int] = ..., last_used_unix_ms: _Optional[int] = ...) -> None: ...
+
+class CachedPrefix(_message.Message):
+    __slots__ = ("worker_id", "last_block_hash", "num_blocks", "num_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    last_block_hash: str
+    num_blocks: int
+    num_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., last_block_hash: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class InspectTenantResponse(_message.Message):
+    __slots__ = ("stats", "blocks", "prefixes")
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    stats: TenantStats
+    blocks: _containers.RepeatedCompositeFieldContainer[CachedBlock]
+    prefixes: _containers.RepeatedCompositeFieldContainer[CachedPrefix]
+    def __init__(self, stats: _Optional[_Union[TenantStats, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., prefixes: _Optional[_Iterable[_Union[CachedPrefix, _Mapping]]] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("tenant", "token_ids", "text", "worker_id")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    token_ids: TokenIds
+    text: str
+    worker_id: str
+    def __init__(self, tenant: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class ProbeHit(_message.Message):
+    __slots__ = ("worker_id", "epoch", "num_hit_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    num_hit_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ...) -> None: ...
+
+class ProbeResponse(_message.Message):
+    __slots__ = ("num_query_tokens", "num_hit_tokens", "worker_id", "hits")
+    NUM_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    num_query_tokens: int
+    num_hit_tokens: int
+    worker_id: str
+    hits: _containers.RepeatedCompositeFieldContainer[ProbeHit]
+    def __init__(self, num_query_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[ProbeHit, _Mapping]]] = ...) -> None: ...
+
+class EvictTenantRequest(_message.Message):
+    __slots__ = ("tenant", "worker_id", "include_pinned")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_PINNED_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    worker_id: str
+    include_pinned: bool
+    def __init__(self, tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., include_pinned: _Optional[bool] = ...) -> None: ...
+
+class EvictTenantResponse(_message.Message):
+    __slots__ = ("num_evicted_blocks", "num_kept_blocks")
+    NUM_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_evicted_blocks: int
+    num_kept_blocks: int
+    def __init__(self, num_evicted_blocks: _Optional[int] = ..., num_kept_blocks: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("tenant", "token_ids", "text", "worker_id")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    token_ids: TokenIds
+    text: str
+    worker_id: str
+    def __init__(self, tenant: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("num_pinned_blocks", "num_pinned_tokens")
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_pinned_blocks: int
+    num_pinned_tokens: int
+    def __init__(self, num_pinned_blocks: _Optional[int] = ..., num_pinned_tokens: _Optional[int] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("tenant", "token_ids", "text", "worker_id")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    token_ids: TokenIds
+    text: str
+    worker_id: str
+    def __init__(self, tenant: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("num_unpinned_blocks",)
+    NUM_UNPINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_unpinned_blocks: int
+    def __init__(self, num_unpinned_blocks: _Optional[int] = ...) -> None: ...
+
+class GetPageTableRequest(_message.Message):
+    __slots__ = ("req_id",)
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    def __init__(self, req_id: _Optional[str] = ...) -> None: ...
+
+class PageInfo(_message.Message):
+    __slots__ = ("page_id", "ref_cnt", "block_hash", "pinned")
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    REF_CNT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    page_id: int
+    ref_cnt: int
+    block_hash: str
+    pinned: bool
+    def __init__(self, page_id: _Optional[int] = ..., ref_cnt: _Optional[int] = ..., block_hash: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class GetPageTableResponse(_message.Message):
+    __slots__ = ("req_id", "tenant", "worker_id", "epoch", "page_table", "pages", "num_cached_tokens", "num_committed_tokens", "num_tokens", "last_step_id")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TABLE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    tenant: str
+    worker_id: str
+    epoch: int
+    page_table: _containers.RepeatedScalarFieldContainer[int]
+    pages: _containers.RepeatedCompositeFieldContainer[PageInfo]
+    num_cached_tokens: int
+    num_committed_tokens: int
+    num_tokens: int
+    last_step_id: int
+    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[_Union[PageInfo, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_committed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., last_step_id: _Optional[int] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("confirm",)
+    CONFIRM_FIELD_NUMBER: _ClassVar[int]
+    confirm: bool
+    def __init__(self, confirm: _Optional[bool] = ...) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ("num_dropped_requests", "num_dropped_blocks")
+    NUM_DROPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_dropped_requests: int
+    num_dropped_blocks: int
+    def __init__(self, num_dropped_requests: _Optional[int] = ..., num_dropped_blocks: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,98 @@
+from kvserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StepItem(_message.Message):
+    __slots__ = ("req_id", "token_ids", "start_pos", "page_table", "sample", "sampling")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TABLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_pos: int
+    page_table: _containers.RepeatedScalarFieldContainer[int]
+    sample: bool
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("items", "epoch")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[StepItem]
+    epoch: int
+    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("req_id", "token_id", "logprob", "top_logprobs")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, req_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("results", "num_tokens", "compute_ms")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StepResult]
+    num_tokens: int
+    compute_ms: float
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("worker_id", "epoch", "model_name", "model_fingerprint", "page_size", "num_pages", "kv_dtype", "bytes_per_token", "pool_bytes", "num_layers", "num_kv_heads", "num_heads", "head_dim", "vocab_size", "max_model_len", "eos_token_ids", "device", "attention_backend")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    model_name: str
+    model_fingerprint: str
+    page_size: int
+    num_pages: int
+    kv_dtype: str
+    bytes_per_token: int
+    pool_bytes: int
+    num_layers: int
+    num_kv_heads: int
+    num_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    device: str
+    attention_backend: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...

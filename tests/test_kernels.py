@@ -1,0 +1,120 @@
+"""The reference paged-attention backend against dense causal attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.kernels.paged_attention import build_metadata, write_kv
+from kvserve.kernels.reference import ReferenceBackend
+from kvserve.kernels.rotary import apply_rotary, cos_sin_table, inverse_frequencies
+
+HEAD_DIM = 16
+
+
+def dense_attention(q, k, v, start: int) -> torch.Tensor:
+    """q: [n, H, D] at positions start..start+n-1; k, v: [start+n, Hkv, D]. Plain causal attention."""
+    n, heads, _ = q.shape
+    group = heads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    qpos = torch.arange(start, start + n)[:, None]
+    kpos = torch.arange(k.shape[0])[None, :]
+    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def scattered_pages(num_seqs: int, lengths: list[int], page_size: int, num_pages: int, gen) -> list[list[int]]:
+    """Non-contiguous, non-overlapping page tables, so slot arithmetic mistakes show."""
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    tables, used = [], 0
+    for length in lengths:
+        n = -(-length // page_size)
+        tables.append(perm[used : used + n])
+        used += n
+    return tables
+
+
+def run_case(lengths, cached, heads, kv_heads, page_size, seed=0):
+    """Sequences of total length lengths[b], of which cached[b] are already in the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // page_size) for n in lengths) + 3
+    cache = torch.zeros(2, num_pages, page_size, kv_heads, HEAD_DIM)
+    tables = scattered_pages(len(lengths), lengths, page_size, num_pages, gen)
+    full = [(torch.randn(n, heads, HEAD_DIM, generator=gen), torch.randn(n, kv_heads, HEAD_DIM, generator=gen),
+             torch.randn(n, kv_heads, HEAD_DIM, generator=gen)) for n in lengths]
+    # Earlier steps wrote the cached prefix.
+    for (_, k, v), table, c in zip(full, tables, cached, strict=True):
+        if c:
+            meta = build_metadata([0], [c], [table], page_size, torch.device("cpu"))
+            write_kv(k[:c], v[:c], cache, meta.slot_mapping)
+    q_lens = [n - c for n, c in zip(lengths, cached, strict=True)]
+    meta = build_metadata(cached, q_lens, tables, page_size, torch.device("cpu"))
+    cat = [torch.cat([t[i][c:] for t, c in zip(full, cached, strict=True)]) for i in range(3)]
+    backend = ReferenceBackend()
+    out = backend.forward(*cat, cache, meta, backend.prepare(meta), 1 / math.sqrt(HEAD_DIM))
+    offsets = meta.cu_q_lens.tolist()
+    for b, ((q, k, v), c) in enumerate(zip(full, cached, strict=True)):
+        expected = dense_attention(q[c:], k, v, c)
+        torch.testing.assert_close(out[offsets[b] : offsets[b + 1]], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 31, 32, 33, 100])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1), (9, 3)])
+def test_prefill_matches_dense_attention(length, heads, kv_heads):
+    run_case([length], [0], heads, kv_heads, page_size=16)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_mixed_batch_of_prefills_chunks_and_decodes(page_size):
+    # a fresh prefill, a chunk on top of 16 cached tokens, decodes at and across page boundaries
+    lengths = [23, 40, 17, 16, 1, 64]
+    cached = [0, 16, 16, 15, 0, 63]
+    run_case(lengths, cached, heads=9, kv_heads=3, page_size=page_size, seed=page_size)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 33])
+def test_chunked_prefill_equals_one_shot(chunk):
+    """Prefill of 70 tokens in chunks of `chunk`: each chunk attends to all earlier ones via the cache."""
+    gen = torch.Generator().manual_seed(chunk)
+    n, heads, kv_heads, page_size = 70, 4, 2, 16
+    q, k, v = (torch.randn(n, h, HEAD_DIM, generator=gen) for h in (heads, kv_heads, kv_heads))
+    cache = torch.zeros(2, 8, page_size, kv_heads, HEAD_DIM)
+    table = [6, 0, 3, 1, 7]
+    backend, outs = ReferenceBackend(), []
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        meta = build_metadata([start], [end - start], [table], page_size, torch.device("cpu"))
+        outs.append(backend.forward(q[start:end], k[start:end], v[start:end], cache, meta, backend.prepare(meta),
+                                    1 / math.sqrt(HEAD_DIM)))
+    torch.testing.assert_close(torch.cat(outs), dense_attention(q, k, v, 0), rtol=1e-5, atol=1e-5)
+
+
+def test_slot_mapping_follows_the_page_table():
+    meta = build_metadata([3], [6], [[7, 2, 9]], 4, torch.device("cpu"))
+    # positions 3..8 -> page 7 slot 3, page 2 slots 0..3, page 9 slot 0
+    assert meta.positions.tolist() == [3, 4, 5, 6, 7, 8]
+    assert meta.slot_mapping.tolist() == [31, 8, 9, 10, 11, 36]
+    assert meta.seq_lens.tolist() == [9]
+
+
+def test_write_kv_touches_only_the_named_slots():
+    cache = torch.zeros(2, 4, 4, 1, 2)
+    meta = build_metadata([0], [2], [[3]], 4, torch.device("cpu"))
+    write_kv(torch.ones(2, 1, 2), 2 * torch.ones(2, 1, 2), cache, meta.slot_mapping)
+    assert cache[0, 3, :2].eq(1).all() and cache[1, 3, :2].eq(2).all()
+    assert cache.count_nonzero() == 8  # 2 tokens x (K + V) x 2 dims
+
+
+def test_rotary_matches_complex_rotation():
+    """RoPE in the rotate-half layout is a rotation of (x_i, x_{i+d/2}) by position * inv_freq_i."""
+    inv_freq = inverse_frequencies(8, 10000.0, None)
+    cos, sin = cos_sin_table(inv_freq, 32)
+    x = torch.randn(5, 2, 8)
+    pos = torch.tensor([0, 1, 7, 20, 31])
+    out = apply_rotary(x, cos[pos], sin[pos])
+    z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones(5, 4), pos[:, None] * inv_freq)[:, None, :]
+    torch.testing.assert_close(out, torch.cat([z.real, z.imag], dim=-1), rtol=1e-5, atol=1e-5)
