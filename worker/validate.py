@@ -49,10 +49,10 @@ def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int,
     if bad:
         raise InvalidRequest(f"{where}: page id {bad[0]} is out of range [0, {num_pages})")
     if item.sample:
-        _check_sampling(where, item.sampling)
+        validate_sampling(where, item.sampling)
 
 
-def _check_sampling(where: str, p: SamplingParams) -> None:
+def validate_sampling(where: str, p: SamplingParams) -> None:
     if not math.isfinite(p.temperature) or p.temperature < 0:
         raise InvalidRequest(f"{where}: temperature must be finite and >= 0, got {p.temperature}")
     if p.top_k < 0:

@@ -1,0 +1,67 @@
+"""The ``kvserve`` command line: one subcommand per service or tool.
+
+Flags fall back to environment variables (``KVSERVE_<FLAG>``), so Kubernetes manifests can configure
+services without rewriting their command lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from kvserve.services import cli_model, cli_worker
+
+
+def env_default(name: str, default=None):
+    """The value of ``KVSERVE_<NAME>`` if set, else ``default``."""
+    return os.environ.get(f"KVSERVE_{name.upper()}", default)
+
+
+def parse_bytes(text: str) -> int:
+    """'536870912', '512MiB', '1.5GiB', '64MB' -> bytes. Raises argparse.ArgumentTypeError on bad input."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    s = text.strip().lower()
+    for suffix, factor in units.items():
+        if s.endswith(suffix):
+            s, scale = s[: -len(suffix)], factor
+            break
+    else:
+        scale = 1
+    try:
+        value = float(s) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (try 536870912 or 512MiB)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"byte size must be positive, got {text!r}")
+    return int(value)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-centric LLM serving.")
+    parser.add_argument("--log-level", default=env_default("log_level", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+    cli_model.add_commands(sub)
+    cli_worker.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""``kvserve worker``, ``kvserve info`` and ``kvserve generate``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("kvserve.cli")
+DEFAULT_WORKER_PORT = 50061
+
+
+def _env(name, default=None):
+    from kvserve.services.cli import env_default
+
+    return env_default(name, default)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    from kvserve.services.cli import parse_bytes, positive_int
+
+    p.add_argument("--model", default=_env("model"), help="HF-layout model folder (default: the prepared SmolLM2)")
+    p.add_argument("--cache-dir", type=Path, default=_env("cache_dir"))
+    p.add_argument("--device", default=_env("device", "auto"), help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default=_env("dtype", "auto"), help="auto (fp32 on CPU, bf16 on CUDA), float32, "
+                   "bfloat16, float16")
+    p.add_argument("--page-size", type=positive_int, default=int(_env("page_size", 16)))
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-bytes", type=parse_bytes, default=_env("kv_cache_bytes"),
+                      help="KV pool budget, e.g. 512MiB (default 512MiB)")
+    size.add_argument("--num-pages", type=positive_int, default=_env("num_pages"))
+    p.add_argument("--attention-backend", default=_env("attention_backend", "auto"))
+
+
+def add_commands(sub) -> None:
+    w = sub.add_parser("worker", help="run a worker: model weights + KV page pool, serving Step and Info")
+    _add_engine_flags(w)
+    w.add_argument("--host", default=_env("host", "127.0.0.1"))
+    w.add_argument("--port", type=int, default=int(_env("port", DEFAULT_WORKER_PORT)))
+    w.add_argument("--worker-id", default=_env("worker_id", "worker-0"))
+    w.set_defaults(func=run_worker)
+
+    info = sub.add_parser("info", help="print a running worker's Info")
+    info.add_argument("--worker", default=_env("worker", f"127.0.0.1:{DEFAULT_WORKER_PORT}"))
+    info.set_defaults(func=run_info)
+
+    g = sub.add_parser("generate", help="generate a completion")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--local", action="store_true", help="run the worker engine in this process (no services)")
+    _add_engine_flags(g)
+    g.set_defaults(func=run_generate)
+
+
+def _runner_config(args, **extra):
+    from kvserve.services.model_store import resolve_model
+    from kvserve.worker.runner import RunnerConfig
+
+    kv_bytes = int(args.kv_cache_bytes) if args.kv_cache_bytes is not None else None
+    num_pages = int(args.num_pages) if args.num_pages is not None else None
+    return RunnerConfig(model_dir=resolve_model(args.model, args.cache_dir), device=args.device, dtype=args.dtype,
+                        page_size=args.page_size, kv_cache_bytes=kv_bytes, num_pages=num_pages,
+                        attention_backend=args.attention_backend, **extra)
+
+
+def run_worker(args) -> int:
+    from kvserve.worker.runner import ModelRunner
+    from kvserve.worker.server import serve_until_signal, start_worker_server
+
+    runner = ModelRunner(_runner_config(args, worker_id=args.worker_id))
+    ws = start_worker_server(runner, args.host, args.port)
+    i = runner.info
+    print(f"kvserve worker {i.worker_id} ready on {args.host}:{ws.port}: model {i.model_name} on {i.device}, "
+          f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
+          f"({i.kv_dtype})", flush=True)
+    serve_until_signal(ws)
+    return 0
+
+
+def run_info(args) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from kvserve.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(args.worker) as channel:
+        try:
+            info = worker_pb2_grpc.WorkerServiceStub(channel).Info(worker_pb2.InfoRequest(), timeout=10)
+        except grpc.RpcError as e:
+            print(f"kvserve: worker {args.worker}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(json_format.MessageToJson(info, always_print_fields_with_no_presence=True))
+    return 0
+
+
+def run_generate(args) -> int:
+    if not args.local:
+        print("kvserve: generate through a gateway arrives with the gateway; use --local for now", file=sys.stderr)
+        return 2
+    from kvserve.worker.batch import InvalidRequest, SamplingParams
+    from kvserve.worker.local_engine import GenerateParams, generate
+    from kvserve.worker.runner import ModelRunner
+    from kvserve.worker.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+    from kvserve.worker.validate import validate_sampling
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    try:
+        validate_sampling("sampling flags", sampling)
+        if args.max_tokens <= 0:
+            raise InvalidRequest(f"--max-tokens must be positive, got {args.max_tokens}")
+        runner = ModelRunner(_runner_config(args))
+        tok = Tokenizer(runner.cfg.model_dir)
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        detok = IncrementalDetokenizer(tok)
+        for token in generate(runner, tok.encode(text), GenerateParams(args.max_tokens, sampling)):
+            print(detok.push(token), end="", flush=True)
+    except (InvalidRequest, ChatTemplateError) as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return 2
+    print()
+    return 0
