@@ -1,0 +1,69 @@
+"""Shared fixtures: the real default model, one in-process runner, a real gRPC worker on port 0."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the reference model is loaded from disk, never the hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TEST_NUM_PAGES = 256
+TEST_PAGE_SIZE = 16
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The default model, converted from its GGUF once (reused from the cache when `make model` ran)."""
+    from kvserve.services.model_store import prepare_default_model
+
+    return prepare_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def runner(model_dir):
+    from kvserve.worker.runner import ModelRunner, RunnerConfig
+
+    return ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=TEST_NUM_PAGES, page_size=TEST_PAGE_SIZE,
+                                    device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def worker_server(runner):
+    from kvserve.worker.server import start_worker_server
+
+    ws = start_worker_server(runner, "127.0.0.1", 0)
+    yield ws
+    ws.stop(1.0)
+
+
+@pytest.fixture(scope="session")
+def worker_channel(worker_server):
+    with grpc.insecure_channel(f"127.0.0.1:{worker_server.port}") as channel:
+        yield channel
+
+
+@pytest.fixture(scope="session")
+def worker_stub(worker_channel):
+    from kvserve.v1 import worker_pb2_grpc
+
+    return worker_pb2_grpc.WorkerServiceStub(worker_channel)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    """HF transformers on the same weights, fp32: the reference implementation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from kvserve.worker.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir)

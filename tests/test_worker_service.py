@@ -1,0 +1,102 @@
+"""The worker over real gRPC: Info, health, and bad input to Step."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserve.v1 import common_pb2, worker_pb2
+
+TEST_NUM_PAGES, TEST_PAGE_SIZE = 256, 16  # as the runner fixture in conftest.py
+
+
+def item(req_id="r", token_ids=(1, 2, 3), start_pos=0, page_table=(0,), sample=True, **sampling):
+    return worker_pb2.StepItem(req_id=req_id, token_ids=token_ids, start_pos=start_pos, page_table=page_table,
+                               sample=sample, sampling=common_pb2.SamplingParams(**sampling))
+
+
+def test_info_reports_the_exact_pool_size(worker_stub, runner):
+    info = worker_stub.Info(worker_pb2.InfoRequest(), timeout=10)
+    per_token = 2 * 30 * 3 * 64 * 4  # layers * kv_heads * head_dim * fp32 bytes, K and V
+    assert info.bytes_per_token == per_token == 46080
+    assert info.num_pages == TEST_NUM_PAGES and info.page_size == TEST_PAGE_SIZE
+    assert info.pool_bytes == per_token * TEST_PAGE_SIZE * TEST_NUM_PAGES == runner.kv_cache.nbytes
+    assert info.kv_dtype == "float32" and info.vocab_size == 49152 and info.num_kv_heads == 3
+    assert len(info.model_fingerprint) == 32 and info.epoch > 0 and list(info.eos_token_ids) == [2]
+
+
+def test_health_is_serving(worker_channel):
+    stub = health_pb2_grpc.HealthStub(worker_channel)
+    for service in ("", "kvserve.v1.WorkerService"):
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+BAD_STEPS = [
+    ("empty batch", [], "empty batch"),
+    ("page table too short", [item(token_ids=tuple(range(1, 21)), page_table=(0,))],
+     "page_table has 1 pages but positions [0, 20) need 2"),
+    ("page id out of range", [item(page_table=(TEST_NUM_PAGES,))], f"page id {TEST_NUM_PAGES} is out of range"),
+    ("negative page id", [item(page_table=(-1,))], "page id -1 is out of range"),
+    ("token id >= vocab", [item(token_ids=(5, 49152))], "token id 49152 is outside the vocabulary"),
+    ("negative token id", [item(token_ids=(-3,))], "token id -3 is outside"),
+    ("negative position", [item(start_pos=-1)], "start_pos -1 is negative"),
+    ("empty token_ids", [item(token_ids=())], "token_ids is empty"),
+    ("position past the model", [item(start_pos=8190, page_table=tuple(range(TEST_NUM_PAGES)))],
+     "exceed max_model_len 8192"),
+    ("negative temperature", [item(temperature=-0.5)], "temperature must be finite and >= 0"),
+    ("nan temperature", [item(temperature=math.nan)], "temperature must be finite"),
+    ("top_p above one", [item(top_p=1.5)], "top_p must lie in (0, 1]"),
+    ("top_p zero", [item(top_p=0.0)], "top_p must lie in (0, 1]"),
+    ("negative top_k", [item(top_k=-2)], "top_k must be >= 0"),
+    ("too many logprobs", [item(top_logprobs=50)], "top_logprobs must lie in [0, 20]"),
+    ("duplicate req_id", [item(page_table=(0,)), item(page_table=(1,))], "duplicate req_id 'r'"),
+    ("shared page", [item("a", page_table=(4,)), item("b", page_table=(4,))], "both write page 4"),
+    ("empty req_id", [item(req_id="")], "empty req_id"),
+]
+
+
+@pytest.mark.parametrize("items,message", [(i, m) for _, i, m in BAD_STEPS], ids=[c[0] for c in BAD_STEPS])
+def test_bad_step_is_invalid_argument_and_writes_nothing(worker_stub, runner, items, message):
+    before = runner.kv_cache.clone()
+    with pytest.raises(grpc.RpcError) as err:
+        worker_stub.Step(worker_pb2.StepRequest(items=items), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    assert torch.equal(runner.kv_cache, before), "a rejected step must not touch the pool"
+    # the worker keeps serving the next valid request
+    ok = worker_stub.Step(worker_pb2.StepRequest(items=[item(page_table=(3,))]), timeout=30)
+    assert len(ok.results) == 1 and 0 <= ok.results[0].token_id < 49152 and ok.num_tokens == 3
+
+
+def test_stale_epoch_is_failed_precondition(worker_stub, runner):
+    with pytest.raises(grpc.RpcError) as err:
+        worker_stub.Step(worker_pb2.StepRequest(items=[item()], epoch=runner.epoch - 1), timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert str(runner.epoch) in err.value.details()
+    ok = worker_stub.Step(worker_pb2.StepRequest(items=[item()], epoch=runner.epoch), timeout=30)
+    assert len(ok.results) == 1
+
+
+def test_step_writes_kv_only_into_the_assigned_slots(worker_stub, runner):
+    """A 20-token prefill on pages (9, 5) fills all of page 9 and 4 slots of page 5, nothing else."""
+    runner.kv_cache.zero_()
+    worker_stub.Step(worker_pb2.StepRequest(items=[item(token_ids=tuple(range(100, 120)), page_table=(9, 5),
+                                                        sample=False)]), timeout=30)
+    written = runner.kv_cache.abs().sum(dim=(0, 1, 4, 5)) != 0  # [num_pages, page_size]
+    assert written[9].all() and written[5, :4].all()
+    assert written.sum() == 20
+
+
+def test_sampled_results_come_in_item_order_with_logprobs(worker_stub):
+    items = [item("b", (7, 8), page_table=(20,), top_logprobs=3), item("a", (9,), page_table=(21,), sample=False),
+             item("c", (10, 11, 12), page_table=(22,))]
+    resp = worker_stub.Step(worker_pb2.StepRequest(items=items), timeout=30)
+    assert [r.req_id for r in resp.results] == ["b", "c"] and resp.num_tokens == 6 and resp.compute_ms > 0
+    b = resp.results[0]
+    assert len(b.top_logprobs) == 3 and b.top_logprobs[0].token_id == b.token_id  # greedy = the most likely
+    assert b.logprob == pytest.approx(b.top_logprobs[0].logprob) and b.logprob <= 0
