@@ -7,7 +7,8 @@ Per step it turns the flat token run into a padded batch::
                [b0 -- --]                       (-- rows are computed and dropped)
                [c0 c1 --]]
 
-and gathers each sequence's keys from its pages into ``[num_seqs, max_seq_len]``. Query i of sequence b
+and gathers each sequence's pages (whole pages: contiguous copies) into ``[num_seqs, num_pages * page_size]``
+keys, the unused tail masked out. Query i of sequence b
 (absolute position ``start_pos[b] + i``) may see key j when ``j <= start_pos[b] + i``. Padded query rows
 still see key 0, so no row of the mask is empty (an empty row would give NaN).
 """
@@ -27,8 +28,9 @@ class ReferenceState:
     """Per-step gather/scatter indices and the attention mask, shared by all layers."""
 
     q_index: torch.Tensor  # [num_tokens] int64, flat token -> row in [num_seqs * max_q_len]
-    kv_slots: torch.Tensor  # [num_seqs, max_seq_len] int64, cache slot of key j of sequence b
-    mask: torch.Tensor  # [num_seqs, 1, max_q_len, max_seq_len] bool, True = may attend
+    page_ids: torch.Tensor  # [num_seqs * num_pages] int64, pages to gather, padded with page 0 (masked)
+    num_keys: int  # num_pages * page_size: key length of the gathered batch
+    mask: torch.Tensor  # [num_seqs, 1, max_q_len, num_keys] bool, True = may attend
 
 
 class ReferenceBackend:
@@ -42,14 +44,14 @@ class ReferenceBackend:
         seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=device), meta.q_lens)
         row_in_seq = torch.arange(meta.num_tokens, device=device) - meta.cu_q_lens[seq_index]
         q_index = seq_index * max_q + row_in_seq
-        key_pos = torch.arange(max_k, device=device)  # [max_k]
-        pages = meta.block_tables.gather(1, (key_pos // meta.page_size).clamp(max=meta.block_tables.shape[1] - 1)
-                                         .expand(num_seqs, -1))
-        kv_slots = pages * meta.page_size + key_pos % meta.page_size
+        num_pages = -(-max_k // meta.page_size)
+        page_ids = meta.block_tables[:, :num_pages].reshape(-1)
+        num_keys = num_pages * meta.page_size
+        key_pos = torch.arange(num_keys, device=device)
         query_pos = meta.start_pos[:, None] + torch.arange(max_q, device=device)[None, :]  # [num_seqs, max_q]
         visible = key_pos[None, None, :] <= query_pos[:, :, None]
         visible &= key_pos[None, None, :] < meta.seq_lens[:, None, None]
-        return ReferenceState(q_index=q_index, kv_slots=kv_slots, mask=visible.unsqueeze(1))
+        return ReferenceState(q_index=q_index, page_ids=page_ids, num_keys=num_keys, mask=visible.unsqueeze(1))
 
     def forward(
         self,
@@ -64,15 +66,18 @@ class ReferenceBackend:
         write_kv(k, v, kv_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = q.shape
         num_seqs, max_q = meta.num_seqs, meta.max_q_len
-        _, num_pages, page_size, num_kv_heads, _ = kv_cache.shape
-        flat = kv_cache.view(2, num_pages * page_size, num_kv_heads, head_dim)
-        keys = flat[0][state.kv_slots].to(q.dtype).transpose(1, 2)  # [num_seqs, kv_heads, max_k, head_dim]
-        values = flat[1][state.kv_slots].to(q.dtype).transpose(1, 2)
-        q_pad = q.new_zeros((num_seqs * max_q, num_heads, head_dim))
-        q_pad[state.q_index] = q
+        num_kv_heads = kv_cache.shape[3]
+        kv = kv_cache.index_select(1, state.page_ids).to(q.dtype)  # K and V of every page in one gather
+        kv = kv.view(2, num_seqs, state.num_keys, num_kv_heads, head_dim).transpose(2, 3)  # [2, seqs, kv_heads, k, d]
+        padded = num_seqs * max_q != num_tokens
+        if padded:
+            q_pad = q.new_zeros((num_seqs * max_q, num_heads, head_dim))
+            q_pad[state.q_index] = q
+        else:  # every sequence has max_q tokens (e.g. a pure decode batch): no scatter needed
+            q_pad = q
         q_pad = q_pad.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q_pad, keys, values, attn_mask=state.mask, scale=scale, enable_gqa=True
+            q_pad, kv[0], kv[1], attn_mask=state.mask, scale=scale, enable_gqa=True
         )  # [num_seqs, num_heads, max_q, head_dim]
         out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
-        return out[state.q_index]
+        return out[state.q_index] if padded else out

@@ -35,7 +35,7 @@ class RunnerConfig:
     kv_cache_bytes: int | None = None  # default DEFAULT_KV_CACHE_BYTES when num_pages is None too
     num_pages: int | None = None
     attention_backend: str = "auto"
-    max_step_tokens: int = 8192
+    max_step_tokens: int = 16384
 
 
 @dataclass(frozen=True, slots=True)
