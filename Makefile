@@ -29,7 +29,7 @@ model: install
 serve: model
 	$(KVSERVE) worker
 
-test: model
+test: model lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Regenerates the committed protobuf/gRPC modules from protos/kvserve/v1/*.proto.

@@ -17,6 +17,14 @@ def _env(name, default=None):
     return env_default(name, default)
 
 
+class _PoolSize(argparse.Action):
+    """--kv-cache-bytes or --num-pages: a flag on the command line clears the other one's env default."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, "num_pages" if self.dest == "kv_cache_bytes" else "kv_cache_bytes", None)
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     from kvserve.services.cli import parse_bytes, positive_int
 
@@ -25,11 +33,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=_env("device", "auto"), help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default=_env("dtype", "auto"), help="auto (fp32 on CPU, bf16 on CUDA), float32, "
                    "bfloat16, float16")
-    p.add_argument("--page-size", type=positive_int, default=int(_env("page_size", 16)))
+    # String defaults (env values included) go through `type` like typed flags: a bad value is a usage error.
+    p.add_argument("--page-size", type=positive_int, default=_env("page_size", "16"))
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--kv-cache-bytes", type=parse_bytes, default=_env("kv_cache_bytes"),
+    size.add_argument("--kv-cache-bytes", type=parse_bytes, default=_env("kv_cache_bytes"), action=_PoolSize,
                       help="KV pool budget, e.g. 512MiB (default 512MiB)")
-    size.add_argument("--num-pages", type=positive_int, default=_env("num_pages"))
+    size.add_argument("--num-pages", type=positive_int, default=_env("num_pages"), action=_PoolSize)
     p.add_argument("--attention-backend", default=_env("attention_backend", "auto"))
 
 
@@ -37,7 +46,7 @@ def add_commands(sub) -> None:
     w = sub.add_parser("worker", help="run a worker: model weights + KV page pool, serving Step and Info")
     _add_engine_flags(w)
     w.add_argument("--host", default=_env("host", "127.0.0.1"))
-    w.add_argument("--port", type=int, default=int(_env("port", DEFAULT_WORKER_PORT)))
+    w.add_argument("--port", type=int, default=_env("port", str(DEFAULT_WORKER_PORT)))
     w.add_argument("--worker-id", default=_env("worker_id", "worker-0"))
     w.set_defaults(func=run_worker)
 
@@ -69,17 +78,31 @@ def _runner_config(args, **extra):
                         attention_backend=args.attention_backend, **extra)
 
 
-def run_worker(args) -> int:
+def _make_runner(args, **extra):
+    """The ModelRunner the flags describe, or None after printing why not (no model folder, bad pool size)."""
+    from kvserve.services.model_store import ModelNotFound
     from kvserve.worker.runner import ModelRunner
-    from kvserve.worker.server import serve_until_signal, start_worker_server
 
-    runner = ModelRunner(_runner_config(args, worker_id=args.worker_id))
+    try:
+        return ModelRunner(_runner_config(args, **extra))
+    except (ModelNotFound, ValueError) as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return None
+
+
+def run_worker(args) -> int:
+    from kvserve.worker.server import install_stop_signals, serve_until_signal, start_worker_server
+
+    runner = _make_runner(args, worker_id=args.worker_id)
+    if runner is None:
+        return 2
+    stop = install_stop_signals()  # before the ready line: a SIGTERM right after it still drains, exits 0
     ws = start_worker_server(runner, args.host, args.port)
     i = runner.info
     print(f"kvserve worker {i.worker_id} ready on {args.host}:{ws.port}: model {i.model_name} on {i.device}, "
           f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
           f"({i.kv_dtype})", flush=True)
-    serve_until_signal(ws)
+    serve_until_signal(ws, stop=stop)
     return 0
 
 
@@ -95,7 +118,8 @@ def run_info(args) -> int:
         except grpc.RpcError as e:
             print(f"kvserve: worker {args.worker}: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    print(json_format.MessageToJson(info, always_print_fields_with_no_presence=True))
+    print(json_format.MessageToJson(info, always_print_fields_with_no_presence=True,
+                                  preserving_proto_field_name=True))
     return 0
 
 
@@ -105,7 +129,6 @@ def run_generate(args) -> int:
         return 2
     from kvserve.worker.batch import InvalidRequest, SamplingParams
     from kvserve.worker.local_engine import GenerateParams, generate
-    from kvserve.worker.runner import ModelRunner
     from kvserve.worker.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
     from kvserve.worker.validate import validate_sampling
 
@@ -114,7 +137,9 @@ def run_generate(args) -> int:
         validate_sampling("sampling flags", sampling)
         if args.max_tokens <= 0:
             raise InvalidRequest(f"--max-tokens must be positive, got {args.max_tokens}")
-        runner = ModelRunner(_runner_config(args))
+        runner = _make_runner(args)
+        if runner is None:
+            return 2
         tok = Tokenizer(runner.cfg.model_dir)
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         detok = IncrementalDetokenizer(tok)

@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, pre_tokenizers
+
 from kvserve.services import model_store
 from kvserve.services.model_store import (
     ModelNotFound,
@@ -22,8 +25,6 @@ from kvserve.services.model_store import (
 )
 from kvserve.worker import gguf_convert
 from kvserve.worker.gguf_convert import COMPLETE_MARKER, convert_gguf_to_hf, unpermute_rotary
-from safetensors.torch import load_file
-from tokenizers import Tokenizer, pre_tokenizers
 
 pytestmark = pytest.mark.slow
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2
+
 from kvserve.services import protogen
 
 GENERATED_DIR = protogen.PROTOS_DIR / protogen.PACKAGE_SUBDIR

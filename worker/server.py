@@ -53,11 +53,17 @@ def start_worker_server(runner: ModelRunner, host: str = "127.0.0.1", port: int 
     return WorkerServer(server=server, port=bound, health=health_servicer, runner=runner)
 
 
-def serve_until_signal(ws: WorkerServer, grace_s: float = 5.0) -> None:
-    """Blocks until SIGTERM or SIGINT, then stops gracefully."""
+def install_stop_signals() -> threading.Event:
+    """An event that SIGTERM and SIGINT set from now on. Call from the main thread."""
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
+    return done
+
+
+def serve_until_signal(ws: WorkerServer, grace_s: float = 5.0, stop: threading.Event | None = None) -> None:
+    """Blocks until SIGTERM or SIGINT (``stop``: the event of an earlier install_stop_signals), then stops."""
+    done = stop if stop is not None else install_stop_signals()
     done.wait()
     log.info("worker stopping (grace %.1fs)", grace_s)
     ws.stop(grace_s)

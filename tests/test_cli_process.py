@@ -1,0 +1,207 @@
+"""The real `kvserve` console script, run as separate processes: a worker's lifecycle, its flags and env vars.
+
+Each worker process loads the real model (a few seconds on CPU); this file starts three of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserve.v1 import worker_pb2, worker_pb2_grpc
+
+BYTES_PER_TOKEN = 46080  # 2 * 30 layers * 3 kv heads * 64 head_dim * 4 bytes (fp32 on CPU)
+PAGE_SIZE = 16
+READY_TIMEOUT_S = 60.0  # model load on 2 busy cores, with margin
+EXIT_TIMEOUT_S = 15.0  # the worker's graceful stop waits at most 5 s for in-flight steps
+CLI_TIMEOUT_S = 60.0
+
+
+def _kvserve_path() -> str:
+    beside = Path(sys.executable).with_name("kvserve")  # the venv running these tests
+    found = str(beside) if beside.is_file() else shutil.which("kvserve")
+    assert found, "the kvserve console script is not installed (pip install -e .)"
+    return found
+
+
+KVSERVE = _kvserve_path()
+
+
+def cli_env(**overrides: str) -> dict[str, str]:
+    """This environment minus stray KVSERVE_* settings (but the model cache), on the CPU, plus overrides.
+
+    KVSERVE_DEVICE=cpu pins fp32 on any machine, so that the byte arithmetic below holds.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_CACHE_DIR"}
+    env["KVSERVE_DEVICE"] = "cpu"
+    return env | overrides
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KVSERVE, *args], capture_output=True, text=True, env=env or cli_env(),
+                          timeout=CLI_TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)  # end of stdout: the process exited (or closed it)
+
+
+def _await_ready(proc: subprocess.Popen, worker_id: str, lines: queue.Queue, stderr_path: Path) -> int:
+    """Blocks on the worker's stdout until its ready line; returns its port. Fails on exit or deadline."""
+    ready = re.compile(rf"^kvserve worker {re.escape(worker_id)} ready on 127\.0\.0\.1:(\d+): ")
+    seen: list[str] = []
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            pytest.fail(f"no ready line within {READY_TIMEOUT_S:.0f} s\nstdout: {''.join(seen)}\n"
+                        f"stderr: {stderr_path.read_text()}")
+        if line is None:
+            rc = proc.wait(timeout=EXIT_TIMEOUT_S)
+            pytest.fail(f"worker exited with {rc} before its ready line\nstdout: {''.join(seen)}\n"
+                        f"stderr: {stderr_path.read_text()}")
+        seen.append(line)
+        if match := ready.match(line):
+            return int(match.group(1))
+
+
+@contextlib.contextmanager
+def worker_process(tmp_path: Path, *args: str, worker_id: str = "worker-0", env: dict | None = None):
+    """Runs `kvserve worker ARGS` and yields (process, port) once it is ready; always kills it afterwards."""
+    stderr_path = tmp_path / f"{worker_id}.stderr"  # a file, not a pipe: logs can never block the worker
+    with stderr_path.open("w") as stderr:
+        proc = subprocess.Popen([KVSERVE, "worker", *args], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                env=env or cli_env(), stdin=subprocess.DEVNULL)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    try:
+        yield proc, _await_ready(proc, worker_id, lines, stderr_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=EXIT_TIMEOUT_S)
+        reader.join(timeout=EXIT_TIMEOUT_S)
+        proc.stdout.close()
+
+
+def info_of(port: int) -> worker_pb2.InfoResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return worker_pb2_grpc.WorkerServiceStub(channel).Info(worker_pb2.InfoRequest(), timeout=10)
+
+
+def step_request() -> worker_pb2.StepRequest:
+    item = worker_pb2.StepItem(req_id="r", token_ids=[1, 2, 3], start_pos=0, page_table=[0], sample=True)
+    return worker_pb2.StepRequest(items=[item])
+
+
+def stop_and_expect_clean_exit(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=EXIT_TIMEOUT_S) == 0
+
+
+def test_worker_serves_over_grpc_then_exits_cleanly_on_sigterm(tmp_path):
+    with worker_process(tmp_path, "--port", "0", "--num-pages", "32", "--worker-id", "w-test",
+                        worker_id="w-test") as (proc, port):
+        target = f"127.0.0.1:{port}"
+        with grpc.insecure_channel(target) as channel:
+            info = worker_pb2_grpc.WorkerServiceStub(channel).Info(worker_pb2.InfoRequest(), timeout=10)
+            assert (info.worker_id, info.num_pages, info.page_size) == ("w-test", 32, PAGE_SIZE)
+            assert info.pool_bytes == BYTES_PER_TOKEN * PAGE_SIZE * 32
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            step = worker_pb2_grpc.WorkerServiceStub(channel).Step(step_request(), timeout=30)
+            assert len(step.results) == 1 and step.results[0].req_id == "r"
+            assert 0 <= step.results[0].token_id < info.vocab_size and step.num_tokens == 3
+
+        out = run_cli("info", "--worker", target)
+        assert out.returncode == 0, out.stderr
+        printed = json.loads(out.stdout)  # proto3 JSON: camelCase names, int64 values as strings
+        assert printed["worker_id"] == "w-test" and printed["epoch"] == str(info.epoch)
+        assert int(printed["pool_bytes"]) == info.pool_bytes
+
+        stop_and_expect_clean_exit(proc)
+        with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as err:
+            worker_pb2_grpc.WorkerServiceStub(channel).Step(step_request(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_worker_takes_its_settings_from_env_vars_as_in_the_k8s_manifests(tmp_path):
+    env = cli_env(KVSERVE_NUM_PAGES="24", KVSERVE_WORKER_ID="w-env")
+    with worker_process(tmp_path, "--port", "0", worker_id="w-env", env=env) as (proc, port):
+        info = info_of(port)
+        assert (info.worker_id, info.num_pages) == ("w-env", 24)
+        assert info.pool_bytes == BYTES_PER_TOKEN * PAGE_SIZE * 24
+        stop_and_expect_clean_exit(proc)
+
+
+def test_kv_cache_bytes_flag_sizes_the_pool_and_beats_an_env_page_count(tmp_path):
+    # A manifest sets one pool size in env; a flag on the command line must win, not clash with it.
+    env = cli_env(KVSERVE_NUM_PAGES="24")
+    with worker_process(tmp_path, "--kv-cache-bytes", "10MiB", "--port", "0", env=env) as (proc, port):
+        info = info_of(port)
+        assert info.num_pages == 10 * 2**20 // (BYTES_PER_TOKEN * PAGE_SIZE) == 14
+        assert info.pool_bytes == BYTES_PER_TOKEN * PAGE_SIZE * 14
+        stop_and_expect_clean_exit(proc)
+
+
+BAD_WORKER_FLAGS = [
+    ("byte size not a number", ["--kv-cache-bytes", "lots"], {},
+     "argument --kv-cache-bytes: not a byte size: 'lots'"),
+    ("zero pages", ["--num-pages", "0"], {}, "argument --num-pages: must be positive, got 0"),
+    ("budget below one page", ["--kv-cache-bytes", "1KiB"], {},
+     "kvserve: the KV budget holds no page: one page of 16 tokens needs 737280 bytes"),
+    ("no such model folder", ["--model", "/nonexistent"], {},
+     "kvserve: model folder /nonexistent does not exist"),
+    ("bad env page count", [], {"KVSERVE_NUM_PAGES": "many"}, "argument --num-pages: not an integer: 'many'"),
+    ("bad env page size", [], {"KVSERVE_PAGE_SIZE": "big"}, "argument --page-size: not an integer: 'big'"),
+]
+
+
+@pytest.mark.parametrize("args,env,message", [c[1:] for c in BAD_WORKER_FLAGS],
+                         ids=[c[0] for c in BAD_WORKER_FLAGS])
+def test_bad_worker_settings_exit_2_with_a_message_and_serve_nothing(args, env, message):
+    out = run_cli("worker", "--port", "0", *args, env=cli_env(**env))
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert "ready" not in out.stdout
+
+
+BAD_GENERATE_FLAGS = [
+    ("negative temperature", ["--local", "--temperature", "-1"], "temperature must be finite and >= 0"),
+    ("zero max tokens", ["--local", "--max-tokens", "0"], "--max-tokens must be positive, got 0"),
+    ("no --local", [], "use --local"),
+]
+
+
+@pytest.mark.parametrize("args,message", [c[1:] for c in BAD_GENERATE_FLAGS],
+                         ids=[c[0] for c in BAD_GENERATE_FLAGS])
+def test_bad_generate_flags_exit_2_with_a_message(args, message):
+    out = run_cli("generate", "--prompt", "hi", *args)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert out.stdout.strip() == ""
+
+
+def test_model_prepare_prints_the_prepared_folder(model_dir):
+    out = run_cli("model", "prepare")
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()) == Path(model_dir)
+    assert (Path(model_dir) / "config.json").is_file()
