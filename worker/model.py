@@ -18,7 +18,9 @@ from kvserve.worker.weights import LayerWeights, ModelWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, as HF does, then cast back."""
+    """RMSNorm computed in fp32, as HF does, then cast back; one fused op when x is already fp32."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -64,9 +66,9 @@ class LlamaDecoder:
     def _attention(self, x, layer: LayerWeights, cos, sin, kv_cache, meta, state) -> torch.Tensor:
         cfg = self.cfg
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = apply_rotary(qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)  # one call for q, k
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, state, self.scale)
         return F.linear(out.reshape(-1, self.q_size), layer.o)
