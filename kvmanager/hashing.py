@@ -1,0 +1,40 @@
+"""The prefix index's hash chain over full pages.
+
+    h_0 = seed(ns)          ns = (scheme version, tenant, model fingerprint, KV dtype, page size)
+    h_i = xxh3_128(h_{i-1} || tokens of page i as little-endian uint32)
+
+The same tokens under another tenant, model, KV dtype or page size never produce the same chain. Hashes depend
+on nothing else (no per-process seed), so they stay valid across processes and restarts, and in Redis.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+HASH_SCHEME_VERSION = 1
+HASH_BYTES = 16
+
+
+def namespace_seed(tenant: str, model_fingerprint: str, kv_dtype: str, page_size: int) -> bytes:
+    """h_0: 16 bytes derived from everything that must match for two blocks to be interchangeable."""
+    parts = (f"kvserve-prefix-v{HASH_SCHEME_VERSION}", tenant, model_fingerprint, kv_dtype, str(page_size))
+    return xxhash.xxh3_128_digest("\x00".join(parts).encode())
+
+
+def chain_hashes(prev: bytes, token_ids: list[int] | tuple[int, ...], page_size: int) -> list[bytes]:
+    """Hashes of the full pages of ``token_ids`` continuing the chain after ``prev``; a partial tail is ignored."""
+    num_full = len(token_ids) // page_size
+    if num_full == 0:
+        return []
+    data = np.asarray(token_ids[: num_full * page_size], dtype="<u4").tobytes()
+    step = page_size * 4
+    out = []
+    for i in range(num_full):
+        prev = xxhash.xxh3_128_digest(prev + data[i * step : (i + 1) * step])
+        out.append(prev)
+    return out
+
+
+def hex_hash(block_hash: bytes) -> str:
+    return block_hash.hex()

@@ -1,0 +1,234 @@
+"""The KV manager: pools, live requests, the prefix index, and one batched call per scheduler step.
+
+A step's ops are validated as a whole first (any error: nothing applied), then applied in the order
+frees, commits, extensions, allocations, so that freed pages and newly committed blocks serve the same step.
+Out of pages is a result (OUT_OF_PAGES with num_pages_short), never an exception.
+"""
+
+from __future__ import annotations
+
+from kvserve.kvmanager.errors import InvalidRequest, StaleEpoch, UnknownRequest, UnknownWorker
+from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
+from kvserve.kvmanager.placement import choose_pool
+from kvserve.kvmanager.pool import Block, PagePool
+from kvserve.kvmanager.state import Changes, Request, TenantCounters
+from kvserve.kvmanager.step_validate import validate_step
+from kvserve.kvmanager.types import (
+    Allocate,
+    AllocateResult,
+    Commit,
+    CommitResult,
+    Extend,
+    ExtendResult,
+    Free,
+    FreeResult,
+    OpStatus,
+    PoolSpec,
+    PoolSummary,
+    RegisterResult,
+    StepOps,
+    StepResults,
+)
+
+
+class KVManager:
+    """In-memory owner of every page. Not thread-safe: the servicer serialises calls."""
+
+    def __init__(self, load_penalty_pages: int = 4):
+        self.pools: dict[str, PagePool] = {}
+        self.requests: dict[str, Request] = {}
+        self.stale: dict[str, Request] = {}  # requests whose pool epoch was replaced
+        self.tenants: dict[str, TenantCounters] = {}
+        self.load_penalty_pages = load_penalty_pages
+        self.clock = 0  # logical time: orders the LRU across restarts
+        self.changes = Changes()
+
+    # -- registration ---------------------------------------------------------------------------------
+    def register_worker(self, spec: PoolSpec) -> RegisterResult:
+        """Registers a pool; a higher epoch replaces the old pool and voids its requests and blocks.
+
+        Raises InvalidRequest (bad sizes), StaleEpoch (older epoch, or a changed pool under the same epoch).
+        """
+        _check_spec(spec)
+        old = self.pools.get(spec.worker_id)
+        if old is not None:
+            if spec.epoch < old.spec.epoch:
+                raise StaleEpoch(f"worker {spec.worker_id!r}: epoch {spec.epoch} is older than the registered "
+                                 f"epoch {old.spec.epoch}")
+            if spec.epoch == old.spec.epoch:
+                if spec != old.spec:
+                    raise StaleEpoch(f"worker {spec.worker_id!r} epoch {spec.epoch} is already registered with "
+                                     f"a different pool")
+                return RegisterResult(previous_epoch=spec.epoch, dropped_req_ids=())
+        dropped = self._drop_pool(old) if old is not None else ()
+        self.pools[spec.worker_id] = PagePool(spec)
+        self.changes.pools.add(spec.worker_id)
+        return RegisterResult(previous_epoch=old.spec.epoch if old else 0, dropped_req_ids=dropped)
+
+    def _drop_pool(self, pool: PagePool) -> tuple[str, ...]:
+        dropped = tuple(sorted(r.req_id for r in self.requests.values() if r.worker_id == pool.spec.worker_id))
+        for req_id in dropped:
+            req = self.requests.pop(req_id)
+            self.stale[req_id] = req
+            self.changes.requests[req_id] = req.tenant
+        for block in pool.index.values():
+            self.changes.blocks[(pool.spec.worker_id, block.block_hash)] = block.tenant
+        return dropped
+
+    def pool(self, worker_id: str) -> PagePool:
+        if worker_id not in self.pools:
+            raise UnknownWorker(f"no pool is registered for worker {worker_id!r}")
+        return self.pools[worker_id]
+
+    def request(self, req_id: str) -> Request:
+        if req_id not in self.requests:
+            raise UnknownRequest(f"request {req_id!r} is not live (never allocated, freed, or reset)")
+        return self.requests[req_id]
+
+    # -- the step call --------------------------------------------------------------------------------
+    def step(self, ops: StepOps) -> StepResults:
+        """Applies one scheduler step's page ops. Raises InvalidRequest, UnknownWorker, UnknownRequest or
+        StaleStep with nothing applied."""
+        validate_step(self, ops)
+        self.clock += 1
+        out = StepResults()
+        touched: set[str] = set()
+        out.frees = [self._replay_or(ops.step_id, "free", f.req_id, lambda f=f: self._free(f, touched))
+                     for f in ops.frees]
+        out.commits = [self._replay_or(ops.step_id, "commit", c.req_id, lambda c=c: self._commit(c, touched))
+                       for c in ops.commits]
+        out.extensions = [self._replay_or(ops.step_id, "extend", e.req_id, lambda e=e: self._extend(e, touched))
+                          for e in ops.extensions]
+        out.allocations = [self._replay_or(ops.step_id, "allocate", a.req_id, lambda a=a: self._allocate(a, touched))
+                           for a in ops.allocations]
+        out.pools = [PoolSummary(w, p.spec.epoch, p.num_free, p.num_evictable)
+                     for w, p in sorted(self.pools.items()) if w in touched]
+        return out
+
+    def _replay_or(self, step_id: int, kind: str, req_id: str, apply):
+        req = self.requests.get(req_id) or self.stale.get(req_id)
+        if req is not None and req.is_replay(kind, step_id):
+            return req.last_ops[kind][1]
+        result = apply()
+        req = self.requests.get(req_id) or self.stale.get(req_id)
+        if step_id and req is not None:
+            req.last_ops[kind] = (step_id, result)
+        return result
+
+    # -- ops ------------------------------------------------------------------------------------------
+    def _allocate(self, op: Allocate, touched: set[str]) -> AllocateResult:
+        choice = choose_pool(self, op)
+        if choice.pool is None:
+            return AllocateResult(op.req_id, OpStatus.OUT_OF_PAGES, num_pages_short=choice.num_pages_short)
+        pool, hits, seed = choice.pool, choice.hits, choice.seed
+        spec = pool.spec
+        for block in hits:
+            pool.acquire(block.page_id)
+            pool.touch(block, self.clock)
+            self.changes.blocks[(spec.worker_id, block.block_hash)] = block.tenant
+        num_pages = -(-len(op.token_ids) // spec.page_size)
+        fresh, evicted = pool.allocate(num_pages - len(hits))
+        self._record_evicted(spec.worker_id, evicted)
+        num_cached = len(hits) * spec.page_size
+        req = Request(op.req_id, op.tenant, spec.worker_id, spec.epoch, [b.page_id for b in hits] + fresh, seed,
+                      [b.block_hash for b in hits], len(op.token_ids), num_cached, op.skip_prefix_cache)
+        self.requests[op.req_id] = req
+        pool.num_requests += 1
+        counters = self.tenants.setdefault(op.tenant, TenantCounters())
+        if not op.skip_prefix_cache:
+            counters.prefix_query_tokens += len(op.token_ids)
+            counters.prefix_hit_tokens += num_cached
+        self.changes.requests[op.req_id] = op.tenant
+        self.changes.counters = True
+        touched.add(spec.worker_id)
+        return AllocateResult(op.req_id, OpStatus.OK, spec.worker_id, spec.epoch, list(req.page_table), num_cached)
+
+    def _extend(self, op: Extend, touched: set[str]) -> ExtendResult:
+        if op.req_id in self.stale:
+            return ExtendResult(op.req_id, OpStatus.STALE_EPOCH)
+        req = self.requests[op.req_id]
+        pool = self.pools[req.worker_id]
+        need = -(-op.num_tokens // pool.spec.page_size) - len(req.page_table)
+        touched.add(req.worker_id)
+        if need <= 0:
+            return ExtendResult(op.req_id, OpStatus.OK, [], len(req.page_table))
+        if pool.available() < need:
+            return ExtendResult(op.req_id, OpStatus.OUT_OF_PAGES, [], len(req.page_table),
+                                need - pool.available())
+        fresh, evicted = pool.allocate(need)
+        self._record_evicted(req.worker_id, evicted)
+        req.page_table.extend(fresh)
+        self.changes.requests[req.req_id] = req.tenant
+        return ExtendResult(op.req_id, OpStatus.OK, fresh, len(req.page_table))
+
+    def _commit(self, op: Commit, touched: set[str]) -> CommitResult:
+        if op.req_id in self.stale:
+            return CommitResult(op.req_id, OpStatus.STALE_EPOCH)
+        req = self.requests[op.req_id]
+        pool = self.pools[req.worker_id]
+        page_size = pool.spec.page_size
+        touched.add(req.worker_id)
+        if not req.skip_prefix_cache:
+            prev = req.block_hashes[-1] if req.block_hashes else req.seed
+            for h in chain_hashes(prev, op.token_ids, page_size):
+                index = len(req.block_hashes)
+                block = Block(h, prev, req.tenant, req.page_table[index], index, self.clock)
+                if pool.cache_block(block):
+                    self.changes.blocks[(req.worker_id, h)] = req.tenant
+                req.block_hashes.append(h)
+                prev = h
+        req.num_committed_tokens += len(op.token_ids)
+        self.changes.requests[req.req_id] = req.tenant
+        return CommitResult(op.req_id, OpStatus.OK, req.num_committed_tokens)
+
+    def _free(self, op: Free, touched: set[str]) -> FreeResult:
+        if op.req_id in self.stale:
+            req = self.stale.pop(op.req_id)
+            self.changes.requests[op.req_id] = req.tenant
+            return FreeResult(op.req_id, OpStatus.STALE_EPOCH)
+        req = self.requests.pop(op.req_id, None)
+        if req is None:
+            return FreeResult(op.req_id, OpStatus.OK)  # freeing twice is harmless
+        pool = self.pools[req.worker_id]
+        for page_id in reversed(req.page_table):  # tail first: the chain's end is evicted first
+            pool.release(page_id)
+        pool.num_requests -= 1
+        touched.add(req.worker_id)
+        self.changes.requests[op.req_id] = req.tenant
+        return FreeResult(op.req_id, OpStatus.OK)
+
+    def _record_evicted(self, worker_id: str, evicted: list[Block]) -> None:
+        for block in evicted:
+            self.changes.blocks[(worker_id, block.block_hash)] = block.tenant
+
+    # -- helpers for placement, admin and the store -----------------------------------------------------
+    def seed_for(self, pool: PagePool, tenant: str) -> bytes:
+        s = pool.spec
+        return namespace_seed(tenant, s.model_fingerprint, s.kv_dtype, s.page_size)
+
+    def take_changes(self) -> Changes:
+        changes, self.changes = self.changes, Changes()
+        return changes
+
+    def restore_changes(self, changes: Changes) -> None:
+        """Puts back changes whose write failed, merged under any newer ones."""
+        newer = self.changes
+        changes.requests.update(newer.requests)
+        changes.blocks.update(newer.blocks)
+        changes.pools |= newer.pools
+        changes.counters |= newer.counters
+        changes.reset |= newer.reset
+        self.changes = changes
+
+
+def _check_spec(spec: PoolSpec) -> None:
+    if not spec.worker_id:
+        raise InvalidRequest("worker_id must not be empty")
+    for name in ("epoch", "num_pages", "page_size", "bytes_per_token"):
+        if getattr(spec, name) <= 0:
+            raise InvalidRequest(f"{name} must be > 0, got {getattr(spec, name)}")
+    if not spec.model_fingerprint or not spec.kv_dtype:
+        raise InvalidRequest("model_fingerprint and kv_dtype must not be empty")
+
+
+__all__ = ["KVManager", "Allocate", "Extend", "Commit", "Free", "StepOps"]

@@ -1,0 +1,61 @@
+"""Where a new request goes, and which of its prompt's pages are already cached there.
+
+Rule (cache-aware placement, balanced against load): among the pools where the request fits now,
+choose the highest
+
+    score = hit_pages - load_penalty_pages * num_requests_on_pool
+
+then the most available (free + evictable) pages, then the smallest worker_id. With the default penalty of 4
+pages, a pool already running k more requests than another wins only with a hit at least 4k pages longer.
+A request that names its worker_id is not placed: only that pool is considered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvserve.kvmanager.hashing import chain_hashes
+from kvserve.kvmanager.pool import Block, PagePool
+from kvserve.kvmanager.types import Allocate
+
+if TYPE_CHECKING:
+    from kvserve.kvmanager.manager import KVManager
+
+
+@dataclass(slots=True)
+class Choice:
+    pool: PagePool | None  # None: fits nowhere now
+    hits: list[Block] = field(default_factory=list)
+    seed: bytes = b""
+    num_pages_short: int = 0  # when pool is None: the smallest shortfall over the candidate pools
+
+
+def cacheable_prefix(token_ids: tuple[int, ...], page_size: int) -> tuple[int, ...]:
+    """The full pages a prompt may hit: at least its last token is always computed (its logits are needed)."""
+    return token_ids[: (len(token_ids) - 1) // page_size * page_size]
+
+
+def prefix_hits(mgr: KVManager, pool: PagePool, tenant: str, token_ids: tuple[int, ...]) -> tuple[bytes, list[Block]]:
+    seed = mgr.seed_for(pool, tenant)
+    hashes = chain_hashes(seed, cacheable_prefix(token_ids, pool.spec.page_size), pool.spec.page_size)
+    return seed, pool.longest_prefix(hashes)
+
+
+def choose_pool(mgr: KVManager, op: Allocate) -> Choice:
+    candidates = [mgr.pools[op.worker_id]] if op.worker_id else [mgr.pools[w] for w in sorted(mgr.pools)]
+    best, best_key, short = None, None, None
+    for pool in candidates:
+        if op.skip_prefix_cache:
+            seed, hits = mgr.seed_for(pool, op.tenant), []
+        else:
+            seed, hits = prefix_hits(mgr, pool, op.tenant, op.token_ids)
+        need = -(-len(op.token_ids) // pool.spec.page_size) - len(hits)
+        available = pool.available([b.page_id for b in hits])
+        if available < need:
+            short = need - available if short is None else min(short, need - available)
+            continue
+        key = (len(hits) - mgr.load_penalty_pages * pool.num_requests, available)
+        if best_key is None or key > best_key:  # sorted worker_ids: the first of equals wins
+            best, best_key = Choice(pool, hits, seed), key
+    return best or Choice(None, num_pages_short=short or 0)

@@ -1,0 +1,149 @@
+"""One worker incarnation's page pool: ref_cnts, the free list, the evictable LRU, and its prefix index.
+
+Every page is in exactly one of three states::
+
+    used       ref_cnt > 0                      held by running requests (may also hold a cached block)
+    cached     ref_cnt = 0, holds a block       in the evictable LRU, unless its block is pinned
+    free       ref_cnt = 0, no block            on the free list
+
+so ``num_used + num_cached + num_free == num_pages`` always. Allocation takes free pages first (FIFO), then
+evicts the least recently used cached page. Both structures are O(1) per page: a deque and an OrderedDict
+(a hash map over a doubly linked list, so a page can leave the middle of the LRU when a request hits it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from kvserve.kvmanager.types import PoolSpec
+
+
+@dataclass(slots=True)
+class Block:
+    """A full page in the prefix index. Write-once except for pinned and last_used."""
+
+    block_hash: bytes
+    parent_hash: bytes  # the chain's previous hash (the namespace seed for block 0)
+    tenant: str
+    page_id: int
+    block_index: int  # covers tokens [block_index * page_size, (block_index + 1) * page_size)
+    last_used: int  # the manager's logical clock; orders the LRU after a restart
+    pinned: bool = False
+
+
+class PagePool:
+    def __init__(self, spec: PoolSpec):
+        self.spec = spec
+        self.ref_cnt = [0] * spec.num_pages
+        self.block_of: list[Block | None] = [None] * spec.num_pages
+        self.index: dict[bytes, Block] = {}  # block_hash -> block
+        self.free: deque[int] = deque(range(spec.num_pages))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently used
+        self.num_requests = 0
+        self.num_evicted = 0
+
+    # -- counts ---------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.spec.num_pages - self.num_free - self.num_cached
+
+    @property
+    def num_cached(self) -> int:
+        """Pages with ref_cnt 0 that hold a block (evictable, or pinned)."""
+        return sum(1 for p, b in enumerate(self.block_of) if b is not None and self.ref_cnt[p] == 0)
+
+    def available(self, hit_pages: list[int] = ()) -> int:
+        """Pages an allocation could take, not counting cached pages it is about to reuse."""
+        return self.num_free + self.num_evictable - sum(1 for p in hit_pages if p in self.evictable)
+
+    # -- prefix index ---------------------------------------------------------------------------------
+    def longest_prefix(self, hashes: list[bytes]) -> list[Block]:
+        """The cached blocks of the longest prefix of ``hashes``."""
+        out = []
+        for h in hashes:
+            block = self.index.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def cache_block(self, block: Block) -> bool:
+        """Indexes a block computed in ``block.page_id``. False (nothing changed) when the same block is
+        already indexed in another page: the duplicate stays a plain page."""
+        if block.block_hash in self.index:
+            return False
+        assert self.block_of[block.page_id] is None and self.ref_cnt[block.page_id] > 0
+        self.index[block.block_hash] = block
+        self.block_of[block.page_id] = block
+        return True
+
+    # -- pages ----------------------------------------------------------------------------------------
+    def acquire(self, page_id: int) -> None:
+        """One more holder of a page (a prefix hit)."""
+        self.evictable.pop(page_id, None)
+        self.ref_cnt[page_id] += 1
+
+    def allocate(self, num: int) -> tuple[list[int], list[Block]]:
+        """``num`` fresh pages with ref_cnt 1, and the blocks evicted to get them. Caller checked available()."""
+        assert num <= self.num_free + self.num_evictable
+        pages, evicted = [], []
+        for _ in range(num):
+            if self.free:
+                page_id = self.free.popleft()
+            else:
+                page_id, _ = self.evictable.popitem(last=False)
+                evicted.append(self._drop_block(page_id))
+            self.ref_cnt[page_id] = 1
+            pages.append(page_id)
+        self.num_evicted += len(evicted)
+        return pages, evicted
+
+    def release(self, page_id: int) -> None:
+        """One holder fewer; at ref_cnt 0 the page joins the LRU (cached, unpinned) or the free list."""
+        assert self.ref_cnt[page_id] > 0, f"page {page_id} released more often than acquired"
+        self.ref_cnt[page_id] -= 1
+        if self.ref_cnt[page_id] == 0:
+            self._settle(page_id)
+
+    def _settle(self, page_id: int) -> None:
+        block = self.block_of[page_id]
+        if block is None:
+            self.free.append(page_id)
+        elif not block.pinned:
+            self.evictable[page_id] = None
+
+    def _drop_block(self, page_id: int) -> Block:
+        block = self.block_of[page_id]
+        del self.index[block.block_hash]
+        self.block_of[page_id] = None
+        return block
+
+    def evict(self, page_id: int) -> Block:
+        """Drops the cached block of an evictable page; the page becomes free."""
+        del self.evictable[page_id]
+        block = self._drop_block(page_id)
+        self.free.append(page_id)
+        self.num_evicted += 1
+        return block
+
+    def set_pinned(self, block: Block, pinned: bool) -> None:
+        if block.pinned == pinned:
+            return
+        block.pinned = pinned
+        if self.ref_cnt[block.page_id] == 0:
+            if pinned:
+                self.evictable.pop(block.page_id, None)
+            else:
+                self.evictable[block.page_id] = None
+
+    def touch(self, block: Block, clock: int) -> None:
+        block.last_used = clock

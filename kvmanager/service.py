@@ -1,0 +1,96 @@
+"""The kvmanager service core: the in-memory manager plus write-through to a store, serialised by one lock.
+
+Every call that changes state writes its changes to the store (one pipelined, atomic write) before it
+answers. If that write fails, the change stays in memory, is kept for the next write, and the call raises
+StoreUnavailable (UNAVAILABLE): the caller retries with the same step_id and gets the remembered answer once
+the store is back. So an answer the caller sees is always durable, a page is never handed to two holders
+(memory is the single source of truth while the process lives), and a restarted kvmanager only ever
+reloads state that was written, never a block that was not committed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+from kvserve.kvmanager.errors import StoreUnavailable
+from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.state import Changes
+from kvserve.kvmanager.types import PoolSpec, RegisterResult, StepOps, StepResults
+
+
+class Store(Protocol):
+    """Persistence of the manager's state (kvmanager/store.py has the Redis one)."""
+
+    def write(self, mgr: KVManager, changes: Changes) -> None:
+        """Writes the current values of everything named in ``changes``, atomically. Raises on failure."""
+        ...
+
+    def load(self, mgr: KVManager) -> None:
+        """Fills an empty manager with the stored state."""
+        ...
+
+
+class NullStore:
+    """No persistence (tests of the domain, --no-persistence)."""
+
+    def write(self, mgr: KVManager, changes: Changes) -> None:
+        pass
+
+    def load(self, mgr: KVManager) -> None:
+        pass
+
+
+class KVService:
+    """Thread-safe entry point used by the servicers. ``last_store_ms`` is the latest write-through time."""
+
+    def __init__(self, manager: KVManager | None = None, store: Store | None = None):
+        self.manager = manager or KVManager()
+        self.store = store or NullStore()
+        self.lock = threading.Lock()
+        self.store_ok = True
+        self.last_store_ms = 0.0
+
+    def load(self) -> None:
+        with self.lock:
+            self.store.load(self.manager)
+
+    def register_worker(self, spec: PoolSpec) -> RegisterResult:
+        with self.lock:
+            result = self.manager.register_worker(spec)
+            self._write_through()
+            return result
+
+    def step(self, ops: StepOps) -> StepResults:
+        with self.lock:
+            results = self.manager.step(ops)
+            self._write_through()
+            return results
+
+    def mutate(self, fn, *args):
+        """Runs an admin mutation ``fn(manager, *args)`` under the lock, with write-through."""
+        with self.lock:
+            result = fn(self.manager, *args)
+            self._write_through()
+            return result
+
+    def read(self, fn, *args):
+        """Runs a read-only query ``fn(manager, *args)`` under the lock."""
+        with self.lock:
+            return fn(self.manager, *args)
+
+    def _write_through(self) -> None:
+        changes = self.manager.take_changes()
+        if changes.empty():
+            return
+        t0 = time.perf_counter()
+        try:
+            self.store.write(self.manager, changes)
+        except Exception as e:  # any store failure: keep the change, answer UNAVAILABLE
+            self.manager.restore_changes(changes)
+            self.store_ok = False
+            raise StoreUnavailable(f"the state store cannot be written ({type(e).__name__}: {e}); "
+                                   f"retry the same call") from e
+        self.store_ok = True
+        self.last_store_ms = (time.perf_counter() - t0) * 1000

@@ -1,0 +1,121 @@
+"""Checks a whole step call before anything is applied: one bad op rejects the call and changes nothing."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvserve.kvmanager.errors import InvalidRequest, StaleStep, UnknownRequest, UnknownWorker
+from kvserve.kvmanager.state import Request
+from kvserve.kvmanager.types import Allocate, Commit, Extend, StepOps
+
+if TYPE_CHECKING:
+    from kvserve.kvmanager.manager import KVManager
+
+MAX_TOKEN_ID = (1 << 32) - 1
+
+
+def validate_step(mgr: KVManager, ops: StepOps) -> None:
+    if ops.step_id < 0:
+        raise InvalidRequest(f"step_id must be >= 0, got {ops.step_id}")
+    _check_unique(ops)
+    freed = {f.req_id for f in ops.frees}
+    for f in ops.frees:
+        if not f.req_id:
+            raise InvalidRequest("a free has an empty req_id")
+        _check_not_stale(mgr, f.req_id, "free", ops.step_id)
+    for c in ops.commits:
+        _check_commit(mgr, c, ops.step_id)
+    for e in ops.extensions:
+        _check_extend(mgr, e, ops.step_id)
+    for a in ops.allocations:
+        _check_allocate(mgr, a, ops.step_id, freed)
+
+
+def _check_unique(ops: StepOps) -> None:
+    lists = {"allocations": [a.req_id for a in ops.allocations], "extensions": [e.req_id for e in ops.extensions],
+             "commits": [c.req_id for c in ops.commits], "frees": [f.req_id for f in ops.frees]}
+    for name, ids in lists.items():
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise InvalidRequest(f"req_id {dup!r} appears twice in {name}")
+    running = set(lists["extensions"]) | set(lists["commits"])
+    for a, b in (("allocations", running), ("frees", running), ("allocations", set(lists["frees"]))):
+        both = set(lists[a]) & b
+        if both:
+            raise InvalidRequest(f"req_id {sorted(both)[0]!r} appears in {a} and in another list of the same call")
+
+
+def _live_or_stale(mgr: KVManager, req_id: str) -> Request:
+    req = mgr.requests.get(req_id) or mgr.stale.get(req_id)
+    if req is None:
+        raise UnknownRequest(f"request {req_id!r} is not live (never allocated, freed, or reset)")
+    return req
+
+
+def _check_not_stale(mgr: KVManager, req_id: str, kind: str, step_id: int) -> None:
+    req = mgr.requests.get(req_id) or mgr.stale.get(req_id)
+    if req is None or not step_id:
+        return
+    last = max((s for s, _ in req.last_ops.values()), default=0)
+    if step_id < last:
+        raise StaleStep(f"request {req_id!r}: step_id {step_id} is older than step {last} already applied")
+
+
+def _check_tokens(where: str, token_ids: tuple[int, ...]) -> None:
+    bad = next((t for t in token_ids if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise InvalidRequest(f"{where}: token id {bad} is not a uint32")
+
+
+def _check_allocate(mgr: KVManager, a: Allocate, step_id: int, freed: set[str]) -> None:
+    where = f"allocation {a.req_id!r}"
+    if not a.req_id:
+        raise InvalidRequest("an allocation has an empty req_id")
+    if not a.tenant:
+        raise InvalidRequest(f"{where}: tenant must not be empty")
+    if not a.token_ids:
+        raise InvalidRequest(f"{where}: token_ids must not be empty")
+    _check_tokens(where, a.token_ids)
+    _check_not_stale(mgr, a.req_id, "allocate", step_id)
+    live = mgr.requests.get(a.req_id)
+    if live is not None and not live.is_replay("allocate", step_id) and a.req_id not in freed:
+        raise InvalidRequest(f"{where}: req_id is already live")
+    if a.worker_id:
+        pools = [mgr.pool(a.worker_id)]
+    elif not mgr.pools:
+        raise UnknownWorker("no worker is registered: nothing to allocate on")
+    else:
+        pools = list(mgr.pools.values())
+    if all(-(-len(a.token_ids) // p.spec.page_size) > p.spec.num_pages for p in pools):
+        raise InvalidRequest(f"{where}: {len(a.token_ids)} tokens need more pages than any pool has")
+
+
+def _check_extend(mgr: KVManager, e: Extend, step_id: int) -> None:
+    req = _live_or_stale(mgr, e.req_id)
+    _check_not_stale(mgr, e.req_id, "extend", step_id)
+    if e.num_tokens <= 0:
+        raise InvalidRequest(f"extension {e.req_id!r}: num_tokens must be > 0, got {e.num_tokens}")
+    pool = mgr.pools.get(req.worker_id)
+    if req.req_id in mgr.requests and e.num_tokens > pool.spec.num_pages * pool.spec.page_size:
+        raise InvalidRequest(f"extension {e.req_id!r}: num_tokens {e.num_tokens} exceeds the pool's "
+                             f"{pool.spec.num_pages * pool.spec.page_size} token slots")
+
+
+def _check_commit(mgr: KVManager, c: Commit, step_id: int) -> None:
+    where = f"commit {c.req_id!r}"
+    req = _live_or_stale(mgr, c.req_id)
+    _check_not_stale(mgr, c.req_id, "commit", step_id)
+    _check_tokens(where, c.token_ids)
+    if c.req_id in mgr.stale or req.is_replay("commit", step_id):
+        return
+    page_size = mgr.pools[req.worker_id].spec.page_size
+    if len(c.token_ids) % page_size:
+        raise InvalidRequest(f"{where}: {len(c.token_ids)} token ids are not a whole number of pages "
+                             f"of {page_size}")
+    if c.start_pos != req.num_committed_tokens:
+        raise InvalidRequest(f"{where}: start_pos {c.start_pos} must equal the {req.num_committed_tokens} tokens "
+                             f"committed so far")
+    end = c.start_pos + len(c.token_ids)
+    if not end <= c.num_computed_tokens <= len(req.page_table) * page_size:
+        raise InvalidRequest(f"{where}: need start_pos + len(token_ids) = {end} <= num_computed_tokens = "
+                             f"{c.num_computed_tokens} <= {len(req.page_table) * page_size} slots of its pages")

@@ -1,0 +1,120 @@
+"""Plain data in and out of the kvmanager domain (inputs frozen)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """One worker incarnation's page pool, as its Info reports it."""
+
+    worker_id: str
+    epoch: int
+    num_pages: int
+    page_size: int
+    model_fingerprint: str
+    kv_dtype: str
+    bytes_per_token: int
+
+
+class OpStatus(enum.Enum):
+    OK = "ok"
+    OUT_OF_PAGES = "out_of_pages"
+    STALE_EPOCH = "stale_epoch"
+
+
+@dataclass(frozen=True, slots=True)
+class Allocate:
+    req_id: str
+    tenant: str
+    token_ids: tuple[int, ...]
+    worker_id: str = ""  # "" = let the kvmanager place it
+    skip_prefix_cache: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Extend:
+    req_id: str
+    num_tokens: int  # positions the page table must cover after this op
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    req_id: str
+    start_pos: int  # tokens committed before; a multiple of page_size
+    token_ids: tuple[int, ...]  # tokens of the newly full pages
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    req_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepOps:
+    """All page operations of one scheduler step, applied as frees, commits, extensions, allocations."""
+
+    step_id: int = 0  # 0 = no idempotency tracking
+    allocations: tuple[Allocate, ...] = ()
+    extensions: tuple[Extend, ...] = ()
+    commits: tuple[Commit, ...] = ()
+    frees: tuple[Free, ...] = ()
+
+
+@dataclass(slots=True)
+class AllocateResult:
+    req_id: str
+    status: OpStatus
+    worker_id: str = ""
+    epoch: int = 0
+    page_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_pages_short: int = 0
+
+
+@dataclass(slots=True)
+class ExtendResult:
+    req_id: str
+    status: OpStatus
+    new_page_ids: list[int] = field(default_factory=list)
+    num_pages: int = 0
+    num_pages_short: int = 0
+
+
+@dataclass(slots=True)
+class CommitResult:
+    req_id: str
+    status: OpStatus
+    num_committed_tokens: int = 0
+
+
+@dataclass(slots=True)
+class FreeResult:
+    req_id: str
+    status: OpStatus
+
+
+@dataclass(slots=True)
+class PoolSummary:
+    worker_id: str
+    epoch: int
+    num_free_pages: int
+    num_evictable_pages: int
+
+
+@dataclass(slots=True)
+class StepResults:
+    allocations: list[AllocateResult] = field(default_factory=list)
+    extensions: list[ExtendResult] = field(default_factory=list)
+    commits: list[CommitResult] = field(default_factory=list)
+    frees: list[FreeResult] = field(default_factory=list)
+    pools: list[PoolSummary] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterResult:
+    previous_epoch: int
+    dropped_req_ids: tuple[str, ...]

@@ -1,0 +1,248 @@
+"""The kvmanager domain on tiny real pools: exact page ids, ref_cnts, eviction order, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.kvmanager.errors import InvalidRequest, StaleEpoch, StaleStep, UnknownRequest, UnknownWorker
+from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
+from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps
+
+PS = 4  # page size
+
+
+def spec(worker="w0", epoch=1, num_pages=8, fingerprint="fp"):
+    return PoolSpec(worker, epoch, num_pages, PS, fingerprint, "float32", 100)
+
+
+def mgr_with(*specs) -> KVManager:
+    m = KVManager()
+    for s in specs or (spec(),):
+        m.register_worker(s)
+    return m
+
+
+def alloc(m, req_id, tokens, tenant="t", worker="", step=0):
+    return m.step(StepOps(step, allocations=(Allocate(req_id, tenant, tuple(tokens), worker),))).allocations[0]
+
+
+def commit(m, req_id, start, tokens, computed=None, step=0):
+    op = Commit(req_id, start, tuple(tokens), computed if computed is not None else start + len(tokens))
+    return m.step(StepOps(step, commits=(op,))).commits[0]
+
+
+def free(m, req_id, step=0):
+    return m.step(StepOps(step, frees=(Free(req_id),))).frees[0]
+
+
+def ref_cnts(m, worker="w0"):
+    return list(m.pools[worker].ref_cnt)
+
+
+def test_hash_chain_is_stable_and_namespaced():
+    seed = namespace_seed("t", "fp", "float32", 4)
+    tokens = list(range(10))
+    assert chain_hashes(seed, tokens, 4) == chain_hashes(seed, tokens[:8], 4)  # partial tail ignored
+    assert len(chain_hashes(seed, tokens, 4)) == 2 and len(seed) == 16
+    # stable across processes: a pinned value (xxh3-128 has no per-process seed)
+    assert seed.hex() == namespace_seed("t", "fp", "float32", 4).hex()
+    for other in (namespace_seed("u", "fp", "float32", 4), namespace_seed("t", "fp2", "float32", 4),
+                  namespace_seed("t", "fp", "bfloat16", 4), namespace_seed("t", "fp", "float32", 8)):
+        assert chain_hashes(other, tokens, 4)[0] != chain_hashes(seed, tokens, 4)[0]
+    # a block's hash depends on everything before it
+    assert chain_hashes(seed, [9, 9, 9, 9] + tokens[4:8], 4)[1] != chain_hashes(seed, tokens, 4)[1]
+
+
+def test_allocate_fresh_pages_in_order():
+    m = mgr_with()
+    r = alloc(m, "a", range(10))  # 10 tokens -> 3 pages
+    assert r.status == OpStatus.OK and r.page_table == [0, 1, 2] and r.num_cached_tokens == 0
+    assert r.worker_id == "w0" and r.epoch == 1
+    assert ref_cnts(m)[:4] == [1, 1, 1, 0]
+    assert alloc(m, "b", range(5)).page_table == [3, 4]
+
+
+def test_prefix_hit_reuses_committed_pages_and_caps_at_last_token():
+    m = mgr_with()
+    prompt = list(range(100, 112))  # 12 tokens = 3 full pages
+    assert alloc(m, "a", prompt).page_table == [0, 1, 2]
+    assert commit(m, "a", 0, prompt).num_committed_tokens == 12
+    b = alloc(m, "b", prompt)  # same 12 tokens: the last page must be computed again (its last token's logits)
+    assert b.num_cached_tokens == 8 and b.page_table == [0, 1, 3]
+    assert ref_cnts(m)[:4] == [2, 2, 1, 1]
+    c = alloc(m, "c", prompt + [7])  # 13 tokens: all 3 full pages hit
+    assert c.num_cached_tokens == 12 and c.page_table == [0, 1, 2, 4]
+    assert m.tenants["t"].prefix_query_tokens == 12 + 12 + 13 and m.tenants["t"].prefix_hit_tokens == 20
+
+
+def test_other_tenant_never_hits():
+    m = mgr_with(spec(num_pages=12))
+    prompt = list(range(13))
+    alloc(m, "a", prompt, tenant="A")
+    commit(m, "a", 0, prompt[:12])
+    assert alloc(m, "b", prompt, tenant="B").num_cached_tokens == 0
+    assert alloc(m, "c", prompt, tenant="A").num_cached_tokens == 12
+
+
+def test_free_releases_tail_first_and_lru_evicts_chain_end_first():
+    m = mgr_with(spec(num_pages=6))
+    prompt = list(range(12))
+    alloc(m, "a", prompt + [1])  # pages 0 1 2 3
+    commit(m, "a", 0, prompt)  # blocks in pages 0 1 2; page 3 holds a partial page
+    free(m, "a")
+    pool = m.pools["w0"]
+    assert list(pool.evictable) == [2, 1, 0]  # released tail first
+    assert list(pool.free) == [4, 5, 3]  # the uncommitted page went back to the free list
+    assert (pool.num_used, pool.num_cached, pool.num_free) == (0, 3, 3)
+    r = alloc(m, "b", range(50, 66))  # 4 pages: 3 free, then evict the LRU head: page 2 (the chain's end)
+    assert r.page_table == [4, 5, 3, 2] and pool.num_evicted == 1
+    free(m, "b")
+    c = alloc(m, "c", prompt + [1])
+    assert c.num_cached_tokens == 8 and c.page_table[:2] == [0, 1]  # blocks 0 and 1 still hit
+
+
+def test_hit_moves_page_out_of_lru_and_back_to_its_end():
+    m = mgr_with(spec(num_pages=6))
+    p1, p2 = list(range(8)), list(range(20, 28))
+    for rid, p in (("a", p1), ("b", p2)):
+        alloc(m, rid, p + [0])
+        commit(m, rid, 0, p)
+        free(m, rid)
+    pool = m.pools["w0"]
+    assert list(pool.evictable) == [1, 0, 4, 3]
+    alloc(m, "c", p1 + [5])  # hits pages 0, 1
+    assert list(pool.evictable) == [4, 3] and pool.ref_cnt[0] == pool.ref_cnt[1] == 1
+    free(m, "c")
+    assert list(pool.evictable)[:2] == [4, 3] and set(list(pool.evictable)[2:]) == {0, 1}
+
+
+def test_duplicate_block_is_deduplicated_not_indexed_twice():
+    m = mgr_with()
+    prompt = list(range(8))
+    alloc(m, "a", prompt + [1])
+    alloc(m, "b", prompt + [2])  # computed concurrently: no hit yet
+    commit(m, "a", 0, prompt)
+    commit(m, "b", 0, prompt)
+    pool = m.pools["w0"]
+    assert len(pool.index) == 2 and {b.page_id for b in pool.index.values()} == {0, 1}
+    free(m, "b")
+    assert list(pool.free)[-3:] == [5, 4, 3]  # b's duplicate pages are plain pages again
+
+
+def test_out_of_pages_is_a_result_that_changes_nothing():
+    m = mgr_with(spec(num_pages=4))
+    alloc(m, "a", range(12))
+    r = alloc(m, "b", range(8))
+    assert r.status == OpStatus.OUT_OF_PAGES and r.num_pages_short == 1 and r.page_table == []
+    assert "b" not in m.requests and ref_cnts(m) == [1, 1, 1, 0]
+    alloc(m, "c", range(4))
+    ext = m.step(StepOps(extensions=(Extend("a", 16),))).extensions[0]
+    assert ext.status == OpStatus.OUT_OF_PAGES and ext.num_pages_short == 1
+    assert m.requests["a"].page_table == [0, 1, 2]
+
+
+def test_extend_appends_pages():
+    m = mgr_with()
+    alloc(m, "a", range(4))
+    e = m.step(StepOps(extensions=(Extend("a", 4),))).extensions[0]
+    assert e.new_page_ids == [] and e.num_pages == 1
+    e = m.step(StepOps(extensions=(Extend("a", 9),))).extensions[0]
+    assert e.new_page_ids == [1, 2] and e.num_pages == 3
+
+
+def test_step_applies_frees_before_allocations():
+    m = mgr_with(spec(num_pages=2))
+    alloc(m, "a", range(8))
+    out = m.step(StepOps(frees=(Free("a"),), allocations=(Allocate("b", "t", tuple(range(8))),)))
+    assert out.allocations[0].status == OpStatus.OK and out.allocations[0].page_table == [1, 0]  # freed tail first
+    assert out.pools[0].num_free_pages == 0
+
+
+def test_retried_call_with_same_step_id_is_not_applied_twice():
+    m = mgr_with()
+    ops = StepOps(7, allocations=(Allocate("a", "t", tuple(range(6))),))
+    first = m.step(ops)
+    again = m.step(ops)
+    assert again.allocations[0] == first.allocations[0] and ref_cnts(m)[:3] == [1, 1, 0]
+    ext = StepOps(8, extensions=(Extend("a", 12),))
+    e1, e2 = m.step(ext).extensions[0], m.step(ext).extensions[0]
+    assert e1.new_page_ids == e2.new_page_ids == [2] and len(m.requests["a"].page_table) == 3
+    with pytest.raises(StaleStep, match="older than step 8"):
+        m.step(StepOps(7, extensions=(Extend("a", 16),)))
+
+
+def test_reregistration_with_new_epoch_drops_old_pages_and_index():
+    m = mgr_with()
+    prompt = list(range(9))
+    alloc(m, "a", prompt)
+    commit(m, "a", 0, prompt[:8])
+    res = m.register_worker(spec(epoch=2))
+    assert res.previous_epoch == 1 and res.dropped_req_ids == ("a",)
+    assert m.step(StepOps(extensions=(Extend("a", 12),))).extensions[0].status == OpStatus.STALE_EPOCH
+    assert free(m, "a").status == OpStatus.STALE_EPOCH
+    b = alloc(m, "b", prompt)
+    assert b.epoch == 2 and b.num_cached_tokens == 0 and b.page_table == [0, 1, 2]
+    with pytest.raises(StaleEpoch, match="older"):
+        m.register_worker(spec(epoch=1))
+    with pytest.raises(StaleEpoch, match="different pool"):
+        m.register_worker(spec(epoch=2, num_pages=9))
+    assert m.register_worker(spec(epoch=2)).dropped_req_ids == ()  # idempotent
+
+
+def test_placement_prefers_the_longest_hit_balanced_against_load():
+    m = mgr_with(spec("w0"), spec("w1"))
+    prompt = list(range(13))
+    assert alloc(m, "a", prompt).worker_id == "w0"  # tie: smallest worker_id
+    commit(m, "a", 0, prompt[:12])
+    assert alloc(m, "x", range(50, 53)).worker_id == "w1"  # no hit: the less loaded pool
+    alloc(m, "y", range(60, 63), worker="w0")  # named worker: not placed
+    r = alloc(m, "b", prompt)  # 3-page hit on w0 (2 running) vs none on w1 (1 running): 3 - 8 < 0 - 4
+    assert r.worker_id == "w1" and r.num_cached_tokens == 0
+    m.load_penalty_pages = 1  # now 3 - 2 > 0 - 2 (b runs on w1): the hit wins
+    r = alloc(m, "c", prompt)
+    assert r.worker_id == "w0" and r.num_cached_tokens == 12
+
+
+BAD = [
+    (StepOps(allocations=(Allocate("a", "", (1,)),)), InvalidRequest, "tenant must not be empty"),
+    (StepOps(allocations=(Allocate("a", "t", ()),)), InvalidRequest, "token_ids must not be empty"),
+    (StepOps(allocations=(Allocate("a", "t", (-1,)),)), InvalidRequest, "token id -1 is not a uint32"),
+    (StepOps(allocations=(Allocate("a", "t", (1,), "nope"),)), UnknownWorker, "no pool is registered"),
+    (StepOps(allocations=(Allocate("a", "t", tuple(range(40))),)), InvalidRequest, "more pages than any pool"),
+    (StepOps(allocations=(Allocate("live", "t", (1,)),)), InvalidRequest, "already live"),
+    (StepOps(extensions=(Extend("ghost", 4),)), UnknownRequest, "'ghost' is not live"),
+    (StepOps(extensions=(Extend("live", -4),)), InvalidRequest, "num_tokens must be > 0"),
+    (StepOps(extensions=(Extend("live", 10**6),)), InvalidRequest, "exceeds the pool"),
+    (StepOps(commits=(Commit("live", 0, (1, 2, 3), 3),)), InvalidRequest, "not a whole number of pages"),
+    (StepOps(commits=(Commit("live", 4, (1, 2, 3, 4), 8),)), InvalidRequest, "must equal the 0 tokens"),
+    (StepOps(commits=(Commit("live", 0, (1, 2, 3, 4), 2),)), InvalidRequest, "num_computed_tokens"),
+    (StepOps(commits=(Commit("ghost", 0, (1, 2, 3, 4), 4),)), UnknownRequest, "not live"),
+    (StepOps(frees=(Free("x"), Free("x"))), InvalidRequest, "appears twice"),
+    (StepOps(frees=(Free("live"),), extensions=(Extend("live", 8),)), InvalidRequest, "another list"),
+    (StepOps(-1), InvalidRequest, "step_id must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("ops,error,message", BAD, ids=[b[2] for b in BAD])
+def test_bad_input_is_rejected_and_changes_nothing(ops, error, message):
+    m = mgr_with()
+    alloc(m, "live", range(6))
+    # a valid op in the same call must not be applied either
+    ops = StepOps(ops.step_id, ops.allocations, ops.extensions, ops.commits, ops.frees + (Free("other"),))
+    before = (ref_cnts(m), list(m.pools["w0"].free), dict(m.requests["live"].__dict__ if hasattr(
+        m.requests["live"], "__dict__") else {}), m.requests["live"].page_table[:])
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        m.step(ops)
+    assert (ref_cnts(m), list(m.pools["w0"].free), {}, m.requests["live"].page_table) == before
+    assert set(m.requests) == {"live"}
+
+
+def test_bad_registration():
+    m = KVManager()
+    with pytest.raises(InvalidRequest, match="num_pages must be > 0"):
+        m.register_worker(spec(num_pages=0))
+    with pytest.raises(InvalidRequest, match="worker_id must not be empty"):
+        m.register_worker(spec(worker=""))
+    with pytest.raises(UnknownWorker, match="no worker is registered"):
+        alloc(m, "a", [1])
