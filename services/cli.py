@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from kvserve.services import cli_model, cli_worker
+from kvserve.services import cli_admin, cli_kvmanager, cli_model, cli_worker
 
 
 def env_default(name: str, default=None):
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     cli_model.add_commands(sub)
     cli_worker.add_commands(sub)
+    cli_kvmanager.add_commands(sub)
+    cli_admin.add_commands(sub)
     return parser
 
 

@@ -275,7 +275,7 @@ class InspectTenantRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., max_blocks: _Optional[int] = ..., max_prefixes: _Optional[int] = ...) -> None: ...
 
 class CachedBlock(_message.Message):
-    __slots__ = ("block_hash", "parent_block_hash", "worker_id", "epoch", "page_id", "ref_cnt", "pinned", "block_index", "last_used_unix_ms")
+    __slots__ = ("block_hash", "parent_block_hash", "worker_id", "epoch", "page_id", "ref_cnt", "pinned", "block_index", "last_used")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -284,7 +284,7 @@ class CachedBlock(_message.Message):
     REF_CNT_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
-    LAST_USED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
     block_hash: str
     parent_block_hash: str
     worker_id: str
@@ -293,8 +293,8 @@ class CachedBlock(_message.Message):
     ref_cnt: int
     pinned: bool
     block_index: int
-    last_used_unix_ms: int
-    def __init__(self, block_hash: _Optional[str] = ..., parent_block_hash: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_id: _Optional[int] = ..., ref_cnt: _Optional[int] = ..., pinned: _Optional[bool] = ..., block_index: _Optional[int] = ..., last_used_unix_ms: _Optional[int] = ...) -> None: ...
+    last_used: int
+    def __init__(self, block_hash: _Optional[str] = ..., parent_block_hash: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_id: _Optional[int] = ..., ref_cnt: _Optional[int] = ..., pinned: _Optional[bool] = ..., block_index: _Optional[int] = ..., last_used: _Optional[int] = ...) -> None: ...
 
 class CachedPrefix(_message.Message):
     __slots__ = ("worker_id", "last_block_hash", "num_blocks", "num_tokens")
@@ -427,28 +427,28 @@ class PageInfo(_message.Message):
     def __init__(self, page_id: _Optional[int] = ..., ref_cnt: _Optional[int] = ..., block_hash: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class GetPageTableResponse(_message.Message):
-    __slots__ = ("req_id", "tenant", "worker_id", "epoch", "page_table", "pages", "num_cached_tokens", "num_committed_tokens", "num_tokens", "last_step_id")
+    __slots__ = ("req_id", "tenant", "worker_id", "epoch", "page_table", "pages", "num_committed_tokens", "num_prompt_tokens", "last_step_id", "page_size")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PAGE_TABLE_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     tenant: str
     worker_id: str
     epoch: int
     page_table: _containers.RepeatedScalarFieldContainer[int]
     pages: _containers.RepeatedCompositeFieldContainer[PageInfo]
-    num_cached_tokens: int
     num_committed_tokens: int
-    num_tokens: int
+    num_prompt_tokens: int
     last_step_id: int
-    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[_Union[PageInfo, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_committed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., last_step_id: _Optional[int] = ...) -> None: ...
+    page_size: int
+    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[_Union[PageInfo, _Mapping]]] = ..., num_committed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., last_step_id: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("confirm",)

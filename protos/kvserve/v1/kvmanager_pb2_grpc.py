@@ -224,14 +224,15 @@ class KVAdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListTenants(self, request, context):
-        """Every tenant that holds cached blocks or running requests, with its counters.
+        """Every tenant that holds cached blocks or live requests or has counters since start or Reset.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def InspectTenant(self, request, context):
-        """One tenant's cached blocks and its longest cached prefixes. NOT_FOUND for an unknown tenant.
+        """One tenant's cached blocks and its longest cached prefixes. NOT_FOUND for a tenant with no blocks, no
+        requests and no counters.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -239,15 +240,16 @@ class KVAdminServiceServicer:
 
     def Probe(self, request, context):
         """How many tokens of a prompt would hit the prefix cache, per worker. No side effect: no ref_cnt, LRU
-        position or counter changes.
+        position, counter or logical clock changes, nothing written to the store.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def EvictTenant(self, request, context):
-        """Evicts a tenant's cached blocks that no request holds (ref_cnt 0), returning their pages to the free
-        lists. Blocks in use stay until their requests free them.
+        """Evicts a tenant's cached blocks that no request holds (ref_cnt 0) and that are not pinned (unless
+        include_pinned), returning their pages to the free lists. Blocks in use stay until their requests free
+        them. An unknown tenant evicts nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -269,15 +271,17 @@ class KVAdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetPageTable(self, request, context):
-        """Dumps one request's page table with each page's ref_cnt and block_hash. NOT_FOUND for an unknown req_id.
+        """Dumps one request's page table with each page's ref_cnt and block_hash. NOT_FOUND for a req_id that is
+        not live; FAILED_PRECONDITION for one whose pages were dropped with their worker's epoch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Reset(self, request, context):
-        """Drops every request, page table and index entry (in memory and in Redis) and resets the counters.
-        Registered pools stay registered, with every page free. Requests in flight get UNKNOWN_REQUEST answers.
+        """Drops every request (live or stale), page table and index entry (in memory and in Redis) and resets the
+        counters. Registered pools stay registered, with every page free. Requests in flight are forgotten: a
+        later extension or commit of one is NOT_FOUND, a free of one is OK.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,378 @@
+"""Operator queries and actions over a KVManager, run through ``KVService.read`` / ``KVService.mutate``.
+
+Plain Python like the rest of the domain. Reads (``stats``, ``list_tenants``, ``inspect_tenant``, ``probe``,
+``page_table``) change nothing at all: no ref_cnt, LRU order, counter, logical clock or ``mgr.changes``.
+Mutations (``evict_tenant``, ``pin``, ``unpin``, ``reset``) record what they change in ``mgr.changes`` so
+that the service writes it through to the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.kvmanager.errors import InvalidRequest, KVManagerError, StaleEpoch, UnknownTenant
+from kvserve.kvmanager.hashing import chain_hashes, hex_hash
+from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.pool import Block, PagePool
+from kvserve.kvmanager.state import TenantCounters
+from kvserve.kvmanager.step_validate import MAX_TOKEN_ID
+
+DEFAULT_MAX_BLOCKS = 100
+DEFAULT_MAX_PREFIXES = 10
+
+
+class TextUnsupported(KVManagerError):
+    """Text input, but the kvmanager was started without a tokenizer (``--model``)."""
+
+
+@dataclass(slots=True)
+class PoolStats:
+    worker_id: str
+    epoch: int
+    model_fingerprint: str
+    kv_dtype: str
+    page_size: int
+    num_pages: int
+    num_used_pages: int
+    num_cached_pages: int  # ref_cnt 0 with a block: evictable or pinned
+    num_free_pages: int
+    num_pinned_pages: int  # also counted as used or cached
+    num_requests: int
+    pool_bytes: int
+    used_bytes: int
+    cached_bytes: int
+
+
+@dataclass(slots=True)
+class TenantStats:
+    tenant: str
+    num_blocks: int
+    num_pinned_blocks: int
+    num_requests: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+
+
+@dataclass(slots=True)
+class Stats:
+    pools: list[PoolStats]
+    tenants: list[TenantStats]
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_evicted_blocks: int
+
+
+@dataclass(slots=True)
+class CachedBlock:
+    block_hash: str
+    parent_block_hash: str  # "" for a chain's first block
+    worker_id: str
+    epoch: int
+    page_id: int
+    ref_cnt: int
+    pinned: bool
+    block_index: int
+    last_used: int  # the manager's logical clock
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    worker_id: str
+    last_block_hash: str
+    num_blocks: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class TenantReport:
+    stats: TenantStats
+    blocks: list[CachedBlock]
+    prefixes: list[CachedPrefix]
+
+
+@dataclass(slots=True)
+class ProbeHit:
+    worker_id: str
+    epoch: int
+    num_hit_tokens: int
+
+
+@dataclass(slots=True)
+class ProbeResult:
+    num_query_tokens: int
+    num_hit_tokens: int
+    worker_id: str  # best hit; "" when nothing hits
+    hits: list[ProbeHit] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EvictResult:
+    num_evicted_blocks: int
+    num_kept_blocks: int
+
+
+@dataclass(slots=True)
+class PinResult:
+    num_pinned_blocks: int
+    num_pinned_tokens: int  # on the best pool
+
+
+@dataclass(slots=True)
+class PageInfo:
+    page_id: int
+    ref_cnt: int
+    block_hash: str
+    pinned: bool
+
+
+@dataclass(slots=True)
+class PageTable:
+    req_id: str
+    tenant: str
+    worker_id: str
+    epoch: int
+    page_table: list[int]
+    pages: list[PageInfo]
+    num_committed_tokens: int
+    num_prompt_tokens: int
+    last_step_id: int
+    page_size: int
+
+
+@dataclass(slots=True)
+class ResetResult:
+    num_dropped_requests: int
+    num_dropped_blocks: int
+
+
+# -- reads --------------------------------------------------------------------------------------------------
+def _pool_stats(pool: PagePool) -> PoolStats:
+    s = pool.spec
+    page_bytes = s.bytes_per_token * s.page_size
+    num_cached = pool.num_cached
+    return PoolStats(s.worker_id, s.epoch, s.model_fingerprint, s.kv_dtype, s.page_size, s.num_pages,
+                     pool.num_used, num_cached, pool.num_free, sum(b.pinned for b in pool.index.values()),
+                     pool.num_requests, page_bytes * s.num_pages, page_bytes * pool.num_used, page_bytes * num_cached)
+
+
+def _tenant_stats(mgr: KVManager) -> dict[str, TenantStats]:
+    out: dict[str, TenantStats] = {}
+
+    def entry(tenant: str) -> TenantStats:
+        if tenant not in out:
+            c = mgr.tenants.get(tenant, TenantCounters())
+            out[tenant] = TenantStats(tenant, 0, 0, 0, c.prefix_query_tokens, c.prefix_hit_tokens)
+        return out[tenant]
+
+    for tenant in mgr.tenants:
+        entry(tenant)
+    for pool in mgr.pools.values():
+        for block in pool.index.values():
+            t = entry(block.tenant)
+            t.num_blocks += 1
+            t.num_pinned_blocks += block.pinned
+    for req in mgr.requests.values():
+        entry(req.tenant).num_requests += 1
+    return dict(sorted(out.items()))
+
+
+def stats(mgr: KVManager) -> Stats:
+    """Per pool (sorted by worker_id) and per tenant (sorted) counters, and their totals."""
+    tenants = list(_tenant_stats(mgr).values())
+    return Stats(pools=[_pool_stats(mgr.pools[w]) for w in sorted(mgr.pools)], tenants=tenants,
+                 prefix_query_tokens=sum(t.prefix_query_tokens for t in tenants),
+                 prefix_hit_tokens=sum(t.prefix_hit_tokens for t in tenants),
+                 num_evicted_blocks=sum(p.num_evicted for p in mgr.pools.values()))
+
+
+def list_tenants(mgr: KVManager) -> list[TenantStats]:
+    """Every tenant with blocks, live requests or counters, sorted by name."""
+    return list(_tenant_stats(mgr).values())
+
+
+def _cached_block(pool: PagePool, b: Block) -> CachedBlock:
+    parent = hex_hash(b.parent_hash) if b.block_index > 0 else ""
+    return CachedBlock(hex_hash(b.block_hash), parent, pool.spec.worker_id, pool.spec.epoch, b.page_id,
+                       pool.ref_cnt[b.page_id], b.pinned, b.block_index, b.last_used)
+
+
+def _chain_ends(pool: PagePool, tenant: str) -> list[Block]:
+    """Last blocks of the tenant's cached chains from block 0: reachable blocks with no reachable child.
+
+    A block is reachable when its parent chain down to block 0 is cached; one whose ancestor was evicted
+    can never be hit (lookups walk from block 0), so it starts no prefix.
+    """
+    children: dict[bytes, list[Block]] = {}
+    for b in pool.index.values():
+        if b.tenant == tenant:
+            children.setdefault(b.parent_hash, []).append(b)
+    frontier = [b for bs in children.values() for b in bs if b.block_index == 0]
+    ends = []
+    while frontier:
+        b = frontier.pop()
+        kids = children.get(b.block_hash, [])
+        if not kids:
+            ends.append(b)
+        frontier.extend(kids)
+    return ends
+
+
+def inspect_tenant(mgr: KVManager, tenant: str, max_blocks: int = 0, max_prefixes: int = 0) -> TenantReport:
+    """One tenant's counters, cached blocks (most recently used first) and longest cached prefixes.
+
+    0 means the defaults (100 blocks, 10 prefixes). Raises InvalidRequest (empty tenant, negative limits),
+    UnknownTenant (no blocks, no requests and no counters).
+    """
+    _check_tenant(tenant)
+    if max_blocks < 0 or max_prefixes < 0:
+        raise InvalidRequest(f"max_blocks and max_prefixes must be >= 0, got {max_blocks} and {max_prefixes}")
+    tenant_stats = _tenant_stats(mgr).get(tenant)
+    if tenant_stats is None:
+        raise UnknownTenant(f"tenant {tenant!r} has no cached blocks, no requests and no counters")
+    blocks, prefixes = [], []
+    for w in sorted(mgr.pools):
+        pool = mgr.pools[w]
+        blocks += [_cached_block(pool, b) for b in pool.index.values() if b.tenant == tenant]
+        ps = pool.spec.page_size
+        prefixes += [CachedPrefix(w, hex_hash(b.block_hash), b.block_index + 1, (b.block_index + 1) * ps)
+                     for b in _chain_ends(pool, tenant)]
+    blocks.sort(key=lambda b: (-b.last_used, b.worker_id, b.block_index, b.block_hash))
+    prefixes.sort(key=lambda p: (-p.num_tokens, p.worker_id, p.last_block_hash))
+    return TenantReport(tenant_stats, blocks[: max_blocks or DEFAULT_MAX_BLOCKS],
+                        prefixes[: max_prefixes or DEFAULT_MAX_PREFIXES])
+
+
+def _check_tenant(tenant: str) -> None:
+    if not tenant:
+        raise InvalidRequest("tenant must not be empty")
+
+
+def _check_tokens(token_ids: tuple[int, ...]) -> None:
+    if not token_ids:
+        raise InvalidRequest("token_ids must not be empty")
+    bad = next((t for t in token_ids if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is not a uint32")
+
+
+def _pools_in_scope(mgr: KVManager, worker_id: str) -> list[PagePool]:
+    return [mgr.pool(worker_id)] if worker_id else [mgr.pools[w] for w in sorted(mgr.pools)]
+
+
+def _prefix_blocks(mgr: KVManager, pool: PagePool, tenant: str, token_ids: tuple[int, ...]) -> list[Block]:
+    """The cached blocks of the longest prefix of ``token_ids``' full pages (uncapped), read only."""
+    ps = pool.spec.page_size
+    return pool.longest_prefix(chain_hashes(mgr.seed_for(pool, tenant), token_ids, ps))
+
+
+def probe(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str = "") -> ProbeResult:
+    """Leading tokens of a prompt in cached full pages, per pool. No side effect of any kind.
+
+    Raises InvalidRequest (empty tenant or tokens, token id not a uint32), UnknownWorker.
+    """
+    _check_tenant(tenant)
+    _check_tokens(token_ids)
+    hits = [ProbeHit(p.spec.worker_id, p.spec.epoch, len(_prefix_blocks(mgr, p, tenant, token_ids)) * p.spec.page_size)
+            for p in _pools_in_scope(mgr, worker_id)]
+    best = max(hits, key=lambda h: h.num_hit_tokens, default=None)  # max keeps the first of equals
+    if best is None or best.num_hit_tokens == 0:
+        return ProbeResult(len(token_ids), 0, "", hits)
+    return ProbeResult(len(token_ids), best.num_hit_tokens, best.worker_id, hits)
+
+
+def page_table(mgr: KVManager, req_id: str) -> PageTable:
+    """A live request's pages with their ref_cnts and block hashes.
+
+    Raises UnknownRequest (not live), StaleEpoch (its pages were dropped with their epoch).
+    """
+    if req_id in mgr.stale:
+        req = mgr.stale[req_id]
+        raise StaleEpoch(f"request {req_id!r}: its pages were dropped with epoch {req.epoch} of worker "
+                         f"{req.worker_id!r}; free it and recompute")
+    req = mgr.request(req_id)
+    pool = mgr.pools[req.worker_id]
+    pages = []
+    for page_id in req.page_table:
+        block = pool.block_of[page_id]
+        pages.append(PageInfo(page_id, pool.ref_cnt[page_id], hex_hash(block.block_hash) if block else "",
+                              bool(block and block.pinned)))
+    last_step_id = max((s for s, _ in req.last_ops.values()), default=0)
+    return PageTable(req.req_id, req.tenant, req.worker_id, req.epoch, list(req.page_table), pages,
+                     req.num_committed_tokens, req.num_prompt_tokens, last_step_id, pool.spec.page_size)
+
+
+# -- mutations ----------------------------------------------------------------------------------------------
+def evict_tenant(mgr: KVManager, tenant: str, worker_id: str = "", include_pinned: bool = False) -> EvictResult:
+    """Evicts the tenant's cached blocks with ref_cnt 0 (pinned ones only with ``include_pinned``, which
+    unpins them); their pages become free. Blocks held by requests are kept (unpinned with include_pinned).
+
+    Raises InvalidRequest (empty tenant), UnknownWorker.
+    """
+    _check_tenant(tenant)
+    evicted = kept = 0
+    for pool in _pools_in_scope(mgr, worker_id):
+        for block in [b for b in pool.index.values() if b.tenant == tenant]:
+            if include_pinned and block.pinned:
+                pool.set_pinned(block, False)
+                _record(mgr, pool, block)
+            if block.pinned or pool.ref_cnt[block.page_id] > 0:
+                kept += 1
+                continue
+            pool.evict(block.page_id)
+            _record(mgr, pool, block)
+            evicted += 1
+    return EvictResult(evicted, kept)
+
+
+def _record(mgr: KVManager, pool: PagePool, block: Block) -> None:
+    mgr.changes.blocks[(pool.spec.worker_id, block.block_hash)] = block.tenant
+
+
+def _set_pinned(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str,
+                pinned: bool) -> tuple[int, int, int]:
+    """(blocks of the prefix reached, blocks whose flag changed, most tokens reached on one pool)."""
+    _check_tenant(tenant)
+    _check_tokens(token_ids)
+    reached = changed = best_tokens = 0
+    for pool in _pools_in_scope(mgr, worker_id):
+        blocks = _prefix_blocks(mgr, pool, tenant, token_ids)
+        for block in blocks if pinned else reversed(blocks):  # unpinned tail first: the chain's end leaves first
+            if block.pinned != pinned:
+                pool.set_pinned(block, pinned)
+                if not pinned:  # it joins the LRU's most recent end; a reload orders the LRU by last_used
+                    pool.touch(block, mgr.clock)
+                _record(mgr, pool, block)
+                changed += 1
+        reached += len(blocks)
+        best_tokens = max(best_tokens, len(blocks) * pool.spec.page_size)
+    return reached, changed, best_tokens
+
+
+def pin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str = "") -> PinResult:
+    """Pins the cached full-page blocks of a prefix on every pool in scope; pinned blocks are never evicted.
+
+    Raises InvalidRequest (empty tenant or tokens, token id not a uint32), UnknownWorker.
+    """
+    reached, _, best_tokens = _set_pinned(mgr, tenant, token_ids, worker_id, True)
+    return PinResult(reached, best_tokens)
+
+
+def unpin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str = "") -> int:
+    """Unpins the blocks of a prefix, tail first: each counts as used now (last_used = the clock) and joins the
+    LRU's most recent end once no request holds it. Returns how many blocks were pinned and are now unpinned.
+    Raises as ``pin``."""
+    return _set_pinned(mgr, tenant, token_ids, worker_id, False)[1]
+
+
+def reset(mgr: KVManager) -> ResetResult:
+    """Drops every request (live and stale), block and counter. Pools stay registered with every page free."""
+    result = ResetResult(len(mgr.requests), sum(len(p.index) for p in mgr.pools.values()))
+    mgr.requests.clear()
+    mgr.stale.clear()
+    mgr.tenants.clear()
+    for worker_id, pool in mgr.pools.items():
+        mgr.pools[worker_id] = PagePool(pool.spec)
+    mgr.changes.reset = True  # the store deletes everything, then writes what is named below
+    mgr.changes.pools |= set(mgr.pools)
+    mgr.changes.counters = True
+    return result

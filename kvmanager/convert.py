@@ -1,0 +1,127 @@
+"""Protobuf <-> the kvmanager's dataclasses, in one place. No logic beyond renaming and copying."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from kvserve.kvmanager import admin
+from kvserve.kvmanager.types import (
+    Allocate,
+    AllocateResult,
+    Commit,
+    CommitResult,
+    Extend,
+    ExtendResult,
+    Free,
+    FreeResult,
+    OpStatus,
+    PoolSpec,
+    RegisterResult,
+    StepOps,
+    StepResults,
+)
+from kvserve.v1 import kvmanager_pb2 as pb
+
+OP_STATUS = {
+    OpStatus.OK: pb.PAGE_OP_STATUS_OK,
+    OpStatus.OUT_OF_PAGES: pb.PAGE_OP_STATUS_OUT_OF_PAGES,
+    OpStatus.STALE_EPOCH: pb.PAGE_OP_STATUS_STALE_EPOCH,
+}
+
+
+def _copy(obj, message_type):
+    """A message with the scalar and repeated-scalar fields of a dataclass of the same field names."""
+    return message_type(**{f.name: getattr(obj, f.name) for f in fields(obj)})
+
+
+# -- KVManagerService ---------------------------------------------------------------------------------------
+def spec_from_proto(r: pb.RegisterWorkerRequest) -> PoolSpec:
+    return PoolSpec(r.worker_id, r.epoch, r.num_pages, r.page_size, r.model_fingerprint, r.kv_dtype,
+                    r.bytes_per_token)
+
+
+def register_to_proto(r: RegisterResult) -> pb.RegisterWorkerResponse:
+    return pb.RegisterWorkerResponse(ok=True, previous_epoch=r.previous_epoch, dropped_req_ids=r.dropped_req_ids)
+
+
+def step_from_proto(r: pb.StepPagesRequest) -> StepOps:
+    return StepOps(
+        step_id=r.step_id,
+        allocations=tuple(Allocate(a.req_id, a.tenant, tuple(a.token_ids), a.worker_id, a.skip_prefix_cache)
+                          for a in r.allocations),
+        extensions=tuple(Extend(e.req_id, e.num_tokens) for e in r.extensions),
+        commits=tuple(Commit(c.req_id, c.start_pos, tuple(c.token_ids), c.num_computed_tokens) for c in r.commits),
+        frees=tuple(Free(f.req_id) for f in r.frees),
+    )
+
+
+def _allocation(a: AllocateResult) -> pb.PageAllocationResult:
+    return pb.PageAllocationResult(req_id=a.req_id, status=OP_STATUS[a.status], worker_id=a.worker_id,
+                                   epoch=a.epoch, page_table=a.page_table, num_cached_tokens=a.num_cached_tokens,
+                                   num_pages_short=a.num_pages_short)
+
+
+def _extension(e: ExtendResult) -> pb.PageExtensionResult:
+    return pb.PageExtensionResult(req_id=e.req_id, status=OP_STATUS[e.status], new_page_ids=e.new_page_ids,
+                                  num_pages=e.num_pages, num_pages_short=e.num_pages_short)
+
+
+def _commit(c: CommitResult) -> pb.PageCommitResult:
+    return pb.PageCommitResult(req_id=c.req_id, status=OP_STATUS[c.status],
+                               num_committed_tokens=c.num_committed_tokens)
+
+
+def _free(f: FreeResult) -> pb.PageFreeResult:
+    return pb.PageFreeResult(req_id=f.req_id, status=OP_STATUS[f.status])
+
+
+def step_to_proto(r: StepResults, handle_ms: float) -> pb.StepPagesResponse:
+    return pb.StepPagesResponse(
+        allocation_results=[_allocation(a) for a in r.allocations],
+        extension_results=[_extension(e) for e in r.extensions],
+        commit_results=[_commit(c) for c in r.commits],
+        free_results=[_free(f) for f in r.frees],
+        pools=[_copy(p, pb.PoolSummary) for p in r.pools],
+        handle_ms=handle_ms,
+    )
+
+
+# -- KVAdminService -----------------------------------------------------------------------------------------
+def tenant_to_proto(t: admin.TenantStats) -> pb.TenantStats:
+    return _copy(t, pb.TenantStats)
+
+
+def stats_to_proto(s: admin.Stats, store_ok: bool) -> pb.StatsResponse:
+    return pb.StatsResponse(pools=[_copy(p, pb.PoolStats) for p in s.pools],
+                            tenants=[tenant_to_proto(t) for t in s.tenants],
+                            prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
+                            num_evicted_blocks=s.num_evicted_blocks, store_ok=store_ok)
+
+
+def inspect_to_proto(r: admin.TenantReport) -> pb.InspectTenantResponse:
+    return pb.InspectTenantResponse(stats=tenant_to_proto(r.stats),
+                                    blocks=[_copy(b, pb.CachedBlock) for b in r.blocks],
+                                    prefixes=[_copy(p, pb.CachedPrefix) for p in r.prefixes])
+
+
+def probe_to_proto(r: admin.ProbeResult) -> pb.ProbeResponse:
+    return pb.ProbeResponse(num_query_tokens=r.num_query_tokens, num_hit_tokens=r.num_hit_tokens,
+                            worker_id=r.worker_id, hits=[_copy(h, pb.ProbeHit) for h in r.hits])
+
+
+def page_table_to_proto(t: admin.PageTable) -> pb.GetPageTableResponse:
+    return pb.GetPageTableResponse(
+        req_id=t.req_id, tenant=t.tenant, worker_id=t.worker_id, epoch=t.epoch, page_table=t.page_table,
+        pages=[_copy(p, pb.PageInfo) for p in t.pages], num_committed_tokens=t.num_committed_tokens,
+        num_prompt_tokens=t.num_prompt_tokens, last_step_id=t.last_step_id, page_size=t.page_size)
+
+
+def input_of(request) -> tuple[tuple[int, ...] | None, str | None]:
+    """(token_ids, None) or (None, text) from a ProbeRequest / PinRequest / UnpinRequest's ``input`` oneof;
+    (None, None) when neither is set."""
+    which = request.WhichOneof("input")
+    if which == "token_ids":
+        return tuple(request.token_ids.token_ids), None
+    if which == "text":
+        return None, request.text
+    return None, None

@@ -1,0 +1,101 @@
+"""The manager's invariants, checked in full (O(pages + page table entries)): for tests and after a reload.
+
+Per pool, every page is in exactly one state (see pool.py), and::
+
+    ref_cnt[p]   == number of live requests whose page_table holds p
+    free list    == the ref-0 pages without a block        (no duplicates)
+    evictable    == the ref-0 pages with an unpinned block  (no duplicates, disjoint from the free list)
+    index[h]     is block_of[index[h].page_id]               (and every block_of entry is indexed)
+    num_used + num_cached + num_free == num_pages
+
+A page held by a request holds nothing or a block of that request's tenant at that request's position
+(no cross-tenant hit), and a live request always sits on its pool's current epoch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.pool import PagePool
+from kvserve.kvmanager.state import Request
+
+
+def check_invariants(mgr: KVManager) -> None:
+    """Raises AssertionError naming the first broken invariant."""
+    both = set(mgr.requests) & set(mgr.stale)
+    assert not both, f"req_ids both live and stale: {sorted(both)}"
+    by_worker: dict[str, list[Request]] = {w: [] for w in mgr.pools}
+    for req_id, req in mgr.requests.items():
+        assert req.req_id == req_id, f"request stored under {req_id!r} is {req.req_id!r}"
+        pool = mgr.pools.get(req.worker_id)
+        assert pool is not None, f"live request {req_id!r} is on unregistered worker {req.worker_id!r}"
+        assert req.epoch == pool.spec.epoch, (f"live request {req_id!r} has epoch {req.epoch}, its pool "
+                                              f"{req.worker_id!r} epoch {pool.spec.epoch}")
+        by_worker[req.worker_id].append(req)
+    for req_id, req in mgr.stale.items():
+        pool = mgr.pools.get(req.worker_id)
+        assert pool is None or pool.spec.epoch != req.epoch, f"stale request {req_id!r} is on a current epoch"
+    for worker_id, pool in mgr.pools.items():
+        assert pool.spec.worker_id == worker_id, f"pool under {worker_id!r} is {pool.spec.worker_id!r}"
+        _check_pool(pool, by_worker[worker_id])
+    for tenant, counters in mgr.tenants.items():
+        assert 0 <= counters.prefix_hit_tokens <= counters.prefix_query_tokens, f"tenant {tenant!r}: {counters}"
+
+
+def _check_pool(pool: PagePool, live: list[Request]) -> None:
+    w, n = pool.spec.worker_id, pool.spec.num_pages
+    assert len(pool.ref_cnt) == len(pool.block_of) == n, f"{w}: ref_cnt/block_of sized for {n} pages"
+    holders: Counter[int] = Counter()
+    for req in live:
+        assert len(set(req.page_table)) == len(req.page_table), f"{w}: {req.req_id!r} holds a page twice"
+        assert all(0 <= p < n for p in req.page_table), f"{w}: {req.req_id!r} holds a page out of range"
+        holders.update(req.page_table)
+        _check_blocks_of_holder(pool, req)
+    for p in range(n):
+        assert pool.ref_cnt[p] == holders[p], f"{w}: page {p} ref_cnt {pool.ref_cnt[p]} != {holders[p]} holders"
+    assert pool.num_requests == len(live), f"{w}: num_requests {pool.num_requests} != {len(live)} live"
+    _check_index(pool)
+    _check_lists(pool)
+
+
+def _check_blocks_of_holder(pool: PagePool, req: Request) -> None:
+    for i, p in enumerate(req.page_table):
+        block = pool.block_of[p]
+        if block is not None:
+            assert block.tenant == req.tenant, (f"{pool.spec.worker_id}: page {p} of {req.req_id!r} (tenant "
+                                                f"{req.tenant!r}) holds a block of tenant {block.tenant!r}")
+            assert block.block_index == i, (f"{pool.spec.worker_id}: page {p} is position {i} of {req.req_id!r} "
+                                            f"but holds block {block.block_index}")
+
+
+def _check_index(pool: PagePool) -> None:
+    w = pool.spec.worker_id
+    for h, block in pool.index.items():
+        assert block.block_hash == h, f"{w}: index entry {h.hex()} holds block {block.block_hash.hex()}"
+        assert 0 <= block.page_id < pool.spec.num_pages, f"{w}: block {h.hex()} page {block.page_id} out of range"
+        assert pool.block_of[block.page_id] is block, f"{w}: block {h.hex()} is not block_of[{block.page_id}]"
+    num_blocks = sum(1 for b in pool.block_of if b is not None)
+    assert num_blocks == len(pool.index), f"{w}: {num_blocks} pages hold blocks, {len(pool.index)} indexed"
+
+
+def _check_lists(pool: PagePool) -> None:
+    w = pool.spec.worker_id
+    free, evictable = list(pool.free), list(pool.evictable)
+    assert len(set(free)) == len(free), f"{w}: duplicate pages on the free list"
+    assert not set(free) & set(evictable), f"{w}: pages both free and evictable: {sorted(set(free) & set(evictable))}"
+    for p in free:
+        assert pool.ref_cnt[p] == 0 and pool.block_of[p] is None, f"{w}: free page {p} is held or cached"
+    for p in evictable:
+        block = pool.block_of[p]
+        assert pool.ref_cnt[p] == 0 and block is not None and not block.pinned, (
+            f"{w}: evictable page {p} is held, holds no block, or is pinned")
+    idle = [p for p in range(pool.spec.num_pages) if pool.ref_cnt[p] == 0]
+    want_free = {p for p in idle if pool.block_of[p] is None}
+    want_lru = {p for p in idle if pool.block_of[p] is not None and not pool.block_of[p].pinned}
+    assert set(free) == want_free, f"{w}: free pages missing from the free list: {sorted(want_free - set(free))}"
+    assert set(evictable) == want_lru, f"{w}: cached pages missing from the LRU: {sorted(want_lru - set(evictable))}"
+    num_used = sum(1 for c in pool.ref_cnt if c > 0)
+    num_cached = len(idle) - len(want_free)
+    assert num_used + num_cached + len(free) == pool.spec.num_pages, (
+        f"{w}: used {num_used} + cached {num_cached} + free {len(free)} != {pool.spec.num_pages} pages")

