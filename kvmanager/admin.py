@@ -340,7 +340,7 @@ def _set_pinned(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_
             if block.pinned != pinned:
                 pool.set_pinned(block, pinned)
                 if not pinned:  # it joins the LRU's most recent end; a reload orders the LRU by last_used
-                    pool.touch(block, mgr.clock)
+                    pool.touch(block, mgr.tick())
                 _record(mgr, pool, block)
                 changed += 1
         reached += len(blocks)

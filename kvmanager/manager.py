@@ -7,6 +7,8 @@ Out of pages is a result (OUT_OF_PAGES with num_pages_short), never an exception
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from kvserve.kvmanager.errors import InvalidRequest, StaleEpoch, UnknownRequest, UnknownWorker
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
 from kvserve.kvmanager.placement import choose_pool
@@ -30,6 +32,8 @@ from kvserve.kvmanager.types import (
     StepResults,
 )
 
+RECENT_RESULTS = 1 << 16
+
 
 class KVManager:
     """In-memory owner of every page. Not thread-safe: the servicer serialises calls."""
@@ -40,8 +44,11 @@ class KVManager:
         self.stale: dict[str, Request] = {}  # requests whose pool epoch was replaced
         self.tenants: dict[str, TenantCounters] = {}
         self.load_penalty_pages = load_penalty_pages
-        self.clock = 0  # logical time: orders the LRU across restarts
+        self.clock = 0  # logical time, one tick per event: block.last_used orders the LRU across restarts
         self.changes = Changes()
+        # Answers that no live request record can hold (frees, OUT_OF_PAGES allocations), for retried calls:
+        # (kind, req_id) -> (step_id, result). Bounded; not persisted (after a restart such ops re-evaluate).
+        self.recent: OrderedDict[tuple[str, str], tuple[int, object]] = OrderedDict()
 
     # -- registration ---------------------------------------------------------------------------------
     def register_worker(self, spec: PoolSpec) -> RegisterResult:
@@ -90,7 +97,6 @@ class KVManager:
         """Applies one scheduler step's page ops. Raises InvalidRequest, UnknownWorker, UnknownRequest or
         StaleStep with nothing applied."""
         validate_step(self, ops)
-        self.clock += 1
         out = StepResults()
         touched: set[str] = set()
         out.frees = [self._replay_or(ops.step_id, "free", f.req_id, lambda f=f: self._free(f, touched))
@@ -101,18 +107,31 @@ class KVManager:
                           for e in ops.extensions]
         out.allocations = [self._replay_or(ops.step_id, "allocate", a.req_id, lambda a=a: self._allocate(a, touched))
                            for a in ops.allocations]
-        out.pools = [PoolSummary(w, p.spec.epoch, p.num_free, p.num_evictable)
-                     for w, p in sorted(self.pools.items()) if w in touched]
+        out.pools = [PoolSummary(w, p.spec.epoch, p.num_free, p.num_evictable) for w, p in sorted(self.pools.items())]
         return out
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
 
     def _replay_or(self, step_id: int, kind: str, req_id: str, apply):
         req = self.requests.get(req_id) or self.stale.get(req_id)
         if req is not None and req.is_replay(kind, step_id):
             return req.last_ops[kind][1]
+        remembered = self.recent.get((kind, req_id))
+        if step_id and remembered is not None and remembered[0] == step_id:
+            return remembered[1]
         result = apply()
+        if not step_id:
+            return result
         req = self.requests.get(req_id) or self.stale.get(req_id)
-        if step_id and req is not None:
+        if req is not None:
             req.last_ops[kind] = (step_id, result)
+        else:
+            self.recent[(kind, req_id)] = (step_id, result)
+            self.recent.move_to_end((kind, req_id))
+            if len(self.recent) > RECENT_RESULTS:
+                self.recent.popitem(last=False)
         return result
 
     # -- ops ------------------------------------------------------------------------------------------
@@ -122,9 +141,10 @@ class KVManager:
             return AllocateResult(op.req_id, OpStatus.OUT_OF_PAGES, num_pages_short=choice.num_pages_short)
         pool, hits, seed = choice.pool, choice.hits, choice.seed
         spec = pool.spec
+        self.stale.pop(op.req_id, None)  # a re-queued request may reuse the id of its dropped incarnation
         for block in hits:
             pool.acquire(block.page_id)
-            pool.touch(block, self.clock)
+            pool.touch(block, self.tick())
             self.changes.blocks[(spec.worker_id, block.block_hash)] = block.tenant
         num_pages = -(-len(op.token_ids) // spec.page_size)
         fresh, evicted = pool.allocate(num_pages - len(hits))
@@ -172,7 +192,7 @@ class KVManager:
             prev = req.block_hashes[-1] if req.block_hashes else req.seed
             for h in chain_hashes(prev, op.token_ids, page_size):
                 index = len(req.block_hashes)
-                block = Block(h, prev, req.tenant, req.page_table[index], index, self.clock)
+                block = Block(h, prev, req.tenant, req.page_table[index], index, self.tick())
                 if pool.cache_block(block):
                     self.changes.blocks[(req.worker_id, h)] = req.tenant
                 req.block_hashes.append(h)
@@ -192,6 +212,10 @@ class KVManager:
         pool = self.pools[req.worker_id]
         for page_id in reversed(req.page_table):  # tail first: the chain's end is evicted first
             pool.release(page_id)
+            block = pool.block_of[page_id]
+            if block is not None and pool.ref_cnt[page_id] == 0:  # joins the LRU: stamp its place in it
+                pool.touch(block, self.tick())
+                self.changes.blocks[(req.worker_id, block.block_hash)] = block.tenant
         pool.num_requests -= 1
         touched.add(req.worker_id)
         self.changes.requests[op.req_id] = req.tenant

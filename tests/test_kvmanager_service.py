@@ -248,7 +248,8 @@ def test_inspect_tenant_lists_blocks_most_recent_first_and_longest_prefixes(kv):
     cached_prompt(kv, "z", tenant="Z")  # another tenant's blocks are not listed
     r = kv.admin.InspectTenant(pb.InspectTenantRequest(tenant="A"))
     assert (r.stats.tenant, r.stats.num_blocks, r.stats.num_requests) == ("A", 4, 0)
-    assert [(b.block_index, b.page_id) for b in r.blocks][0] == (1, 4)  # b's block 1: the latest commit
+    # b was freed last, tail first: its block 1 (page 4), then the shared block 0 (page 0) joined the LRU's end
+    assert [(b.block_index, b.page_id) for b in r.blocks][:2] == [(0, 0), (1, 4)]
     assert [b.last_used for b in r.blocks] == sorted((b.last_used for b in r.blocks), reverse=True)
     by_hash = {b.block_hash: b for b in r.blocks}
     assert all(len(h) == 32 for h in by_hash) and {b.parent_block_hash for b in r.blocks if b.block_index == 0} == {""}

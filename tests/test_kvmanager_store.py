@@ -141,8 +141,6 @@ def normalised(results):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="KVManager stamps block.last_used at commit/hit, not when a page joins "
-                   "the LRU, so the in-memory LRU order (release order, tail first) cannot be rebuilt")
 def test_restart_keeps_the_lru_eviction_order(client):
     svc = new_service(client)
     svc.register_worker(spec("w0", num_pages=6))

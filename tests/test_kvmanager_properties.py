@@ -1,0 +1,584 @@
+"""Property-based test of the kvmanager domain (hypothesis.stateful): random step calls across tenants and
+workers, with the invariants checked after every step.
+
+The model keeps each request's own tokens and page table, and what every page holds: a commit writes
+``content[(worker, epoch, page_id)] = (tenant, tokens from position 0 to the end of that page)``; a page handed
+out fresh holds nothing. A prefix hit is correct only if each hit page holds exactly the same tenant's same
+tokens, so a hit across tenants, on a dead epoch's page or on a reused page fails whatever the hash does::
+
+    prompt   | page 0 | page 1 | page 2 |..      num_cached_tokens = 8
+    hit      |  p3    |  p0    |          <- content[p3] == (tenant, prompt[:4]), content[p0] == (tenant, prompt[:8])
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvserve.kvmanager.errors import KVManagerError, StaleEpoch, UnknownTenant
+from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
+from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps
+
+try:
+    from kvserve.kvmanager.invariants import check_invariants
+except ImportError:
+    check_invariants = None
+try:
+    from kvserve.kvmanager.admin import evict_tenant
+except ImportError:
+    evict_tenant = None
+
+PS = 4  # page size
+WORKERS = ("w0", "w1")
+TENANTS = ("A", "B", "C")
+PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9), (20, 21, 22, 23))  # shared by all tenants
+MAX_TOKENS = 24  # per request: fits the smallest pool (6 pages)
+OK, SHORT, STALE = OpStatus.OK, OpStatus.OUT_OF_PAGES, OpStatus.STALE_EPOCH
+
+
+def spec_for(worker: str, epoch: int, num_pages: int) -> PoolSpec:
+    return PoolSpec(worker, epoch, num_pages, PS, "fp", "float32", 64)
+
+
+def seed_of(tenant: str) -> bytes:
+    return namespace_seed(tenant, "fp", "float32", PS)
+
+
+def pages_for(num_tokens: int) -> int:
+    return -(-num_tokens // PS)
+
+
+def _block(b):
+    return None if b is None else (b.block_hash, b.parent_hash, b.tenant, b.page_id, b.block_index, b.last_used,
+                                   b.pinned)
+
+
+def snapshot(mgr: KVManager, volatile: bool = True):
+    """Everything the manager holds, as plain data. ``volatile`` adds the clock and the unwritten changes."""
+    pools = {w: (p.spec, tuple(p.ref_cnt), tuple(map(_block, p.block_of)),
+                 sorted((h, _block(b)) for h, b in p.index.items()), tuple(p.free), tuple(p.evictable),
+                 p.num_requests, p.num_evicted) for w, p in mgr.pools.items()}
+
+    def reqs(d):
+        return {k: (r.tenant, r.worker_id, r.epoch, tuple(r.page_table), r.seed, tuple(r.block_hashes),
+                    r.num_prompt_tokens, r.num_committed_tokens, r.skip_prefix_cache, copy.deepcopy(r.last_ops))
+                for k, r in d.items()}
+
+    tenants = {t: (c.prefix_query_tokens, c.prefix_hit_tokens) for t, c in mgr.tenants.items()}
+    out = (pools, reqs(mgr.requests), reqs(mgr.stale), tenants, mgr.load_penalty_pages)
+    if volatile:
+        ch = mgr.changes
+        out += (mgr.clock, dict(ch.requests), dict(ch.blocks), set(ch.pools), ch.counters, ch.reset)
+    return out
+
+
+@dataclass
+class ModelReq:
+    tenant: str
+    worker: str
+    epoch: int
+    tokens: list[int]  # everything computed so far: prompt, then generated tokens
+    page_table: list[int]
+    num_committed: int
+    skip: bool
+
+
+@dataclass
+class Pre:
+    """A pool before a single-op call: the oracle for placement, hits, out-of-pages and eviction order."""
+
+    free: list[int]
+    evictable: list[int]
+    blocks: dict[tuple[str, tuple[int, ...]], int]  # (tenant, prefix) of every indexed block -> page_id
+    num_requests: int
+    hits: list[int] = field(default_factory=list)
+
+
+class KVManagerMachine(RuleBasedStateMachine):
+    # Sub-cases that once hit bugs (fixed); their minimal reproductions stay at the end of this file.
+    reuse_stale_ids = True
+    retry_stale_frees = True
+    retry_short_before_ok = True
+
+    def __init__(self):
+        super().__init__()
+        self.mgr = KVManager()
+        self.epoch: dict[str, int] = {}
+        self.num_pages: dict[str, int] = {}
+        self.live: dict[str, ModelReq] = {}
+        self.stale: dict[str, ModelReq] = {}
+        self.gone: set[str] = set()
+        self.committed: dict[tuple[str, int, str], set[tuple[int, ...]]] = defaultdict(set)
+        self.content: dict[tuple[str, int, int], tuple[str, tuple[int, ...]]] = {}
+        self.counters: dict[str, list[int]] = {}
+        self.histories: list[tuple[int, ...]] = []
+        self.pending: dict[str, list[int]] = {}  # req_id -> its tokens once the extension in flight succeeds
+        self.num_ids = self.num_steps = 0
+        self.last = None  # (ops, results, snapshot after) of the latest call with a step_id
+
+    # -- plain actions (the fixed-bug repros call these directly) -----------------------------------------------
+    def setup(self, sizes):
+        for w, n in zip(WORKERS, sizes, strict=True):
+            self.register(w, 1, n)
+
+    def register(self, w: str, epoch: int, num_pages: int) -> None:
+        res = self.mgr.register_worker(spec_for(w, epoch, num_pages))
+        dropped = sorted(rid for rid, m in self.live.items() if m.worker == w)
+        assert res.dropped_req_ids == tuple(dropped) and res.previous_epoch == self.epoch.get(w, 0)
+        for rid in dropped:
+            self.stale[rid] = self.live.pop(rid)
+        self.epoch[w], self.num_pages[w], self.last = epoch, num_pages, None
+
+    def call(self, ops: StepOps):
+        single = len(ops.allocations) + len(ops.extensions) + len(ops.commits) + len(ops.frees) == 1
+        pre = self.pre_state() if single else None
+        res = self.mgr.step(ops)
+        assert [len(res.allocations), len(res.extensions), len(res.commits), len(res.frees)] == [
+            len(ops.allocations), len(ops.extensions), len(ops.commits), len(ops.frees)]
+        for f, r in zip(ops.frees, res.frees, strict=True):
+            self.absorb_free(f, r)
+        for c, r in zip(ops.commits, res.commits, strict=True):
+            self.absorb_commit(c, r)
+        for e, r in zip(ops.extensions, res.extensions, strict=True):
+            self.absorb_extend(e, r, pre)
+        for a, r in zip(ops.allocations, res.allocations, strict=True):
+            self.absorb_allocate(a, r, pre)
+        self.pending.clear()
+        self.last = (ops, copy.deepcopy(res), snapshot(self.mgr, volatile=False)) if ops.step_id else None
+        self.check_all()  # after every call, also inside rules that make several
+        return res
+
+    def retry(self) -> None:
+        """The same call again: the same answers, and nothing applied twice."""
+        ops, res, after = self.last
+        again = self.mgr.step(ops)
+        # pool summaries describe the pools now, not the ops: not compared
+        assert (again.allocations, again.extensions, again.commits, again.frees) == (
+            res.allocations, res.extensions, res.commits, res.frees)
+        assert snapshot(self.mgr, volatile=False) == after
+
+    def extend_to(self, rid: str, new_tokens: list[int]) -> Extend:
+        self.pending[rid] = self.live[rid].tokens + list(new_tokens)
+        return Extend(rid, len(self.pending[rid]))
+
+    # -- absorbing results into the model, with per-op checks ---------------------------------------------
+    def absorb_free(self, f: Free, r) -> None:
+        if f.req_id in self.live:
+            assert r.status is OK
+            del self.live[f.req_id]
+            self.gone.add(f.req_id)
+        elif f.req_id in self.stale:
+            assert r.status is STALE, r
+            del self.stale[f.req_id]
+            self.gone.add(f.req_id)
+        else:
+            assert r.status is OK  # freeing twice is harmless
+
+    def absorb_commit(self, c: Commit, r) -> None:
+        if c.req_id in self.stale:
+            assert r.status is STALE
+            return
+        m = self.live[c.req_id]
+        end = c.start_pos + len(c.token_ids)
+        assert r.status is OK and r.num_committed_tokens == end
+        for i in range(c.start_pos // PS, end // PS):
+            prefix = tuple(m.tokens[: (i + 1) * PS])
+            self.content[(m.worker, m.epoch, m.page_table[i])] = (m.tenant, prefix)
+            if not m.skip:
+                self.committed[(m.worker, m.epoch, m.tenant)].add(prefix)
+        m.num_committed = end
+        self.histories.append(tuple(m.tokens))
+
+    def absorb_extend(self, e: Extend, r, pre) -> None:
+        if e.req_id in self.stale:
+            assert r.status is STALE and not r.new_page_ids
+            return
+        m = self.live[e.req_id]
+        need = pages_for(e.num_tokens) - len(m.page_table)
+        if pre is not None:  # single op: exact pages, FIFO free list first, then the LRU head
+            p = pre[m.worker]
+            avail = len(p.free) + len(p.evictable)
+            assert (r.status is OK) == (need <= avail), (r, need, avail)
+            assert r.status is OK or r.num_pages_short == need - avail
+            assert r.status is not OK or r.new_page_ids == (p.free + p.evictable)[: max(need, 0)]
+        if r.status is SHORT:
+            assert need > 0 and r.num_pages_short > 0 and not r.new_page_ids and r.num_pages == len(m.page_table)
+            return
+        assert r.status is OK and len(r.new_page_ids) == max(need, 0)
+        for page_id in r.new_page_ids:
+            assert self.mgr.pools[m.worker].ref_cnt[page_id] == 1  # a fresh page has exactly one holder
+            self.content.pop((m.worker, m.epoch, page_id), None)
+        m.page_table += r.new_page_ids
+        m.tokens = self.pending[e.req_id]
+        assert r.num_pages == len(m.page_table)
+
+    def absorb_allocate(self, a: Allocate, r, pre) -> None:
+        if pre is not None:
+            self.check_placement(a, r, pre)
+        if r.status is SHORT:
+            assert r.num_pages_short > 0 and not r.page_table and a.req_id not in self.mgr.requests
+            return
+        assert r.status is OK and r.worker_id in WORKERS and (r.worker_id == a.worker_id or not a.worker_id)
+        w, e, pt = r.worker_id, self.epoch[r.worker_id], r.page_table
+        assert r.epoch == e, "an allocation named a dead epoch"
+        assert len(pt) == pages_for(len(a.token_ids)) and len(set(pt)) == len(pt)
+        assert all(0 <= p < self.num_pages[w] for p in pt)
+        k, rem = divmod(r.num_cached_tokens, PS)
+        assert rem == 0 and r.num_cached_tokens <= (len(a.token_ids) - 1) // PS * PS
+        assert not (a.skip_prefix_cache and k)
+        if k:  # a hit is explained by this tenant's own commits on this pool incarnation, page by page
+            assert a.token_ids[: k * PS] in self.committed[(w, e, a.tenant)], "hit not explained by own commits"
+            for i in range(k):
+                assert self.content.get((w, e, pt[i])) == (a.tenant, a.token_ids[: (i + 1) * PS]), "wrong hit"
+        for page_id in pt[k:]:
+            assert self.mgr.pools[w].ref_cnt[page_id] == 1  # a fresh page has exactly one holder
+            self.content.pop((w, e, page_id), None)
+        self.stale.pop(a.req_id, None)
+        self.gone.discard(a.req_id)
+        self.live[a.req_id] = ModelReq(a.tenant, w, e, list(a.token_ids), list(pt), k * PS, a.skip_prefix_cache)
+        counters = self.counters.setdefault(a.tenant, [0, 0])
+        if not a.skip_prefix_cache:
+            counters[0] += len(a.token_ids)
+            counters[1] += k * PS
+        self.histories.append(a.token_ids)
+
+    def pre_state(self) -> dict[str, Pre]:
+        out = {}
+        for w, pool in self.mgr.pools.items():
+            blocks = {self.content.get((w, pool.spec.epoch, b.page_id)): b.page_id for b in pool.index.values()}
+            out[w] = Pre(list(pool.free), list(pool.evictable), blocks, pool.num_requests)
+        return out
+
+    def check_placement(self, a: Allocate, r, pre: dict[str, Pre]) -> None:
+        """Single allocation: the longest indexed prefix, the documented placement rule, exact fresh pages."""
+        shorts, keys = {}, {}
+        for w in [a.worker_id] if a.worker_id else sorted(pre):
+            p = pre[w]
+            p.hits = []
+            for i in range(0 if a.skip_prefix_cache else (len(a.token_ids) - 1) // PS):
+                page_id = p.blocks.get((a.tenant, a.token_ids[: (i + 1) * PS]))
+                if page_id is None:
+                    break
+                p.hits.append(page_id)
+            avail = len(p.free) + len(p.evictable) - sum(1 for h in p.hits if h in p.evictable)
+            shorts[w] = pages_for(len(a.token_ids)) - len(p.hits) - avail
+            if shorts[w] <= 0:
+                keys[w] = (len(p.hits) - self.mgr.load_penalty_pages * p.num_requests, avail)
+        if not keys:
+            assert r.status is SHORT and r.num_pages_short == min(shorts.values()), (r, shorts)
+            return
+        best = max(keys.values())
+        assert r.status is OK and r.worker_id == min(w for w, key in keys.items() if key == best), (r, keys)
+        p = pre[r.worker_id]
+        fresh = (p.free + [e for e in p.evictable if e not in p.hits])[: len(r.page_table) - len(p.hits)]
+        assert r.page_table == p.hits + fresh and r.num_cached_tokens == len(p.hits) * PS, (r, p)
+
+    # -- invariants -------------------------------------------------------------------------------------
+    def check_all(self) -> None:
+        mgr = self.mgr
+        assert {w: (p.spec.epoch, p.spec.num_pages) for w, p in mgr.pools.items()} == {
+            w: (self.epoch[w], self.num_pages[w]) for w in self.epoch}
+        for w, pool in mgr.pools.items():
+            self.check_pool(w, pool)
+        assert set(mgr.requests) == set(self.live) and set(mgr.stale) == set(self.stale)
+        for rid, m in self.live.items():
+            r = mgr.requests[rid]
+            assert (r.tenant, r.worker_id, r.epoch, r.page_table, r.num_committed_tokens, r.skip_prefix_cache) == (
+                m.tenant, m.worker, m.epoch, m.page_table, m.num_committed, m.skip), rid
+            assert r.epoch == mgr.pools[r.worker_id].spec.epoch, "a live request holds pages of a dead epoch"
+            assert len(m.page_table) == pages_for(len(m.tokens))
+            if not m.skip:
+                assert r.block_hashes == chain_hashes(seed_of(m.tenant), m.tokens[: m.num_committed], PS)
+        assert {t: [c.prefix_query_tokens, c.prefix_hit_tokens] for t, c in mgr.tenants.items()} == self.counters
+        if check_invariants is not None:
+            check_invariants(mgr)
+
+    def check_pool(self, w: str, pool) -> None:
+        n, e = pool.spec.num_pages, pool.spec.epoch
+        holders: list[list[int]] = [[] for _ in range(n)]  # positions in the holders' page tables
+        for r in self.mgr.requests.values():
+            if r.worker_id == w:
+                assert len(set(r.page_table)) == len(r.page_table), f"{r.req_id} holds a page twice"
+                for i, page_id in enumerate(r.page_table):
+                    assert 0 <= page_id < n
+                    holders[page_id].append(i)
+        free, evictable = list(pool.free), list(pool.evictable)
+        assert len(set(free)) == len(free) and not set(free) & set(evictable)
+        num_used = num_cached = 0
+        for page_id in range(n):
+            ref, block = pool.ref_cnt[page_id], pool.block_of[page_id]
+            assert ref == len(holders[page_id]), f"{w} page {page_id}: ref_cnt {ref} != {len(holders[page_id])}"
+            if ref > 1:  # only an indexed block is shared, and always at its own position
+                assert block is not None and pool.index.get(block.block_hash) is block, f"page {page_id} shared"
+                assert set(holders[page_id]) == {block.block_index}
+            if ref:
+                num_used += 1
+                assert page_id not in free and page_id not in pool.evictable
+            elif block is None:
+                assert page_id in free
+            else:
+                num_cached += 1
+                assert (page_id in pool.evictable) != block.pinned
+        assert (pool.num_used, pool.num_cached, pool.num_free) == (num_used, num_cached, n - num_used - num_cached)
+        assert pool.num_requests == sum(1 for m in self.live.values() if m.worker == w)
+        assert sum(1 for b in pool.block_of if b is not None) == len(pool.index)
+        for h, b in pool.index.items():
+            assert b.block_hash == h and 0 <= b.page_id < n and pool.block_of[b.page_id] is b
+            tenant, prefix = self.content.get((w, e, b.page_id), ("", ()))  # the page holds what the block says
+            assert tenant == b.tenant and len(prefix) == (b.block_index + 1) * PS, f"{w} page {b.page_id} holds {b}"
+            chain = chain_hashes(seed_of(tenant), prefix, PS)
+            assert chain[-1] == h and b.parent_hash == ([seed_of(tenant)] + chain)[-2]
+            assert prefix in self.committed[(w, e, tenant)]
+
+    @invariant()
+    def invariants_hold(self):
+        self.check_all()
+
+    # -- drawing ops ------------------------------------------------------------------------------------
+    def new_id(self) -> str:
+        self.num_ids += 1
+        return f"r{self.num_ids}"
+
+    def next_step(self, data) -> int:
+        if data.draw(st.integers(0, 5)) == 0:
+            return 0  # no idempotency tracking
+        self.num_steps += 1
+        return self.num_steps
+
+    def draw_prompt(self, data) -> tuple[int, ...]:
+        base = data.draw(st.sampled_from(PREFIXES + tuple(self.histories[-6:])))
+        k = max(0, min(len(base), 12) // PS - data.draw(st.sampled_from((0, 0, 0, 1, 2))))  # mostly all of it
+        suffix = data.draw(st.lists(st.integers(0, 3), min_size=0 if k else 1, max_size=5))
+        return tuple(base[: k * PS]) + tuple(suffix)  # no suffix: page-aligned, the last page is recomputed
+
+    def alloc_op(self, data, req_id: str | None = None, prompt: tuple[int, ...] = ()) -> Allocate:
+        if req_id is None:
+            reuse = sorted(self.gone - set(self.live))
+            req_id = data.draw(st.sampled_from(reuse)) if reuse and data.draw(st.integers(0, 4)) == 0 else None
+        tenant = data.draw(st.sampled_from(TENANTS[:1] * 3 + TENANTS))  # mostly one tenant: more hits
+        worker = data.draw(st.sampled_from(("", "") + WORKERS[:1] * 3 + WORKERS))
+        return Allocate(req_id or self.new_id(), tenant, prompt or self.draw_prompt(data), worker,
+                        data.draw(st.integers(0, 4)) == 0)
+
+    def extend_op(self, rid: str, data) -> Extend | None:
+        room = MAX_TOKENS - len(self.live[rid].tokens)
+        if room <= 0:
+            return None
+        return self.extend_to(rid, data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=min(6, room))))
+
+    def commit_op(self, rid: str, data) -> Commit | None:
+        m = self.live[rid]
+        num_new = (len(m.tokens) // PS * PS - m.num_committed) // PS
+        end = m.num_committed + PS * data.draw(st.integers(min(1, num_new), num_new))
+        return Commit(rid, m.num_committed, tuple(m.tokens[m.num_committed : end]), len(m.tokens))
+
+    # -- rules ------------------------------------------------------------------------------------------
+    @initialize(sizes=st.tuples(st.integers(6, 12), st.integers(6, 12)))
+    def init_pools(self, sizes):
+        self.setup(sizes)
+
+    @rule(data=st.data())
+    def allocate(self, data):
+        """A new request; usually its prompt is then computed and committed, and sometimes it finishes."""
+        r = self.call(StepOps(self.next_step(data), allocations=(self.alloc_op(data),))).allocations[0]
+        if r.status is not OK or data.draw(st.integers(0, 3)) == 0:
+            return
+        self.call(StepOps(self.next_step(data), commits=(self.commit_op(r.req_id, data),)))
+        if data.draw(st.integers(0, 2)):
+            self.call(StepOps(self.next_step(data), frees=(Free(r.req_id),)))
+
+    @precondition(lambda self: self.reuse_stale_ids and self.stale)
+    @rule(data=st.data())
+    def allocate_stale_id(self, data):
+        op = self.alloc_op(data, data.draw(st.sampled_from(sorted(self.stale))))
+        before = snapshot(self.mgr)
+        try:
+            self.call(StepOps(self.next_step(data), allocations=(op,)))
+        except KVManagerError:  # refusing a still-stale req_id is fine, if nothing changed
+            assert snapshot(self.mgr) == before
+
+    @precondition(lambda self: any(p.num_evictable for p in self.mgr.pools.values()))
+    @rule(data=st.data())
+    def allocate_under_pressure(self, data):
+        """Fresh tokens that need more pages than are free: the LRU head is evicted (checked exactly)."""
+        w = data.draw(st.sampled_from([w for w, p in self.mgr.pools.items() if p.num_evictable]))
+        pool = self.mgr.pools[w]
+        num = min(MAX_TOKENS // PS, pool.num_free + data.draw(st.integers(1, pool.num_evictable)))
+        tokens = tuple(range(1000 + 100 * self.num_ids, 1000 + 100 * self.num_ids + num * PS))
+        op = Allocate(self.new_id(), data.draw(st.sampled_from(TENANTS)), tokens, w, data.draw(st.booleans()))
+        self.call(StepOps(self.next_step(data), allocations=(op,)))
+
+    @precondition(lambda self: self.live or self.stale)
+    @rule(data=st.data())
+    def extend(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live) + sorted(self.stale)))
+        if rid in self.stale:
+            op = Extend(rid, len(self.stale[rid].tokens) + 1)
+        else:
+            op = self.extend_op(rid, data)
+        if op is not None:
+            self.call(StepOps(self.next_step(data), extensions=(op,)))
+
+    @precondition(lambda self: self.live or self.stale)
+    @rule(data=st.data())
+    def commit(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live) + sorted(self.stale)))
+        if rid in self.stale:
+            m = self.stale[rid]
+            op = Commit(rid, m.num_committed, tuple(m.tokens[m.num_committed : m.num_committed + PS]), 0)
+        else:
+            op = self.commit_op(rid, data)
+        self.call(StepOps(self.next_step(data), commits=(op,)))
+
+    @rule(data=st.data())
+    def free(self, data):
+        kinds = [k for k, ids in (("live", self.live), ("stale", self.stale), ("gone", self.gone)) if ids]
+        kind = data.draw(st.sampled_from(kinds + ["unknown"]))
+        ids = {"live": self.live, "stale": self.stale, "gone": self.gone}.get(kind, {"ghost"})
+        self.call(StepOps(self.next_step(data), frees=(Free(data.draw(st.sampled_from(sorted(ids)))),)))
+
+    @rule(data=st.data())
+    def batch(self, data):
+        """One scheduler step for several requests: frees, commits, extensions and new allocations."""
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.live)), unique=True, max_size=3)) if self.live else []
+        frees, commits, extensions = [], [], []
+        for rid in chosen:
+            kind = data.draw(st.sampled_from(("free", "commit", "extend", "both")))
+            if kind == "free":
+                frees.append(Free(rid))
+            if kind in ("commit", "both"):
+                commits.append(self.commit_op(rid, data))
+            if kind in ("extend", "both") and (op := self.extend_op(rid, data)) is not None:
+                extensions.append(op)
+        shared = self.draw_prompt(data) if data.draw(st.booleans()) else ()  # computed twice: a duplicate block
+        allocations = [self.alloc_op(data, self.new_id(), shared) for _ in range(data.draw(st.integers(0, 3)))]
+        self.call(StepOps(self.next_step(data), tuple(allocations), tuple(extensions), tuple(commits), tuple(frees)))
+
+    @rule(data=st.data())
+    def reregister(self, data):
+        w = data.draw(st.sampled_from(WORKERS))
+        kind = data.draw(st.sampled_from(("newer", "same", "older", "same")))
+        if kind == "newer":
+            self.register(w, self.epoch[w] + data.draw(st.integers(1, 2)), data.draw(st.integers(6, 12)))
+            return
+        before = snapshot(self.mgr)
+        if kind == "same":  # idempotent: nothing dropped, nothing changed
+            assert self.mgr.register_worker(spec_for(w, self.epoch[w], self.num_pages[w])).dropped_req_ids == ()
+        elif self.epoch[w] > 1:
+            with pytest.raises(StaleEpoch):
+                self.mgr.register_worker(spec_for(w, self.epoch[w] - 1, self.num_pages[w]))
+        assert snapshot(self.mgr) == before
+
+    def retry_is_tested(self) -> bool:
+        if self.last is None:
+            return False
+        ops, res, _ = self.last
+        stale_free = any(r.status is STALE for r in res.frees)
+        pairs = list(zip(ops.allocations, res.allocations, strict=True))
+        short_before_ok = any(r.status is SHORT and any(r2.status is OK and a.worker_id in ("", r2.worker_id)
+                                                        for _, r2 in pairs[i + 1 :])
+                              for i, (a, r) in enumerate(pairs))
+        return (self.retry_stale_frees or not stale_free) and (self.retry_short_before_ok or not short_before_ok)
+
+    @precondition(retry_is_tested)
+    @rule()
+    def retry_last_call(self):
+        self.retry()
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def bad_call(self, data):
+        """One bad op among good ones: the call raises and changes nothing."""
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        m, slots = self.live[rid], len(self.live[rid].page_table) * PS
+        nc = m.num_committed
+        bad = data.draw(st.sampled_from((
+            StepOps(allocations=(Allocate("x", "", (1,)),)),
+            StepOps(allocations=(Allocate("x", "A", (1,), "nope"),)),
+            StepOps(allocations=(Allocate("x", "A", (1 << 32,)),)),
+            StepOps(allocations=(Allocate("x", "A", tuple(range(60))),)),
+            StepOps(allocations=(Allocate(rid, "A", (1, 2)),)),
+            StepOps(extensions=(Extend("ghost", 4),)),
+            StepOps(extensions=(Extend(rid, 0),)),
+            StepOps(extensions=(Extend(rid, 1000),)),
+            StepOps(commits=(Commit(rid, nc, (1, 2, 3), slots),)),
+            StepOps(commits=(Commit(rid, nc + PS, (1, 2, 3, 4), slots),)),
+            StepOps(commits=(Commit(rid, nc, (), slots + 1),)),
+            StepOps(frees=(Free(rid), Free(rid))),
+            StepOps(-1),
+        )))
+        others = sorted(set(self.live) - {rid})
+        good_free = (Free(data.draw(st.sampled_from(others))),) if others and data.draw(st.booleans()) else ()
+        good_alloc = (self.alloc_op(data, self.new_id()),) if data.draw(st.booleans()) else ()
+        step_id = bad.step_id if bad.step_id < 0 else self.num_steps + 1
+        ops = StepOps(step_id, bad.allocations + good_alloc, bad.extensions, bad.commits, bad.frees + good_free)
+        before = snapshot(self.mgr)
+        with pytest.raises(KVManagerError):
+            self.mgr.step(ops)
+        assert snapshot(self.mgr) == before
+
+    @precondition(lambda self: evict_tenant is not None)
+    @rule(tenant=st.sampled_from(TENANTS))
+    def evict_a_tenant(self, tenant):
+        before = snapshot(self.mgr)
+        cached = [sum(1 for b in p.index.values() if b.tenant == tenant and not p.ref_cnt[b.page_id])
+                  for p in self.mgr.pools.values()]
+        try:
+            res = evict_tenant(self.mgr, tenant)
+        except UnknownTenant:
+            assert snapshot(self.mgr) == before
+            return
+        assert res.num_evicted_blocks == sum(cached)  # nothing is pinned here
+        self.last = None
+        self.counters = {t: [c.prefix_query_tokens, c.prefix_hit_tokens] for t, c in self.mgr.tenants.items()}
+        for pool in self.mgr.pools.values():
+            for page_id, b in enumerate(pool.block_of):
+                assert b is None or b.tenant != tenant or pool.ref_cnt[page_id] or b.pinned, "cached block kept"
+
+
+KVManagerMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestKVManagerProperties = KVManagerMachine.TestCase
+
+
+# -- fixed bugs: minimal reproductions, replayed through the same model and invariant checks ---------------
+def _machine(sizes=(8, 8)) -> KVManagerMachine:
+    m = KVManagerMachine()
+    m.setup(sizes)
+    return m
+
+
+def test_allocating_a_stale_req_id_again():
+    m = _machine()
+    m.call(StepOps(1, allocations=(Allocate("a", "A", (1, 2, 3, 4, 5), "w0"),)))
+    m.register("w0", 2, 8)
+    before = snapshot(m.mgr)
+    try:
+        m.call(StepOps(2, allocations=(Allocate("a", "A", (1, 2, 3, 4, 5), "w0"),)))
+    except KVManagerError:
+        assert snapshot(m.mgr) == before
+        return
+    m.check_all()
+
+
+def test_retried_free_of_a_stale_request():
+    m = _machine()
+    m.call(StepOps(1, allocations=(Allocate("a", "A", (1, 2, 3, 4, 5), "w0"),)))
+    m.register("w0", 2, 8)
+    m.call(StepOps(2, frees=(Free("a"),)))
+    m.retry()
+
+
+def test_retried_out_of_pages_before_an_allocation_that_fits():
+    m = _machine((6, 6))
+    m.call(StepOps(1, allocations=(Allocate("z", "A", tuple(range(8)), "w0"),)))  # 2 of 6 pages
+    m.call(StepOps(2, allocations=(Allocate("x", "A", tuple(range(24)), "w0"),  # 6 pages: short by 2
+                                   Allocate("y", "A", (1, 2, 3, 4, 5), "w0"))))  # 2 pages: fits
+    m.retry()
