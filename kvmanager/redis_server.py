@@ -10,8 +10,10 @@ kvmanager's latency budget). A graceful stop (SIGTERM) flushes and fsyncs the AO
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -22,6 +24,9 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 HOST = "127.0.0.1"
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def redis_server_executable() -> str:
@@ -48,6 +53,17 @@ def connect(url: str, timeout_s: float = 2.0) -> redis.Redis:
         health_check_interval=30,
         decode_responses=True,
     )
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: it gets SIGTERM when the thread that started it dies, even by kill -9,
+    so an embedded Redis never outlives its kvmanager (a restart would otherwise start a second server on the
+    same AOF). SIGTERM makes redis flush and fsync its AOF before it exits; acknowledged writes are already
+    in the OS page cache either way."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: no parent-death signal; stop() still cleans up
+        pass
 
 
 def _free_port() -> int:
@@ -100,7 +116,8 @@ class EmbeddedRedis:
             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
             "--daemonize", "no", "--logfile", str(self.log_path.resolve()),
         ]
-        return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)
 
     def _wait_ready(self, proc: subprocess.Popen, port: int) -> bool:
         """Polls PING until it answers (True), the process exits (False), or the deadline passes (raises)."""
