@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test protos lint bench bench-quick clean
+.PHONY: install model serve test protos lint bench bench-quick bench-kvmanager clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -44,6 +44,9 @@ bench: model
 
 bench-quick: model
 	$(PY) bench/bench_worker.py --quick
+
+bench-kvmanager: install
+	$(PY) bench/bench_kvmanager.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

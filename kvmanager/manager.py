@@ -145,7 +145,7 @@ class KVManager:
         for block in hits:
             pool.acquire(block.page_id)
             pool.touch(block, self.tick())
-            self.changes.blocks[(spec.worker_id, block.block_hash)] = block.tenant
+            self.changes.touched[(spec.worker_id, block.block_hash)] = block.tenant
         num_pages = -(-len(op.token_ids) // spec.page_size)
         fresh, evicted = pool.allocate(num_pages - len(hits))
         self._record_evicted(spec.worker_id, evicted)
@@ -215,7 +215,7 @@ class KVManager:
             block = pool.block_of[page_id]
             if block is not None and pool.ref_cnt[page_id] == 0:  # joins the LRU: stamp its place in it
                 pool.touch(block, self.tick())
-                self.changes.blocks[(req.worker_id, block.block_hash)] = block.tenant
+                self.changes.touched[(req.worker_id, block.block_hash)] = block.tenant
         pool.num_requests -= 1
         touched.add(req.worker_id)
         self.changes.requests[op.req_id] = req.tenant
@@ -239,6 +239,7 @@ class KVManager:
         newer = self.changes
         changes.requests.update(newer.requests)
         changes.blocks.update(newer.blocks)
+        changes.touched.update(newer.touched)
         changes.pools |= newer.pools
         changes.counters |= newer.counters
         changes.reset |= newer.reset

@@ -39,9 +39,11 @@ class Changes:
 
     requests: dict[str, str] = field(default_factory=dict)  # req_id -> tenant, upserted or deleted
     blocks: dict[tuple[str, bytes], str] = field(default_factory=dict)  # (worker_id, hash) -> tenant
+    # blocks whose only change is last_used (a hit, or joining the LRU): written as one small per-pool hash
+    touched: dict[tuple[str, bytes], str] = field(default_factory=dict)
     pools: set[str] = field(default_factory=set)  # worker_ids, upserted or deleted
     counters: bool = False
     reset: bool = False  # everything was dropped: the store deletes all before writing the rest
 
     def empty(self) -> bool:
-        return not (self.requests or self.blocks or self.pools or self.counters or self.reset)
+        return not (self.requests or self.blocks or self.touched or self.pools or self.counters or self.reset)

@@ -62,8 +62,8 @@ def _check_not_stale(mgr: KVManager, req_id: str, kind: str, step_id: int) -> No
 
 
 def _check_tokens(where: str, token_ids: tuple[int, ...]) -> None:
-    bad = next((t for t in token_ids if not 0 <= t <= MAX_TOKEN_ID), None)
-    if bad is not None:
+    if token_ids and (min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):  # C builtins: fast on long prompts
+        bad = next(t for t in token_ids if not 0 <= t <= MAX_TOKEN_ID)
         raise InvalidRequest(f"{where}: token id {bad} is not a uint32")
 
 

@@ -8,6 +8,8 @@ Key layout (variable segments percent-encoded, so ':' and glob characters in nam
     <prefix>:t:<tenant>:req:<req_id>                 a live request: pages, hash chain, last_ops for retried calls
     <prefix>:t:<tenant>:stale:<req_id>               a request whose pool epoch was replaced (answers STALE_EPOCH)
     <prefix>:t:<tenant>:blk:<worker_id>:<hash hex>   a cached block: parent, page_id, block_index, last_used, ...
+    <prefix>:lru:<worker_id>                         hash: block hash hex -> last_used, for blocks only touched
+                                                     (a hit or a release rewrites one field, not the block)
 
 Values are compact JSON strings. Everything a tenant owns lies under ``<prefix>:t:<tenant>:`` (one SCAN MATCH
 lists or evicts it). Ref_cnts, the free list and the LRU are not stored: recovery.py derives them on load.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import asdict, dataclass, field, fields
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import redis
 
@@ -71,6 +73,9 @@ class Keys:
     def block(self, tenant: str, worker_id: str, block_hash: bytes) -> str:
         return f"{self.tenant(tenant)}blk:{self._segment(worker_id)}:{block_hash.hex()}"
 
+    def lru(self, worker_id: str) -> str:
+        return f"{self.prefix}:lru:{self._segment(worker_id)}"
+
     def all_pattern(self) -> str:
         return glob_escape(self.prefix) + ":*"
 
@@ -78,9 +83,9 @@ class Keys:
         return glob_escape(self.tenant(tenant)) + "*"
 
     def kind(self, key: str) -> str:
-        """"pool", "counters", "tenants", "req", "stale", "blk", or "" for a key this layout does not know."""
+        """"pool", "counters", "tenants", "lru", "req", "stale", "blk", or "" for a key this layout does not know."""
         parts = key[len(self.prefix) + 1:].split(":")
-        if parts[0] in ("pool", "counters", "tenants"):
+        if parts[0] in ("pool", "counters", "tenants", "lru"):
             return parts[0]
         if parts[0] == "t" and len(parts) >= 4 and parts[2] in ("req", "stale", "blk"):
             return parts[2]
@@ -93,6 +98,8 @@ class _Batch:
 
     upserts: dict[str, str] = field(default_factory=dict)
     deletes: list[str] = field(default_factory=list)
+    lru_set: dict[str, dict[str, int]] = field(default_factory=dict)  # lru key -> {hash hex: last_used}
+    lru_del: dict[str, list[str]] = field(default_factory=dict)  # lru key -> hash hexes of dropped blocks
     tenants: set[str] = field(default_factory=set)
 
 
@@ -129,6 +136,13 @@ class RedisStore:
         items = list(batch.upserts.items())
         for i in range(0, len(items), BATCH):
             pipe.mset(dict(items[i:i + BATCH]))
+        for key, hexes in batch.lru_del.items():
+            for i in range(0, len(hexes), BATCH):
+                pipe.hdel(key, *hexes[i:i + BATCH])
+        for key, mapping in batch.lru_set.items():
+            items = list(mapping.items())
+            for i in range(0, len(items), BATCH):
+                pipe.hset(key, mapping=dict(items[i:i + BATCH]))
         if batch.tenants:
             pipe.sadd(self.keys.tenants, *sorted(batch.tenants))
         pipe.execute()
@@ -155,6 +169,13 @@ class RedisStore:
                 batch.tenants.add(block.tenant)
             if block is None or block.tenant != tenant:
                 batch.deletes.append(self.keys.block(tenant, worker_id, block_hash))
+            if block is None:
+                batch.lru_del.setdefault(self.keys.lru(worker_id), []).append(block_hash.hex())
+        for (worker_id, block_hash), _ in changes.touched.items():
+            pool = mgr.pools.get(worker_id)
+            block = pool.index.get(block_hash) if pool is not None else None
+            if block is not None and (worker_id, block_hash) not in changes.blocks:
+                batch.lru_set.setdefault(self.keys.lru(worker_id), {})[block_hash.hex()] = block.last_used
         written = {}
         for req_id, tenant in changes.requests.items():
             known = {tenant} | self._req_tenants.get(req_id, set())
@@ -193,7 +214,8 @@ class RedisStore:
         """Fills an empty manager with the stored state (recovery.rebuild) and deletes stored blocks of dead
         epochs. Raises redis errors when Redis is unreachable, AssertionError when the stored state is
         inconsistent (never serve from a state that could hand out a page twice)."""
-        keys = [k for k in self._scan(self.keys.all_pattern()) if self.keys.kind(k) not in ("", "tenants")]
+        all_keys = self._scan(self.keys.all_pattern())
+        keys = [k for k in all_keys if self.keys.kind(k) not in ("", "tenants", "lru")]
         values = []
         for i in range(0, len(keys), BATCH):
             values += self.client.mget(keys[i:i + BATCH])
@@ -201,6 +223,7 @@ class RedisStore:
         for key, value in zip(keys, values, strict=True):
             if value is not None:
                 _decode_into(state, self.keys.kind(key), json.loads(value))
+        self._apply_lru(state, [k for k in all_keys if self.keys.kind(k) == "lru"])
         dropped = rebuild(mgr, state)
         if dropped:
             pipe = self.client.pipeline(transaction=True)
@@ -209,6 +232,18 @@ class RedisStore:
         self._req_tenants = {}
         for req in (*mgr.requests.values(), *mgr.stale.values()):
             self._req_tenants.setdefault(req.req_id, set()).add(req.tenant)
+
+    def _apply_lru(self, state: StoredState, lru_keys: list[str]) -> None:
+        """A block's last_used is the newer of its record's and its pool's lru field (ticks only grow)."""
+        ticks: dict[tuple[str, str], int] = {}
+        for key in lru_keys:
+            worker_id = unquote(key[len(self.keys.prefix) + len(":lru:"):])
+            for field_name, tick in self.client.hgetall(key).items():
+                ticks[(worker_id, _text(field_name))] = int(tick)
+        for sb in state.blocks:
+            tick = ticks.get((sb.worker_id, sb.block.block_hash.hex()))
+            if tick is not None and tick > sb.block.last_used:
+                sb.block.last_used = tick
 
     def _scan(self, pattern: str) -> list[str]:
         """Keys matching ``pattern``, each once (SCAN may return a key twice; loading a request twice would

@@ -192,7 +192,12 @@ def test_tenant_keys_live_under_their_tenant_prefix(client):
     expected |= {f"kv1:t:{r.tenant}:req:{r.req_id}" for r in mgr.requests.values()}
     expected |= {f"kv1:t:{r.tenant}:stale:{r.req_id}" for r in mgr.stale.values()}
     expected |= {f"kv1:t:{b.tenant}:blk:{w}:{h.hex()}" for w, p in mgr.pools.items() for h, b in p.index.items()}
-    assert set(client.keys("*")) == expected
+    lru = {f"kv1:lru:{w}" for w in mgr.pools if client.exists(f"kv1:lru:{w}")}
+    assert lru, "releases and hits write last_used into the pools' lru hashes"
+    assert set(client.keys("*")) == expected | lru
+    for key in lru:  # only live blocks of that pool: evicted blocks' fields are deleted with them
+        pool = mgr.pools[key.rsplit(":", 1)[1]]
+        assert {f.decode() if isinstance(f, bytes) else f for f in client.hkeys(key)} <= {h.hex() for h in pool.index}
     assert {"kv1:t:A:req:f", "kv1:t:B:req:e", "kv1:t:C:stale:d"} <= expected
     assert client.smembers("kv1:tenants") == {"A", "B", "C"}
     tenant_a = set(client.scan_iter(match=svc.store.keys.tenant_pattern("A")))

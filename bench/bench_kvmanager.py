@@ -1,0 +1,666 @@
+"""kvmanager benchmark: latency and throughput of batched StepPages calls, domain core vs service vs gRPC,
+with and without Redis write-through.
+
+    python bench/bench_kvmanager.py [--quick] [--profile] [--server-process] [--out bench/results/kvmanager-DATE.json]
+
+Workload (seeded, deterministic): one registered pool of NUM_PAGES pages of PAGE_SIZE tokens; 2000-token
+prompts, half of which start with one of 16 shared 1024-token prefixes (8 tenants x 2) that an earlier request
+of the same tenant committed, so they hit exactly 1024 tokens; the other half are unique (no hit). Every call
+carries a step_id (idempotency tracking on), as a gateway's would. Scenarios, each a steady state:
+
+    admit    calls of 64 allocations each; then, separately timed, the call committing their prompts' full
+             pages (prefill-commit) and the call freeing them (free). The cache is full: allocations evict.
+    decode   64 running requests, each extended by one token per call (64 extensions, 4 of which cross into a
+             new page) plus the ~4 commits of pages that just filled.
+    mixed    a scheduler step with 4 requests finishing (frees), 4 admitted (allocations), the 4 admitted last
+             step committing their prompts, and 60 decoding (extensions).
+
+Configurations: the domain core (KVManager.step), KVService over NullStore and over RedisStore (write-through
+to an embedded redis-server), and the real gRPC service (a server on 127.0.0.1 port 0 in this process, a real
+channel, StepPages) over each store; --server-process puts each server in a child process instead (measured: no
+difference). A reference KVManager generates each round's calls, then every
+configuration replays the same calls on its own state, interleaved round by round (a shared 2-core machine is
+noisy), and every answer is checked against the reference. Latency is per call; requests/s is the number of
+distinct requests a call carries divided by the mean call time. The garbage collector stays on: the p99 of the
+big admit calls includes full collections over this process's heap, which holds six managers' state (about twice
+the pause a dedicated kvmanager would take). --profile adds a cProfile of the servicer called in-thread with
+Redis, per call kind. Writes JSON and a Markdown table next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.server import start_kvmanager_server
+from kvserve.kvmanager.service import KVService, NullStore
+from kvserve.kvmanager.servicer import KVManagerServicer
+from kvserve.kvmanager.store import RedisStore
+from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps, StepResults
+from kvserve.v1 import kvmanager_pb2 as pb
+from kvserve.v1 import kvmanager_pb2_grpc
+
+PAGE_SIZE = 16
+NUM_PAGES = 16384  # 64 running x (125 prompt + decode) pages, plus room for a cache that outlives one batch
+PROMPT_TOKENS = 2000  # 125 full pages
+PREFIX_TOKENS = 1024  # 64 pages: a hit request reuses exactly these
+BATCH = 64
+TENANTS = tuple(f"tenant-{i}" for i in range(8))
+PREFIXES_PER_TENANT = 2
+MIXED_CHURN = 4  # admissions (and frees) per mixed call: a request lives 16 calls
+SPEC = PoolSpec("w0", 1, NUM_PAGES, PAGE_SIZE, "bench-model-fp", "float32", 2 * 30 * 9 * 64 * 4)
+ADMIN_TOKEN = "bench-admin-token"
+TARGET_P50_MS = 2.0
+TARGET_SHARE = 0.03
+CONFIGS = ("core", "service", "service+redis", "grpc", "grpc+redis")
+CONFIG_TITLES = {"core": "domain core (KVManager.step)", "service": "KVService, NullStore",
+                 "service+redis": "KVService, Redis write-through", "grpc": "gRPC StepPages, NullStore",
+                 "grpc+redis": "gRPC StepPages, Redis write-through"}
+
+
+# -- the workload ---------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Call:
+    kind: str | None  # the row it is timed under; None = untimed (setup, keeping the pool from running out)
+    ops: StepOps
+    expect: tuple  # fingerprint of the reference answer
+    num_requests: int
+    msg: pb.StepPagesRequest | None = None
+
+
+@dataclass(slots=True)
+class Running:
+    req_id: str
+    tokens: list[int]  # prompt, then the generated tokens
+    n: int  # tokens computed so far (K/V written); the next step computes position n
+    committed: int  # tokens whose full pages are committed (or were hit)
+    born: int = 0  # call index of its admission (mixed)
+
+
+def fingerprint(res) -> tuple:
+    """(ops not OK, cached tokens, pages handed out) of a StepResults or a StepPagesResponse."""
+    if isinstance(res, StepResults):
+        groups = (res.allocations, res.extensions, res.commits, res.frees)
+        bad = sum(r.status is not OpStatus.OK for g in groups for r in g)
+        return (bad, sum(a.num_cached_tokens for a in res.allocations),
+                sum(len(a.page_table) for a in res.allocations) + sum(len(e.new_page_ids) for e in res.extensions))
+    groups = (res.allocation_results, res.extension_results, res.commit_results, res.free_results)
+    bad = sum(r.status != pb.PAGE_OP_STATUS_OK for g in groups for r in g)
+    return (bad, sum(a.num_cached_tokens for a in res.allocation_results),
+            sum(len(a.page_table) for a in res.allocation_results)
+            + sum(len(e.new_page_ids) for e in res.extension_results))
+
+
+def to_proto(ops: StepOps) -> pb.StepPagesRequest:
+    return pb.StepPagesRequest(
+        step_id=ops.step_id,
+        allocations=[pb.PageAllocation(req_id=a.req_id, tenant=a.tenant, token_ids=a.token_ids, worker_id=a.worker_id)
+                     for a in ops.allocations],
+        extensions=[pb.PageExtension(req_id=e.req_id, num_tokens=e.num_tokens) for e in ops.extensions],
+        commits=[pb.PageCommit(req_id=c.req_id, start_pos=c.start_pos, token_ids=c.token_ids,
+                               num_computed_tokens=c.num_computed_tokens) for c in ops.commits],
+        frees=[pb.PageFree(req_id=f.req_id) for f in ops.frees])
+
+
+class Workload:
+    """Generates a scenario's calls with a reference KVManager (the commits need its num_cached_tokens) and
+    checks that the workload is what it claims: every op OK, hit requests hit exactly PREFIX_TOKENS."""
+
+    def __init__(self, scenario: str, seed: int):
+        self.scenario = scenario
+        self.rng = np.random.default_rng(seed)
+        self.ref = KVManager()
+        self.ref.register_worker(SPEC)
+        self.step_id = 0
+        self.num_req = 0
+        self.num_calls = 0
+        self.hit_turn = 0
+        self.prefixes = [(t, self._tokens(PREFIX_TOKENS)) for t in TENANTS for _ in range(PREFIXES_PER_TENANT)]
+        self.running: dict[str, Running] = {}
+        self.calls: list[Call] = []
+
+    def _tokens(self, n: int) -> tuple[int, ...]:
+        return tuple(self.rng.integers(100, 32000, n).tolist())
+
+    def _apply(self, kind: str | None, **lists) -> StepResults:
+        self.step_id += 1
+        self.num_calls += 1
+        ops = StepOps(step_id=self.step_id, **lists)
+        res = self.ref.step(ops)
+        self.ref.take_changes()
+        expect = fingerprint(res)
+        assert expect[0] == 0, f"{self.scenario}: the workload ran out of pages or hit a stale op: {res}"
+        ids = {o.req_id for group in lists.values() for o in group}
+        self.calls.append(Call(kind, ops, expect, len(ids)))
+        return res
+
+    def _new_requests(self, n: int, hit_every: int = 2) -> list[tuple[Allocate, bool]]:
+        out = []
+        for i in range(n):
+            self.num_req += 1
+            req_id = f"req-{self.num_req}"
+            if i % hit_every == 0:
+                tenant, prefix = self.prefixes[self.hit_turn % len(self.prefixes)]
+                self.hit_turn += 1
+                tokens = prefix + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS)
+                out.append((Allocate(req_id, tenant, tokens), True))
+            else:
+                tenant = TENANTS[int(self.rng.integers(len(TENANTS)))]
+                out.append((Allocate(req_id, tenant, self._tokens(PROMPT_TOKENS)), False))
+        return out
+
+    def _admit(self, kind: str | None, new: list[tuple[Allocate, bool]], **other) -> list[Running]:
+        res = self._apply(kind, allocations=tuple(a for a, _ in new), **other)
+        admitted = []
+        for (a, hit), r in zip(new, res.allocations, strict=True):
+            assert r.num_cached_tokens == (PREFIX_TOKENS if hit else 0), (a.req_id, hit, r.num_cached_tokens)
+            run = Running(a.req_id, list(a.token_ids), 0, r.num_cached_tokens, self.num_calls)
+            self.running[a.req_id] = run
+            admitted.append(run)
+        return admitted
+
+    @staticmethod
+    def _prompt_commit(run: Running) -> Commit:
+        op = Commit(run.req_id, run.committed, tuple(run.tokens[run.committed:PROMPT_TOKENS]), PROMPT_TOKENS)
+        run.n = run.committed = PROMPT_TOKENS
+        return op
+
+    def _decode_ops(self, runs) -> tuple[list[Extend], list[Commit]]:
+        """One decode step of ``runs``: extend each to cover position n; commit pages that filled."""
+        exts, commits = [], []
+        for run in runs:
+            full = run.n // PAGE_SIZE * PAGE_SIZE
+            if full > run.committed:
+                commits.append(Commit(run.req_id, run.committed, tuple(run.tokens[run.committed:full]), run.n))
+                run.committed = full
+            exts.append(Extend(run.req_id, run.n + 1))
+        return exts, commits
+
+    def _advance(self, runs) -> None:
+        for run in runs:
+            run.n += 1
+            run.tokens.append(int(self.rng.integers(100, 32000)))
+
+    def _free(self, kind: str | None, req_ids) -> None:
+        self._apply(kind, frees=tuple(Free(r) for r in req_ids))
+        for r in req_ids:
+            del self.running[r]
+
+    # -- scenarios: setup (untimed) and one round's calls --------------------------------------------------
+    def setup(self) -> None:
+        # An earlier request of each tenant commits each shared prefix.
+        seeds = [(Allocate(f"seed-{i}", t, p + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS)), False)
+                 for i, (t, p) in enumerate(self.prefixes)]
+        runs = self._admit(None, seeds)
+        self._apply(None, commits=tuple(self._prompt_commit(r) for r in runs))
+        self._free(None, [r.req_id for r in runs])
+        if self.scenario == "admit":
+            while self.ref.pools["w0"].num_free > 0:  # fill the cache: from here on allocations evict
+                self._admit_cycle(None)
+        elif self.scenario == "decode":
+            runs = self._admit(None, self._new_requests(BATCH))
+            commits = tuple(self._prompt_commit(r) for r in runs)
+            for i, run in enumerate(runs):  # stagger: request i has generated i % 16 tokens
+                for _ in range(i % PAGE_SIZE):
+                    self._advance([run])
+            self._apply(None, commits=commits, extensions=tuple(Extend(r.req_id, r.n) for r in runs))
+        elif self.scenario == "mixed":
+            while self.ref.pools["w0"].num_free > 0 or len(self.running) < BATCH:
+                self._mixed_call(None)
+
+    def round(self, num_calls: int) -> list[Call]:
+        self.calls = []
+        for _ in range(num_calls):
+            if self.scenario == "admit":
+                self._admit_cycle("admit")
+            elif self.scenario == "decode":
+                runs = list(self.running.values())
+                exts, commits = self._decode_ops(runs)
+                self._apply("decode", extensions=tuple(exts), commits=tuple(commits))
+                self._advance(runs)
+            else:
+                self._mixed_call("mixed")
+        calls = self.calls
+        for c in calls:
+            c.msg = to_proto(c.ops)
+        return calls
+
+    def _admit_cycle(self, kind: str | None) -> None:
+        runs = self._admit(kind, self._new_requests(BATCH))
+        self._apply(kind and "admit: prefill-commit", commits=tuple(self._prompt_commit(r) for r in runs))
+        self._free(kind and "admit: free", [r.req_id for r in runs])
+
+    def _mixed_call(self, kind: str | None) -> None:
+        now = self.num_calls + 1
+        done = [r.req_id for r in self.running.values() if now - r.born >= 16]
+        fresh = [r for r in self.running.values() if r.born == now - 1]
+        decoding = [r for r in self.running.values() if now - r.born not in (1, 16) and now - r.born < 16]
+        commits = [self._prompt_commit(r) for r in fresh]
+        exts, decode_commits = self._decode_ops(fresh + decoding)
+        for r in done:
+            del self.running[r]
+        self._admit(kind, self._new_requests(MIXED_CHURN), frees=tuple(Free(r) for r in done),
+                    commits=tuple(commits + decode_commits), extensions=tuple(exts))
+        self._advance(fresh + decoding)
+
+
+# -- the configurations -----------------------------------------------------------------------------------
+class Target:
+    """One configuration: its own state, fed the same calls as every other."""
+
+    name = ""
+
+    def register(self) -> None: ...
+
+    def call(self, c: Call): ...
+
+    def extra_ms(self) -> float | None:
+        """After a call: the server-side or store time it reported, if any."""
+        return None
+
+    def close(self) -> None: ...
+
+
+class CoreTarget(Target):
+    name = "core"
+
+    def __init__(self):
+        self.mgr = KVManager()
+
+    def register(self):
+        self.mgr.register_worker(SPEC)
+
+    def call(self, c):
+        return self.mgr.step(c.ops)
+
+    def after(self):
+        self.mgr.take_changes()  # what KVService does after each call; outside the timed region
+
+
+class ServiceTarget(Target):
+    def __init__(self, store, name):
+        self.svc, self.name = KVService(KVManager(), store), name
+
+    def register(self):
+        self.svc.register_worker(SPEC)
+
+    def call(self, c):
+        return self.svc.step(c.ops)
+
+    def extra_ms(self):
+        return self.svc.last_store_ms if isinstance(self.svc.store, RedisStore) else None
+
+
+class GrpcTarget(Target):
+    """A real server on 127.0.0.1 port 0 (in this process, or with ``separate`` in a child process, as a
+    deployed kvmanager is to its gateway), a real channel, StepPages."""
+
+    def __init__(self, name: str, redis_url: str | None, prefix: str, separate: bool):
+        self.name, self.child, self.server = name, None, None
+        if separate:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--prefix", prefix]
+            self.child = subprocess.Popen(cmd + (["--redis-url", redis_url] if redis_url else []),
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            port = int(self.child.stdout.readline())
+        else:
+            store = RedisStore(connect(redis_url), prefix) if redis_url else NullStore()
+            self.server = start_kvmanager_server(KVService(KVManager(), store), "127.0.0.1", 0,
+                                                 admin_token=ADMIN_TOKEN)
+            port = self.server.port
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}",
+                                             options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.stub = kvmanager_pb2_grpc.KVManagerServiceStub(self.channel)
+        self.handle_ms = 0.0
+
+    def register(self):
+        self.stub.RegisterWorker(pb.RegisterWorkerRequest(
+            worker_id=SPEC.worker_id, epoch=SPEC.epoch, num_pages=SPEC.num_pages, page_size=SPEC.page_size,
+            model_fingerprint=SPEC.model_fingerprint, kv_dtype=SPEC.kv_dtype, bytes_per_token=SPEC.bytes_per_token),
+            timeout=30)
+
+    def call(self, c):
+        res = self.stub.StepPages(c.msg, timeout=60)
+        self.handle_ms = res.handle_ms
+        return res
+
+    def extra_ms(self):
+        return self.handle_ms
+
+    def close(self):
+        self.channel.close()
+        if self.server is not None:
+            self.server.stop(0)
+        if self.child is not None:
+            self.child.stdin.close()  # the child stops its server at EOF
+            self.child.wait(30)
+
+
+def serve_child(redis_url: str | None, prefix: str) -> int:
+    """--serve: a kvmanager server for GrpcTarget(separate=True); prints its port, serves until stdin closes."""
+    store = RedisStore(connect(redis_url), prefix) if redis_url else NullStore()
+    server = start_kvmanager_server(KVService(KVManager(), store), "127.0.0.1", 0, admin_token=ADMIN_TOKEN)
+    print(server.port, flush=True)
+    sys.stdin.read()
+    server.stop(0)
+    return 0
+
+
+class DirectServicerTarget(Target):
+    """The servicer's StepPages called in this thread (no transport): for profiling conversion + service +
+    store in one profile (cProfile sees only its own thread, and the gRPC server handles calls on others)."""
+
+    name = "servicer+redis (in-thread)"
+
+    def __init__(self, store):
+        self.servicer = KVManagerServicer(KVService(KVManager(), store))
+
+    def register(self):
+        self.servicer.service.register_worker(SPEC)
+
+    def call(self, c):
+        return self.servicer.StepPages(c.msg, None)
+
+
+def make_targets(redis_url: str, scenario: str, separate: bool) -> list[Target]:
+    prefix = f"bench-{scenario}"
+    return [CoreTarget(), ServiceTarget(NullStore(), "service"),
+            ServiceTarget(RedisStore(connect(redis_url), prefix=f"{prefix}-svc"), "service+redis"),
+            GrpcTarget("grpc", None, prefix, separate), GrpcTarget("grpc+redis", redis_url, f"{prefix}-grpc", separate)]
+
+
+def replay(target: Target, calls: list[Call], samples: dict | None) -> None:
+    """Runs ``calls`` on ``target``; timed ones append (seconds, extra_ms) to samples[kind]. Checks answers."""
+    after = getattr(target, "after", None)
+    perf = time.perf_counter
+    for c in calls:
+        t0 = perf()
+        res = target.call(c)
+        t = perf() - t0
+        if after is not None:
+            after()
+        got = fingerprint(res)
+        if got != c.expect:
+            raise AssertionError(f"{target.name}: step {c.ops.step_id} answered {got}, the reference {c.expect}")
+        if c.kind is not None and samples is not None:
+            samples.setdefault(c.kind, []).append((t, target.extra_ms(), c.num_requests))
+
+
+# -- statistics and the report ----------------------------------------------------------------------------
+def percentile(xs: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    return float(np.percentile(xs, q))
+
+
+def summarize(kind: str, config: str, samples: list) -> dict:
+    ts = [s[0] * 1000 for s in samples]
+    extra = [s[1] for s in samples if s[1] is not None]
+    reqs = statistics.mean(s[2] for s in samples)
+    mean = statistics.mean(ts)
+    out = {"scenario": kind, "config": config, "calls": len(ts), "requests_per_call": round(reqs, 2),
+           "p50_ms": round(statistics.median(ts), 4), "p90_ms": round(percentile(ts, 90), 4),
+           "p99_ms": round(percentile(ts, 99), 4), "mean_ms": round(mean, 4), "max_ms": round(max(ts), 4),
+           "requests_per_s": round(reqs / mean * 1000, 1), "calls_per_s": round(1000 / mean, 1)}
+    if extra:
+        key = "server_handle_p50_ms" if config.startswith("grpc") else "store_write_p50_ms"
+        out[key] = round(statistics.median(extra), 4)
+    return out
+
+
+def worker_step_time(results_dir: Path) -> dict | None:
+    """The decode step time of the newest worker benchmark: batch 32 kvserve_tok_s -> 32 / tok_s seconds."""
+    files = sorted(results_dir.glob("worker-*.json"))
+    if not files:
+        return None
+    report = json.loads(files[-1].read_text())
+    row = next((d for d in report.get("decode", []) if d.get("batch") == 32), None)
+    if row is None:
+        return None
+    return {"file": files[-1].name, "batch": 32, "context": row["context"], "kvserve_tok_s": row["kvserve_tok_s"],
+            "step_ms": round(32 / row["kvserve_tok_s"] * 1000, 2)}
+
+
+def verdicts(report: dict) -> dict:
+    rows = {(r["scenario"], r["config"]): r for r in report["results"]}
+    out = {"target_p50_ms": TARGET_P50_MS, "config": "grpc+redis", "met": {}}
+    for kind in report["scenarios_timed"]:
+        r = rows.get((kind, "grpc+redis"))
+        if r is not None:
+            out["met"][kind] = r["p50_ms"] < TARGET_P50_MS
+    step = report.get("worker_step")
+    decode = rows.get(("decode", "grpc+redis"))
+    if step and decode:
+        share = decode["p50_ms"] / step["step_ms"]
+        out["decode_share_of_worker_step"] = round(share, 5)
+        out["decode_share_target_met"] = share < TARGET_SHARE
+    return out
+
+
+def markdown(report: dict) -> str:
+    w = report["workload"]
+    lines = [f"kvmanager StepPages calls: {w['requests_per_call']} requests per call, {w['prompt_tokens']}-token "
+             f"prompts, {int(w['prefix_hit_fraction'] * 100)}% of them hitting a {w['shared_prefix_tokens']}-token "
+             f"cached prefix; pool of {w['num_pages']} pages of {w['page_size']} tokens; loopback, "
+             f"{report['machine']['cpus']} CPUs{' (quick run)' if report['quick'] else ''}.", "",
+             "| scenario | configuration | calls | p50 ms | p99 ms | mean ms | requests/s | inside, p50 ms |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in report["results"]:
+        inside = r.get("server_handle_p50_ms", r.get("store_write_p50_ms"))
+        lines.append(f"| {r['scenario']} | {CONFIG_TITLES[r['config']]} | {r['calls']} | {r['p50_ms']:.3f} "
+                     f"| {r['p99_ms']:.3f} | {r['mean_ms']:.3f} | {r['requests_per_s']:,.0f} "
+                     f"| {'' if inside is None else f'{inside:.3f}'} |")
+    lines += ["", "Requests/s: distinct requests per call / mean call time. Inside: for gRPC, the server's own time "
+              "(StepPagesResponse.handle_ms: request conversion, the service, the store write); for the Redis "
+              "service, the store write (KVService.last_store_ms)."]
+    v = report["verdict"]
+    met = [k for k, ok in v["met"].items() if ok]
+    missed = [k for k, ok in v["met"].items() if not ok]
+    lines += ["", f"Target: p50 under {TARGET_P50_MS:g} ms for a 64-request call over gRPC with Redis write-through. "
+              f"Met for: {', '.join(met) or 'none'}. Not met for: {', '.join(missed) or 'none'}."]
+    floor = report.get("grpc_floor")
+    if floor:
+        lines.append("gRPC floor on the same loopback (no ops, no store write): "
+                     + ", ".join(f"{k} p50 {f['p50_ms']:.3f} ms (p99 {f['p99_ms']:.3f})" for k, f in floor.items())
+                     + ".")
+    step = report.get("worker_step")
+    if step and "decode_share_of_worker_step" in v:
+        lines.append(f"Share of a decode step: decode-scenario gRPC+Redis p50 / worker decode step "
+                     f"({step['step_ms']:.1f} ms = 32 / {step['kvserve_tok_s']} tok/s, batch 32, context "
+                     f"{step['context']}, {step['file']}) = {v['decode_share_of_worker_step'] * 100:.2f}% "
+                     f"(target under {TARGET_SHARE * 100:g}%: {'met' if v['decode_share_target_met'] else 'not met'}).")
+    return "\n".join(lines) + "\n"
+
+
+def grpc_floor(num_calls: int) -> dict:
+    """What the transport alone costs: an empty StepPages call (no ops, nothing to write) and a health Check,
+    on a loopback server like the one above."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = GrpcTarget("grpc", None, "bench-floor", separate=False)
+    try:
+        target.register()
+        health_stub = health_pb2_grpc.HealthStub(target.channel)
+        calls = {"empty StepPages": lambda: target.stub.StepPages(pb.StepPagesRequest(), timeout=10),
+                 "health Check": lambda: health_stub.Check(health_pb2.HealthCheckRequest(), timeout=10)}
+        samples = {k: [] for k in calls}
+        for _ in range(num_calls):
+            for k, fn in calls.items():
+                t0 = time.perf_counter()
+                fn()
+                samples[k].append((time.perf_counter() - t0) * 1000)
+    finally:
+        target.close()
+    return {k: {"calls": len(v), "p50_ms": round(statistics.median(v), 4), "p99_ms": round(percentile(v, 99), 4)}
+            for k, v in samples.items()}
+
+
+# -- profiling ----------------------------------------------------------------------------------------------
+def profile(redis_url: str, scenario: str, rounds: int, calls: int, seed: int, top: int = 14) -> list[dict]:
+    """cProfile of the in-thread servicer with Redis write-through over one scenario's timed calls, one
+    profile per call kind (row of the table)."""
+    wl = Workload(scenario, seed)
+    wl.setup()
+    client = connect(redis_url)
+    target = DirectServicerTarget(RedisStore(client, prefix=f"bench-profile-{scenario}"))
+    target.register()
+    for c in wl.calls:
+        c.msg = to_proto(c.ops)
+    replay(target, wl.calls, None)
+    profs: dict[str, cProfile.Profile] = {}
+    counts: dict[str, int] = {}
+    for _ in range(rounds):
+        batch = wl.round(calls)
+        gc.collect()
+        for c in batch:
+            if c.kind is None:
+                replay(target, [c], None)
+                continue
+            prof = profs.setdefault(c.kind, cProfile.Profile())
+            counts[c.kind] = counts.get(c.kind, 0) + 1
+            prof.enable()
+            replay(target, [c], None)
+            prof.disable()
+    client.flushdb()
+    client.close()
+    out = []
+    for kind, prof in profs.items():
+        n = counts[kind]
+        stats = pstats.Stats(prof)
+        entries = []
+        for (file, line, func), (_cc, ncalls, tt, ct, _callers) in stats.stats.items():
+            entries.append({"function": f"{Path(file).name}:{line}({func})", "ncalls_per_call": round(ncalls / n, 1),
+                            "tottime_ms_per_call": round(tt / n * 1000, 4),
+                            "cumtime_ms_per_call": round(ct / n * 1000, 4)})
+        by_own = sorted(entries, key=lambda e: -e["tottime_ms_per_call"])[:top]
+        by_cum = sorted(entries, key=lambda e: -e["cumtime_ms_per_call"])[:top]
+        out.append({"scenario": kind, "calls_profiled": n,
+                    "ms_per_call_under_profiler": round(stats.total_tt / n * 1000, 3),
+                    "top_tottime": by_own, "top_cumtime": by_cum})
+    return out
+
+
+# -- main -----------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
+    p.add_argument("--scenarios", nargs="+", default=["admit", "decode", "mixed"], choices=["admit", "decode", "mixed"])
+    p.add_argument("--profile", action="store_true", help="also cProfile the servicer with Redis, per scenario")
+    p.add_argument("--server-process", action="store_true",
+                   help="run each gRPC server in a child process instead of this one")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child of --server-process
+    p.add_argument("--redis-url", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--prefix", default="bench", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+# rounds x calls per round, per scenario (an admit "call" is an admit + prefill-commit + free cycle). Decode is
+# bounded by the pool: every request grows by one token per call, 64 x (126 + calls / 16) pages.
+PLAN = {False: {"admit": (12, 8), "decode": (10, 150), "mixed": (10, 200)},
+        True: {"admit": (3, 4), "decode": (4, 60), "mixed": (4, 60)}}
+
+
+def run_scenario(scenario: str, redis_url: str, client, rounds: int, calls: int, seed: int,
+                 separate: bool) -> dict[str, dict]:
+    wl = Workload(scenario, seed)
+    wl.setup()
+    setup = wl.calls
+    for c in setup:
+        c.msg = to_proto(c.ops)
+    targets = make_targets(redis_url, scenario, separate)
+    samples: dict[str, dict[str, list]] = {t.name: {} for t in targets}
+    try:
+        for t in targets:
+            t.register()
+            replay(t, setup, None)
+        for r in range(rounds):
+            batch = wl.round(calls)
+            order = targets[r % len(targets):] + targets[:r % len(targets)]  # rotate who goes first
+            for t in order:
+                gc.collect()
+                replay(t, batch, samples[t.name])
+    finally:
+        for t in targets:
+            t.close()
+        client.flushdb()
+    return samples
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.serve:
+        return serve_child(args.redis_url, args.prefix)
+    plan = PLAN[args.quick]
+    report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "quick": args.quick,
+              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpc": grpc.__version__,
+                          "processor": platform.processor() or platform.machine()},
+              "workload": {"page_size": PAGE_SIZE, "num_pages": NUM_PAGES, "prompt_tokens": PROMPT_TOKENS,
+                           "shared_prefix_tokens": PREFIX_TOKENS, "prefix_hit_fraction": 0.5,
+                           "requests_per_call": BATCH, "tenants": len(TENANTS),
+                           "shared_prefixes": len(TENANTS) * PREFIXES_PER_TENANT, "mixed_churn_per_call": MIXED_CHURN,
+                           "seed": args.seed, "plan_rounds_x_calls": {s: plan[s] for s in args.scenarios}},
+              "configs": CONFIG_TITLES, "scenarios_timed": [], "results": []}
+    results_dir = Path(__file__).parent / "results"
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-redis-") as tmp, EmbeddedRedis(Path(tmp)) as rs:
+        client = connect(rs.url)
+        report["machine"]["redis"] = client.info("server")["redis_version"]
+        for scenario in args.scenarios:
+            rounds, calls = plan[scenario]
+            print(f"{scenario}: {rounds} rounds x {calls} ...", file=sys.stderr, flush=True)
+            samples = run_scenario(scenario, rs.url, client, rounds, calls, args.seed, args.server_process)
+            kinds = list(dict.fromkeys(k for per in samples.values() for k in per))
+            for kind in kinds:
+                report["scenarios_timed"].append(kind)
+                for cfg in CONFIGS:
+                    report["results"].append(summarize(kind, cfg, samples[cfg][kind]))
+        report["grpc_floor"] = grpc_floor(300 if args.quick else 1000)
+        if args.profile:
+            report["profile"] = []
+            for scenario in args.scenarios:
+                print(f"profiling {scenario} ...", file=sys.stderr, flush=True)
+                rounds, calls = PLAN[True][scenario]
+                report["profile"] += profile(rs.url, scenario, rounds, calls, args.seed)
+        client.close()
+    report["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    report["worker_step"] = worker_step_time(results_dir)
+    report["verdict"] = verdicts(report)
+    out = args.out or results_dir / f"kvmanager-{dt.date.today().isoformat()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    for prof in report.get("profile", []):
+        print(f"\nprofile, {prof['scenario']} ({prof['calls_profiled']} calls, in-thread servicer + Redis, "
+              f"{prof['ms_per_call_under_profiler']} ms/call under the profiler), top by own time:")
+        for e in prof["top_tottime"]:
+            print(f"  {e['tottime_ms_per_call']:8.3f} ms  cum {e['cumtime_ms_per_call']:8.3f} ms  "
+                  f"{e['ncalls_per_call']:>10}x  {e['function']}")
+        print("  top by cumulative time:")
+        for e in prof["top_cumtime"]:
+            print(f"  {e['tottime_ms_per_call']:8.3f} ms  cum {e['cumtime_ms_per_call']:8.3f} ms  "
+                  f"{e['ncalls_per_call']:>10}x  {e['function']}")
+    print(f"wrote {out} and {out.with_suffix('.md')} ({report['elapsed_s']} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
