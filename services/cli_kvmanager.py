@@ -12,6 +12,7 @@ random token generated at every start and written to ``<data-dir>/admin_token`` 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -123,6 +124,8 @@ def run_kvmanager(args) -> int:
             print(f"kvserve: cannot load the kvmanager state from redis {redis_desc}: {type(e).__name__}: {e}",
                   file=sys.stderr)
             return 1
+        gc.collect()
+        gc.freeze()  # the reloaded state is long-lived: keep it out of every later collection (shorter GC pauses)
         token, token_where = _admin_token(args, data_dir)
         server = start_kvmanager_server(service, args.host, args.port, admin_token=token, tokenizer=tokenizer)
         print(f"kvserve kvmanager ready on {args.host}:{server.port} (redis: {redis_desc}) admin token: "

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
 from pathlib import Path
+from urllib.parse import urlparse
 
+import pytest
 import yaml
+
+from kvserve.services.cli import build_parser
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "k8s"
 WORKER_PORT = 50061
+KVMANAGER_PORT = 50051
+REDIS_PORT = 6379
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+SECRET_LIKE_ENV = re.compile(r"TOKEN|PASSWORD|SECRET|PASSWD|CREDENTIAL", re.IGNORECASE)
 
 
 def _kustomization() -> dict:
@@ -27,13 +38,49 @@ def _one(kind: str, name: str) -> dict:
     return found[0]
 
 
+def _workloads() -> list[dict]:
+    return [doc for doc in _resources() if doc["kind"] in WORKLOAD_KINDS]
+
+
+def _all_containers(workload: dict) -> list[dict]:
+    pod_spec = workload["spec"]["template"]["spec"]
+    return pod_spec.get("initContainers", []) + pod_spec["containers"]
+
+
 def _container_port(container: dict, port: int | str) -> int:
     """Resolves a Service targetPort or probe port (number or port name) against the container's ports."""
     if isinstance(port, int):
+        assert port in [p["containerPort"] for p in container["ports"]], f"port {port} is no container port"
         return port
     named = {p["name"]: p["containerPort"] for p in container["ports"] if "name" in p}
     assert port in named, f"port name {port!r} not among the container's ports {sorted(named)}"
     return named[port]
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {env["name"]: env for env in container.get("env", [])}
+
+
+def _assert_grpc_probes(container: dict, port: int) -> None:
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probe in container, probe
+        assert set(container[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, probe
+        assert _container_port(container, container[probe]["grpc"]["port"]) == port, probe
+        # The servers mark the overall health service "" SERVING; no probe should ask for another name.
+        assert container[probe]["grpc"].get("service", "") == "", probe
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices[command]
+
+
+def _flag_for_env(name: str) -> str:
+    assert name.startswith("KVSERVE_"), name
+    return "--" + name.removeprefix("KVSERVE_").lower().replace("_", "-")
+
+
+# --- the kustomization ----------------------------------------------------------------------------------------
 
 
 def test_kustomization_lists_every_manifest_and_only_existing_ones() -> None:
@@ -42,6 +89,7 @@ def test_kustomization_lists_every_manifest_and_only_existing_ones() -> None:
     listed = set(kustomization["resources"])
     on_disk = {path.name for path in K8S_DIR.glob("*.yaml")} - {"kustomization.yaml"}
     assert listed == on_disk
+    assert not list(K8S_DIR.glob("*.yml")), "use the .yaml suffix, so the check above sees every manifest"
 
 
 def test_every_resource_has_api_version_kind_and_name() -> None:
@@ -50,6 +98,54 @@ def test_every_resource_has_api_version_kind_and_name() -> None:
     for doc in docs:
         assert doc.get("apiVersion") and doc.get("kind"), doc
         assert doc.get("metadata", {}).get("name"), doc
+    names = [(doc["kind"], doc["metadata"]["name"]) for doc in docs]
+    assert len(names) == len(set(names)), "duplicate kind/name"
+
+
+def test_every_workload_selects_its_own_pods_and_has_resources() -> None:
+    for workload in _workloads():
+        spec = workload["spec"]
+        assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+        for container in _all_containers(workload):
+            resources = container["resources"]
+            assert resources["requests"]["cpu"] and resources["requests"]["memory"], container["name"]
+            assert resources["limits"]["memory"], container["name"]
+
+
+def test_every_service_selects_exactly_one_workload_and_targets_its_container_ports() -> None:
+    services = [doc for doc in _resources() if doc["kind"] == "Service"]
+    assert services
+    for service in services:
+        selector = service["spec"]["selector"]
+        matched = [w for w in _workloads() if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matched) == 1, f"Service {service['metadata']['name']} selects {len(matched)} workloads"
+        containers = matched[0]["spec"]["template"]["spec"]["containers"]
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            hits = [c for c in containers if any(target in (p["containerPort"], p.get("name")) for p in c["ports"])]
+            assert len(hits) == 1, f"Service {service['metadata']['name']} targetPort {target!r}"
+            assert _container_port(hits[0], target) == port["port"]
+
+
+def test_no_secret_values_are_committed() -> None:
+    for path in K8S_DIR.glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                assert doc.get("kind") != "Secret", f"{path.name} commits a Secret"
+                assert doc.get("kind") != "Kustomization" or not doc.get("secretGenerator"), path.name
+    for workload in _workloads():
+        for container in _all_containers(workload):
+            joined = " ".join(container.get("command", []) + container.get("args", []))
+            assert "--admin-token" not in joined and "--requirepass" not in joined, container["name"]
+            for name, env in _env(container).items():
+                if SECRET_LIKE_ENV.search(name):
+                    assert "value" not in env, f"{container['name']}: {name} has a literal value"
+                    assert "secretKeyRef" in env["valueFrom"], name
+                if "value" in env and env["value"].startswith("redis"):
+                    assert urlparse(env["value"]).password is None, f"{name}: a password in a Redis URL"
+
+
+# --- workers ----------------------------------------------------------------------------------------------------
 
 
 def test_worker_deployment_runs_the_worker_with_grpc_probes() -> None:
@@ -61,11 +157,9 @@ def test_worker_deployment_runs_the_worker_with_grpc_probes() -> None:
     assert container["image"] == "kvserve:latest"
     assert container["command"] == ["kvserve", "worker", "--host", "0.0.0.0", "--port", str(WORKER_PORT)]
     assert [p["containerPort"] for p in container["ports"]] == [WORKER_PORT]
-    assert {"KVSERVE_MODEL", "KVSERVE_KV_CACHE_BYTES"} <= {env["name"] for env in container["env"]}
+    assert {"KVSERVE_MODEL", "KVSERVE_KV_CACHE_BYTES"} <= set(_env(container))
     assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert set(container[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, probe
-        assert _container_port(container, container[probe]["grpc"]["port"]) == WORKER_PORT, probe
+    _assert_grpc_probes(container, WORKER_PORT)
 
 
 def test_worker_service_targets_the_container_port_of_the_selected_pods() -> None:
@@ -79,3 +173,115 @@ def test_worker_service_targets_the_container_port_of_the_selected_pods() -> Non
     (port,) = service["spec"]["ports"]
     assert port["port"] == WORKER_PORT
     assert _container_port(container, port["targetPort"]) == WORKER_PORT
+
+
+# --- environment variables are real CLI flags -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("deployment", "command"), [("kvserve-kvmanager", "kvmanager"), ("kvserve-worker", "worker")])
+def test_env_names_are_flags_the_cli_reads(deployment: str, command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each KVSERVE_X of the container is a --x flag of its subcommand, and setting the variable gives the
+    same parsed value as passing the flag (so the flag really falls back to that variable)."""
+    (container,) = _one("Deployment", deployment)["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:2] == ["kvserve", command]
+    env = {name: e for name, e in _env(container).items() if name.startswith("KVSERVE_")}
+    assert env
+    for name in [n for n in os.environ if n.startswith("KVSERVE_")]:
+        monkeypatch.delenv(name)
+    parser = build_parser()
+    actions = {s: a for a in _subparser(parser, command)._actions + parser._actions for s in a.option_strings}
+    for name, spec in env.items():
+        flag = _flag_for_env(name)
+        assert flag in actions, f"{deployment}: {name} has no {flag} flag in `kvserve {command}` ({sorted(actions)})"
+        value = spec.get("value", f"from-{name.lower()}")  # valueFrom: any string stands in
+        by_flag = getattr(build_parser().parse_args([command, flag, value]), actions[flag].dest)
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            by_env = getattr(build_parser().parse_args([command]), actions[flag].dest)
+        assert by_env == by_flag, f"{name}={value!r} parses to {by_env!r}, {flag} {value!r} to {by_flag!r}"
+
+
+# --- kvmanager --------------------------------------------------------------------------------------------------
+
+
+def test_kvmanager_is_a_single_replica_never_two_at_once() -> None:
+    spec = _one("Deployment", "kvserve-kvmanager")["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    hpas = [doc for doc in _resources() if doc["kind"] == "HorizontalPodAutoscaler"]
+    assert not [h for h in hpas if h["spec"]["scaleTargetRef"]["name"] == "kvserve-kvmanager"]
+
+
+def test_kvmanager_deployment_runs_the_kvmanager_with_grpc_probes() -> None:
+    pod = _one("Deployment", "kvserve-kvmanager")["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == "kvserve:latest"
+    assert container["command"] == ["kvserve", "kvmanager", "--host", "0.0.0.0", "--port", str(KVMANAGER_PORT)]
+    assert [p["containerPort"] for p in container["ports"]] == [KVMANAGER_PORT]
+    _assert_grpc_probes(container, KVMANAGER_PORT)
+
+
+def test_kvmanager_admin_token_comes_from_the_secret() -> None:
+    (container,) = _one("Deployment", "kvserve-kvmanager")["spec"]["template"]["spec"]["containers"]
+    token = _env(container)["KVSERVE_ADMIN_TOKEN"]
+    assert token["valueFrom"] == {"secretKeyRef": {"name": "kvserve-admin", "key": "token"}}
+    # Documented, not committed: the manifest says how to create it.
+    assert "kubectl create secret generic kvserve-admin --from-literal=token=" in (
+        K8S_DIR / "kvmanager-deployment.yaml").read_text()
+
+
+def test_kvmanager_service_is_cluster_ip_on_the_grpc_port() -> None:
+    pod = _one("Deployment", "kvserve-kvmanager")["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    service = _one("Service", "kvserve-kvmanager")
+    assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
+    assert service["spec"].get("clusterIP") != "None"
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == KVMANAGER_PORT
+    assert _container_port(container, port["targetPort"]) == KVMANAGER_PORT
+
+
+def test_kvmanager_redis_url_names_the_statefulset_pod_through_its_headless_service() -> None:
+    statefulset = _one("StatefulSet", "kvserve-redis")
+    service = _one("Service", statefulset["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None", "pod DNS names need a headless Service"
+    (redis,) = statefulset["spec"]["template"]["spec"]["containers"]
+    (service_port,) = service["spec"]["ports"]
+    deployment = _one("Deployment", "kvserve-kvmanager")
+    urls = {c["name"]: _env(c)["KVSERVE_REDIS_URL"]["value"] for c in _all_containers(deployment)
+            if "KVSERVE_REDIS_URL" in _env(c)}
+    assert "kvmanager" in urls
+    assert len(set(urls.values())) == 1, f"the containers disagree on the Redis URL: {urls}"
+    url = urlparse(urls["kvmanager"])
+    assert url.scheme == "redis"
+    assert statefulset["spec"]["replicas"] >= 1
+    assert url.hostname == f"{statefulset['metadata']['name']}-0.{service['metadata']['name']}"
+    assert url.port == service_port["port"]
+    assert _container_port(redis, service_port["targetPort"]) == REDIS_PORT
+    assert url.path in ("", "/0")
+
+
+# --- redis ------------------------------------------------------------------------------------------------------
+
+
+def test_redis_statefulset_persists_an_append_only_file_on_a_volume_claim() -> None:
+    spec = _one("StatefulSet", "kvserve-redis")["spec"]
+    assert spec["replicas"] == 1
+    (container,) = spec["template"]["spec"]["containers"]
+    assert container["image"] == "redis:7"
+    argv = container.get("command", []) + container.get("args", [])
+    assert argv == ["redis-server", "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+    (claim,) = spec["volumeClaimTemplates"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]] == "/data"
+    assert [p["containerPort"] for p in container["ports"]] == [REDIS_PORT]
+
+
+def test_redis_probes_run_redis_cli_ping() -> None:
+    (container,) = _one("StatefulSet", "kvserve-redis")["spec"]["template"]["spec"]["containers"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert set(container[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"exec"}, probe
+        assert "redis-cli ping" in " ".join(container[probe]["exec"]["command"]), probe
