@@ -66,6 +66,9 @@ BATCH = 64
 TENANTS = tuple(f"tenant-{i}" for i in range(8))
 PREFIXES_PER_TENANT = 2
 MIXED_CHURN = 4  # admissions (and frees) per mixed call: a request lives 16 calls
+# "steady": a serving stream where a request generates 64 tokens, so with 64 running one is admitted and one
+# freed per call (the gateway issue's mixes have 16 to 128 new tokens per request)
+CHURN = {"mixed": MIXED_CHURN, "steady": 1}
 SPEC = PoolSpec("w0", 1, NUM_PAGES, PAGE_SIZE, "bench-model-fp", "float32", 2 * 30 * 9 * 64 * 4)
 ADMIN_TOKEN = "bench-admin-token"
 TARGET_P50_MS = 2.0
@@ -152,12 +155,13 @@ class Workload:
         self.calls.append(Call(kind, ops, expect, len(ids)))
         return res
 
-    def _new_requests(self, n: int, hit_every: int = 2) -> list[tuple[Allocate, bool]]:
+    def _new_requests(self, n: int, hit_every: int = 2, offset: int = 0) -> list[tuple[Allocate, bool]]:
+        """n new requests; those with (i + offset) % hit_every == 0 start with a cached shared prefix."""
         out = []
         for i in range(n):
             self.num_req += 1
             req_id = f"req-{self.num_req}"
-            if i % hit_every == 0:
+            if (i + offset) % hit_every == 0:
                 tenant, prefix = self.prefixes[self.hit_turn % len(self.prefixes)]
                 self.hit_turn += 1
                 tokens = prefix + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS)
@@ -222,7 +226,7 @@ class Workload:
                 for _ in range(i % PAGE_SIZE):
                     self._advance([run])
             self._apply(None, commits=commits, extensions=tuple(Extend(r.req_id, r.n) for r in runs))
-        elif self.scenario == "mixed":
+        elif self.scenario in CHURN:
             while self.ref.pools["w0"].num_free > 0 or len(self.running) < BATCH:
                 self._mixed_call(None)
 
@@ -237,7 +241,7 @@ class Workload:
                 self._apply("decode", extensions=tuple(exts), commits=tuple(commits))
                 self._advance(runs)
             else:
-                self._mixed_call("mixed")
+                self._mixed_call(self.scenario)
         calls = self.calls
         for c in calls:
             c.msg = to_proto(c.ops)
@@ -249,15 +253,17 @@ class Workload:
         self._free(kind and "admit: free", [r.req_id for r in runs])
 
     def _mixed_call(self, kind: str | None) -> None:
+        churn = CHURN[self.scenario]
+        life = BATCH // churn  # calls a request stays running
         now = self.num_calls + 1
-        done = [r.req_id for r in self.running.values() if now - r.born >= 16]
+        done = [r.req_id for r in self.running.values() if now - r.born >= life]
         fresh = [r for r in self.running.values() if r.born == now - 1]
-        decoding = [r for r in self.running.values() if now - r.born not in (1, 16) and now - r.born < 16]
+        decoding = [r for r in self.running.values() if now - r.born not in (1, life) and now - r.born < life]
         commits = [self._prompt_commit(r) for r in fresh]
         exts, decode_commits = self._decode_ops(fresh + decoding)
         for r in done:
             del self.running[r]
-        self._admit(kind, self._new_requests(MIXED_CHURN), frees=tuple(Free(r) for r in done),
+        self._admit(kind, self._new_requests(churn, offset=now % 2), frees=tuple(Free(r) for r in done),
                     commits=tuple(commits + decode_commits), extensions=tuple(exts))
         self._advance(fresh + decoding)
 
@@ -560,7 +566,8 @@ def profile(redis_url: str, scenario: str, rounds: int, calls: int, seed: int, t
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
-    p.add_argument("--scenarios", nargs="+", default=["admit", "decode", "mixed"], choices=["admit", "decode", "mixed"])
+    p.add_argument("--scenarios", nargs="+", default=["admit", "decode", "mixed", "steady"],
+                   choices=["admit", "decode", "mixed", "steady"])
     p.add_argument("--profile", action="store_true", help="also cProfile the servicer with Redis, per scenario")
     p.add_argument("--server-process", action="store_true",
                    help="run each gRPC server in a child process instead of this one")
@@ -574,8 +581,8 @@ def parse_args(argv=None):
 
 # rounds x calls per round, per scenario (an admit "call" is an admit + prefill-commit + free cycle). Decode is
 # bounded by the pool: every request grows by one token per call, 64 x (126 + calls / 16) pages.
-PLAN = {False: {"admit": (12, 8), "decode": (10, 150), "mixed": (10, 200)},
-        True: {"admit": (3, 4), "decode": (4, 60), "mixed": (4, 60)}}
+PLAN = {False: {"admit": (12, 8), "decode": (10, 150), "mixed": (10, 200), "steady": (10, 200)},
+        True: {"admit": (3, 4), "decode": (4, 60), "mixed": (4, 60), "steady": (4, 60)}}
 
 
 def run_scenario(scenario: str, redis_url: str, client, rounds: int, calls: int, seed: int,
