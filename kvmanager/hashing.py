@@ -9,10 +9,13 @@ on nothing else (no per-process seed), so they stay valid across processes and r
 
 from __future__ import annotations
 
-import numpy as np
+import sys
+from array import array
+
 import xxhash
 
 HASH_SCHEME_VERSION = 1
+UINT32 = next(code for code in "IL" if array(code).itemsize == 4)  # the array typecode of a 4-byte unsigned int
 HASH_BYTES = 16
 
 
@@ -27,13 +30,21 @@ def chain_hashes(prev: bytes, token_ids: list[int] | tuple[int, ...], page_size:
     num_full = len(token_ids) // page_size
     if num_full == 0:
         return []
-    data = np.asarray(token_ids[: num_full * page_size], dtype="<u4").tobytes()
+    data = le_uint32(token_ids[: num_full * page_size])
     step = page_size * 4
     out = []
     for i in range(num_full):
         prev = xxhash.xxh3_128_digest(prev + data[i * step : (i + 1) * step])
         out.append(prev)
     return out
+
+
+def le_uint32(token_ids) -> bytes:
+    """Token ids as little-endian uint32 bytes (callers validated 0 <= id < 2**32)."""
+    words = array(UINT32, token_ids)
+    if sys.byteorder == "big":
+        words.byteswap()
+    return words.tobytes()
 
 
 def hex_hash(block_hash: bytes) -> str:

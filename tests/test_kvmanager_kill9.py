@@ -8,6 +8,7 @@ kvmanager's SIGKILL as a managed Redis would.
 from __future__ import annotations
 
 import grpc
+import pytest
 from test_kvmanager_cli import kvmanager_process, stop_cleanly
 
 from kvserve.kvmanager.convert import step_from_proto
@@ -82,12 +83,14 @@ def observed_view(admin, metadata) -> dict:
             "blocks": sum(t.num_blocks for t in stats.tenants)}
 
 
-def test_kill9_mid_traffic_then_restart_recovers_every_page(tmp_path):
+@pytest.mark.parametrize("persistence", ["log", "state"])
+def test_kill9_mid_traffic_then_restart_recovers_every_page(tmp_path, persistence):
     steps = workload()
     cut = len(steps) // 2
     metadata = (("authorization", f"Bearer {TOKEN}"),)
     with EmbeddedRedis(tmp_path / "redis") as redis:
-        args = ("--redis-url", redis.url, "--admin-token", TOKEN, "--data-dir", str(tmp_path / "data"))
+        args = ("--redis-url", redis.url, "--admin-token", TOKEN, "--data-dir", str(tmp_path / "data"),
+                "--persistence", persistence)
         with kvmanager_process(tmp_path, *args) as (proc, ready), \
                 grpc.insecure_channel(f"127.0.0.1:{ready.group(1)}") as channel:
             stub = kvmanager_pb2_grpc.KVManagerServiceStub(channel)

@@ -11,24 +11,25 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.redis_server import EmbeddedRedis
 from kvserve.kvmanager.service import KVService
-from kvserve.kvmanager.store import RedisStore
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kvmanager_soak import assert_last_ops_persisted, replay, snapshot  # noqa: E402
+from kvmanager_soak import assert_last_ops_persisted, make_store, replay, snapshot  # noqa: E402
 
 SOAK = Path(__file__).parent / "kvmanager_soak.py"
 KILL_AFTER_STEP = 40
 PREFIX = "soak"
 
 
-def run_child_until_killed(url: str) -> tuple[int, str]:
+def run_child_until_killed(url: str, kind: str) -> tuple[int, str]:
     """Starts the soak child, SIGKILLs it once it reported KILL_AFTER_STEP, returns the last step it reported
     done (all its output read) and its stderr."""
-    child = subprocess.Popen([sys.executable, str(SOAK), url, PREFIX], stdout=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, str(SOAK), url, PREFIX, kind], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in child.stdout], daemon=True)
@@ -55,11 +56,13 @@ def run_child_until_killed(url: str) -> tuple[int, str]:
     return last_done, stderr
 
 
-def test_kill_9_mid_traffic_then_reload_recovers_every_page(tmp_path):
+@pytest.mark.parametrize("kind", ["state", "log"])
+def test_kill_9_mid_traffic_then_reload_recovers_every_page(tmp_path, kind):
     with EmbeddedRedis(tmp_path / "redis") as server:
-        last_done, _ = run_child_until_killed(server.url)
+        last_done, _ = run_child_until_killed(server.url, kind)
         reloaded = KVManager()
-        RedisStore(connect(server.url), PREFIX).load(reloaded)  # runs check_invariants
+        store = make_store(kind, server.url, PREFIX)
+        store.load(reloaded)  # runs check_invariants
         # Redis holds the state after step last_done, or after last_done + 1 if the child was killed between
         # that step's EXEC and its print: never anything in between (one MULTI/EXEC per step).
         mgr, soak = replay(last_done)
@@ -78,14 +81,14 @@ def test_kill_9_mid_traffic_then_reload_recovers_every_page(tmp_path):
         assert reloaded.pools["w0"].index and reloaded.pools["w0"].num_evicted > 0
 
         # the restarted kvmanager carries on with the same traffic, writing through, and reloads again
-        service = KVService(reloaded, RedisStore(connect(server.url), PREFIX))
+        service = KVService(reloaded, store)
         first = last_done + 1 + matches[0]
         for step_id in range(first, first + 100):
             ops = soak.next_ops(step_id)
             soak.observe(ops, service.step(ops))
             check_invariants(reloaded)
         again = KVManager()
-        RedisStore(connect(server.url), PREFIX).load(again)
+        make_store(kind, server.url, PREFIX).load(again)
         assert snapshot(again, clock=False, last_ops=False) == snapshot(reloaded, clock=False, last_ops=False)
 
 

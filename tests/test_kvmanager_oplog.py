@@ -1,0 +1,92 @@
+"""The write-ahead log store: calls appended, snapshots every N records, reload = snapshot + replay."""
+
+from __future__ import annotations
+
+import pytest
+from test_kvmanager_store import alloc, build_history, spec
+
+from kvserve.kvmanager import admin
+from kvserve.kvmanager.errors import StoreUnavailable
+from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.oplog import LoggedStore
+from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.service import KVService
+from kvserve.kvmanager.types import Commit, Free, StepOps
+
+from kvmanager_soak import snapshot  # isort: skip
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        yield server.url
+
+
+def reload(url: str, prefix="kvserve") -> tuple[KVManager, LoggedStore]:
+    mgr, store = KVManager(), LoggedStore(connect(url), prefix)
+    store.load(mgr)  # runs check_invariants
+    return mgr, store
+
+
+def exact(mgr: KVManager) -> dict:
+    """Replay reproduces everything, the clock and every retried-call answer included."""
+    return snapshot(mgr, clock=True, last_ops=True)
+
+
+@pytest.mark.parametrize("snapshot_every", [1000, 3, 1])
+def test_reload_replays_the_log_on_top_of_the_last_snapshot(redis_url, snapshot_every):
+    client = connect(redis_url)
+    svc = KVService(KVManager(), LoggedStore(client, snapshot_every=snapshot_every))
+    build_history(svc)  # registrations, steps, an admin pin, a re-registration with a new epoch
+    svc.mutate(admin.unpin, "A", tuple(range(100, 108)), "w0")
+    svc.mutate(admin.evict_tenant, "B", "", False)
+    assert client.llen("kvserve:log") < snapshot_every
+    if snapshot_every == 1000:
+        assert client.llen("kvserve:log") >= 12 and not client.exists("kvserve:pool:w0")  # all in the log
+    loaded, _ = reload(redis_url)
+    assert exact(loaded) == exact(svc.manager)
+
+
+def test_only_calls_that_change_state_are_logged(redis_url):
+    client = connect(redis_url)
+    svc = KVService(KVManager(), LoggedStore(client))
+    svc.register_worker(spec("w0"))
+    svc.step(StepOps(1, allocations=(alloc("a", "A", range(9)),)))
+    assert client.llen("kvserve:log") == 2
+    svc.step(StepOps(1, allocations=(alloc("a", "A", range(9)),)))  # a retried call: replayed, not logged
+    svc.step(StepOps(2, frees=(Free("ghost"),)))  # freeing an unknown request changes nothing
+    assert client.llen("kvserve:log") == 2
+
+
+def test_failed_append_is_kept_and_logged_once_when_the_retry_succeeds(tmp_path):
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        store = LoggedStore(connect(server.url))
+        svc = KVService(KVManager(), store)
+        svc.register_worker(spec("w0"))
+        server.stop()
+        ops = StepOps(1, allocations=(alloc("a", "A", range(9)),))
+        with pytest.raises(StoreUnavailable):
+            svc.step(ops)
+        assert "a" in svc.manager.requests  # applied in memory, not acknowledged
+        server.start()
+        store.client = connect(server.url)
+        first = svc.step(ops)  # the retry replays the remembered answer and writes the kept record
+        assert first.allocations[0].page_table == [0, 1, 2]
+        svc.step(StepOps(2, commits=(Commit("a", 0, tuple(range(8)), 9),)))
+        assert store.client.llen("kvserve:log") == 3
+        loaded, _ = reload(server.url)
+        assert exact(loaded) == exact(svc.manager)
+    finally:
+        server.stop()
+
+
+def test_reset_is_a_snapshot_and_empties_the_log(redis_url):
+    client = connect(redis_url)
+    svc = KVService(KVManager(), LoggedStore(client))
+    build_history(svc)
+    svc.mutate(admin.reset)
+    assert client.llen("kvserve:log") == 0 and client.exists("kvserve:pool:w0")
+    svc.step(StepOps(20, allocations=(alloc("z", "A", range(5), "w0"),)))
+    loaded, store = reload(redis_url)
+    assert exact(loaded) == exact(svc.manager) and store.num_logged == 1
