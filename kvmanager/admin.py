@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.kvmanager.errors import InvalidRequest, KVManagerError, StaleEpoch, UnknownTenant
-from kvserve.kvmanager.hashing import chain_hashes, hex_hash
+from kvserve.kvmanager.hashing import hex_hash, iter_chain_hashes
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import TenantCounters
@@ -262,7 +262,7 @@ def _pools_in_scope(mgr: KVManager, worker_id: str) -> list[PagePool]:
 def _prefix_blocks(mgr: KVManager, pool: PagePool, tenant: str, token_ids: tuple[int, ...]) -> list[Block]:
     """The cached blocks of the longest prefix of ``token_ids``' full pages (uncapped), read only."""
     ps = pool.spec.page_size
-    return pool.longest_prefix(chain_hashes(mgr.seed_for(pool, tenant), token_ids, ps))
+    return pool.longest_prefix(iter_chain_hashes(mgr.seed_for(pool, tenant), token_ids, ps))
 
 
 def probe(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str = "") -> ProbeResult:

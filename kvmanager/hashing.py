@@ -27,16 +27,16 @@ def namespace_seed(tenant: str, model_fingerprint: str, kv_dtype: str, page_size
 
 def chain_hashes(prev: bytes, token_ids: list[int] | tuple[int, ...], page_size: int) -> list[bytes]:
     """Hashes of the full pages of ``token_ids`` continuing the chain after ``prev``; a partial tail is ignored."""
-    num_full = len(token_ids) // page_size
-    if num_full == 0:
-        return []
-    data = le_uint32(token_ids[: num_full * page_size])
+    return list(iter_chain_hashes(prev, token_ids, page_size))
+
+
+def iter_chain_hashes(prev: bytes, token_ids, page_size: int):
+    """chain_hashes, lazily: a prefix lookup stops hashing at the first block that is not cached."""
+    data = le_uint32(token_ids[: len(token_ids) // page_size * page_size])
     step = page_size * 4
-    out = []
-    for i in range(num_full):
-        prev = xxhash.xxh3_128_digest(prev + data[i * step : (i + 1) * step])
-        out.append(prev)
-    return out
+    for start in range(0, len(data), step):
+        prev = xxhash.xxh3_128_digest(prev + data[start : start + step])
+        yield prev
 
 
 def le_uint32(token_ids) -> bytes:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvserve.kvmanager.hashing import chain_hashes
+from kvserve.kvmanager.hashing import iter_chain_hashes
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.types import Allocate
 
@@ -38,7 +38,7 @@ def cacheable_prefix(token_ids: tuple[int, ...], page_size: int) -> tuple[int, .
 
 def prefix_hits(mgr: KVManager, pool: PagePool, tenant: str, token_ids: tuple[int, ...]) -> tuple[bytes, list[Block]]:
     seed = mgr.seed_for(pool, tenant)
-    hashes = chain_hashes(seed, cacheable_prefix(token_ids, pool.spec.page_size), pool.spec.page_size)
+    hashes = iter_chain_hashes(seed, cacheable_prefix(token_ids, pool.spec.page_size), pool.spec.page_size)
     return seed, pool.longest_prefix(hashes)
 
 

@@ -66,8 +66,9 @@ class PagePool:
         return self.num_free + self.num_evictable - sum(1 for p in hit_pages if p in self.evictable)
 
     # -- prefix index ---------------------------------------------------------------------------------
-    def longest_prefix(self, hashes: list[bytes]) -> list[Block]:
-        """The cached blocks of the longest prefix of ``hashes``."""
+    def longest_prefix(self, hashes) -> list[Block]:
+        """The cached blocks of the longest prefix of ``hashes`` (any iterable: a lazy one stops being consumed
+        at the first miss)."""
         out = []
         for h in hashes:
             block = self.index.get(h)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING
 
 from kvserve.kvmanager.errors import InvalidRequest, StaleStep, UnknownRequest, UnknownWorker
+from kvserve.kvmanager.hashing import UINT32
 from kvserve.kvmanager.state import Request
 from kvserve.kvmanager.types import Allocate, Commit, Extend, StepOps
 
@@ -64,9 +66,11 @@ def _check_not_stale(mgr: KVManager, req_id: str, kind: str, step_id: int, req: 
 
 
 def _check_tokens(where: str, token_ids: tuple[int, ...]) -> None:
-    if token_ids and (min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):  # C builtins: fast on long prompts
-        bad = next(t for t in token_ids if not 0 <= t <= MAX_TOKEN_ID)
-        raise InvalidRequest(f"{where}: token id {bad} is not a uint32")
+    try:
+        array(UINT32, token_ids)  # one C pass; raises for anything that is not a uint32
+    except (OverflowError, TypeError):
+        bad = next(t for t in token_ids if not (isinstance(t, int) and 0 <= t <= MAX_TOKEN_ID))
+        raise InvalidRequest(f"{where}: token id {bad} is not a uint32") from None
 
 
 def _check_allocate(mgr: KVManager, a: Allocate, step_id: int, freed: set[str]) -> None:
