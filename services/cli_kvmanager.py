@@ -112,8 +112,9 @@ def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
 
 def run_kvmanager(args) -> int:
     from kvserve.kvmanager.manager import KVManager
-    from kvserve.kvmanager.server import install_stop_signals, serve_until_signal, start_kvmanager_server
+    from kvserve.kvmanager.server import start_kvmanager_server
     from kvserve.kvmanager.service import KVService
+    from kvserve.services.grpc_server import install_stop_signals, serve_until_signal
 
     stop = install_stop_signals()  # first: a SIGTERM during start-up still stops the embedded Redis
     data_dir = (args.data_dir or default_data_dir()).expanduser()
@@ -137,5 +138,5 @@ def run_kvmanager(args) -> int:
         server = start_kvmanager_server(service, args.host, args.port, admin_token=token, tokenizer=tokenizer)
         print(f"kvserve kvmanager ready on {args.host}:{server.port} (redis: {redis_desc}) admin token: "
               f"{token_where}", flush=True)
-        serve_until_signal(server, stop)
+        serve_until_signal(server, stop, "kvmanager")
     return 0

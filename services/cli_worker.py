@@ -91,7 +91,8 @@ def _make_runner(args, **extra):
 
 
 def run_worker(args) -> int:
-    from kvserve.worker.server import install_stop_signals, serve_until_signal, start_worker_server
+    from kvserve.services.grpc_server import install_stop_signals, serve_until_signal
+    from kvserve.worker.server import start_worker_server
 
     runner = _make_runner(args, worker_id=args.worker_id)
     if runner is None:
@@ -102,7 +103,7 @@ def run_worker(args) -> int:
     print(f"kvserve worker {i.worker_id} ready on {args.host}:{ws.port}: model {i.model_name} on {i.device}, "
           f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
           f"({i.kv_dtype})", flush=True)
-    serve_until_signal(ws, stop=stop)
+    serve_until_signal(ws, stop, "worker")
     return 0
 
 
