@@ -8,37 +8,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import re
-import shutil
 import signal
 import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from service_process import EXIT_TIMEOUT_S, KVSERVE, service_process
 
 from kvserve.v1 import worker_pb2, worker_pb2_grpc
 
 BYTES_PER_TOKEN = 46080  # 2 * 30 layers * 3 kv heads * 64 head_dim * 4 bytes (fp32 on CPU)
 PAGE_SIZE = 16
 READY_TIMEOUT_S = 60.0  # model load on 2 busy cores, with margin
-EXIT_TIMEOUT_S = 15.0  # the worker's graceful stop waits at most 5 s for in-flight steps
 CLI_TIMEOUT_S = 60.0
-
-
-def _kvserve_path() -> str:
-    beside = Path(sys.executable).with_name("kvserve")  # the venv running these tests
-    found = str(beside) if beside.is_file() else shutil.which("kvserve")
-    assert found, "the kvserve console script is not installed (pip install -e .)"
-    return found
-
-
-KVSERVE = _kvserve_path()
 
 
 def cli_env(**overrides: str) -> dict[str, str]:
@@ -56,50 +41,13 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           timeout=CLI_TIMEOUT_S, stdin=subprocess.DEVNULL)
 
 
-def _pump(stream, lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line)
-    lines.put(None)  # end of stdout: the process exited (or closed it)
-
-
-def _await_ready(proc: subprocess.Popen, worker_id: str, lines: queue.Queue, stderr_path: Path) -> int:
-    """Blocks on the worker's stdout until its ready line; returns its port. Fails on exit or deadline."""
-    ready = re.compile(rf"^kvserve worker {re.escape(worker_id)} ready on 127\.0\.0\.1:(\d+): ")
-    seen: list[str] = []
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            pytest.fail(f"no ready line within {READY_TIMEOUT_S:.0f} s\nstdout: {''.join(seen)}\n"
-                        f"stderr: {stderr_path.read_text()}")
-        if line is None:
-            rc = proc.wait(timeout=EXIT_TIMEOUT_S)
-            pytest.fail(f"worker exited with {rc} before its ready line\nstdout: {''.join(seen)}\n"
-                        f"stderr: {stderr_path.read_text()}")
-        seen.append(line)
-        if match := ready.match(line):
-            return int(match.group(1))
-
-
 @contextlib.contextmanager
 def worker_process(tmp_path: Path, *args: str, worker_id: str = "worker-0", env: dict | None = None):
     """Runs `kvserve worker ARGS` and yields (process, port) once it is ready; always kills it afterwards."""
-    stderr_path = tmp_path / f"{worker_id}.stderr"  # a file, not a pipe: logs can never block the worker
-    with stderr_path.open("w") as stderr:
-        proc = subprocess.Popen([KVSERVE, "worker", *args], stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                env=env or cli_env(), stdin=subprocess.DEVNULL)
-    lines: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
-    reader.start()
-    try:
-        yield proc, _await_ready(proc, worker_id, lines, stderr_path)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=EXIT_TIMEOUT_S)
-        reader.join(timeout=EXIT_TIMEOUT_S)
-        proc.stdout.close()
+    ready = re.compile(rf"^kvserve worker {re.escape(worker_id)} ready on 127\.0\.0\.1:(\d+): ")
+    with service_process(["worker", *args], ready, env or cli_env(), tmp_path / f"{worker_id}.stderr",
+                         READY_TIMEOUT_S) as (proc, match):
+        yield proc, int(match.group(1))
 
 
 def info_of(port: int) -> worker_pb2.InfoResponse:

@@ -5,17 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import re
-import shutil
 import signal
 import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import grpc
 import pytest
+from service_process import EXIT_TIMEOUT_S, KVSERVE, service_process
 
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
@@ -23,10 +20,7 @@ from kvserve.v1 import kvmanager_pb2_grpc
 PS = 4
 P1 = list(range(100, 112))  # 3 full pages
 READY_TIMEOUT_S = 30.0
-EXIT_TIMEOUT_S = 15.0
 READY = re.compile(r"^kvserve kvmanager ready on 127\.0\.0\.1:(\d+) \(redis: (.+)\) admin token: (.+)$")
-KVSERVE = str(Path(sys.executable).with_name("kvserve")) if Path(sys.executable).with_name("kvserve").is_file() \
-    else shutil.which("kvserve")
 
 
 def cli_env(tmp_path: Path) -> dict[str, str]:
@@ -40,32 +34,12 @@ def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           stdin=subprocess.DEVNULL)
 
 
-def _pump(stream, lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
-
-
 @contextlib.contextmanager
 def kvmanager_process(tmp_path: Path, *args: str):
     """Runs `kvserve kvmanager --port 0 ARGS`; yields (process, ready-line match) once it is ready."""
-    stderr_path = tmp_path / "kvmanager.stderr"
-    with stderr_path.open("w") as stderr:
-        proc = subprocess.Popen([KVSERVE, "kvmanager", "--port", "0", *args], stdout=subprocess.PIPE, stderr=stderr,
-                                text=True, env=cli_env(tmp_path), stdin=subprocess.DEVNULL)
-    lines: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
-    reader.start()
-    try:
-        line = lines.get(timeout=READY_TIMEOUT_S)
-        assert line is not None and READY.match(line), f"not a ready line: {line!r}\n{stderr_path.read_text()}"
-        yield proc, READY.match(line)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=EXIT_TIMEOUT_S)
-        reader.join(timeout=EXIT_TIMEOUT_S)
-        proc.stdout.close()
+    with service_process(["kvmanager", "--port", "0", *args], READY, cli_env(tmp_path),
+                         tmp_path / "kvmanager.stderr", READY_TIMEOUT_S) as running:
+        yield running
 
 
 def populate(port: int) -> None:
