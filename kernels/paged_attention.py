@@ -32,6 +32,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int64, start_pos + q_lens
     cu_q_lens: torch.Tensor  # [num_seqs + 1] int64, offsets of each sequence in the flat token run
     positions: torch.Tensor  # [num_tokens] int64, absolute position of each new token
+    token_seq: torch.Tensor  # [num_tokens] int64, the sequence each new token belongs to
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot each new token's K/V is written to
     block_tables: torch.Tensor  # [num_seqs, max_pages] int64, page ids, padded with 0
     max_q_len: int
@@ -75,6 +76,7 @@ def build_metadata(
         seq_lens=seq_lens.to(device),
         cu_q_lens=cu.to(device),
         positions=positions.to(device),
+        token_seq=seq_index.to(device),
         slot_mapping=slot_mapping.to(device),
         block_tables=tables.to(device),
         max_q_len=max(q_lens),

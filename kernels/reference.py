@@ -40,10 +40,9 @@ class ReferenceBackend:
 
     def prepare(self, meta: AttentionMetadata) -> ReferenceState:
         device = meta.positions.device
-        num_seqs, max_q, max_k = meta.num_seqs, meta.max_q_len, meta.max_seq_len
-        seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=device), meta.q_lens)
-        row_in_seq = torch.arange(meta.num_tokens, device=device) - meta.cu_q_lens[seq_index]
-        q_index = seq_index * max_q + row_in_seq
+        max_q, max_k = meta.max_q_len, meta.max_seq_len
+        row_in_seq = meta.positions - meta.start_pos[meta.token_seq]
+        q_index = meta.token_seq * max_q + row_in_seq
         num_pages = -(-max_k // meta.page_size)
         page_ids = meta.block_tables[:, :num_pages].reshape(-1)
         num_keys = num_pages * meta.page_size
