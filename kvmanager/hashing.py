@@ -16,7 +16,6 @@ import xxhash
 
 HASH_SCHEME_VERSION = 1
 UINT32 = next(code for code in "IL" if array(code).itemsize == 4)  # the array typecode of a 4-byte unsigned int
-HASH_BYTES = 16
 
 
 def namespace_seed(tenant: str, model_fingerprint: str, kv_dtype: str, page_size: int) -> bytes:

@@ -20,7 +20,6 @@ def validate_step(mgr: KVManager, ops: StepOps) -> None:
     if ops.step_id < 0:
         raise InvalidRequest(f"step_id must be >= 0, got {ops.step_id}")
     _check_unique(ops)
-    freed = {f.req_id for f in ops.frees}
     for f in ops.frees:
         if not f.req_id:
             raise InvalidRequest("a free has an empty req_id")
@@ -30,7 +29,7 @@ def validate_step(mgr: KVManager, ops: StepOps) -> None:
     for e in ops.extensions:
         _check_extend(mgr, e, ops.step_id)
     for a in ops.allocations:
-        _check_allocate(mgr, a, ops.step_id, freed)
+        _check_allocate(mgr, a, ops.step_id)
 
 
 def _check_unique(ops: StepOps) -> None:
@@ -73,7 +72,7 @@ def _check_tokens(where: str, token_ids: tuple[int, ...]) -> None:
         raise InvalidRequest(f"{where}: token id {bad} is not a uint32") from None
 
 
-def _check_allocate(mgr: KVManager, a: Allocate, step_id: int, freed: set[str]) -> None:
+def _check_allocate(mgr: KVManager, a: Allocate, step_id: int) -> None:
     where = f"allocation {a.req_id!r}"
     if not a.req_id:
         raise InvalidRequest("an allocation has an empty req_id")
@@ -84,7 +83,7 @@ def _check_allocate(mgr: KVManager, a: Allocate, step_id: int, freed: set[str]) 
     _check_tokens(where, a.token_ids)
     _check_not_stale(mgr, a.req_id, "allocate", step_id)
     live = mgr.requests.get(a.req_id)
-    if live is not None and not live.is_replay("allocate", step_id) and a.req_id not in freed:
+    if live is not None and not live.is_replay("allocate", step_id):
         raise InvalidRequest(f"{where}: req_id is already live")
     if a.worker_id:
         pools = [mgr.pool(a.worker_id)]
