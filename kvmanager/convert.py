@@ -16,6 +16,7 @@ from kvserve.kvmanager.types import (
     FreeResult,
     OpStatus,
     PoolSpec,
+    PoolSummary,
     RegisterResult,
     StepOps,
     StepResults,
@@ -83,6 +84,40 @@ def step_to_proto(r: StepResults, handle_ms: float) -> pb.StepPagesResponse:
         free_results=[_free(f) for f in r.frees],
         pools=[_copy(p, pb.PoolSummary) for p in r.pools],
         handle_ms=handle_ms,
+    )
+
+
+# -- the client side (the gateway) ---------------------------------------------------------------------------
+STATUS_OF = {v: k for k, v in OP_STATUS.items()}
+
+
+def spec_to_proto(s: PoolSpec) -> pb.RegisterWorkerRequest:
+    return _copy(s, pb.RegisterWorkerRequest)
+
+
+def register_from_proto(r: pb.RegisterWorkerResponse) -> RegisterResult:
+    return RegisterResult(previous_epoch=r.previous_epoch, dropped_req_ids=tuple(r.dropped_req_ids))
+
+
+def step_to_request_proto(ops: StepOps) -> pb.StepPagesRequest:
+    return pb.StepPagesRequest(
+        step_id=ops.step_id,
+        allocations=[_copy(a, pb.PageAllocation) for a in ops.allocations],
+        extensions=[_copy(e, pb.PageExtension) for e in ops.extensions],
+        commits=[_copy(c, pb.PageCommit) for c in ops.commits],
+        frees=[_copy(f, pb.PageFree) for f in ops.frees],
+    )
+
+
+def step_results_from_proto(r: pb.StepPagesResponse) -> StepResults:
+    return StepResults(
+        allocations=[AllocateResult(a.req_id, STATUS_OF[a.status], a.worker_id, a.epoch, list(a.page_table),
+                                    a.num_cached_tokens, a.num_pages_short) for a in r.allocation_results],
+        extensions=[ExtendResult(e.req_id, STATUS_OF[e.status], list(e.new_page_ids), e.num_pages,
+                                 e.num_pages_short) for e in r.extension_results],
+        commits=[CommitResult(c.req_id, STATUS_OF[c.status], c.num_committed_tokens) for c in r.commit_results],
+        frees=[FreeResult(f.req_id, STATUS_OF[f.status]) for f in r.free_results],
+        pools=[PoolSummary(p.worker_id, p.epoch, p.num_free_pages, p.num_evictable_pages) for p in r.pools],
     )
 
 

@@ -31,10 +31,11 @@ class GrpcServer:
 
 def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.Server], None],
                       service_names: Sequence[str], *, interceptors: Sequence[grpc.ServerInterceptor] = (),
-                      max_threads: int = 8) -> GrpcServer:
+                      max_threads: int = 8, max_receive_bytes: int = MAX_MESSAGE_BYTES) -> GrpcServer:
     """Serves on host:port (0 = a free port) with health SERVING for "" and ``service_names``, and reflection;
-    returns once the port is bound. Raises OSError when it cannot be bound."""
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    returns once the port is bound. A call larger than max_receive_bytes is refused with RESOURCE_EXHAUSTED.
+    Raises OSError when it cannot be bound."""
+    options = [("grpc.max_receive_message_length", max_receive_bytes),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads), options=options,
                          interceptors=list(interceptors))

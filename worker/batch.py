@@ -61,3 +61,25 @@ class StepOutput:
     sampled: list[SampledToken]  # one per item with sample=True, in item order
     num_tokens: int
     compute_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    worker_id: str
+    epoch: int
+    model_name: str
+    model_fingerprint: str
+    page_size: int
+    num_pages: int
+    kv_dtype: str
+    bytes_per_token: int
+    pool_bytes: int
+    num_layers: int
+    num_kv_heads: int
+    num_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    device: str
+    attention_backend: str

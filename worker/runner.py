@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from kvserve.kernels.paged_attention import build_metadata, get_backend
-from kvserve.worker.batch import InvalidRequest, StaleEpoch, StepBatch, StepOutput
+from kvserve.worker.batch import InvalidRequest, StaleEpoch, StepBatch, StepOutput, WorkerInfo
 from kvserve.worker.config import ModelConfig
 from kvserve.worker.kv_pool import allocate_pool, size_pool
 from kvserve.worker.model import LlamaDecoder
@@ -37,28 +37,6 @@ class RunnerConfig:
     num_pages: int | None = None
     attention_backend: str = "auto"
     max_step_tokens: int = 16384
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    worker_id: str
-    epoch: int
-    model_name: str
-    model_fingerprint: str
-    page_size: int
-    num_pages: int
-    kv_dtype: str
-    bytes_per_token: int
-    pool_bytes: int
-    num_layers: int
-    num_kv_heads: int
-    num_heads: int
-    head_dim: int
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    device: str
-    attention_backend: str
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:

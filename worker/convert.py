@@ -1,0 +1,79 @@
+"""Protobuf <-> the worker's dataclasses, in one place: the servicer uses one direction, the gateway's worker
+client the other. No logic beyond renaming and copying."""
+
+from __future__ import annotations
+
+from kvserve.v1 import common_pb2, worker_pb2
+from kvserve.worker.batch import SampledToken, SamplingParams, StepBatch, StepItem, StepOutput, WorkerInfo
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        seed=p.seed if p.HasField("seed") else None,
+        top_logprobs=p.top_logprobs,
+    )
+
+
+def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_logprobs=s.top_logprobs)
+    if s.top_p != 1.0:
+        p.top_p = s.top_p
+    if s.seed is not None:
+        p.seed = s.seed
+    return p
+
+
+def batch_from_proto(req: worker_pb2.StepRequest) -> StepBatch:
+    items = tuple(
+        StepItem(
+            req_id=i.req_id,
+            token_ids=tuple(i.token_ids),
+            start_pos=i.start_pos,
+            page_table=tuple(i.page_table),
+            sample=i.sample,
+            sampling=sampling_from_proto(i.sampling),
+        )
+        for i in req.items
+    )
+    return StepBatch(items=items, epoch=req.epoch)
+
+
+def batch_to_proto(batch: StepBatch) -> worker_pb2.StepRequest:
+    items = [worker_pb2.StepItem(req_id=i.req_id, token_ids=i.token_ids, start_pos=i.start_pos,
+                                 page_table=i.page_table, sample=i.sample, sampling=sampling_to_proto(i.sampling))
+             for i in batch.items]
+    return worker_pb2.StepRequest(items=items, epoch=batch.epoch)
+
+
+def output_to_proto(out: StepOutput) -> worker_pb2.StepResponse:
+    results = [
+        worker_pb2.StepResult(
+            req_id=s.req_id,
+            token_id=s.token_id,
+            logprob=s.logprob,
+            top_logprobs=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in s.top_logprobs],
+        )
+        for s in out.sampled
+    ]
+    return worker_pb2.StepResponse(results=results, num_tokens=out.num_tokens, compute_ms=out.compute_ms)
+
+
+def output_from_proto(r: worker_pb2.StepResponse) -> StepOutput:
+    sampled = [SampledToken(s.req_id, s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top_logprobs])
+               for s in r.results]
+    return StepOutput(sampled=sampled, num_tokens=r.num_tokens, compute_ms=r.compute_ms)
+
+
+def info_to_proto(info: WorkerInfo) -> worker_pb2.InfoResponse:
+    fields = {k: getattr(info, k) for k in info.__slots__}
+    fields["eos_token_ids"] = list(info.eos_token_ids)
+    return worker_pb2.InfoResponse(**fields)
+
+
+def info_from_proto(r: worker_pb2.InfoResponse) -> WorkerInfo:
+    fields = {k: getattr(r, k) for k in WorkerInfo.__slots__}
+    fields["eos_token_ids"] = tuple(r.eos_token_ids)
+    return WorkerInfo(**fields)
