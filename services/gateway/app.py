@@ -1,0 +1,92 @@
+"""The gateway, wired: one engine loop per worker, the tokenizer, the API keys, admission and drain. The
+servicer only converts protobuf and maps errors; this is what it calls."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.services.gateway.auth import ApiKeys
+from kvserve.services.gateway.clients import KVManagerClient, WorkerClient, pool_spec
+from kvserve.services.gateway.engine import EngineLoop, RequestHandle
+from kvserve.services.gateway.errors import ShuttingDown
+from kvserve.services.gateway.validate import GenerateInput, Limits, build_request
+from kvserve.worker.tokenizer import Tokenizer
+
+log = logging.getLogger("kvserve.gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    kvmanager: str  # host:port
+    workers: tuple[str, ...]  # host:port of each worker
+    model_dir: Path  # for the tokenizer and chat template (the workers' model)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefix_caching: bool = True
+    default_max_tokens: int = 256
+    max_tokens_limit: int = 4096
+    connect_timeout_s: float = 120.0
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, keys: ApiKeys):
+        if not cfg.workers:
+            raise ValueError("the gateway needs at least one worker address")
+        self.cfg, self.keys = cfg, keys
+        self.tokenizer = Tokenizer(cfg.model_dir)
+        self._stopping = threading.Event()
+        self.kv = KVManagerClient(cfg.kvmanager, stopping=self._stopping)
+        self.engines = [self._connect(addr) for addr in cfg.workers]
+        fingerprints = {e.info.model_fingerprint for e in self.engines}
+        if len(fingerprints) > 1:
+            raise ValueError(f"the workers serve different models (fingerprints {sorted(fingerprints)})")
+        info = self.engines[0].info
+        self.limits = Limits(max_model_len=info.max_model_len,
+                             max_pool_tokens=min(e.info.num_pages * e.info.page_size for e in self.engines),
+                             default_max_tokens=cfg.default_max_tokens, max_tokens_limit=cfg.max_tokens_limit)
+        self._lock = threading.Lock()
+        self.closing = False
+        for engine in self.engines:
+            engine.start()
+
+    def _connect(self, address: str) -> EngineLoop:
+        """Asks the worker for its Info and registers its pool with the kvmanager."""
+        worker = WorkerClient(address)
+        info = worker.info(wait_s=self.cfg.connect_timeout_s)
+        self.kv.register(pool_spec(info))
+        log.info("worker %s at %s: %d pages x %d tokens, epoch %d", info.worker_id, address, info.num_pages,
+                 info.page_size, info.epoch)
+        return EngineLoop(worker, info, self.kv, self.tokenizer, max_num_seqs=self.cfg.max_num_seqs,
+                          max_num_batched_tokens=self.cfg.max_num_batched_tokens,
+                          prefix_caching=self.cfg.prefix_caching)
+
+    def submit(self, inp: GenerateInput, tenant: str) -> tuple[RequestHandle, EngineLoop]:
+        """Validates, tokenises and queues a request. Raises InvalidRequest or ShuttingDown."""
+        req = build_request(inp, tenant, self.tokenizer, self.limits)
+        with self._lock:
+            if self.closing:
+                raise ShuttingDown("the gateway is shutting down and admits no new requests")
+            engine = self.place()
+            return engine.submit(req), engine
+
+    def place(self) -> EngineLoop:
+        """The engine with the fewest requests in flight (ties: the first)."""
+        return min(self.engines, key=lambda e: e.num_in_flight)
+
+    def close(self, drain_s: float = 5.0) -> None:
+        """Graceful stop: admit nothing new, let in-flight requests finish for up to drain_s, cancel the rest,
+        free their pages, stop the loops."""
+        with self._lock:
+            self.closing = True
+        for engine in self.engines:
+            if not engine.idle.wait(drain_s):
+                log.info("engine %s: cancelling %d requests still in flight", engine.info.worker_id,
+                         engine.num_in_flight)
+        self._stopping.set()
+        for engine in self.engines:
+            engine.stop()
+            engine.worker.close()
+        self.kv.close()

@@ -1,0 +1,79 @@
+"""The gateway's clients of the kvmanager and of one worker: dataclasses in, dataclasses out. The kvmanager
+call is retried on UNAVAILABLE with the same step_id, which makes the retry idempotent."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from kvserve.kvmanager import convert as kv_convert
+from kvserve.kvmanager.types import PoolSpec, RegisterResult, StepOps, StepResults
+from kvserve.v1 import kvmanager_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvserve.worker import convert as worker_convert
+from kvserve.worker.batch import StepBatch, StepOutput, WorkerInfo
+
+log = logging.getLogger("kvserve.gateway")
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+class KVManagerClient:
+    def __init__(self, address: str, timeout_s: float = 10.0, retry_for_s: float = 60.0,
+                 stopping: threading.Event | None = None):
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = kvmanager_pb2_grpc.KVManagerServiceStub(self.channel)
+        self.timeout_s, self.retry_for_s = timeout_s, retry_for_s
+        self.stopping = stopping or threading.Event()
+
+    def register(self, spec: PoolSpec) -> RegisterResult:
+        return self._call(self.stub.RegisterWorker, kv_convert.spec_to_proto(spec), kv_convert.register_from_proto)
+
+    def step_pages(self, ops: StepOps) -> StepResults:
+        return self._call(self.stub.StepPages, kv_convert.step_to_request_proto(ops),
+                          kv_convert.step_results_from_proto)
+
+    def _call(self, method, request, convert):
+        """Retries UNAVAILABLE (kvmanager restarting, Redis briefly down) with capped backoff."""
+        deadline, backoff_s = time.monotonic() + self.retry_for_s, 0.05
+        while True:
+            try:
+                return convert(method(request, timeout=self.timeout_s, wait_for_ready=True))
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + backoff_s > deadline:
+                    raise
+                log.warning("kvmanager unavailable (%s); retrying in %.2fs", e.details(), backoff_s)
+                if self.stopping.wait(backoff_s):
+                    raise
+                backoff_s = min(backoff_s * 2, 2.0)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class WorkerClient:
+    def __init__(self, address: str, timeout_s: float = 120.0):
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def info(self, wait_s: float = 60.0) -> WorkerInfo:
+        """The worker's Info, waiting up to wait_s for it to come up."""
+        reply = self.stub.Info(worker_pb2.InfoRequest(), timeout=wait_s, wait_for_ready=True)
+        return worker_convert.info_from_proto(reply)
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        reply = self.stub.Step(worker_convert.batch_to_proto(batch), timeout=self.timeout_s)
+        return worker_convert.output_from_proto(reply)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def pool_spec(info: WorkerInfo) -> PoolSpec:
+    return PoolSpec(info.worker_id, info.epoch, info.num_pages, info.page_size, info.model_fingerprint,
+                    info.kv_dtype, info.bytes_per_token)

@@ -1,0 +1,221 @@
+"""One engine loop per worker: a thread that runs scheduler steps (schedule -> kvmanager page ops -> worker Step
+-> update) while there is work, and sleeps on a condition variable when there is none.
+
+gRPC handler threads talk to it through ``submit`` and ``abort`` only; everything else (the scheduler, the
+requests' state, the text streams) is touched by the loop thread alone, so none of it needs a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvserve.services.gateway.clients import KVManagerClient, WorkerClient, pool_spec
+from kvserve.services.gateway.errors import BackendFailure
+from kvserve.services.gateway.request import FinishReason, Request, RequestStatus
+from kvserve.services.gateway.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kvserve.services.gateway.textstream import TextStream
+from kvserve.worker.batch import SampledToken, WorkerInfo
+from kvserve.worker.tokenizer import Tokenizer
+
+log = logging.getLogger("kvserve.gateway")
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one step produced for one request, as the servicer streams it."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampledToken] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: tuple[int, int, int] | None = None  # (prompt_tokens, cached_tokens, completion_tokens), last only
+    error: Exception | None = None  # finish_reason ERROR: why
+
+
+class RequestHandle:
+    """The handler's side of one request: deltas arrive on a queue that the engine loop fills."""
+
+    def __init__(self, req: Request, text: TextStream):
+        self.req, self.text = req, text
+        self.deltas: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        self.done = False  # set by the loop thread when the last delta is queued
+
+    def __iter__(self) -> Iterator[Delta]:
+        while True:
+            delta = self.deltas.get()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    def _finish(self, text: str = "") -> None:
+        req = self.req
+        self.done = True
+        self.deltas.put(Delta(text=text, finish_reason=req.finish_reason, error=req.error,
+                              usage=(len(req.prompt_token_ids), req.num_cached_tokens, len(req.output_token_ids))))
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_step_tokens: int = 0
+    step_s: float = 0.0  # wall time of whole steps
+    kv_wait_s: float = 0.0  # of which: waiting on the kvmanager's StepPages
+    worker_s: float = 0.0  # of which: waiting on the worker's Step
+
+    @property
+    def kv_wait_share(self) -> float:
+        return self.kv_wait_s / self.step_s if self.step_s else 0.0
+
+
+class EngineLoop:
+    def __init__(self, worker: WorkerClient, info: WorkerInfo, kv: KVManagerClient, tokenizer: Tokenizer, *,
+                 max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool):
+        self.worker, self.info, self.kv, self.tokenizer = worker, info, kv, tokenizer
+        self.scheduler = Scheduler(SchedulerConfig(
+            info.worker_id, info.page_size, info.num_pages, info.max_model_len, info.eos_token_ids,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            prefix_caching=prefix_caching))
+        self.stats = EngineStats()
+        self.handles: dict[str, RequestHandle] = {}  # loop thread only
+        self._cv = threading.Condition()
+        self._inbox: list[RequestHandle] = []
+        self._aborts: list[str] = []
+        self._stopping = False
+        self.idle = threading.Event()  # set while no request is in flight (for a graceful drain)
+        self.idle.set()
+        self.thread = threading.Thread(target=self._run, name=f"engine-{info.worker_id}", daemon=True)
+
+    # -- handler threads --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, req: Request) -> RequestHandle:
+        handle = RequestHandle(req, TextStream(self.tokenizer, req.params.stop))
+        with self._cv:
+            self.idle.clear()
+            self._inbox.append(handle)
+            self._cv.notify()
+        return handle
+
+    def abort(self, req_id: str) -> None:
+        """Cancels a request (client cancel, deadline, shutdown); its pages are freed by the next step."""
+        with self._cv:
+            self._aborts.append(req_id)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        """Cancels everything in flight, frees its pages, and ends the loop."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self.thread.join()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.handles) + len(self._inbox)
+
+    # -- the loop thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while self._next_work():
+            try:
+                self._step()
+            except grpc.RpcError as e:
+                self._fail_all(f"{e.code().name}: {e.details()}")
+            with self._cv:
+                if not self.handles and not self._inbox:
+                    self.idle.set()
+        log.info("engine %s stopped after %d steps; kvmanager wait %.1f%% of step time", self.info.worker_id,
+                 self.stats.num_steps, 100 * self.stats.kv_wait_share)
+
+    def _next_work(self) -> bool:
+        """Waits for work; takes new requests and aborts in. False once stopping and everything is freed."""
+        with self._cv:
+            while not (self._inbox or self._aborts or self._stopping or self.scheduler.has_work()):
+                self._cv.wait()
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+            stopping = self._stopping
+        for handle in new:
+            self.handles[handle.req.req_id] = handle
+            self.scheduler.add(handle.req)
+        for req_id in aborts:
+            self._finish(req_id, FinishReason.CANCELLED)
+        if stopping:
+            for req_id in list(self.handles):
+                self._finish(req_id, FinishReason.CANCELLED)
+        return self.scheduler.has_work() or not stopping
+
+    def _finish(self, req_id: str, reason: FinishReason, error: Exception | None = None) -> None:
+        handle = self.handles.pop(req_id, None)
+        if handle is None:
+            return  # finished already
+        self.scheduler.finish(handle.req, reason, error)
+        handle._finish()
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        try:
+            results = self.kv.step_pages(out.ops)
+        except grpc.RpcError:
+            self.scheduler.resend_frees(out)
+            raise
+        t1 = time.perf_counter()
+        batch = self.scheduler.assign(out, results)
+        for req in batch.failed:
+            self.handles.pop(req.req_id)._finish()
+        if batch.chunks:
+            self._compute(batch)
+        t2 = time.perf_counter()
+        s = self.stats
+        s.num_steps, s.step_s, s.kv_wait_s = s.num_steps + 1, s.step_s + t2 - t0, s.kv_wait_s + t1 - t0
+
+    def _compute(self, batch: ScheduledBatch) -> None:
+        t0 = time.perf_counter()
+        try:
+            output = self.worker.step(batch.to_step(self.info.epoch))
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            self._reregister()  # the worker restarted: its pages are gone, recompute what ran
+            return
+        self.stats.worker_s += time.perf_counter() - t0
+        self.stats.num_step_tokens += output.num_tokens
+        for req, sampled in self.scheduler.update(batch, output.sampled):
+            self._on_token(req, sampled)
+
+    def _on_token(self, req: Request, sampled: SampledToken) -> None:
+        handle = self.handles[req.req_id]
+        text, stopped = handle.text.push(sampled.token_id)
+        if req.first_token_s is None:
+            req.first_token_s = time.monotonic()
+        logprobs = [sampled] if req.params.logprobs else []
+        handle.deltas.put(Delta(text=text, token_ids=[sampled.token_id], logprobs=logprobs))
+        if stopped:
+            self.scheduler.finish(req, FinishReason.STOP)
+        if req.status is RequestStatus.FINISHED:
+            del self.handles[req.req_id]
+            handle._finish("" if stopped else handle.text.flush())
+
+    def _reregister(self) -> None:
+        """After a worker restart: register its new pool (the kvmanager drops the old epoch's pages) and
+        queue every running request for recompute."""
+        self.info = self.worker.info()
+        result = self.kv.register(pool_spec(self.info))
+        log.warning("worker %s restarted (epoch %d -> %d): recomputing %d requests", self.info.worker_id,
+                    result.previous_epoch, self.info.epoch, len(self.scheduler.running))
+        for req in list(self.scheduler.running):
+            self.scheduler.preempt(req)
+
+    def _fail_all(self, error: str) -> None:
+        log.error("engine %s: step failed: %s; failing its %d requests", self.info.worker_id, error,
+                  len(self.handles))
+        for req_id in list(self.handles):
+            self._finish(req_id, FinishReason.ERROR, BackendFailure(error))

@@ -1,0 +1,85 @@
+"""One request as the gateway sees it: its tokens, how far it is computed, its copy of the page table.
+
+Token layout of a running request (page_size = 4):
+
+    all_token_ids   [ p0 p1 p2 p3 | p4 p5 o0 o1 | o2 ]        p = prompt, o = generated
+    computed          ^^^^^^^^^^^^^^^^^^^^^^^^^^^^              num_computed_tokens = 8 (o2 not fed yet)
+    committed         ^^^^^^^^^^^^^^^^^^^^^^^^^^^^              full pages in the prefix index (a multiple of 4)
+    page_table      [      7      |      2      |  9 ]
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvserve.worker.batch import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no pages
+    RUNNING = "running"  # holds pages on its worker
+    FINISHED = "finished"  # done; its pages are freed by the next page-ops call
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"  # client cancel, deadline, or shutdown: nothing more is streamed
+    ERROR = "error"  # the request could not be served (see Request.error)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestParams:
+    """What the client asked for, after validation."""
+
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class Request:
+    req_id: str
+    tenant: str
+    prompt_token_ids: list[int]
+    params: RequestParams
+    arrival_s: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
+    epoch: int = 0
+    num_computed_tokens: int = 0
+    num_committed_tokens: int = 0
+    num_cached_tokens: int = 0  # of the first admission: what usage reports
+    num_preemptions: int = 0
+    first_token_s: float | None = None
+    finish_reason: FinishReason | None = None
+    error: Exception | None = None  # finish_reason ERROR: why (gateway/errors.py)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Known tokens not fed to the model yet: the prompt (or what is left of it, chunk by chunk), all
+        tokens of a preempted request on readmission, or 1 (the last sampled token) when decoding."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: forget the pages; everything known so far is a prompt to recompute on readmission."""
+        self.status = RequestStatus.WAITING
+        self.page_table = []
+        self.epoch = 0
+        self.num_computed_tokens = 0
+        self.num_committed_tokens = 0
+        self.num_preemptions += 1

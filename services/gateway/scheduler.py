@@ -1,0 +1,261 @@
+"""Iteration-level scheduling for one worker: which requests compute how many tokens in the next step, and the
+page operations that step needs. Pure Python: no gRPC, no clocks, no threads.
+
+One step, in three calls (the engine loop does the I/O between them):
+
+    out   = scheduler.schedule()            running first (decode or the next prefill chunk), then waiting
+                                            (FCFS) under max_num_seqs and max_num_batched_tokens; out.ops is
+                                            the step's page operations for one kvmanager round trip
+    batch = scheduler.assign(out, results)  applies the kvmanager's answer: admitted requests get page tables
+                                            and num_cached_tokens; an extension out of pages preempts the
+                                            newest running request (recompute later; its blocks stay cached)
+    done  = scheduler.update(batch, output) appends sampled tokens, applies EOS and length limits
+
+Finished, cancelled and preempted requests are freed by the next step's page operations.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.kvmanager.types import (
+    Allocate,
+    Commit,
+    Extend,
+    Free,
+    OpStatus,
+    StepOps,
+    StepResults,
+)
+from kvserve.services.gateway.errors import OutOfCapacity
+from kvserve.services.gateway.request import FinishReason, Request, RequestStatus
+from kvserve.worker.batch import SampledToken, StepBatch, StepItem
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    worker_id: str
+    page_size: int
+    num_pages: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    max_num_seqs: int = 64  # running requests at once
+    max_num_batched_tokens: int = 512  # tokens computed per step: decodes + prefill chunks
+    prefix_caching: bool = True
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Tokens [start_pos, start_pos + num_tokens) of a request to compute in this step."""
+
+    req: Request
+    num_tokens: int
+    start_pos: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    ops: StepOps
+    running: list[Chunk]  # already running; those with an extension wait for its answer
+    admitted: list[Chunk]  # waiting requests asking for an allocation; num_tokens is the budget reserved
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    chunks: list[Chunk]
+    failed: list[Request] = field(default_factory=list)  # finished with an error by assign()
+
+    def to_step(self, epoch: int) -> StepBatch:
+        items = tuple(StepItem(c.req.req_id, tuple(c.req.all_token_ids[c.start_pos:c.start_pos + c.num_tokens]),
+                               c.start_pos, tuple(c.req.page_table), sample=c.start_pos + c.num_tokens ==
+                               c.req.num_tokens, sampling=c.req.params.sampling) for c in self.chunks)
+        return StepBatch(items=items, epoch=epoch)
+
+
+def _pages(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is preempted first
+        self.pending_frees: list[str] = []
+        self.requests: dict[str, Request] = {}  # every request not finished, by req_id
+        self.num_available_pages = cfg.num_pages  # free + evictable, as of the last answer
+        self._step_ids = itertools.count(1)
+        self.num_preemptions = 0
+
+    # -- requests in and out ----------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        assert req.req_id not in self.requests, f"duplicate req_id {req.req_id}"
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: FinishReason, error: Exception | None = None) -> None:
+        """Ends a request wherever it is; a running one's pages are freed by the next step."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.pending_frees.append(req.req_id)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        else:  # between schedule() and assign(): its allocation may have been applied
+            self.pending_frees.append(req.req_id)
+        self.requests.pop(req.req_id, None)
+        req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
+
+    def resend_frees(self, out: SchedulerOutput) -> None:
+        """The page-ops call of ``out`` failed: its frees go out again with the next one."""
+        self.pending_frees.extend(f.req_id for f in out.ops.frees)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.pending_frees)
+
+    # -- 1. schedule ------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        frees = tuple(Free(r) for r in self.pending_frees)
+        freeing = set(self.pending_frees)
+        self.pending_frees = []
+        commits = tuple(c for c in map(self._commit_for, self.running) if c is not None)
+        running, extensions, pages_needed = [], [], 0
+        for req in self.running:
+            if budget == 0:
+                break
+            n = min(req.num_uncomputed_tokens, budget)
+            budget -= n
+            running.append(Chunk(req, n, req.num_computed_tokens))
+            end = req.num_computed_tokens + n
+            if end > len(req.page_table) * self.cfg.page_size:
+                extensions.append(Extend(req.req_id, end))
+                pages_needed += _pages(end, self.cfg.page_size) - len(req.page_table)
+        admitted = self._admit(budget, self.num_available_pages - pages_needed, freeing)
+        allocations = tuple(Allocate(c.req.req_id, c.req.tenant, tuple(c.req.all_token_ids), self.cfg.worker_id,
+                                     skip_prefix_cache=not self.cfg.prefix_caching) for c in admitted)
+        ops = StepOps(next(self._step_ids), allocations, tuple(extensions), commits, frees)
+        return SchedulerOutput(ops, running, admitted)
+
+    def _commit_for(self, req: Request) -> Commit | None:
+        """The request's pages that became full since its last commit, if prefix caching is on."""
+        if not self.cfg.prefix_caching:
+            return None
+        full = req.num_computed_tokens // self.cfg.page_size * self.cfg.page_size
+        if full <= req.num_committed_tokens:
+            return None
+        tokens = tuple(req.all_token_ids[req.num_committed_tokens:full])
+        return Commit(req.req_id, req.num_committed_tokens, tokens, req.num_computed_tokens)
+
+    def _admit(self, budget: int, available: int, freeing: set[str]) -> list[Chunk]:
+        """Waiting requests, first come first served, while sequences, tokens and (pessimistically, as if
+        nothing hit the cache) pages last. With nothing running, the first one is always tried."""
+        admitted: list[Chunk] = []
+        while self.waiting and budget > 0 and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            if req.req_id in freeing:  # a free and an allocation of one req_id cannot share a call
+                break
+            need = _pages(req.num_tokens, self.cfg.page_size)
+            if need > available and (self.running or admitted):
+                break
+            self.waiting.popleft()
+            n = min(req.num_tokens, budget)
+            budget -= n
+            available -= need
+            admitted.append(Chunk(req, n))
+        return admitted
+
+    # -- 2. assign --------------------------------------------------------------------------------------
+    def assign(self, out: SchedulerOutput, results: StepResults) -> ScheduledBatch:
+        """Applies the kvmanager's answer to ``out.ops`` and returns what the worker computes this step."""
+        for pool in results.pools:
+            if pool.worker_id == self.cfg.worker_id:
+                self.num_available_pages = pool.num_free_pages + pool.num_evictable_pages
+        for c in results.commits:
+            if c.status is OpStatus.OK:
+                self.requests[c.req_id].num_committed_tokens = c.num_committed_tokens
+        skipped = self._apply_extensions(results)
+        chunks = [c for c in out.running if c.req.status is RequestStatus.RUNNING and c.req.req_id not in skipped]
+        batch = ScheduledBatch(chunks)
+        self._apply_allocations(out.admitted, results, batch)
+        return batch
+
+    def _apply_extensions(self, results: StepResults) -> set[str]:
+        """Appends new pages; on out of pages preempts the newest running request. Returns the req_ids that
+        sit this step out (they wait for a victim's pages)."""
+        skipped: set[str] = set()
+        for e in results.extensions:
+            req = self.requests[e.req_id]
+            if req.status is not RequestStatus.RUNNING:  # preempted by an earlier extension of this step
+                continue
+            if e.status is OpStatus.OK:
+                req.page_table.extend(e.new_page_ids)
+            elif e.status is OpStatus.STALE_EPOCH:
+                self.preempt(req)
+            else:
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is not req:
+                    skipped.add(req.req_id)
+        return skipped
+
+    def _apply_allocations(self, admitted: list[Chunk], results: StepResults, batch: ScheduledBatch) -> None:
+        short: list[Request] = []
+        for chunk, a in zip(admitted, results.allocations, strict=True):
+            req = chunk.req
+            if a.status is not OpStatus.OK:
+                short.append(req)
+                continue
+            req.status, req.page_table, req.epoch = RequestStatus.RUNNING, list(a.page_table), a.epoch
+            req.num_computed_tokens = req.num_committed_tokens = a.num_cached_tokens
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = a.num_cached_tokens
+            self.running.append(req)
+            batch.chunks.append(Chunk(req, min(chunk.num_tokens, req.num_uncomputed_tokens), a.num_cached_tokens))
+        for req in reversed(short):  # back to the head of the queue, in their order
+            self.waiting.appendleft(req)
+        if short and not self.running and not self.pending_frees:
+            self._fail_unplaceable(short[0], batch)
+
+    def _fail_unplaceable(self, req: Request, batch: ScheduledBatch) -> None:
+        """Nothing runs and nothing is being freed, yet it does not fit: it never will (pinned or foreign
+        pages hold the pool). Fail it rather than wait forever."""
+        self.finish(req, FinishReason.ERROR, OutOfCapacity(
+            f"the request needs {_pages(req.num_tokens, self.cfg.page_size)} pages but worker "
+            f"{self.cfg.worker_id} cannot free that many (pinned or cached blocks of running requests hold them)"))
+        batch.failed.append(req)
+
+    def preempt(self, req: Request) -> None:
+        """Frees the request's pages (next step) and queues it first for recompute."""
+        self.running.remove(req)
+        self.pending_frees.append(req.req_id)
+        req.reset_for_recompute()
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    # -- 3. update --------------------------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> list[tuple[Request, SampledToken]]:
+        """Advances computed positions, appends sampled tokens, ends requests at EOS or a length limit.
+        Returns (request, token) per sampled token, finished or not, for the output side."""
+        for c in batch.chunks:
+            c.req.num_computed_tokens = c.start_pos + c.num_tokens
+        by_id = {c.req.req_id: c.req for c in batch.chunks}
+        new_tokens = []
+        for s in sampled:
+            req = by_id[s.req_id]
+            req.output_token_ids.append(s.token_id)
+            new_tokens.append((req, s))
+            reason = self._finish_reason(req, s.token_id)
+            if reason is not None:
+                self.finish(req, reason)
+        return new_tokens
+
+    def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
+        if token_id in self.cfg.eos_token_ids and not req.params.ignore_eos:
+            return FinishReason.EOS
+        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,94 @@
+"""A client's generation request -> a validated Request, or InvalidRequest naming what is wrong. Nothing is
+queued and no page is touched before this passes."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from kvserve.services.gateway.request import Request, RequestParams
+from kvserve.worker.batch import InvalidRequest, SamplingParams
+from kvserve.worker.tokenizer import ChatTemplateError, Tokenizer
+from kvserve.worker.validate import validate_sampling
+
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """A Generate/Complete call after protobuf decoding, before validation."""
+
+    prompt: str | None  # exactly one of prompt and messages
+    messages: tuple[tuple[str, str], ...] | None  # (role, content)
+    sampling: SamplingParams
+    max_tokens: int = 0  # 0 = the gateway's default
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_model_len: int  # prompt + completion tokens
+    max_pool_tokens: int  # page_size * num_pages of the smallest worker pool: one request must fit alone
+    default_max_tokens: int = 256
+    max_tokens_limit: int = 4096
+
+
+def _prompt_text(inp: GenerateInput, tokenizer: Tokenizer) -> str:
+    if (inp.prompt is None) == (inp.messages is None):
+        raise InvalidRequest("set exactly one of prompt and messages")
+    if inp.prompt is not None:
+        if not inp.prompt:
+            raise InvalidRequest("empty prompt: send at least one character")
+        return inp.prompt
+    if not inp.messages:
+        raise InvalidRequest("empty messages: send at least one chat message")
+    for i, (role, _) in enumerate(inp.messages):
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+    try:
+        return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in inp.messages])
+    except ChatTemplateError as e:
+        raise InvalidRequest(str(e)) from e
+
+
+def _check_stop(stop: tuple[str, ...]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise InvalidRequest(f"stop[{i}] must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
+
+
+def _max_tokens(inp: GenerateInput, num_prompt: int, limits: Limits) -> int:
+    room = min(limits.max_model_len, limits.max_pool_tokens) - num_prompt
+    if inp.max_tokens < 0:
+        raise InvalidRequest(f"max_tokens must be >= 0 (0 = default), got {inp.max_tokens}")
+    if inp.max_tokens > limits.max_tokens_limit:
+        raise InvalidRequest(f"max_tokens {inp.max_tokens} is above this gateway's limit of "
+                             f"{limits.max_tokens_limit}")
+    if inp.max_tokens > room:
+        raise InvalidRequest(f"prompt ({num_prompt} tokens) + max_tokens ({inp.max_tokens}) exceeds the "
+                             f"{num_prompt + room} tokens a request may have (model context "
+                             f"{limits.max_model_len}, worker pool {limits.max_pool_tokens} tokens)")
+    return inp.max_tokens or min(limits.default_max_tokens, room)
+
+
+def build_request(inp: GenerateInput, tenant: str, tokenizer: Tokenizer, limits: Limits) -> Request:
+    """Validates and tokenises. Raises InvalidRequest with a message that says what was wrong."""
+    validate_sampling("sampling", inp.sampling)
+    _check_stop(inp.stop)
+    prompt_ids = tokenizer.encode(_prompt_text(inp, tokenizer))
+    if not prompt_ids:
+        raise InvalidRequest("the prompt encodes to no tokens")
+    room = min(limits.max_model_len, limits.max_pool_tokens)
+    if len(prompt_ids) >= room:
+        raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens; at most {room - 1} fit (model context "
+                             f"{limits.max_model_len}, worker pool {limits.max_pool_tokens} tokens), leaving room "
+                             "for one generated token")
+    params = RequestParams(max_tokens=_max_tokens(inp, len(prompt_ids), limits), sampling=inp.sampling,
+                           stop=inp.stop, logprobs=inp.logprobs, ignore_eos=inp.ignore_eos)
+    return Request(req_id=f"req-{uuid.uuid4().hex[:16]}", tenant=tenant, prompt_token_ids=prompt_ids, params=params)
