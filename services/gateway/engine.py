@@ -55,6 +55,7 @@ class RequestHandle:
                 return
 
     def _finish(self, text: str = "") -> None:
+        """Queues the last delta. Called once the request's pages are freed (or it never held any)."""
         req = self.req
         self.done = True
         self.deltas.put(Delta(text=text, finish_reason=req.finish_reason, error=req.error,
@@ -84,6 +85,7 @@ class EngineLoop:
             prefix_caching=prefix_caching))
         self.stats = EngineStats()
         self.handles: dict[str, RequestHandle] = {}  # loop thread only
+        self.finishing: dict[str, tuple[RequestHandle, str]] = {}  # finished, last delta sent once freed
         self._cv = threading.Condition()
         self._inbox: list[RequestHandle] = []
         self._aborts: list[str] = []
@@ -129,7 +131,7 @@ class EngineLoop:
             except grpc.RpcError as e:
                 self._fail_all(f"{e.code().name}: {e.details()}")
             with self._cv:
-                if not self.handles and not self._inbox:
+                if not self.handles and not self._inbox and not self.finishing:
                     self.idle.set()
         log.info("engine %s stopped after %d steps; kvmanager wait %.1f%% of step time", self.info.worker_id,
                  self.stats.num_steps, 100 * self.stats.kv_wait_share)
@@ -157,7 +159,15 @@ class EngineLoop:
         if handle is None:
             return  # finished already
         self.scheduler.finish(handle.req, reason, error)
-        handle._finish()
+        self.finishing[req_id] = (handle, "")
+
+    def _deliver_freed(self, freed_req_ids) -> None:
+        """The last delta of a finished request goes out once the kvmanager has freed its pages, so a client
+        that saw its request end never races the free (admin stats are back to baseline by then)."""
+        for req_id in freed_req_ids:
+            entry = self.finishing.pop(req_id, None)
+            if entry is not None:
+                entry[0]._finish(entry[1])
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -168,6 +178,7 @@ class EngineLoop:
             self.scheduler.resend_frees(out)
             raise
         t1 = time.perf_counter()
+        self._deliver_freed(f.req_id for f in out.ops.frees)
         batch = self.scheduler.assign(out, results)
         for req in batch.failed:
             self.handles.pop(req.req_id)._finish()
@@ -202,7 +213,7 @@ class EngineLoop:
             self.scheduler.finish(req, FinishReason.STOP)
         if req.status is RequestStatus.FINISHED:
             del self.handles[req.req_id]
-            handle._finish("" if stopped else handle.text.flush())
+            self.finishing[req.req_id] = (handle, "" if stopped else handle.text.flush())
 
     def _reregister(self) -> None:
         """After a worker restart: register its new pool (the kvmanager drops the old epoch's pages) and
@@ -219,3 +230,4 @@ class EngineLoop:
                   len(self.handles))
         for req_id in list(self.handles):
             self._finish(req_id, FinishReason.ERROR, BackendFailure(error))
+        self._deliver_freed(list(self.finishing))  # the kvmanager is unreachable: do not make clients wait

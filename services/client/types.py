@@ -1,0 +1,170 @@
+"""The client SDK's value types, and the only place that converts between them and the gateway's protos."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvserve.v1 import common_pb2, gateway_pb2
+
+_FINISH_REASONS = {
+    gateway_pb2.FINISH_REASON_EOS: "eos",
+    gateway_pb2.FINISH_REASON_STOP: "stop",
+    gateway_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request, as billing and cache metrics see them.
+
+    Attributes:
+        prompt_tokens: tokens of the prompt (after the chat template).
+        cached_tokens: of those, tokens whose K/V came from the prefix cache.
+        completion_tokens: tokens generated.
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """The logprob of one generated token and its most likely alternatives.
+
+    Attributes:
+        token_id: the generated token.
+        logprob: its natural-log probability under the model's raw distribution.
+        top_logprobs: ``(token_id, logprob)`` of the most likely alternatives, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One streamed message of a completion.
+
+    Attributes:
+        req_id: server-assigned request id, the same on every delta of a stream.
+        text: text new since the previous delta (may be empty).
+        token_ids: token ids generated since the previous delta.
+        logprobs: one per ``token_ids`` entry when the request asked for logprobs; empty otherwise.
+        finish_reason: ``"eos"``, ``"stop"`` or ``"length"`` on the last delta, None before it
+            (``"unknown"`` for a reason this SDK does not know yet).
+        usage: token counts, on the last delta only.
+    """
+
+    req_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[Logprob, ...]
+    finish_reason: str | None
+    usage: Usage | None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A finished completion.
+
+    Attributes:
+        req_id: server-assigned request id.
+        text: the completion's text (without a matched stop string).
+        token_ids: all generated token ids, those of a matched stop string included.
+        logprobs: one per ``token_ids`` entry when the request asked for logprobs; empty otherwise.
+        finish_reason: ``"eos"``, ``"stop"`` or ``"length"`` (``"unknown"`` for a reason this SDK does not know).
+        usage: token counts.
+    """
+
+    req_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[Logprob, ...]
+    finish_reason: str | None
+    usage: Usage
+
+
+def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str]] | None = None, *,
+                  max_tokens: int = 0, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                  seed: int | None = None, stop: Iterable[str] = (), logprobs: bool = False,
+                  top_logprobs: int = 0, ignore_eos: bool = False) -> gateway_pb2.GenerateRequest:
+    """Builds a GenerateRequest. Values are sent as given: the gateway validates ranges.
+
+    Args:
+        prompt: raw text, tokenised as is (no chat template).
+        messages: chat messages, each a mapping with ``"role"`` and ``"content"``, oldest first.
+        max_tokens: most tokens to generate; 0 means the gateway's default.
+        temperature: softmax temperature; 0 is greedy.
+        top_p: nucleus mass; 1.0 disables the filter (and leaves the field unset).
+        top_k: keep only the k most likely tokens; 0 disables the filter.
+        seed: per-request seed for reproducible sampling; None is nondeterministic.
+        stop: strings that end the completion when generated (not returned in text).
+        logprobs: whether to return each generated token's logprob.
+        top_logprobs: number of alternatives returned with each token's logprob.
+        ignore_eos: keep generating past end-of-sequence tokens until max_tokens.
+
+    Returns:
+        The request message.
+
+    Raises:
+        ValueError: not exactly one of ``prompt`` and ``messages`` is given, or a message lacks
+            ``"role"`` or ``"content"``.
+    """
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt and messages")
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_logprobs=top_logprobs)
+    if top_p != 1.0:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    request = gateway_pb2.GenerateRequest(sampling=sampling, max_tokens=max_tokens, stop=list(stop),
+                                          logprobs=logprobs, ignore_eos=ignore_eos)
+    if prompt is not None:
+        request.prompt = prompt
+    else:
+        request.messages.CopyFrom(_chat_messages(messages))
+    return request
+
+
+def _chat_messages(messages: Sequence[Mapping[str, str]]) -> gateway_pb2.ChatMessages:
+    chat = gateway_pb2.ChatMessages()
+    for i, message in enumerate(messages):
+        try:
+            chat.messages.add(role=message["role"], content=message["content"])
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content'") from e
+    return chat
+
+
+def delta_from_response(response: gateway_pb2.GenerateResponse) -> Delta:
+    """Converts one streamed GenerateResponse into a Delta (usage only when the message carries it)."""
+    return Delta(req_id=response.req_id, text=response.text, token_ids=tuple(response.token_ids),
+                 logprobs=_logprobs(response.logprobs), finish_reason=_finish_reason(response.finish_reason),
+                 usage=_usage(response.usage) if response.HasField("usage") else None)
+
+
+def completion_from_response(response: gateway_pb2.CompleteResponse) -> Completion:
+    """Converts a CompleteResponse into a Completion (zero usage when the message lacks it)."""
+    return Completion(req_id=response.req_id, text=response.text, token_ids=tuple(response.token_ids),
+                      logprobs=_logprobs(response.logprobs), finish_reason=_finish_reason(response.finish_reason),
+                      usage=_usage(response.usage))
+
+
+def _finish_reason(value: int) -> str | None:
+    if value == gateway_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return _FINISH_REASONS.get(value, "unknown")
+
+
+def _usage(usage: gateway_pb2.Usage) -> Usage:
+    return Usage(prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+                 completion_tokens=usage.completion_tokens)
+
+
+def _logprobs(logprobs: Iterable[gateway_pb2.GeneratedLogprob]) -> tuple[Logprob, ...]:
+    return tuple(Logprob(token_id=lp.token_id, logprob=lp.logprob,
+                         top_logprobs=tuple((alt.token_id, alt.logprob) for alt in lp.top_logprobs))
+                 for lp in logprobs)
