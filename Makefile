@@ -26,8 +26,9 @@ install: $(STAMP)
 model: install
 	$(KVSERVE) model prepare
 
+# The whole stack on this machine: embedded Redis, kvmanager, one worker, gateway on 127.0.0.1:50050.
 serve: model
-	$(KVSERVE) worker
+	$(KVSERVE) up
 
 test: model lint
 	$(PY) -m pytest $(PYTEST_ARGS)

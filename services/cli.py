@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from kvserve.services import cli_admin, cli_kvmanager, cli_model, cli_worker
+from kvserve.services import cli_admin, cli_gateway, cli_kvmanager, cli_model, cli_up, cli_worker
 
 
 def env_default(name: str, default=None):
@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     cli_worker.add_commands(sub)
     cli_kvmanager.add_commands(sub)
     cli_admin.add_commands(sub)
+    cli_gateway.add_commands(sub)
+    cli_up.add_commands(sub)
     return parser
 
 

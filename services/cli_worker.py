@@ -54,7 +54,7 @@ def add_commands(sub) -> None:
     info.add_argument("--worker", default=_env("worker", f"127.0.0.1:{DEFAULT_WORKER_PORT}"))
     info.set_defaults(func=run_info)
 
-    g = sub.add_parser("generate", help="generate a completion")
+    g = sub.add_parser("generate", help="stream a completion from a running gateway (or --local)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -63,6 +63,9 @@ def add_commands(sub) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--local", action="store_true", help="run the worker engine in this process (no services)")
+    g.add_argument("--gateway", default=_env("gateway", "127.0.0.1:50050"), help="gateway host:port")
+    g.add_argument("--api-key", default=_env("api_key"), help="API key (not needed in dev mode)")
+    g.add_argument("--timeout", type=float, default=300.0, help="deadline of the call in seconds")
     _add_engine_flags(g)
     g.set_defaults(func=run_generate)
 
@@ -125,9 +128,26 @@ def run_info(args) -> int:
 
 
 def run_generate(args) -> int:
-    if not args.local:
-        print("kvserve: generate through a gateway arrives with the gateway; use --local for now", file=sys.stderr)
-        return 2
+    if args.local:
+        return run_generate_local(args)
+    from kvserve.services.client import Client, KVServeError
+
+    messages = [{"role": "user", "content": args.prompt}] if args.chat else None
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    seed=args.seed)
+    try:
+        with Client(args.gateway, api_key=args.api_key, timeout_s=args.timeout) as client:
+            stream = client.generate(prompt=None if args.chat else args.prompt, messages=messages, **sampling)
+            for delta in stream:
+                print(delta.text, end="", flush=True)
+    except KVServeError as e:
+        print(f"\nkvserve: gateway {args.gateway}: {e.code.name}: {e.details}", file=sys.stderr)
+        return 2 if e.code.name == "INVALID_ARGUMENT" else 1
+    print()
+    return 0
+
+
+def run_generate_local(args) -> int:
     from kvserve.worker.batch import InvalidRequest, SamplingParams
     from kvserve.worker.local_engine import GenerateParams, generate
     from kvserve.worker.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer

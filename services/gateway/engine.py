@@ -179,7 +179,11 @@ class EngineLoop:
             raise
         t1 = time.perf_counter()
         self._deliver_freed(f.req_id for f in out.ops.frees)
+        preempted = self.scheduler.num_preemptions
         batch = self.scheduler.assign(out, results)
+        if self.scheduler.num_preemptions > preempted:
+            log.info("engine %s: out of pages, preempted %d requests (recompute later)", self.info.worker_id,
+                     self.scheduler.num_preemptions - preempted)
         for req in batch.failed:
             self.handles.pop(req.req_id)._finish()
         if batch.chunks:

@@ -1,0 +1,96 @@
+"""``kvserve gateway``: run the gateway (public API, continuous batching) in front of a kvmanager and workers.
+
+API keys: ``--api-keys-file`` (JSON ``{"key": "tenant"}`` or lines of ``key=tenant``) or ``KVSERVE_API_KEYS``
+(``key=tenant,key2=tenant2``). Without either the gateway runs in dev mode: no key needed, one tenant
+(``default``), and it says so in its ready line.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+DEFAULT_GATEWAY_PORT = 50050
+
+
+def _env(name, default=None):
+    from kvserve.services.cli import env_default
+
+    return env_default(name, default)
+
+
+def add_gateway_flags(p) -> None:
+    """Scheduling and API flags, shared by ``kvserve gateway`` and ``kvserve up``."""
+    from kvserve.services.cli import positive_int
+
+    p.add_argument("--max-num-seqs", type=positive_int, default=_env("max_num_seqs", "64"),
+                   help="requests running at once per worker")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=_env("max_num_batched_tokens", "512"),
+                   help="tokens computed per step per worker (decodes + prefill chunks)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   default=_env("no_prefix_caching", "") not in ("", "0", "false"),
+                   help="never reuse cached prefixes (for comparisons)")
+    p.add_argument("--default-max-tokens", type=positive_int, default=_env("default_max_tokens", "256"))
+    p.add_argument("--max-tokens-limit", type=positive_int, default=_env("max_tokens_limit", "4096"))
+    p.add_argument("--api-keys-file", type=Path, default=_env("api_keys_file"),
+                   help="API key -> tenant map (default: KVSERVE_API_KEYS, else dev mode)")
+
+
+def add_commands(sub) -> None:
+    g = sub.add_parser("gateway", help="run the gateway: public API and continuous batching")
+    g.add_argument("--host", default=_env("host", "127.0.0.1"))
+    g.add_argument("--port", type=int, default=_env("port", str(DEFAULT_GATEWAY_PORT)), help="0 = a free port")
+    g.add_argument("--kvmanager", default=_env("kvmanager", "127.0.0.1:50051"), help="kvmanager host:port")
+    g.add_argument("--workers", default=_env("workers", "127.0.0.1:50061"), help="comma-separated host:port")
+    g.add_argument("--model", default=_env("model"), help="model folder (default: the prepared SmolLM2)")
+    g.add_argument("--cache-dir", type=Path, default=_env("cache_dir"))
+    add_gateway_flags(g)
+    g.set_defaults(func=run_gateway)
+
+
+def gateway_config(args, workers: tuple[str, ...], kvmanager: str):
+    from kvserve.services.gateway.app import GatewayConfig
+    from kvserve.services.model_store import resolve_model
+
+    return GatewayConfig(kvmanager=kvmanager, workers=workers, model_dir=resolve_model(args.model, args.cache_dir),
+                         max_num_seqs=int(args.max_num_seqs), max_num_batched_tokens=int(args.max_num_batched_tokens),
+                         prefix_caching=not args.no_prefix_caching, default_max_tokens=int(args.default_max_tokens),
+                         max_tokens_limit=int(args.max_tokens_limit))
+
+
+def describe_keys(keys) -> str:
+    from kvserve.services.gateway.auth import DEV_TENANT
+
+    if keys.dev_mode:
+        return f"dev mode: no API key needed, every request is tenant {DEV_TENANT!r}"
+    return f"{len(keys.keys)} API keys, {len({t for _, t in keys.keys})} tenants"
+
+
+def run_gateway(args) -> int:
+    import grpc
+
+    from kvserve.services.gateway.app import Gateway
+    from kvserve.services.gateway.auth import load_keys
+    from kvserve.services.gateway.server import start_gateway_server
+    from kvserve.services.grpc_server import install_stop_signals
+    from kvserve.services.model_store import ModelNotFound
+
+    stop = install_stop_signals()
+    workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
+    try:
+        keys = load_keys(args.api_keys_file, _env("api_keys"))
+        gateway = Gateway(gateway_config(args, workers, args.kvmanager), keys)
+    except (ValueError, OSError, ModelNotFound) as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as e:
+        print(f"kvserve: cannot reach the kvmanager or a worker: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    server = start_gateway_server(gateway, args.host, args.port)
+    print(f"kvserve gateway ready on {args.host}:{server.port} ({len(workers)} workers, "
+          f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {describe_keys(keys)})", flush=True)
+    stop.wait()
+    server.health.enter_graceful_shutdown()
+    gateway.close(drain_s=5.0)  # stop admitting, finish or cancel in-flight work, free its pages
+    server.server.stop(2.0).wait()
+    return 0

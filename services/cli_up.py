@@ -1,0 +1,181 @@
+"""``kvserve up``: the whole stack on one machine in one command.
+
+    kvmanager (embedded Redis) ── workers × N ── gateway      started in this order, each once the previous
+                                                              printed its ready line; stopped in reverse
+
+Each service is a child process in its own process group (so a terminal's Ctrl-C reaches ``up`` alone and the
+stop order holds: the gateway drains and frees its pages while the kvmanager still runs), and dies with ``up``
+if ``up`` is killed. If any child exits on its own, ``up`` stops the rest and exits 1.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY = re.compile(r"kvserve \S+(?: \S+)? ready on (?P<host>[^\s:]+):(?P<port>\d+)")
+READY_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 20.0
+
+
+def _env(name, default=None):
+    from kvserve.services.cli import env_default
+
+    return env_default(name, default)
+
+
+def add_commands(sub) -> None:
+    from kvserve.services.cli import parse_bytes, positive_int
+    from kvserve.services.cli_gateway import DEFAULT_GATEWAY_PORT, add_gateway_flags
+    from kvserve.services.cli_kvmanager import DEFAULT_KVMANAGER_PORT
+
+    u = sub.add_parser("up", help="run the whole stack: embedded Redis, kvmanager, workers, gateway")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port (0 = a free port)")
+    u.add_argument("--kvmanager-port", type=int, default=DEFAULT_KVMANAGER_PORT, help="0 = a free port")
+    u.add_argument("--workers", type=positive_int, default=1, help="number of worker processes")
+    u.add_argument("--model", default=_env("model"))
+    u.add_argument("--cache-dir", type=Path, default=_env("cache_dir"))
+    u.add_argument("--data-dir", type=Path, default=_env("data_dir"),
+                   help="kvmanager data: embedded Redis files and the admin token (default: <cache dir>/kvmanager)")
+    u.add_argument("--redis-url", default=_env("redis_url"), help="an external Redis instead of the embedded one")
+    size = u.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-bytes", type=parse_bytes, help="KV pool budget per worker (default 512MiB)")
+    size.add_argument("--num-pages", type=positive_int, help="KV pool pages per worker")
+    u.add_argument("--page-size", type=positive_int, default=16)
+    add_gateway_flags(u)
+    u.set_defaults(func=run_up)
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    address: str = ""
+    ready_line: str = ""
+    lines: queue.Queue = field(default_factory=queue.Queue)
+
+
+def _die_with_parent() -> None:
+    from kvserve.kvmanager.redis_server import _die_with_parent as die
+
+    die()
+
+
+def _pump(child: Child) -> None:
+    for line in child.proc.stdout:
+        child.lines.put(line)
+    child.lines.put(None)
+
+
+def start_child(name: str, argv: list[str]) -> Child:
+    """Starts `kvserve ARGV` and returns once it printed its ready line. Raises RuntimeError otherwise."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.services.cli", *argv], stdout=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, process_group=0, preexec_fn=_die_with_parent)
+    child = Child(name, proc)
+    threading.Thread(target=_pump, args=(child,), daemon=True).start()
+    try:
+        line = child.lines.get(timeout=READY_TIMEOUT_S)
+    except queue.Empty:
+        line = None
+    match = READY.match(line or "")
+    if not match:
+        stop_child(child)
+        raise RuntimeError(f"{name} did not start (exit code {proc.returncode}); its log is above")
+    child.address, child.ready_line = f"{match['host']}:{match['port']}", line.strip()
+    return child
+
+
+def stop_child(child: Child) -> None:
+    if child.proc.poll() is None:
+        child.proc.terminate()
+        try:
+            child.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+
+
+def _kvmanager_argv(args) -> list[str]:
+    argv = ["kvmanager", "--host", args.host, "--port", str(args.kvmanager_port)]
+    if args.data_dir:
+        argv += ["--data-dir", str(args.data_dir)]
+    if args.redis_url:
+        argv += ["--redis-url", args.redis_url]
+    return argv
+
+
+def _worker_argv(args, i: int) -> list[str]:
+    argv = ["worker", "--host", args.host, "--port", "0", "--worker-id", f"worker-{i}",
+            "--page-size", str(args.page_size)]
+    argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)] if args.kv_cache_bytes else []
+    argv += ["--num-pages", str(args.num_pages)] if args.num_pages else []
+    return argv + _model_argv(args)
+
+
+def _model_argv(args) -> list[str]:
+    return (["--model", args.model] if args.model else []) + (["--cache-dir", str(args.cache_dir)]
+                                                              if args.cache_dir else [])
+
+
+def _gateway_argv(args, kvmanager: Child, workers: list[Child]) -> list[str]:
+    argv = ["gateway", "--host", args.host, "--port", str(args.port), "--kvmanager", kvmanager.address,
+            "--workers", ",".join(w.address for w in workers), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--default-max-tokens", str(args.default_max_tokens), "--max-tokens-limit", str(args.max_tokens_limit)]
+    argv += ["--no-prefix-caching"] if args.no_prefix_caching else []
+    argv += ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []
+    return argv + _model_argv(args)
+
+
+def _watch(children: list[Child], stop: threading.Event, died: list[str]) -> None:
+    """One thread per child: a child that exits on its own stops the whole stack."""
+    def wait(child: Child) -> None:
+        child.proc.wait()
+        if not stop.is_set():
+            died.append(child.name)
+            stop.set()
+
+    for child in children:
+        threading.Thread(target=wait, args=(child,), daemon=True).start()
+
+
+def _start_stack(args, children: list[Child]) -> None:
+    children.append(start_child("kvmanager", _kvmanager_argv(args)))
+    for i in range(args.workers):
+        children.append(start_child(f"worker-{i}", _worker_argv(args, i)))
+    children.append(start_child("gateway", _gateway_argv(args, children[0], children[1:])))
+
+
+def run_up(args) -> int:
+    from kvserve.services.cli_kvmanager import ADMIN_TOKEN_FILE, default_data_dir
+    from kvserve.services.grpc_server import install_stop_signals
+
+    stop = install_stop_signals()
+    children: list[Child] = []
+    died: list[str] = []
+    try:
+        _start_stack(args, children)
+        _watch(children, stop, died)
+        gateway, kvmanager = children[-1], children[0]
+        token = (args.data_dir or default_data_dir()).expanduser() / ADMIN_TOKEN_FILE
+        details = gateway.ready_line.split("(", 1)[1].rstrip(")")  # "N workers, prefix caching .., keys"
+        print(f"kvserve up ready: gateway on {gateway.address} (kvmanager {kvmanager.address}, {details}; "
+              f"admin token in {token}, where kvserve admin finds it)", flush=True)
+        stop.wait()
+    except RuntimeError as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        died.append("start-up")
+    finally:
+        stop.set()
+        for child in reversed(children):  # gateway first: it frees its pages while the kvmanager runs
+            stop_child(child)
+    if died:
+        print(f"kvserve: stopped because {died[0]} exited", file=sys.stderr)
+        return 1
+    return 0
