@@ -223,7 +223,7 @@ def inspect_tenant(mgr: KVManager, tenant: str, max_blocks: int = 0, max_prefixe
     0 means the defaults (100 blocks, 10 prefixes). Raises InvalidRequest (empty tenant, negative limits),
     UnknownTenant (no blocks, no requests and no counters).
     """
-    _check_tenant(tenant)
+    check_tenant(tenant)
     if max_blocks < 0 or max_prefixes < 0:
         raise InvalidRequest(f"max_blocks and max_prefixes must be >= 0, got {max_blocks} and {max_prefixes}")
     tenant_stats = _tenant_stats(mgr).get(tenant)
@@ -242,12 +242,12 @@ def inspect_tenant(mgr: KVManager, tenant: str, max_blocks: int = 0, max_prefixe
                         prefixes[: max_prefixes or DEFAULT_MAX_PREFIXES])
 
 
-def _check_tenant(tenant: str) -> None:
+def check_tenant(tenant: str) -> None:
     if not tenant:
         raise InvalidRequest("tenant must not be empty")
 
 
-def _check_tokens(token_ids: tuple[int, ...]) -> None:
+def check_tokens(token_ids: tuple[int, ...]) -> None:
     if not token_ids:
         raise InvalidRequest("token_ids must not be empty")
     bad = next((t for t in token_ids if not 0 <= t <= MAX_TOKEN_ID), None)
@@ -270,8 +270,8 @@ def probe(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: st
 
     Raises InvalidRequest (empty tenant or tokens, token id not a uint32), UnknownWorker.
     """
-    _check_tenant(tenant)
-    _check_tokens(token_ids)
+    check_tenant(tenant)
+    check_tokens(token_ids)
     hits = [ProbeHit(p.spec.worker_id, p.spec.epoch, len(_prefix_blocks(mgr, p, tenant, token_ids)) * p.spec.page_size)
             for p in _pools_in_scope(mgr, worker_id)]
     best = max(hits, key=lambda h: h.num_hit_tokens, default=None)  # max keeps the first of equals
@@ -308,7 +308,7 @@ def evict_tenant(mgr: KVManager, tenant: str, worker_id: str = "", include_pinne
 
     Raises InvalidRequest (empty tenant), UnknownWorker.
     """
-    _check_tenant(tenant)
+    check_tenant(tenant)
     evicted = kept = 0
     for pool in _pools_in_scope(mgr, worker_id):
         for block in [b for b in pool.index.values() if b.tenant == tenant]:
@@ -331,8 +331,8 @@ def _record(mgr: KVManager, pool: PagePool, block: Block) -> None:
 def _set_pinned(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str,
                 pinned: bool) -> tuple[int, int, int]:
     """(blocks of the prefix reached, blocks whose flag changed, most tokens reached on one pool)."""
-    _check_tenant(tenant)
-    _check_tokens(token_ids)
+    check_tenant(tenant)
+    check_tokens(token_ids)
     reached = changed = best_tokens = 0
     for pool in _pools_in_scope(mgr, worker_id):
         blocks = _prefix_blocks(mgr, pool, tenant, token_ids)

@@ -109,6 +109,10 @@ def step_to_request_proto(ops: StepOps) -> pb.StepPagesRequest:
     )
 
 
+def place_to_proto(tenant: str, token_ids, num_queued: dict[str, int]) -> pb.PlaceRequest:
+    return pb.PlaceRequest(tenant=tenant, token_ids=token_ids, num_queued=num_queued)
+
+
 def step_results_from_proto(r: pb.StepPagesResponse) -> StepResults:
     return StepResults(
         allocations=[AllocateResult(a.req_id, STATUS_OF[a.status], a.worker_id, a.epoch, list(a.page_table),

@@ -59,3 +59,33 @@ def choose_pool(mgr: KVManager, op: Allocate) -> Choice:
         if best_key is None or key > best_key:  # sorted worker_ids: the first of equals wins
             best, best_key = Choice(pool, hits, seed), key
     return best or Choice(None, num_pages_short=short or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    worker_id: str
+    num_hit_tokens: int
+
+
+def place(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], num_queued: dict[str, int]) -> Placement:
+    """Where a new request should be queued now: the rule above over every pool, with the caller's queued
+    requests counted as load and no fit required (it is allocated later, when pages are free). No side effect.
+
+    Raises InvalidRequest (empty tenant or tokens, a token id that is not a uint32), UnknownWorker (no pool).
+    """
+    from kvserve.kvmanager.admin import check_tenant, check_tokens
+    from kvserve.kvmanager.errors import UnknownWorker
+
+    check_tenant(tenant)
+    check_tokens(token_ids)
+    if not mgr.pools:
+        raise UnknownWorker("no worker is registered: nowhere to place a request")
+    best, best_key = None, None
+    for worker_id in sorted(mgr.pools):
+        pool = mgr.pools[worker_id]
+        hits = prefix_hits(mgr, pool, tenant, token_ids)[1]
+        load = pool.num_requests + num_queued.get(worker_id, 0)
+        key = (len(hits) - mgr.load_penalty_pages * load, pool.available([b.page_id for b in hits]))
+        if best_key is None or key > best_key:
+            best, best_key = Placement(worker_id, len(hits) * pool.spec.page_size), key
+    return best

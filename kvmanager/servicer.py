@@ -9,7 +9,7 @@ from typing import Protocol
 
 import grpc
 
-from kvserve.kvmanager import admin
+from kvserve.kvmanager import admin, placement
 from kvserve.kvmanager import convert as cv
 from kvserve.kvmanager.errors import (
     InvalidRequest,
@@ -74,6 +74,13 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
         t0 = time.perf_counter()
         results = self.service.step(cv.step_from_proto(request))
         return cv.step_to_proto(results, handle_ms=(time.perf_counter() - t0) * 1000)
+
+
+    @_mapped
+    def Place(self, request, context):
+        result = self.service.read(placement.place, request.tenant, tuple(request.token_ids),
+                                   dict(request.num_queued))
+        return pb.PlaceResponse(worker_id=result.worker_id, num_hit_tokens=result.num_hit_tokens)
 
 
 class KVAdminServicer(kvmanager_pb2_grpc.KVAdminServiceServicer):

@@ -182,3 +182,14 @@ def test_no_prefix_caching_dev_mode_cli_and_graceful_stop(tmp_path, tokenizer):
         log = stack.log()
         assert "gateway stopping" in log or "engine worker-0 stopped" in log
         assert "kvmanager stopping" in log
+
+
+def test_two_workers_share_the_load_and_requests_follow_their_cached_prefix(tmp_path):
+    prompts = [f"Document {i}. " + f"All about {TOPICS[i]}, in detail. " * 20 for i in range(4)]
+    with running_stack(tmp_path, cli_env(), "--workers", "2", "--num-pages", "128") as stack:
+        complete_all(stack.gateway, None, [(p, 2) for p in prompts])
+        pools = stack.admin_stats().pools
+        assert [p.worker_id for p in pools] == ["worker-0", "worker-1"]
+        assert all(p.num_cached_pages > 0 for p in pools)  # concurrent requests spread over both workers
+        again = complete_all(stack.gateway, None, [(p, 2) for p in prompts])
+        assert all(r.usage.cached_tokens == (r.usage.prompt_tokens - 1) // PAGE_SIZE * PAGE_SIZE for r in again)

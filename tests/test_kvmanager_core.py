@@ -7,6 +7,7 @@ import pytest
 from kvserve.kvmanager.errors import InvalidRequest, StaleEpoch, StaleStep, UnknownRequest, UnknownWorker
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
 from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.placement import Placement, place
 from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps
 
 PS = 4  # page size
@@ -203,6 +204,23 @@ def test_placement_prefers_the_longest_hit_balanced_against_load():
     r = alloc(m, "c", prompt)
     assert r.worker_id == "w0" and r.num_cached_tokens == 12
 
+
+
+def test_place_answers_like_allocation_would_counting_queued_requests_without_side_effects():
+    m = mgr_with(spec("w0"), spec("w1"))
+    prompt = list(range(13))
+    alloc(m, "a", prompt, worker="w1")
+    commit(m, "a", 0, prompt[:12])
+    free(m, "a")
+    lru_before, counters_before = list(m.pools["w1"].evictable), dict(m.tenants)
+    assert place(m, "t", tuple(prompt), {}) == Placement("w1", 12)  # the 3-page hit
+    assert place(m, "u", tuple(prompt), {}) == Placement("w0", 0)  # another tenant: no hit, tie -> w0
+    assert place(m, "t", tuple(prompt), {"w1": 1}) == Placement("w0", 0)  # 3 - 4 * 1 < 0
+    assert list(m.pools["w1"].evictable) == lru_before and m.tenants == counters_before
+    with pytest.raises(InvalidRequest, match="tenant must not be empty"):
+        place(m, "", (1,), {})
+    with pytest.raises(UnknownWorker, match="no worker is registered"):
+        place(KVManager(), "t", (1,), {})
 
 BAD = [
     (StepOps(allocations=(Allocate("a", "", (1,)),)), InvalidRequest, "tenant must not be empty"),

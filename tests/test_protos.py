@@ -21,7 +21,7 @@ S = descriptor_pb2.ServiceDescriptorProto
 # service -> (module, RPC names): the surface later issues build on.
 SERVICES = {
     "WorkerService": ("worker", {"Step", "Info"}),
-    "KVManagerService": ("kvmanager", {"RegisterWorker", "StepPages"}),
+    "KVManagerService": ("kvmanager", {"RegisterWorker", "StepPages", "Place"}),
     "KVAdminService": (
         "kvmanager",
         {

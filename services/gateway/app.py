@@ -8,10 +8,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.clients import KVManagerClient, WorkerClient, pool_spec
 from kvserve.services.gateway.engine import EngineLoop, RequestHandle
-from kvserve.services.gateway.errors import ShuttingDown
+from kvserve.services.gateway.errors import BackendFailure, ShuttingDown
+from kvserve.services.gateway.request import Request
 from kvserve.services.gateway.validate import GenerateInput, Limits, build_request
 from kvserve.worker.tokenizer import Tokenizer
 
@@ -66,15 +69,23 @@ class Gateway:
     def submit(self, inp: GenerateInput, tenant: str) -> tuple[RequestHandle, EngineLoop]:
         """Validates, tokenises and queues a request. Raises InvalidRequest or ShuttingDown."""
         req = build_request(inp, tenant, self.tokenizer, self.limits)
-        with self._lock:
+        with self._lock:  # placement sees every earlier request queued somewhere
             if self.closing:
                 raise ShuttingDown("the gateway is shutting down and admits no new requests")
-            engine = self.place()
+            engine = self.place(req)
             return engine.submit(req), engine
 
-    def place(self) -> EngineLoop:
-        """The engine with the fewest requests in flight (ties: the first)."""
-        return min(self.engines, key=lambda e: e.num_in_flight)
+    def place(self, req: Request) -> EngineLoop:
+        """The worker the kvmanager's cache-aware placement chooses (longest prefix hit balanced against
+        load, counting the requests this gateway has queued per worker); the only one when there is one."""
+        if len(self.engines) == 1:
+            return self.engines[0]
+        try:
+            worker_id = self.kv.place(req.tenant, req.prompt_token_ids,
+                                      {e.info.worker_id: e.num_queued for e in self.engines})
+        except grpc.RpcError as e:
+            raise BackendFailure(f"kvmanager placement failed: {e.code().name}: {e.details()}") from e
+        return next((e for e in self.engines if e.info.worker_id == worker_id), self.engines[0])
 
     def close(self, drain_s: float = 5.0) -> None:
         """Graceful stop: admit nothing new, let in-flight requests finish for up to drain_s, cancel the rest,

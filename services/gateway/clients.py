@@ -36,6 +36,11 @@ class KVManagerClient:
         return self._call(self.stub.StepPages, kv_convert.step_to_request_proto(ops),
                           kv_convert.step_results_from_proto)
 
+    def place(self, tenant: str, token_ids: list[int], num_queued: dict[str, int]) -> str:
+        """The worker_id cache-aware placement chooses for a new request (no side effect)."""
+        return self._call(self.stub.Place, kv_convert.place_to_proto(tenant, token_ids, num_queued),
+                          lambda r: r.worker_id)
+
     def _call(self, method, request, convert):
         """Retries UNAVAILABLE (kvmanager restarting, Redis briefly down) with capped backoff."""
         deadline, backoff_s = time.monotonic() + self.retry_for_s, 0.05

@@ -120,6 +120,11 @@ class EngineLoop:
         self.thread.join()
 
     @property
+    def num_queued(self) -> int:
+        """Requests waiting for pages on this worker (read from other threads: a snapshot)."""
+        return len(self._inbox) + len(self.scheduler.waiting)
+
+    @property
     def num_in_flight(self) -> int:
         return len(self.handles) + len(self._inbox)
 

@@ -180,6 +180,31 @@ class StepPagesResponse(_message.Message):
     handle_ms: float
     def __init__(self, allocation_results: _Optional[_Iterable[_Union[PageAllocationResult, _Mapping]]] = ..., extension_results: _Optional[_Iterable[_Union[PageExtensionResult, _Mapping]]] = ..., commit_results: _Optional[_Iterable[_Union[PageCommitResult, _Mapping]]] = ..., free_results: _Optional[_Iterable[_Union[PageFreeResult, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolSummary, _Mapping]]] = ..., handle_ms: _Optional[float] = ...) -> None: ...
 
+class PlaceRequest(_message.Message):
+    __slots__ = ("tenant", "token_ids", "num_queued")
+    class NumQueuedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_queued: _containers.ScalarMap[str, int]
+    def __init__(self, tenant: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_queued: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class PlaceResponse(_message.Message):
+    __slots__ = ("worker_id", "num_hit_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    num_hit_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_hit_tokens: _Optional[int] = ...) -> None: ...
+
 class TokenIds(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

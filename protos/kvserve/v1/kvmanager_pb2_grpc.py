@@ -45,6 +45,11 @@ class KVManagerServiceStub:
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.StepPagesRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.StepPagesResponse.FromString,
                 _registered_method=True)
+        self.Place = channel.unary_unary(
+                '/kvserve.v1.KVManagerService/Place',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PlaceRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PlaceResponse.FromString,
+                _registered_method=True)
 
 
 class KVManagerServiceServicer:
@@ -73,6 +78,16 @@ class KVManagerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Place(self, request, context):
+        """Which worker cache-aware placement chooses for a new request now, with no side effect (nothing is
+        allocated, counted or written). The gateway asks when a request arrives and queues it on that worker's
+        scheduling loop; the allocation follows in a later StepPages. INVALID_ARGUMENT for an empty tenant or
+        token_ids, NOT_FOUND when no worker is registered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVManagerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -85,6 +100,11 @@ def add_KVManagerServiceServicer_to_server(servicer, server):
                     servicer.StepPages,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.StepPagesRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.StepPagesResponse.SerializeToString,
+            ),
+            'Place': grpc.unary_unary_rpc_method_handler(
+                    servicer.Place,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PlaceRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PlaceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -142,6 +162,33 @@ class KVManagerService:
             '/kvserve.v1.KVManagerService/StepPages',
             kvserve_dot_v1_dot_kvmanager__pb2.StepPagesRequest.SerializeToString,
             kvserve_dot_v1_dot_kvmanager__pb2.StepPagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Place(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVManagerService/Place',
+            kvserve_dot_v1_dot_kvmanager__pb2.PlaceRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.PlaceResponse.FromString,
             options,
             channel_credentials,
             insecure,
