@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -14,9 +16,14 @@ import yaml
 from kvserve.services.cli import build_parser
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "k8s"
+GATEWAY_PORT = 50050
 WORKER_PORT = 50061
 KVMANAGER_PORT = 50051
 REDIS_PORT = 6379
+# services/cli_gateway.run_gateway after SIGTERM: gateway.close(drain_s=5.0), then server.stop(2.0).
+GATEWAY_DRAIN_S = 5.0
+GATEWAY_STOP_GRACE_S = 2.0
+API_KEYS_SECRET = "kvserve-api-keys"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 SECRET_LIKE_ENV = re.compile(r"TOKEN|PASSWORD|SECRET|PASSWD|CREDENTIAL", re.IGNORECASE)
 
@@ -40,6 +47,13 @@ def _one(kind: str, name: str) -> dict:
 
 def _workloads() -> list[dict]:
     return [doc for doc in _resources() if doc["kind"] in WORKLOAD_KINDS]
+
+
+def _workload(name: str) -> dict:
+    """The Deployment or StatefulSet of that name, whichever kind it is."""
+    found = [doc for doc in _workloads() if doc["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one workload {name}, found {[doc['kind'] for doc in found]}"
+    return found[0]
 
 
 def _all_containers(workload: dict) -> list[dict]:
@@ -90,6 +104,17 @@ def test_kustomization_lists_every_manifest_and_only_existing_ones() -> None:
     on_disk = {path.name for path in K8S_DIR.glob("*.yaml")} - {"kustomization.yaml"}
     assert listed == on_disk
     assert not list(K8S_DIR.glob("*.yml")), "use the .yaml suffix, so the check above sees every manifest"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
+def test_kubectl_kustomize_renders_every_resource_with_the_common_label() -> None:
+    out = subprocess.run(["kubectl", "kustomize", str(K8S_DIR)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rendered = [doc for doc in yaml.safe_load_all(out.stdout) if doc is not None]
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in rendered) == sorted(
+        (d["kind"], d["metadata"]["name"]) for d in _resources())
+    for doc in rendered:
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvserve", doc["metadata"]["name"]
 
 
 def test_every_resource_has_api_version_kind_and_name() -> None:
@@ -148,9 +173,9 @@ def test_no_secret_values_are_committed() -> None:
 # --- workers ----------------------------------------------------------------------------------------------------
 
 
-def test_worker_deployment_runs_the_worker_with_grpc_probes() -> None:
-    deployment = _one("Deployment", "kvserve-worker")
-    spec = deployment["spec"]
+def test_worker_statefulset_runs_the_worker_with_grpc_probes() -> None:
+    statefulset = _one("StatefulSet", "kvserve-worker")
+    spec = statefulset["spec"]
     pod = spec["template"]
     assert spec["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     (container,) = pod["spec"]["containers"]
@@ -163,9 +188,9 @@ def test_worker_deployment_runs_the_worker_with_grpc_probes() -> None:
 
 
 def test_worker_service_targets_the_container_port_of_the_selected_pods() -> None:
-    deployment = _one("Deployment", "kvserve-worker")
+    statefulset = _one("StatefulSet", "kvserve-worker")
     service = _one("Service", "kvserve-worker")
-    pod = deployment["spec"]["template"]
+    pod = statefulset["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     # Headless: the gateway needs every worker's own address, not a load-balanced one.
@@ -175,14 +200,29 @@ def test_worker_service_targets_the_container_port_of_the_selected_pods() -> Non
     assert _container_port(container, port["targetPort"]) == WORKER_PORT
 
 
+def test_worker_statefulset_gives_each_pod_a_stable_name_and_worker_id() -> None:
+    """Stable pod names = stable worker ids (a restarted worker re-registers under its old id with a new
+    epoch, so the kvmanager drops the old pool) and stable DNS names for the gateway's worker list."""
+    assert [doc["kind"] for doc in _workloads() if doc["metadata"]["name"] == "kvserve-worker"] == ["StatefulSet"]
+    spec = _one("StatefulSet", "kvserve-worker")["spec"]
+    service = _one("Service", spec["serviceName"])
+    assert service["spec"]["clusterIP"] == "None", "pod DNS names need a headless Service"
+    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert spec["podManagementPolicy"] == "Parallel"
+    assert spec["replicas"] == 2
+    (container,) = spec["template"]["spec"]["containers"]
+    assert _env(container)["KVSERVE_WORKER_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+
 # --- environment variables are real CLI flags -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("deployment", "command"), [("kvserve-kvmanager", "kvmanager"), ("kvserve-worker", "worker")])
-def test_env_names_are_flags_the_cli_reads(deployment: str, command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("workload", "command"), [("kvserve-kvmanager", "kvmanager"), ("kvserve-worker", "worker"),
+                                                   ("kvserve-gateway", "gateway")])
+def test_env_names_are_flags_the_cli_reads(workload: str, command: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each KVSERVE_X of the container is a --x flag of its subcommand, and setting the variable gives the
     same parsed value as passing the flag (so the flag really falls back to that variable)."""
-    (container,) = _one("Deployment", deployment)["spec"]["template"]["spec"]["containers"]
+    (container,) = _workload(workload)["spec"]["template"]["spec"]["containers"]
     assert container["command"][:2] == ["kvserve", command]
     env = {name: e for name, e in _env(container).items() if name.startswith("KVSERVE_")}
     assert env
@@ -192,7 +232,7 @@ def test_env_names_are_flags_the_cli_reads(deployment: str, command: str, monkey
     actions = {s: a for a in _subparser(parser, command)._actions + parser._actions for s in a.option_strings}
     for name, spec in env.items():
         flag = _flag_for_env(name)
-        assert flag in actions, f"{deployment}: {name} has no {flag} flag in `kvserve {command}` ({sorted(actions)})"
+        assert flag in actions, f"{workload}: {name} has no {flag} flag in `kvserve {command}` ({sorted(actions)})"
         value = spec.get("value", f"from-{name.lower()}")  # valueFrom: any string stands in
         by_flag = getattr(build_parser().parse_args([command, flag, value]), actions[flag].dest)
         with monkeypatch.context() as m:
@@ -260,6 +300,99 @@ def test_kvmanager_redis_url_names_the_statefulset_pod_through_its_headless_serv
     assert url.port == service_port["port"]
     assert _container_port(redis, service_port["targetPort"]) == REDIS_PORT
     assert url.path in ("", "/0")
+
+
+# --- gateway ----------------------------------------------------------------------------------------------------
+
+
+def _gateway_container() -> dict:
+    (container,) = _one("Deployment", "kvserve-gateway")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_gateway_deployment_runs_the_gateway_with_grpc_probes() -> None:
+    container = _gateway_container()
+    assert container["image"] == "kvserve:latest"
+    assert container["command"] == ["kvserve", "gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
+    assert [p["containerPort"] for p in container["ports"]] == [GATEWAY_PORT]
+    _assert_grpc_probes(container, GATEWAY_PORT)
+
+
+def test_gateway_is_a_single_replica_never_two_at_once() -> None:
+    # One scheduling loop per worker: two gateways would each batch for every worker as if alone.
+    spec = _one("Deployment", "kvserve-gateway")["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    hpas = [doc for doc in _resources() if doc["kind"] == "HorizontalPodAutoscaler"]
+    assert not [h for h in hpas if h["spec"]["scaleTargetRef"]["name"] == "kvserve-gateway"]
+
+
+def test_gateway_has_time_to_drain_after_sigterm() -> None:
+    pod_spec = _one("Deployment", "kvserve-gateway")["spec"]["template"]["spec"]
+    assert pod_spec.get("terminationGracePeriodSeconds", 30) > GATEWAY_DRAIN_S + GATEWAY_STOP_GRACE_S
+
+
+def test_gateway_workers_are_the_statefulset_pods_by_their_stable_dns_names() -> None:
+    statefulset = _one("StatefulSet", "kvserve-worker")
+    service = _one("Service", statefulset["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None", "pod DNS names need a headless Service"
+    (service_port,) = service["spec"]["ports"]
+    (worker,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert _container_port(worker, service_port["targetPort"]) == WORKER_PORT
+    expected = [f"{statefulset['metadata']['name']}-{i}.{service['metadata']['name']}:{service_port['port']}"
+                for i in range(statefulset["spec"]["replicas"])]
+    assert _env(_gateway_container())["KVSERVE_WORKERS"]["value"].split(",") == expected
+
+
+def test_gateway_kvmanager_address_names_the_kvmanager_service_and_port() -> None:
+    host, _, port = _env(_gateway_container())["KVSERVE_KVMANAGER"]["value"].rpartition(":")
+    service = _one("Service", host)
+    (service_port,) = service["spec"]["ports"]
+    assert int(port) == service_port["port"]
+    kvmanager = _one("Deployment", "kvserve-kvmanager")
+    assert service["spec"]["selector"].items() <= kvmanager["spec"]["template"]["metadata"]["labels"].items()
+    (container,) = kvmanager["spec"]["template"]["spec"]["containers"]
+    assert _container_port(container, service_port["targetPort"]) == KVMANAGER_PORT
+
+
+def test_gateway_serves_the_workers_model() -> None:
+    (worker,) = _one("StatefulSet", "kvserve-worker")["spec"]["template"]["spec"]["containers"]
+    assert _env(_gateway_container())["KVSERVE_MODEL"]["value"] == _env(worker)["KVSERVE_MODEL"]["value"]
+
+
+def test_gateway_api_keys_come_from_a_secret_volume() -> None:
+    pod_spec = _one("Deployment", "kvserve-gateway")["spec"]["template"]["spec"]
+    container = _gateway_container()
+    volumes = {v["name"]: v for v in pod_spec["volumes"] if v.get("secret", {}).get("secretName") == API_KEYS_SECRET}
+    assert len(volumes) == 1, f"expected one volume from the Secret {API_KEYS_SECRET}"
+    (volume,) = volumes.values()
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount.get("readOnly") is True
+    keys_file = Path(_env(container)["KVSERVE_API_KEYS_FILE"]["value"])
+    assert keys_file.is_absolute()
+    assert keys_file.is_relative_to(mount["mountPath"]), f"{keys_file} is not under {mount['mountPath']}"
+    relative = keys_file.relative_to(mount["mountPath"])
+    items = volume["secret"].get("items")
+    if items is not None:
+        assert {"key": "keys.json", "path": str(relative)} in items
+    else:
+        assert str(relative) == "keys.json"
+    # Documented, not committed: the manifest says how to create it.
+    assert f"kubectl create secret generic {API_KEYS_SECRET} --from-file=keys.json" in (
+        K8S_DIR / "gateway-deployment.yaml").read_text()
+    assert "KVSERVE_API_KEYS" not in _env(container), "keys in a plain env var would be committed"
+
+
+def test_gateway_service_is_cluster_ip_on_the_grpc_port() -> None:
+    pod = _one("Deployment", "kvserve-gateway")["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    service = _one("Service", "kvserve-gateway")
+    assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
+    assert service["spec"].get("clusterIP") != "None"
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (port,) = service["spec"]["ports"]
+    assert (port["port"], port["name"], port.get("appProtocol")) == (GATEWAY_PORT, "grpc", "grpc")
+    assert _container_port(container, port["targetPort"]) == GATEWAY_PORT
 
 
 # --- redis ------------------------------------------------------------------------------------------------------
