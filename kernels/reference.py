@@ -1,6 +1,8 @@
-"""The reference paged-attention backend: gather pages, one padded SDPA call with a length mask.
+"""The reference paged-attention backend: gather pages, padded SDPA calls with a length mask.
 
-Per step it turns the flat token run into a padded batch::
+A step's sequences are split into groups of like shape, so that padding never multiplies the work: all decode
+sequences (one query each) form one group, and every prefill chunk is a group of its own (a 512-token chunk
+padded next to 32 decodes would cost 32 chunks). Per group it turns the flat token run into a padded batch::
 
     flat q:   [a0 a1 a2 | b0 | c0 c1]           q_lens = [3, 1, 2]
     padded:   [[a0 a1 a2]
@@ -24,13 +26,51 @@ from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
 
 
 @dataclass(slots=True)
-class ReferenceState:
-    """Per-step gather/scatter indices and the attention mask, shared by all layers."""
+class GroupState:
+    """Gather/scatter indices and the attention mask of one group of sequences, shared by all layers."""
 
-    q_index: torch.Tensor  # [num_tokens] int64, flat token -> row in [num_seqs * max_q_len]
+    token_index: torch.Tensor | None  # [group_tokens] int64, the group's tokens in the flat run; None = all
+    q_index: torch.Tensor  # [group_tokens] int64, group token -> row in [num_seqs * max_q_len]
     page_ids: torch.Tensor  # [num_seqs * num_pages] int64, pages to gather, padded with page 0 (masked)
+    num_seqs: int
+    max_q_len: int
     num_keys: int  # num_pages * page_size: key length of the gathered batch
     mask: torch.Tensor  # [num_seqs, 1, max_q_len, num_keys] bool, True = may attend
+
+    @property
+    def padded(self) -> bool:
+        return self.num_seqs * self.max_q_len != self.q_index.shape[0]
+
+
+@dataclass(slots=True)
+class ReferenceState:
+    groups: list[GroupState]
+
+
+def _group(meta: AttentionMetadata, seqs: list[int] | None) -> GroupState:
+    """The state of the sequences ``seqs`` (None = all of them, in order)."""
+    device = meta.positions.device
+    if seqs is None:
+        token_index, token_seq, q_lens = None, meta.token_seq, meta.q_lens
+        start_pos, seq_lens, tables, positions = meta.start_pos, meta.seq_lens, meta.block_tables, meta.positions
+    else:
+        idx = torch.tensor(seqs, device=device)
+        q_lens = meta.q_lens[idx]
+        token_index = torch.cat([torch.arange(int(meta.cu_q_lens[i]), int(meta.cu_q_lens[i + 1]), device=device)
+                                 for i in seqs])
+        token_seq = torch.repeat_interleave(torch.arange(len(seqs), device=device), q_lens)
+        start_pos, seq_lens, tables = meta.start_pos[idx], meta.seq_lens[idx], meta.block_tables[idx]
+        positions = meta.positions[token_index]
+    max_q, max_k = int(q_lens.max()), int(seq_lens.max())
+    q_index = token_seq * max_q + (positions - start_pos[token_seq])
+    num_pages = -(-max_k // meta.page_size)
+    num_keys = num_pages * meta.page_size
+    key_pos = torch.arange(num_keys, device=device)
+    query_pos = start_pos[:, None] + torch.arange(max_q, device=device)[None, :]  # [num_seqs, max_q]
+    visible = key_pos[None, None, :] <= query_pos[:, :, None]
+    visible &= key_pos[None, None, :] < seq_lens[:, None, None]
+    return GroupState(token_index, q_index, tables[:, :num_pages].reshape(-1), int(q_lens.shape[0]), max_q,
+                      num_keys, visible.unsqueeze(1))
 
 
 class ReferenceBackend:
@@ -39,18 +79,12 @@ class ReferenceBackend:
     name = "reference"
 
     def prepare(self, meta: AttentionMetadata) -> ReferenceState:
-        device = meta.positions.device
-        max_q, max_k = meta.max_q_len, meta.max_seq_len
-        row_in_seq = meta.positions - meta.start_pos[meta.token_seq]
-        q_index = meta.token_seq * max_q + row_in_seq
-        num_pages = -(-max_k // meta.page_size)
-        page_ids = meta.block_tables[:, :num_pages].reshape(-1)
-        num_keys = num_pages * meta.page_size
-        key_pos = torch.arange(num_keys, device=device)
-        query_pos = meta.start_pos[:, None] + torch.arange(max_q, device=device)[None, :]  # [num_seqs, max_q]
-        visible = key_pos[None, None, :] <= query_pos[:, :, None]
-        visible &= key_pos[None, None, :] < meta.seq_lens[:, None, None]
-        return ReferenceState(q_index=q_index, page_ids=page_ids, num_keys=num_keys, mask=visible.unsqueeze(1))
+        q_lens = meta.q_lens.tolist()
+        decodes = [i for i, n in enumerate(q_lens) if n == 1]
+        prefills = [i for i, n in enumerate(q_lens) if n > 1]
+        if not prefills or (len(prefills) == 1 and not decodes):
+            return ReferenceState([_group(meta, None)])
+        return ReferenceState(([_group(meta, decodes)] if decodes else []) + [_group(meta, [i]) for i in prefills])
 
     def forward(
         self,
@@ -63,20 +97,26 @@ class ReferenceBackend:
         scale: float,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
-        num_tokens, num_heads, head_dim = q.shape
-        num_seqs, max_q = meta.num_seqs, meta.max_q_len
-        num_kv_heads = kv_cache.shape[3]
-        kv = kv_cache.index_select(1, state.page_ids).to(q.dtype)  # K and V of every page in one gather
-        kv = kv.view(2, num_seqs, state.num_keys, num_kv_heads, head_dim).transpose(2, 3)  # [2, seqs, kv_heads, k, d]
-        padded = num_seqs * max_q != num_tokens
-        if padded:
-            q_pad = q.new_zeros((num_seqs * max_q, num_heads, head_dim))
-            q_pad[state.q_index] = q
-        else:  # every sequence has max_q tokens (e.g. a pure decode batch): no scatter needed
-            q_pad = q
-        q_pad = q_pad.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q_pad, kv[0], kv[1], attn_mask=state.mask, scale=scale, enable_gqa=True
-        )  # [num_seqs, num_heads, max_q, head_dim]
-        out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
-        return out[state.q_index] if padded else out
+        if len(state.groups) == 1 and state.groups[0].token_index is None:
+            return _attend(q, kv_cache, state.groups[0], scale)
+        out = torch.empty_like(q)
+        for group in state.groups:
+            out[group.token_index] = _attend(q[group.token_index], kv_cache, group, scale)
+        return out
+
+
+def _attend(q: torch.Tensor, kv_cache: torch.Tensor, g: GroupState, scale: float) -> torch.Tensor:
+    """Attention of one group's queries ``q`` [group_tokens, heads, d] over its sequences' pages."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    kv = kv_cache.index_select(1, g.page_ids).to(q.dtype)  # K and V of every page in one gather
+    kv = kv.view(2, g.num_seqs, g.num_keys, num_kv_heads, head_dim).transpose(2, 3)  # [2, seqs, kv_heads, k, d]
+    if g.padded:
+        q_pad = q.new_zeros((g.num_seqs * g.max_q_len, num_heads, head_dim))
+        q_pad[g.q_index] = q
+    else:  # every sequence has max_q tokens (e.g. a pure decode batch): no scatter needed
+        q_pad = q
+    q_pad = q_pad.view(g.num_seqs, g.max_q_len, num_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q_pad, kv[0], kv[1], attn_mask=g.mask, scale=scale, enable_gqa=True)
+    out = out.transpose(1, 2).reshape(g.num_seqs * g.max_q_len, num_heads, head_dim)  # [seqs * max_q, heads, d]
+    return out[g.q_index] if g.padded else out

@@ -118,3 +118,14 @@ def test_rotary_matches_complex_rotation():
     out = apply_rotary(x, cos[pos], sin[pos])
     z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones(5, 4), pos[:, None] * inv_freq)[:, None, :]
     torch.testing.assert_close(out, torch.cat([z.real, z.imag], dim=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_decodes_share_one_group_and_each_prefill_chunk_is_padded_alone():
+    tables = [[0, 1, 2, 3], [4], [5, 6], [7]]
+    meta = build_metadata([0, 3, 20, 9], [50, 1, 4, 1], tables, 16, torch.device("cpu"))
+    groups = ReferenceBackend().prepare(meta).groups
+    assert [(g.num_seqs, g.max_q_len, g.num_keys) for g in groups] == [(2, 1, 16), (1, 50, 64), (1, 4, 32)]
+    assert [g.token_index.tolist() for g in groups[:1]] == [[50, 55]]
+    decode_only = build_metadata([3, 9], [1, 1], [[4], [7]], 16, torch.device("cpu"))
+    (group,) = ReferenceBackend().prepare(decode_only).groups
+    assert group.token_index is None and not group.padded
