@@ -57,7 +57,7 @@ class Gateway:
 
     def _connect(self, address: str) -> EngineLoop:
         """Asks the worker for its Info and registers its pool with the kvmanager."""
-        worker = WorkerClient(address)
+        worker = WorkerClient(address, stopping=self._stopping)
         info = worker.info(wait_s=self.cfg.connect_timeout_s)
         self.kv.register(pool_spec(info))
         log.info("worker %s at %s: %d pages x %d tokens, epoch %d", info.worker_id, address, info.num_pages,

@@ -59,12 +59,21 @@ class KVManagerClient:
         self.channel.close()
 
 
+RETRY_STEP = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the worker went away mid-step
+
+
 class WorkerClient:
-    def __init__(self, address: str, timeout_s: float = 120.0):
+    """A worker's Step and Info. A Step the worker did not answer (it stopped or restarted) is sent again once
+    it is back, for up to retry_for_s: a step is idempotent (same K/V into the same slots), and a restarted
+    worker answers FAILED_PRECONDITION (new epoch), which the engine turns into re-registration and recompute."""
+
+    def __init__(self, address: str, timeout_s: float = 120.0, retry_for_s: float = 60.0,
+                 stopping: threading.Event | None = None):
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
-        self.timeout_s = timeout_s
+        self.timeout_s, self.retry_for_s = timeout_s, retry_for_s
+        self.stopping = stopping or threading.Event()
 
     def info(self, wait_s: float = 60.0) -> WorkerInfo:
         """The worker's Info, waiting up to wait_s for it to come up."""
@@ -72,8 +81,17 @@ class WorkerClient:
         return worker_convert.info_from_proto(reply)
 
     def step(self, batch: StepBatch) -> StepOutput:
-        reply = self.stub.Step(worker_convert.batch_to_proto(batch), timeout=self.timeout_s)
-        return worker_convert.output_from_proto(reply)
+        request = worker_convert.batch_to_proto(batch)
+        deadline = time.monotonic() + self.retry_for_s
+        while True:
+            try:
+                reply = self.stub.Step(request, timeout=self.timeout_s, wait_for_ready=True)
+                return worker_convert.output_from_proto(reply)
+            except grpc.RpcError as e:
+                if e.code() not in RETRY_STEP or time.monotonic() > deadline or self.stopping.is_set():
+                    raise
+                log.warning("worker %s did not answer a step (%s); sending it again once it is back",
+                            self.address, e.code().name)
 
     def close(self) -> None:
         self.channel.close()

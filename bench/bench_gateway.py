@@ -1,0 +1,240 @@
+"""Gateway benchmark: the whole kvserve stack (`kvserve up` as real processes) side by side with HF transformers
+on the same prompts, in one run.
+
+    python bench/bench_gateway.py [--quick] [--out bench/results/gateway-DATE.json]
+
+Workloads (greedy, fixed lengths with ignore_eos / min_new_tokens, seeded):
+  throughput   a mixed batch (prompts 32-512 tokens, 16-128 new tokens) sent at once through the SDK, vs HF
+               `generate()` one request at a time and HF's continuous batching (`generate_batch`)
+  concurrency  32 concurrent requests (prompt 128, 64 new tokens) vs the worker's raw batched forward pass
+               (ModelRunner in-process: the same prefill and decode with no scheduler, kvmanager or gRPC)
+  prefix       a ~2000-token system prompt with 10 different user messages sent one after another: TTFT of the
+               first vs the mean of the other nine, prefix caching on and off, and HF (no reuse) for reference
+Each kvserve stack reports the share of its step time spent waiting on the kvmanager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime as dt
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import hf_reference as hf  # noqa: E402
+
+from kvserve.services.client import Client  # noqa: E402
+from kvserve.services.model_store import prepare_default_model  # noqa: E402
+from kvserve.worker.batch import StepBatch, StepItem  # noqa: E402
+from kvserve.worker.runner import ModelRunner, RunnerConfig  # noqa: E402
+from kvserve.worker.tokenizer import Tokenizer  # noqa: E402
+
+READY = re.compile(r"^kvserve up ready: gateway on (?P<gateway>\S+) ")
+KV_WAIT = re.compile(r"kvmanager wait ([0-9.]+)% of step time")
+PAGE_SIZE = 16
+
+
+@contextmanager
+def stack(*args: str):
+    """`kvserve up` on free ports in a temporary data dir; yields (gateway address, stats dict filled at stop)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        err = Path(tmp) / "up.stderr"
+        with err.open("w") as stderr:
+            proc = subprocess.Popen([sys.executable, "-m", "kvserve.services.cli", "up", "--port", "0",
+                                     "--kvmanager-port", "0", "--data-dir", f"{tmp}/data", *args],
+                                    stdout=subprocess.PIPE, stderr=stderr, text=True)
+        match = READY.match(proc.stdout.readline())
+        if not match:
+            proc.kill()
+            raise RuntimeError(f"kvserve up did not start:\n{err.read_text()}")
+        stats: dict = {}
+        try:
+            yield match["gateway"], stats
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+            shares = [float(m) for m in KV_WAIT.findall(err.read_text())]
+            stats["kv_wait_share_pct"] = statistics.mean(shares) if shares else None
+
+
+def stream_one(client: Client, text: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    times, usage = [], None
+    for delta in client.generate(prompt=text, max_tokens=max_tokens, ignore_eos=True):
+        times += [time.perf_counter()] * len(delta.token_ids)
+        usage = delta.usage or usage
+    ttft = times[0] - t0
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    return {"tokens": len(times), "ttft_s": ttft, "tpot_s": tpot, "cached_tokens": usage.cached_tokens}
+
+
+def kvserve_burst(address: str, jobs: list[tuple[str, int]]) -> dict:
+    """Every job at once; generated tokens / wall time, and per-request TTFT and TPOT."""
+    with Client(address, timeout_s=3600) as client, cf.ThreadPoolExecutor(len(jobs)) as pool:
+        t0 = time.perf_counter()
+        results = list(pool.map(lambda j: stream_one(client, *j), jobs))
+        wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    return {"generated_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50_s": statistics.median(r["ttft_s"] for r in results),
+            "tpot_p50_s": statistics.median(r["tpot_s"] for r in results)}
+
+
+def as_text(tok: Tokenizer, work: list[hf.Workitem]) -> tuple[list[tuple[str, int]], list[hf.Workitem]]:
+    """The workload as text for the gateway, and re-tokenised for HF, so both sides see the same tokens."""
+    texts = [(tok.decode(list(w.prompt_ids)), w.max_new_tokens) for w in work]
+    return texts, [hf.Workitem(tuple(tok.encode(t)), n) for t, n in texts]
+
+
+def raw_runner(model_dir: Path, work: list[hf.Workitem], max_step_tokens: int = 2048) -> dict:
+    """The same requests through ModelRunner.step in-process: prefill in chunks, then batched decode steps."""
+    longest = max(len(w.prompt_ids) + w.max_new_tokens for w in work)
+    pages = -(-longest // PAGE_SIZE)
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=pages * len(work), page_size=PAGE_SIZE,
+                                      device="cpu", dtype="float32"))
+    tables = [tuple(range(i * pages, (i + 1) * pages)) for i in range(len(work))]
+    t0 = time.perf_counter()
+    last = {}
+    for i, w in enumerate(work):  # prefill, one request per step (its chunks), sampling its first token
+        for start in range(0, len(w.prompt_ids), max_step_tokens):
+            chunk = w.prompt_ids[start:start + max_step_tokens]
+            sample = start + len(chunk) == len(w.prompt_ids)
+            out = runner.step(StepBatch((StepItem(f"r{i}", chunk, start, tables[i], sample=sample),)))
+        last[i] = out.sampled[0].token_id
+    generated = len(work)
+    for step in range(1, max(w.max_new_tokens for w in work)):
+        live = [i for i, w in enumerate(work) if step < w.max_new_tokens]
+        items = tuple(StepItem(f"r{i}", (last[i],), len(work[i].prompt_ids) + step - 1, tables[i]) for i in live)
+        for s in runner.step(StepBatch(items)).sampled:
+            last[int(s.req_id[1:])] = s.token_id
+        generated += len(live)
+    wall = time.perf_counter() - t0
+    return {"generated_tokens": generated, "wall_s": wall, "tokens_per_s": generated / wall}
+
+
+def prefix_workload(tok: Tokenizer, corpus: list[int], system_tokens: int, num_users: int) -> list[str]:
+    system = tok.decode(corpus[:system_tokens])
+    return [f"{system}\n\nUser {i}: please summarise point {i} of the text above.\nAssistant:"
+            for i in range(num_users)]
+
+
+def kvserve_prefix(address: str, prompts: list[str]) -> dict:
+    with Client(address, timeout_s=600) as client:
+        stream_one(client, "warm up", 2)
+        runs = [stream_one(client, p, 4) for p in prompts]
+    rest = [r["ttft_s"] for r in runs[1:]]
+    return {"ttft_first_s": runs[0]["ttft_s"], "ttft_rest_mean_s": statistics.mean(rest),
+            "rest_over_first": statistics.mean(rest) / runs[0]["ttft_s"],
+            "cached_tokens_rest_mean": statistics.mean(r["cached_tokens"] for r in runs[1:])}
+
+
+def hf_prefix(model, tok: Tokenizer, prompts: list[str]) -> dict:
+    ttfts = [hf.hf_ttft_s(model, tok.encode(p)) for p in prompts]
+    return {"ttft_first_s": ttfts[0], "ttft_rest_mean_s": statistics.mean(ttfts[1:]),
+            "rest_over_first": statistics.mean(ttfts[1:]) / ttfts[0]}
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def run(quick: bool) -> dict:
+    model_dir = prepare_default_model(progress=False)
+    tok = Tokenizer(model_dir)
+    corpus = hf.corpus_token_ids(model_dir)
+    n_mixed, n_conc = (12, 16) if quick else (24, 32)
+    mixed_text, mixed_hf = as_text(tok, hf.make_workload(n_mixed, seed=1, corpus=corpus,
+                                                         max_new=64 if quick else 128))
+    conc_text, conc_hf = as_text(tok, hf.make_workload(n_conc, seed=2, min_prompt=128, max_prompt=128,
+                                                       min_new=64, max_new=64, corpus=corpus))
+    prefix_prompts = prefix_workload(tok, corpus, 2000, 10)
+    out: dict = {"quick": quick}
+    print("kvserve: mixed burst, 32-way concurrency, prefix caching on ...", file=sys.stderr, flush=True)
+    with stack("--num-pages", "2048") as (gateway, stats):
+        kvserve_burst(gateway, mixed_text[:2])  # warm-up
+        out["throughput"] = {"kvserve": kvserve_burst(gateway, mixed_text)}
+        out["concurrency"] = {"kvserve": kvserve_burst(gateway, conc_text)}
+        out["prefix"] = {"kvserve_on": kvserve_prefix(gateway, prefix_prompts)}
+    out["kv_wait_share_pct"] = stats["kv_wait_share_pct"]
+    print("kvserve: prefix caching off ...", file=sys.stderr, flush=True)
+    with stack("--num-pages", "1024", "--no-prefix-caching") as (gateway, _):
+        out["prefix"]["kvserve_off"] = kvserve_prefix(gateway, prefix_prompts)
+    print("raw ModelRunner, then HF transformers ...", file=sys.stderr, flush=True)
+    out["concurrency"]["raw_runner"] = raw_runner(model_dir, conc_hf)
+    out["concurrency"]["num_requests"] = n_conc
+    model = hf.load_hf(model_dir)
+    out["throughput"]["hf_generate"] = _strip(hf.hf_generate_serial(model, mixed_hf))
+    out["throughput"]["hf_generate_batch"] = _strip(hf.hf_generate_batch(model, mixed_hf))
+    out["prefix"]["hf"] = hf_prefix(model, tok, prefix_prompts[:3] if quick else prefix_prompts)
+    _ratios(out)
+    return out
+
+
+def _strip(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "outputs"}
+
+
+def _ratios(out: dict) -> None:
+    t, c = out["throughput"], out["concurrency"]
+    t["kvserve_over_hf_generate"] = ratio(t["kvserve"]["tokens_per_s"], t["hf_generate"]["tokens_per_s"])
+    t["kvserve_over_hf_generate_batch"] = ratio(t["kvserve"]["tokens_per_s"], t["hf_generate_batch"]["tokens_per_s"])
+    c["kvserve_over_raw_runner"] = ratio(c["kvserve"]["tokens_per_s"], c["raw_runner"]["tokens_per_s"])
+
+
+def markdown(out: dict) -> str:
+    t, c, p = out["throughput"], out["concurrency"], out["prefix"]
+    rows = [
+        "| workload | kvserve | reference | ratio | target |", "|---|---:|---:|---:|---|",
+        f"| mixed burst, tok/s vs HF generate() one at a time | {t['kvserve']['tokens_per_s']:.1f} | "
+        f"{t['hf_generate']['tokens_per_s']:.1f} | **{t['kvserve_over_hf_generate']:.2f}x** | >= 4x |",
+        f"| mixed burst, tok/s vs HF generate_batch | {t['kvserve']['tokens_per_s']:.1f} | "
+        f"{t['hf_generate_batch']['tokens_per_s']:.1f} | **{t['kvserve_over_hf_generate_batch']:.2f}x** | >= 4x |",
+        f"| {c['num_requests']} concurrent, tok/s vs raw batched forward (same work) | "
+        f"{c['kvserve']['tokens_per_s']:.1f} | {c['raw_runner']['tokens_per_s']:.1f} | "
+        f"**{c['kvserve_over_raw_runner']:.0%}** | >= 70% |",
+        f"| prefix caching on: TTFT rest / first | {p['kvserve_on']['ttft_rest_mean_s'] * 1000:.0f} ms | "
+        f"{p['kvserve_on']['ttft_first_s'] * 1000:.0f} ms | **{p['kvserve_on']['rest_over_first']:.1%}** | <= 5% |",
+        f"| prefix caching off: TTFT rest / first | {p['kvserve_off']['ttft_rest_mean_s'] * 1000:.0f} ms | "
+        f"{p['kvserve_off']['ttft_first_s'] * 1000:.0f} ms | {p['kvserve_off']['rest_over_first']:.1%} | |",
+        f"| HF generate (no reuse): TTFT rest / first | {p['hf']['ttft_rest_mean_s'] * 1000:.0f} ms | "
+        f"{p['hf']['ttft_first_s'] * 1000:.0f} ms | {p['hf']['rest_over_first']:.1%} | |",
+    ]
+    share = out.get("kv_wait_share_pct")
+    rows.append(f"\nShare of the gateway's step time spent waiting on the kvmanager: "
+                f"{share:.2f}%." if share is not None else "")
+    return "\n".join(rows) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    out = run(args.quick)
+    out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}
+    name = f"gateway-{dt.date.today()}{'-quick' if args.quick else ''}.json"
+    path = args.out or Path(__file__).parent / "results" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    path.with_suffix(".md").write_text(markdown(out))
+    print(markdown(out))
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
