@@ -135,7 +135,6 @@ def test_bad_worker_settings_exit_2_with_a_message_and_serve_nothing(args, env, 
 BAD_GENERATE_FLAGS = [
     ("negative temperature", ["--local", "--temperature", "-1"], "temperature must be finite and >= 0"),
     ("zero max tokens", ["--local", "--max-tokens", "0"], "--max-tokens must be positive, got 0"),
-    ("no --local", [], "use --local"),
 ]
 
 
@@ -146,6 +145,12 @@ def test_bad_generate_flags_exit_2_with_a_message(args, message):
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr
     assert out.stdout.strip() == ""
+
+
+def test_generate_without_a_gateway_says_which_address_it_tried_and_exits_1():
+    out = run_cli("generate", "--prompt", "hi", "--gateway", "127.0.0.1:1", "--timeout", "2")
+    assert out.returncode == 1, out.stderr
+    assert "gateway 127.0.0.1:1" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_model_prepare_prints_the_prepared_folder(model_dir):
