@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields
+from types import MappingProxyType
 
 from kvserve.kvmanager import admin
 from kvserve.kvmanager.types import (
@@ -23,6 +25,7 @@ from kvserve.kvmanager.types import (
 )
 from kvserve.v1 import kvmanager_pb2 as pb
 
+EMPTY: Mapping[str, str] = MappingProxyType({})
 OP_STATUS = {
     OpStatus.OK: pb.PAGE_OP_STATUS_OK,
     OpStatus.OUT_OF_PAGES: pb.PAGE_OP_STATUS_OUT_OF_PAGES,
@@ -30,9 +33,13 @@ OP_STATUS = {
 }
 
 
+def _fields(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
 def _copy(obj, message_type):
     """A message with the scalar and repeated-scalar fields of a dataclass of the same field names."""
-    return message_type(**{f.name: getattr(obj, f.name) for f in fields(obj)})
+    return message_type(**_fields(obj))
 
 
 # -- KVManagerService ---------------------------------------------------------------------------------------
@@ -99,13 +106,18 @@ def register_from_proto(r: pb.RegisterWorkerResponse) -> RegisterResult:
     return RegisterResult(previous_epoch=r.previous_epoch, dropped_req_ids=tuple(r.dropped_req_ids))
 
 
-def step_to_request_proto(ops: StepOps) -> pb.StepPagesRequest:
+def step_to_request_proto(ops: StepOps, traceparents: Mapping[str, str] = EMPTY) -> pb.StepPagesRequest:
+    """``traceparents``: req_id -> W3C traceparent of the request's span, for the ops of traced requests."""
+    def tp(op) -> dict:
+        parent = traceparents.get(op.req_id)
+        return {"traceparent": parent} if parent else {}
+
     return pb.StepPagesRequest(
         step_id=ops.step_id,
-        allocations=[_copy(a, pb.PageAllocation) for a in ops.allocations],
-        extensions=[_copy(e, pb.PageExtension) for e in ops.extensions],
-        commits=[_copy(c, pb.PageCommit) for c in ops.commits],
-        frees=[_copy(f, pb.PageFree) for f in ops.frees],
+        allocations=[pb.PageAllocation(**_fields(a), **tp(a)) for a in ops.allocations],
+        extensions=[pb.PageExtension(**_fields(e), **tp(e)) for e in ops.extensions],
+        commits=[pb.PageCommit(**_fields(c), **tp(c)) for c in ops.commits],
+        frees=[pb.PageFree(**_fields(f), **tp(f)) for f in ops.frees],
     )
 
 

@@ -54,7 +54,8 @@ class AdminAuthInterceptor(grpc.ServerInterceptor):
 
 
 def start_kvmanager_server(service: KVService, host: str = "127.0.0.1", port: int = 0, *, admin_token: str,
-                           tokenizer: TextEncoder | None = None, max_threads: int = 8) -> GrpcServer:
+                           tokenizer: TextEncoder | None = None, max_threads: int = 8,
+                           interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> GrpcServer:
     """Serves ``service`` on host:port (0 = a free port); returns once the port is bound and serving.
 
     ``tokenizer`` (optional) turns the admin calls' text input into token ids. Raises OSError when the port
@@ -65,4 +66,5 @@ def start_kvmanager_server(service: KVService, host: str = "127.0.0.1", port: in
         kvmanager_pb2_grpc.add_KVAdminServiceServicer_to_server(KVAdminServicer(service, tokenizer), server)
 
     return start_grpc_server(host, port, add_servicers, (MANAGER_SERVICE, ADMIN_SERVICE),
-                             interceptors=[AdminAuthInterceptor(admin_token)], max_threads=max_threads)
+                             interceptors=[*interceptors, AdminAuthInterceptor(admin_token)],
+                             max_threads=max_threads)

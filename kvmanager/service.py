@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from kvserve.kvmanager.errors import StoreUnavailable
@@ -53,6 +54,7 @@ class KVService:
         self.lock = threading.Lock()
         self.store_ok = True
         self.last_store_ms = 0.0
+        self.on_store_write: Callable[[float], None] | None = None  # seconds of each write (metrics)
 
     def load(self) -> None:
         with self.lock:
@@ -95,4 +97,7 @@ class KVService:
             raise StoreUnavailable(f"the state store cannot be written ({type(e).__name__}: {e}); "
                                    f"retry the same call") from e
         self.store_ok = True
-        self.last_store_ms = (time.perf_counter() - t0) * 1000
+        elapsed_s = time.perf_counter() - t0
+        self.last_store_ms = elapsed_s * 1000
+        if self.on_store_write is not None:
+            self.on_store_write(elapsed_s)

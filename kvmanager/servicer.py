@@ -21,6 +21,8 @@ from kvserve.kvmanager.errors import (
     UnknownWorker,
 )
 from kvserve.kvmanager.service import KVService
+from kvserve.kvmanager.spans import record_op_spans
+from kvserve.services.telemetry import tracer
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -64,6 +66,10 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
 
     def __init__(self, service: KVService):
         self.service = service
+        self.tracer = tracer("kvserve.kvmanager")
+
+    def _num_evicted(self) -> int:
+        return sum(p.num_evicted for p in list(self.service.manager.pools.values()))
 
     @_mapped
     def RegisterWorker(self, request, context):
@@ -71,8 +77,9 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
 
     @_mapped
     def StepPages(self, request, context):
-        t0 = time.perf_counter()
+        t0, start_ns, evicted = time.perf_counter(), time.time_ns(), self._num_evicted()
         results = self.service.step(cv.step_from_proto(request))
+        record_op_spans(self.tracer, request, results, start_ns, time.time_ns(), self._num_evicted() - evicted)
         return cv.step_to_proto(results, handle_ms=(time.perf_counter() - t0) * 1000)
 
 

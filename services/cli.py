@@ -48,6 +48,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_observability_flags(p: argparse.ArgumentParser) -> None:
+    """--metrics-port (Prometheus text on http://HOST:PORT/metrics). Tracing is configured by the standard
+    OTEL_* environment variables (services/telemetry.py)."""
+    p.add_argument("--metrics-port", type=int, default=env_default("metrics_port"),
+                   help="serve Prometheus metrics on this port (0 = a free one; default: no metrics)")
+
+
+def metrics_note(host: str, port: int | None) -> str:
+    return f", metrics on {host}:{port}" if port is not None else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-centric LLM serving.")
     parser.add_argument("--log-level", default=env_default("log_level", "INFO"))

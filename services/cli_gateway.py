@@ -37,6 +37,8 @@ def add_gateway_flags(p) -> None:
 
 
 def add_commands(sub) -> None:
+    from kvserve.services.cli import add_observability_flags
+
     g = sub.add_parser("gateway", help="run the gateway: public API and continuous batching")
     g.add_argument("--host", default=_env("host", "127.0.0.1"))
     g.add_argument("--port", type=int, default=_env("port", str(DEFAULT_GATEWAY_PORT)), help="0 = a free port")
@@ -45,6 +47,7 @@ def add_commands(sub) -> None:
     g.add_argument("--model", default=_env("model"), help="model folder (default: the prepared SmolLM2)")
     g.add_argument("--cache-dir", type=Path, default=_env("cache_dir"))
     add_gateway_flags(g)
+    add_observability_flags(g)
     g.set_defaults(func=run_gateway)
 
 
@@ -69,17 +72,22 @@ def describe_keys(keys) -> str:
 def run_gateway(args) -> int:
     import grpc
 
+    from kvserve.services.cli import metrics_note
     from kvserve.services.gateway.app import Gateway
     from kvserve.services.gateway.auth import load_keys
     from kvserve.services.gateway.server import start_gateway_server
     from kvserve.services.grpc_server import install_stop_signals
+    from kvserve.services.metrics import GatewayMetrics, serve_metrics
     from kvserve.services.model_store import ModelNotFound
+    from kvserve.services.telemetry import setup_tracing, shutdown_tracing
 
     stop = install_stop_signals()
+    setup_tracing("kvserve-gateway")
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
+    metrics = GatewayMetrics() if args.metrics_port is not None else None
     try:
         keys = load_keys(args.api_keys_file, _env("api_keys"))
-        gateway = Gateway(gateway_config(args, workers, args.kvmanager), keys)
+        gateway = Gateway(gateway_config(args, workers, args.kvmanager), keys, metrics)
     except (ValueError, OSError, ModelNotFound) as e:
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
@@ -87,10 +95,13 @@ def run_gateway(args) -> int:
         print(f"kvserve: cannot reach the kvmanager or a worker: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     server = start_gateway_server(gateway, args.host, args.port)
+    metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None
     print(f"kvserve gateway ready on {args.host}:{server.port} ({len(workers)} workers, "
-          f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {describe_keys(keys)})", flush=True)
+          f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {describe_keys(keys)}"
+          f"{metrics_note(args.host, metrics_port)})", flush=True)
     stop.wait()
     server.health.enter_graceful_shutdown()
     gateway.close(drain_s=5.0)  # stop admitting, finish or cancel in-flight work, free its pages
     server.server.stop(2.0).wait()
+    shutdown_tracing()
     return 0

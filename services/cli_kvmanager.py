@@ -40,6 +40,8 @@ def default_data_dir() -> Path:
 
 
 def add_commands(sub) -> None:
+    from kvserve.services.cli import add_observability_flags
+
     k = sub.add_parser("kvmanager", help="run the kvmanager: page tables, prefix index, admin RPCs")
     k.add_argument("--host", default=_env("host", "127.0.0.1"))
     k.add_argument("--port", type=int, default=_env("port", str(DEFAULT_KVMANAGER_PORT)), help="0 = a free port")
@@ -55,6 +57,7 @@ def add_commands(sub) -> None:
                    help="token of the admin RPCs (default: a random one written to <data-dir>/admin_token)")
     k.add_argument("--model", default=_env("model"), help="model folder whose tokenizer.json serves text probes")
     k.add_argument("--no-persistence", action="store_true", help="keep state in memory only (no Redis)")
+    add_observability_flags(k)
     k.set_defaults(func=run_kvmanager)
 
 
@@ -110,11 +113,25 @@ def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
     return store_type(connect(url), args.redis_prefix), url
 
 
+def _metrics(args, service) -> tuple[tuple, int | None]:
+    """(server interceptors, metrics port) for --metrics-port; nothing without it."""
+    if args.metrics_port is None:
+        return (), None
+    from kvserve.kvmanager import admin
+    from kvserve.services.metrics import KVManagerMetrics, RpcTimer, serve_metrics
+
+    metrics = KVManagerMetrics(lambda: service.read(admin.stats))
+    service.on_store_write = metrics.redis_write.observe
+    return (RpcTimer(metrics.rpc),), serve_metrics(metrics.registry, args.host, int(args.metrics_port))
+
+
 def run_kvmanager(args) -> int:
     from kvserve.kvmanager.manager import KVManager
     from kvserve.kvmanager.server import start_kvmanager_server
     from kvserve.kvmanager.service import KVService
+    from kvserve.services.cli import metrics_note
     from kvserve.services.grpc_server import install_stop_signals, serve_until_signal
+    from kvserve.services.telemetry import setup_tracing, shutdown_tracing
 
     stop = install_stop_signals()  # first: a SIGTERM during start-up still stops the embedded Redis
     data_dir = (args.data_dir or default_data_dir()).expanduser()
@@ -135,8 +152,13 @@ def run_kvmanager(args) -> int:
         gc.collect()
         gc.freeze()  # the reloaded state is long-lived: keep it out of every later collection (shorter GC pauses)
         token, token_where = _admin_token(args, data_dir)
-        server = start_kvmanager_server(service, args.host, args.port, admin_token=token, tokenizer=tokenizer)
-        print(f"kvserve kvmanager ready on {args.host}:{server.port} (redis: {redis_desc}) admin token: "
+        setup_tracing("kvserve-kvmanager")
+        interceptors, metrics_port = _metrics(args, service)
+        server = start_kvmanager_server(service, args.host, args.port, admin_token=token, tokenizer=tokenizer,
+                                        interceptors=interceptors)
+        note = metrics_note(args.host, metrics_port)
+        print(f"kvserve kvmanager ready on {args.host}:{server.port} (redis: {redis_desc}{note}) admin token: "
               f"{token_where}", flush=True)
         serve_until_signal(server, stop, "kvmanager")
+        shutdown_tracing()
     return 0

@@ -43,11 +43,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_commands(sub) -> None:
+    from kvserve.services.cli import add_observability_flags
+
     w = sub.add_parser("worker", help="run a worker: model weights + KV page pool, serving Step and Info")
     _add_engine_flags(w)
     w.add_argument("--host", default=_env("host", "127.0.0.1"))
     w.add_argument("--port", type=int, default=_env("port", str(DEFAULT_WORKER_PORT)))
     w.add_argument("--worker-id", default=_env("worker_id", "worker-0"))
+    add_observability_flags(w)
     w.set_defaults(func=run_worker)
 
     info = sub.add_parser("info", help="print a running worker's Info")
@@ -94,19 +97,26 @@ def _make_runner(args, **extra):
 
 
 def run_worker(args) -> int:
+    from kvserve.services.cli import metrics_note
     from kvserve.services.grpc_server import install_stop_signals, serve_until_signal
+    from kvserve.services.metrics import WorkerMetrics, serve_metrics
+    from kvserve.services.telemetry import setup_tracing, shutdown_tracing
     from kvserve.worker.server import start_worker_server
 
     runner = _make_runner(args, worker_id=args.worker_id)
     if runner is None:
         return 2
     stop = install_stop_signals()  # before the ready line: a SIGTERM right after it still drains, exits 0
-    ws = start_worker_server(runner, args.host, args.port)
+    setup_tracing("kvserve-worker")
+    metrics = WorkerMetrics() if args.metrics_port is not None else None
+    metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None
+    ws = start_worker_server(runner, args.host, args.port, metrics=metrics)
     i = runner.info
     print(f"kvserve worker {i.worker_id} ready on {args.host}:{ws.port}: model {i.model_name} on {i.device}, "
           f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
-          f"({i.kv_dtype})", flush=True)
+          f"({i.kv_dtype}){metrics_note(args.host, metrics_port)}", flush=True)
     serve_until_signal(ws, stop, "worker")
+    shutdown_tracing()
     return 0
 
 

@@ -18,6 +18,7 @@ from kvserve.services.client.client import (
     DEFAULT_TIMEOUT_S,
     auth_metadata,
     call_deadline,
+    call_metadata,
     check_timeout,
     remaining_s,
 )
@@ -180,7 +181,7 @@ class AsyncClient:
         deadline = call_deadline(timeout_s, self._timeout_s)
 
         def start(timeout: float) -> Any:
-            return self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+            return self._stub.Generate(request, timeout=timeout, metadata=call_metadata(self._metadata))
 
         return AsyncGenerateStream(start, self._retry, deadline, self._rng)
 
@@ -205,7 +206,7 @@ class AsyncClient:
         while True:
             try:
                 response = await self._stub.Complete(request, timeout=remaining_s(deadline),
-                                                     metadata=self._metadata)
+                                                     metadata=call_metadata(self._metadata))
             except grpc.RpcError as e:
                 wait_s = retry_wait_s(self._retry, attempt, rpc_error_code(e), deadline, self._rng)
                 if wait_s is None:

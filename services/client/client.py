@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
+from opentelemetry import propagate
 
 from kvserve.services.client.errors import from_rpc_error, rpc_error_code
 from kvserve.services.client.retry import RetryPolicy, retry_wait_s
@@ -38,6 +39,14 @@ DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 
 Metadata = tuple[tuple[str, str], ...]
+
+
+def call_metadata(metadata: Metadata) -> Metadata:
+    """``metadata`` plus the caller's current trace context (W3C ``traceparent``), when the application runs
+    an OpenTelemetry SDK: the gateway's request span then joins the caller's trace."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return (*metadata, *carrier.items()) if carrier else metadata
 
 
 def auth_metadata(api_key: str | None) -> Metadata:
@@ -198,7 +207,7 @@ class Client:
         deadline = call_deadline(timeout_s, self._timeout_s)
 
         def start(timeout: float) -> Any:
-            return self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+            return self._stub.Generate(request, timeout=timeout, metadata=call_metadata(self._metadata))
 
         return GenerateStream(start, self._retry, deadline, self._rng)
 
@@ -222,7 +231,8 @@ class Client:
         attempt = 1
         while True:
             try:
-                response = self._stub.Complete(request, timeout=remaining_s(deadline), metadata=self._metadata)
+                response = self._stub.Complete(request, timeout=remaining_s(deadline),
+                                               metadata=call_metadata(self._metadata))
             except grpc.RpcError as e:
                 wait_s = retry_wait_s(self._retry, attempt, rpc_error_code(e), deadline, self._rng)
                 if wait_s is None:

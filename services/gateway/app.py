@@ -14,8 +14,10 @@ from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.clients import KVManagerClient, WorkerClient, pool_spec
 from kvserve.services.gateway.engine import EngineLoop, RequestHandle
 from kvserve.services.gateway.errors import BackendFailure, ShuttingDown
+from kvserve.services.gateway.observe import Observer
 from kvserve.services.gateway.request import Request
 from kvserve.services.gateway.validate import GenerateInput, Limits, build_request
+from kvserve.services.metrics import GatewayMetrics
 from kvserve.worker.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.gateway")
@@ -35,10 +37,11 @@ class GatewayConfig:
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, keys: ApiKeys):
+    def __init__(self, cfg: GatewayConfig, keys: ApiKeys, metrics: GatewayMetrics | None = None):
         if not cfg.workers:
             raise ValueError("the gateway needs at least one worker address")
         self.cfg, self.keys = cfg, keys
+        self.observe = Observer(metrics)
         self.tokenizer = Tokenizer(cfg.model_dir)
         self._stopping = threading.Event()
         self.kv = KVManagerClient(cfg.kvmanager, stopping=self._stopping)
@@ -64,15 +67,17 @@ class Gateway:
                  info.page_size, info.epoch)
         return EngineLoop(worker, info, self.kv, self.tokenizer, max_num_seqs=self.cfg.max_num_seqs,
                           max_num_batched_tokens=self.cfg.max_num_batched_tokens,
-                          prefix_caching=self.cfg.prefix_caching)
+                          prefix_caching=self.cfg.prefix_caching, observer=self.observe)
 
-    def submit(self, inp: GenerateInput, tenant: str) -> tuple[RequestHandle, EngineLoop]:
-        """Validates, tokenises and queues a request. Raises InvalidRequest or ShuttingDown."""
+    def submit(self, inp: GenerateInput, tenant: str, trace_parent=None) -> tuple[RequestHandle, EngineLoop]:
+        """Validates, tokenises and queues a request; ``trace_parent`` is the caller's trace context, if any.
+        Raises InvalidRequest or ShuttingDown."""
         req = build_request(inp, tenant, self.tokenizer, self.limits)
         with self._lock:  # placement sees every earlier request queued somewhere
             if self.closing:
                 raise ShuttingDown("the gateway is shutting down and admits no new requests")
             engine = self.place(req)
+            self.observe.started(req, trace_parent)
             return engine.submit(req), engine
 
     def place(self, req: Request) -> EngineLoop:

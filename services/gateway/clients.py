@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 
 import grpc
 
@@ -32,8 +33,8 @@ class KVManagerClient:
     def register(self, spec: PoolSpec) -> RegisterResult:
         return self._call(self.stub.RegisterWorker, kv_convert.spec_to_proto(spec), kv_convert.register_from_proto)
 
-    def step_pages(self, ops: StepOps) -> StepResults:
-        return self._call(self.stub.StepPages, kv_convert.step_to_request_proto(ops),
+    def step_pages(self, ops: StepOps, traceparents: Mapping[str, str] = kv_convert.EMPTY) -> StepResults:
+        return self._call(self.stub.StepPages, kv_convert.step_to_request_proto(ops, traceparents),
                           kv_convert.step_results_from_proto)
 
     def place(self, tenant: str, token_ids: list[int], num_queued: dict[str, int]) -> str:
@@ -80,8 +81,8 @@ class WorkerClient:
         reply = self.stub.Info(worker_pb2.InfoRequest(), timeout=wait_s, wait_for_ready=True)
         return worker_convert.info_from_proto(reply)
 
-    def step(self, batch: StepBatch) -> StepOutput:
-        request = worker_convert.batch_to_proto(batch)
+    def step(self, batch: StepBatch, traceparents: Mapping[str, str] = kv_convert.EMPTY) -> StepOutput:
+        request = worker_convert.batch_to_proto(batch, traceparents)
         deadline = time.monotonic() + self.retry_for_s
         while True:
             try:

@@ -18,6 +18,7 @@ import grpc
 
 from kvserve.services.gateway.clients import KVManagerClient, WorkerClient, pool_spec
 from kvserve.services.gateway.errors import BackendFailure
+from kvserve.services.gateway.observe import Observer
 from kvserve.services.gateway.request import FinishReason, Request, RequestStatus
 from kvserve.services.gateway.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from kvserve.services.gateway.textstream import TextStream
@@ -77,8 +78,10 @@ class EngineStats:
 
 class EngineLoop:
     def __init__(self, worker: WorkerClient, info: WorkerInfo, kv: KVManagerClient, tokenizer: Tokenizer, *,
-                 max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool):
+                 max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
+                 observer: Observer | None = None):
         self.worker, self.info, self.kv, self.tokenizer = worker, info, kv, tokenizer
+        self.observe = observer or Observer()
         self.scheduler = Scheduler(SchedulerConfig(
             info.worker_id, info.page_size, info.num_pages, info.max_model_len, info.eos_token_ids,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -86,6 +89,7 @@ class EngineLoop:
         self.stats = EngineStats()
         self.handles: dict[str, RequestHandle] = {}  # loop thread only
         self.finishing: dict[str, tuple[RequestHandle, str]] = {}  # finished, last delta sent once freed
+        self.traceparents: dict[str, str] = {}  # req_id -> its span's traceparent, for traced requests
         self._cv = threading.Condition()
         self._inbox: list[RequestHandle] = []
         self._aborts: list[str] = []
@@ -152,6 +156,8 @@ class EngineLoop:
         for handle in new:
             self.handles[handle.req.req_id] = handle
             self.scheduler.add(handle.req)
+            if handle.req.traceparent:
+                self.traceparents[handle.req.req_id] = handle.req.traceparent
         for req_id in aborts:
             self._finish(req_id, FinishReason.CANCELLED)
         if stopping:
@@ -172,35 +178,50 @@ class EngineLoop:
         for req_id in freed_req_ids:
             entry = self.finishing.pop(req_id, None)
             if entry is not None:
-                entry[0]._finish(entry[1])
+                self._complete(*entry)
+
+    def _complete(self, handle: RequestHandle, text: str = "") -> None:
+        """Sends the last delta and closes the request's span and metrics."""
+        self.traceparents.pop(handle.req.req_id, None)
+        self.observe.finished(handle.req)
+        handle._finish(text)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         try:
-            results = self.kv.step_pages(out.ops)
+            results = self.kv.step_pages(out.ops, self.traceparents)
         except grpc.RpcError:
             self.scheduler.resend_frees(out)
             raise
         t1 = time.perf_counter()
         self._deliver_freed(f.req_id for f in out.ops.frees)
-        preempted = self.scheduler.num_preemptions
         batch = self.scheduler.assign(out, results)
-        if self.scheduler.num_preemptions > preempted:
-            log.info("engine %s: out of pages, preempted %d requests (recompute later)", self.info.worker_id,
-                     self.scheduler.num_preemptions - preempted)
+        self._observe_assign(out)
         for req in batch.failed:
-            self.handles.pop(req.req_id)._finish()
+            self._complete(self.handles.pop(req.req_id))
         if batch.chunks:
             self._compute(batch)
         t2 = time.perf_counter()
         s = self.stats
         s.num_steps, s.step_s, s.kv_wait_s = s.num_steps + 1, s.step_s + t2 - t0, s.kv_wait_s + t1 - t0
+        self.observe.step(self.info.worker_id, t2 - t0, s.kv_wait_share, len(self.scheduler.running),
+                          len(self.scheduler.waiting))
+
+    def _observe_assign(self, out) -> None:
+        for chunk in out.admitted:
+            if chunk.req.status is RequestStatus.RUNNING:
+                self.observe.admitted(chunk.req, self.info.worker_id)
+        if self.scheduler.preempted:
+            log.info("engine %s: out of pages, preempted %d requests (recompute later)", self.info.worker_id,
+                     len(self.scheduler.preempted))
+            for req in self.scheduler.preempted:
+                self.observe.preempted(req)
 
     def _compute(self, batch: ScheduledBatch) -> None:
         t0 = time.perf_counter()
         try:
-            output = self.worker.step(batch.to_step(self.info.epoch))
+            output = self.worker.step(batch.to_step(self.info.epoch), self.traceparents)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
@@ -214,8 +235,10 @@ class EngineLoop:
     def _on_token(self, req: Request, sampled: SampledToken) -> None:
         handle = self.handles[req.req_id]
         text, stopped = handle.text.push(sampled.token_id)
+        req.last_token_s = time.monotonic()
         if req.first_token_s is None:
-            req.first_token_s = time.monotonic()
+            req.first_token_s = req.last_token_s
+            self.observe.first_token(req)
         logprobs = [sampled] if req.params.logprobs else []
         handle.deltas.put(Delta(text=text, token_ids=[sampled.token_id], logprobs=logprobs))
         if stopped:

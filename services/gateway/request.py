@@ -58,8 +58,11 @@ class Request:
     num_cached_tokens: int = 0  # of the first admission: what usage reports
     num_preemptions: int = 0
     first_token_s: float | None = None
+    last_token_s: float | None = None
     finish_reason: FinishReason | None = None
     error: Exception | None = None  # finish_reason ERROR: why (gateway/errors.py)
+    span: object | None = None  # its OpenTelemetry span while tracing is on (gateway/observe.py)
+    traceparent: str = ""  # W3C traceparent of that span, sent with its page ops and step items
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -88,6 +88,7 @@ class Scheduler:
         self.num_available_pages = cfg.num_pages  # free + evictable, as of the last answer
         self._step_ids = itertools.count(1)
         self.num_preemptions = 0
+        self.preempted: list[Request] = []  # by the last assign(), for the engine's metrics and spans
 
     # -- requests in and out ----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -171,6 +172,7 @@ class Scheduler:
     # -- 2. assign --------------------------------------------------------------------------------------
     def assign(self, out: SchedulerOutput, results: StepResults) -> ScheduledBatch:
         """Applies the kvmanager's answer to ``out.ops`` and returns what the worker computes this step."""
+        self.preempted = []
         for pool in results.pools:
             if pool.worker_id == self.cfg.worker_id:
                 self.num_available_pages = pool.num_free_pages + pool.num_evictable_pages
@@ -235,6 +237,7 @@ class Scheduler:
         req.reset_for_recompute()
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+        self.preempted.append(req)
 
     # -- 3. update --------------------------------------------------------------------------------------
     def update(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> list[tuple[Request, SampledToken]]:

@@ -16,6 +16,7 @@ from kvserve.services.gateway.errors import (
 )
 from kvserve.services.gateway.request import FinishReason
 from kvserve.services.gateway.validate import GenerateInput
+from kvserve.services.telemetry import context_from_metadata
 from kvserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from kvserve.worker.convert import sampling_from_proto
 
@@ -65,8 +66,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def _deltas(self, request, context):
         """(req_id, deltas) of an admitted request; aborts the call on bad input, auth or shutdown."""
         try:
-            tenant = self.gateway.keys.tenant_for(dict(context.invocation_metadata()))
-            handle, engine = self.gateway.submit(input_from_proto(request), tenant)
+            metadata = context.invocation_metadata()
+            tenant = self.gateway.keys.tenant_for(dict(metadata))
+            handle, engine = self.gateway.submit(input_from_proto(request), tenant, context_from_metadata(metadata))
         except tuple(ERROR_STATUS) as e:
             context.abort(_status(e), str(e))
         req_id = handle.req.req_id

@@ -49,18 +49,20 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., previous_epoch: _Optional[int] = ..., dropped_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PageAllocation(_message.Message):
-    __slots__ = ("req_id", "tenant", "worker_id", "token_ids", "skip_prefix_cache")
+    __slots__ = ("req_id", "tenant", "worker_id", "token_ids", "skip_prefix_cache", "traceparent")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     tenant: str
     worker_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     skip_prefix_cache: bool
-    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., skip_prefix_cache: _Optional[bool] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PageAllocationResult(_message.Message):
     __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short")
@@ -81,12 +83,14 @@ class PageAllocationResult(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_pages_short: _Optional[int] = ...) -> None: ...
 
 class PageExtension(_message.Message):
-    __slots__ = ("req_id", "num_tokens")
+    __slots__ = ("req_id", "num_tokens", "traceparent")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     num_tokens: int
-    def __init__(self, req_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, req_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PageExtensionResult(_message.Message):
     __slots__ = ("req_id", "status", "new_page_ids", "num_pages", "num_pages_short")
@@ -103,16 +107,18 @@ class PageExtensionResult(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., new_page_ids: _Optional[_Iterable[int]] = ..., num_pages: _Optional[int] = ..., num_pages_short: _Optional[int] = ...) -> None: ...
 
 class PageCommit(_message.Message):
-    __slots__ = ("req_id", "start_pos", "token_ids", "num_computed_tokens")
+    __slots__ = ("req_id", "start_pos", "token_ids", "num_computed_tokens", "traceparent")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     start_pos: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
-    def __init__(self, req_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, req_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PageCommitResult(_message.Message):
     __slots__ = ("req_id", "status", "num_committed_tokens")
@@ -125,10 +131,12 @@ class PageCommitResult(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., num_committed_tokens: _Optional[int] = ...) -> None: ...
 
 class PageFree(_message.Message):
-    __slots__ = ("req_id",)
+    __slots__ = ("req_id", "traceparent")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     req_id: str
-    def __init__(self, req_id: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, req_id: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PageFreeResult(_message.Message):
     __slots__ = ("req_id", "status")

@@ -1,0 +1,49 @@
+"""The kvmanager's part of each request's trace: one span per page op of a traced request (the op carries the
+request's traceparent), a child of the gateway's request span, timed by the StepPages call that applied it.
+Glue, like the servicer: the domain never sees a span."""
+
+from __future__ import annotations
+
+from kvserve.kvmanager.types import StepResults
+from kvserve.services.telemetry import context_of
+
+
+def _allocate_attrs(op, res) -> dict:
+    return {"kvserve.tenant": op.tenant, "kvserve.prompt_tokens": len(op.token_ids),
+            "kvserve.worker_id": res.worker_id, "kvserve.num_cached_tokens": res.num_cached_tokens,
+            "kvserve.num_pages": len(res.page_table), "kvserve.num_pages_short": res.num_pages_short}
+
+
+def _extend_attrs(op, res) -> dict:
+    return {"kvserve.num_tokens": op.num_tokens, "kvserve.num_new_pages": len(res.new_page_ids),
+            "kvserve.num_pages": res.num_pages, "kvserve.num_pages_short": res.num_pages_short}
+
+
+def _commit_attrs(op, res) -> dict:
+    return {"kvserve.num_new_tokens": len(op.token_ids), "kvserve.num_committed_tokens": res.num_committed_tokens}
+
+
+def _free_attrs(op, res) -> dict:
+    return {}
+
+
+KINDS = (("allocate", "allocations", "allocations", _allocate_attrs),
+         ("extend", "extensions", "extensions", _extend_attrs),
+         ("commit", "commits", "commits", _commit_attrs),
+         ("free", "frees", "frees", _free_attrs))
+
+
+def record_op_spans(tracer, request, results: StepResults, start_ns: int, end_ns: int, num_evicted: int) -> None:
+    """``request``: the StepPagesRequest proto; spans only for ops that carry a traceparent. ``num_evicted``:
+    blocks the call evicted, as an event on the spans of the ops that took pages (allocate, extend)."""
+    for kind, ops_field, results_field, attrs in KINDS:
+        for op, res in zip(getattr(request, ops_field), getattr(results, results_field), strict=True):
+            if not op.traceparent:
+                continue
+            attributes = {"kvserve.req_id": op.req_id, "kvserve.status": res.status.value,
+                          "kvserve.step_id": request.step_id, **attrs(op, res)}
+            span = tracer.start_span(f"kvmanager.{kind}", context=context_of(op.traceparent), start_time=start_ns,
+                                     attributes=attributes)
+            if num_evicted and kind in ("allocate", "extend"):
+                span.add_event("evicted", {"kvserve.evicted_blocks_in_step": num_evicted}, timestamp=start_ns)
+            span.end(end_time=end_ns)

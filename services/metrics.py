@@ -1,0 +1,142 @@
+"""Prometheus metrics of the three services, named ``kvserve:*`` after the conventions of vLLM's ``vllm:*``.
+
+Each service builds its own CollectorRegistry (no process-global registry: tests run several services in
+one process) and serves it on ``--metrics-port``. Counters of state the kvmanager already keeps (pool usage,
+prefix-cache tokens per tenant, evictions) are read at scrape time by a collector, never double-counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RPC_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+# Every metric name the services export, for the dashboard and its test.
+GATEWAY_METRICS = (
+    "kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:num_preemptions_total",
+    "kvserve:time_to_first_token_seconds", "kvserve:time_per_output_token_seconds",
+    "kvserve:e2e_request_latency_seconds", "kvserve:scheduler_step_seconds", "kvserve:kvmanager_wait_fraction",
+    "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total", "kvserve:request_success_total",
+)
+KVMANAGER_METRICS = (
+    "kvserve:kv_cache_usage_perc", "kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
+    "kvserve:evicted_blocks_total", "kvserve:kvmanager_rpc_seconds", "kvserve:redis_write_seconds",
+    "kvserve:num_cached_blocks",
+)
+WORKER_METRICS = ("kvserve:worker_step_seconds", "kvserve:worker_batch_size", "kvserve:worker_batch_tokens")
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
+    """Serves ``registry`` as text on http://host:port/metrics (0 = a free port); returns the port."""
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server.server_port
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("kvserve:num_requests_running", "Requests holding pages on a worker.", ["worker"],
+                             registry=r)
+        self.waiting = Gauge("kvserve:num_requests_waiting", "Requests queued for pages.", ["worker"], registry=r)
+        self.preemptions = Counter("kvserve:num_preemptions", "Requests preempted (recomputed later).",
+                                   registry=r)
+        self.ttft = Histogram("kvserve:time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("kvserve:time_per_output_token_seconds", "Mean gap between generated tokens.",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to last delta.",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.step = Histogram("kvserve:scheduler_step_seconds", "Wall time of one scheduler step.", ["worker"],
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.kv_wait_fraction = Gauge("kvserve:kvmanager_wait_fraction",
+                                      "Share of step wall time spent waiting on the kvmanager since start.",
+                                      ["worker"], registry=r)
+        self.prompt_tokens = Counter("kvserve:prompt_tokens", "Prompt tokens of finished requests.", ["tenant"],
+                                     registry=r)
+        self.generation_tokens = Counter("kvserve:generation_tokens", "Generated tokens.", ["tenant"], registry=r)
+        self.finished = Counter("kvserve:request_success", "Finished requests by finish reason.",
+                                ["finish_reason"], registry=r)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.step = Histogram("kvserve:worker_step_seconds", "Forward pass and sampling of one step.",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.batch_size = Histogram("kvserve:worker_batch_size", "Sequences per step.", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.batch_tokens = Histogram("kvserve:worker_batch_tokens", "Tokens computed per step.",
+                                      buckets=BATCH_BUCKETS, registry=r)
+
+
+class KVManagerMetrics:
+    """RPC and Redis latencies, plus a collector over the manager's own state (read under its lock)."""
+
+    def __init__(self, read_stats: Callable[[], object]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.rpc = Histogram("kvserve:kvmanager_rpc_seconds", "Server-side time of a kvmanager RPC.", ["method"],
+                             buckets=RPC_BUCKETS_S, registry=r)
+        self.redis_write = Histogram("kvserve:redis_write_seconds", "One write-through to Redis.",
+                                     buckets=RPC_BUCKETS_S, registry=r)
+        r.register(_StateCollector(read_stats))
+
+
+class _StateCollector:
+    """kvmanager state as metrics at scrape time: ``read_stats()`` returns kvmanager.admin.Stats."""
+
+    def __init__(self, read_stats: Callable[[], object]):
+        self.read_stats = read_stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self.read_stats()
+        usage = GaugeMetricFamily("kvserve:kv_cache_usage_perc", "Used pages / pages, per worker pool (0-1).",
+                                  labels=["worker"])
+        cached = GaugeMetricFamily("kvserve:num_cached_blocks", "Cached evictable-or-pinned pages, per pool.",
+                                   labels=["worker"])
+        for p in stats.pools:
+            usage.add_metric([p.worker_id], p.num_used_pages / p.num_pages if p.num_pages else 0.0)
+            cached.add_metric([p.worker_id], p.num_cached_pages)
+        queries = CounterMetricFamily("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "index, per tenant.", labels=["tenant"])
+        hits = CounterMetricFamily("kvserve:prefix_cache_hits", "Prompt tokens found cached, per tenant.",
+                                   labels=["tenant"])
+        for t in stats.tenants:
+            queries.add_metric([t.tenant], t.prefix_query_tokens)
+            hits.add_metric([t.tenant], t.prefix_hit_tokens)
+        evicted = CounterMetricFamily("kvserve:evicted_blocks", "Cached blocks evicted to make room.")
+        evicted.add_metric([], stats.num_evicted_blocks)
+        yield from (usage, cached, queries, hits, evicted)
+
+
+class RpcTimer(grpc.ServerInterceptor):
+    """Observes each unary RPC's server-side duration into ``histogram`` labelled by method name."""
+
+    def __init__(self, histogram: Histogram):
+        self.histogram = histogram
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        inner = handler.unary_unary
+
+        def timed(request, context):
+            t0 = time.perf_counter()
+            try:
+                return inner(request, context)
+            finally:
+                self.histogram.labels(method).observe(time.perf_counter() - t0)
+
+        return grpc.unary_unary_rpc_method_handler(timed, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
