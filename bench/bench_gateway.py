@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent.parent / "tests"))  # otlp_collector: the tests' OTLP sink
 import hf_reference as hf  # noqa: E402
 
 from kvserve.services.client import Client  # noqa: E402
@@ -48,14 +49,14 @@ PAGE_SIZE = 16
 
 
 @contextmanager
-def stack(*args: str):
+def stack(*args: str, env: dict[str, str] | None = None):
     """`kvserve up` on free ports in a temporary data dir; yields (gateway address, stats dict filled at stop)."""
     with tempfile.TemporaryDirectory() as tmp:
         err = Path(tmp) / "up.stderr"
         with err.open("w") as stderr:
             proc = subprocess.Popen([sys.executable, "-m", "kvserve.services.cli", "up", "--port", "0",
                                      "--kvmanager-port", "0", "--data-dir", f"{tmp}/data", *args],
-                                    stdout=subprocess.PIPE, stderr=stderr, text=True)
+                                    stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         match = READY.match(proc.stdout.readline())
         if not match:
             proc.kill()
@@ -147,6 +148,41 @@ def hf_prefix(model, tok: Tokenizer, prompts: list[str]) -> dict:
             "rest_over_first": statistics.mean(ttfts[1:]) / ttfts[0]}
 
 
+def tracing_overhead(jobs: list[tuple[str, int]], rounds: int) -> dict:
+    """The same burst on two identical stacks, tracing off (no SDK) and on (OTLP to a local collector),
+    alternated; medians of tokens/s. Also the cost of the gateway's tracing hooks per request when off."""
+    from otlp_collector import OtlpCollector
+
+    off, on = [], []
+    with OtlpCollector() as collector:
+        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+        with stack("--num-pages", "1024") as (gw_off, _), stack("--num-pages", "1024", env=env) as (gw_on, _):
+            kvserve_burst(gw_off, jobs[:2]), kvserve_burst(gw_on, jobs[:2])  # warm-up
+            for _ in range(rounds):
+                off.append(kvserve_burst(gw_off, jobs)["tokens_per_s"])
+                on.append(kvserve_burst(gw_on, jobs)["tokens_per_s"])
+        num_spans = len(collector.spans())
+    off_s, on_s = statistics.median(off), statistics.median(on)
+    return {"off_tokens_per_s": off_s, "on_tokens_per_s": on_s, "on_over_off": on_s / off_s, "rounds": rounds,
+            "spans_exported": num_spans, "off_hooks_us_per_request": _noop_hooks_us()}
+
+
+def _noop_hooks_us(n: int = 20000) -> float:
+    """Microseconds per request of the gateway's span and metric hooks with no SDK and no metrics."""
+    from kvserve.services.gateway.observe import Observer
+    from kvserve.services.gateway.request import Request, RequestParams
+
+    observer, req = Observer(), Request("r", "t", [1, 2, 3], RequestParams(max_tokens=4))
+    req.first_token_s = req.last_token_s = req.arrival_s
+    t0 = time.perf_counter()
+    for _ in range(n):
+        observer.started(req, None)
+        observer.admitted(req, "w")
+        observer.first_token(req)
+        observer.finished(req)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
@@ -172,6 +208,9 @@ def run(quick: bool) -> dict:
     print("kvserve: prefix caching off ...", file=sys.stderr, flush=True)
     with stack("--num-pages", "1024", "--no-prefix-caching") as (gateway, _):
         out["prefix"]["kvserve_off"] = kvserve_prefix(gateway, prefix_prompts)
+    if not quick:
+        print("tracing off vs on ...", file=sys.stderr, flush=True)
+        out["tracing"] = tracing_overhead(conc_text, rounds=3)
     print("raw ModelRunner, then HF transformers ...", file=sys.stderr, flush=True)
     out["concurrency"]["raw_runner"] = raw_runner(model_dir, conc_hf)
     out["concurrency"]["num_requests"] = n_conc
@@ -212,6 +251,13 @@ def markdown(out: dict) -> str:
         f"| HF generate (no reuse): TTFT rest / first | {p['hf']['ttft_rest_mean_s'] * 1000:.0f} ms | "
         f"{p['hf']['ttft_first_s'] * 1000:.0f} ms | {p['hf']['rest_over_first']:.1%} | |",
     ]
+    if "tracing" in out:
+        tr = out["tracing"]
+        rows.append(f"| tracing on (OTLP) vs off, tok/s of the {c['num_requests']}-request burst | "
+                    f"{tr['on_tokens_per_s']:.1f} | {tr['off_tokens_per_s']:.1f} | **{tr['on_over_off']:.1%}** | "
+                    f">= 95% |")
+        rows.append(f"| tracing off: span and metric hooks per request | {tr['off_hooks_us_per_request']:.1f} us |"
+                    " | | nothing measurable |")
     share = out.get("kv_wait_share_pct")
     rows.append(f"\nShare of the gateway's step time spent waiting on the kvmanager: "
                 f"{share:.2f}%." if share is not None else "")
