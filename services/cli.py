@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from kvserve.services import cli_admin, cli_gateway, cli_kvmanager, cli_model, cli_up, cli_worker
+from kvserve.services import cli_admin, cli_gateway, cli_kvmanager, cli_kvmem, cli_model, cli_up, cli_worker
 
 
 def env_default(name: str, default=None):
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_admin.add_commands(sub)
     cli_gateway.add_commands(sub)
     cli_up.add_commands(sub)
+    cli_kvmem.add_commands(sub)
     return parser
 
 

@@ -1,0 +1,283 @@
+"""``kvserve kv-mem``: the calculator's pinned figures, its bad input, and its agreement with the worker's pool."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvserve.services.kvmem import (
+    BUILTIN_MODELS,
+    GIB,
+    KvMemError,
+    ModelSpec,
+    calculate,
+    find_model,
+    get_dtype,
+    load_hf_config,
+    lookup_model,
+    model_from_hf_config,
+    per_token,
+)
+
+# --- pinned figures ---------------------------------------------------------------------------------------------
+
+
+def test_llama3_8b_bf16_is_131072_bytes_per_token_and_1_gib_at_8192_tokens():
+    r = calculate(lookup_model("Llama-3-8B"), seq_len=8192, kv_dtype="bf16")
+    assert r.per_token.bytes == 2 * 32 * 8 * 128 * 2 == 131_072
+    assert r.bytes_per_sequence == r.total_bytes == 8192 * 131_072 == GIB
+    assert r.per_token.formula == "2 x 32 layers x 8 kv heads x 128 head_dim x 2 B (bf16) = 131,072 B"
+
+
+def test_llama3_70b_is_327680_bytes_per_token_and_40_gib_at_128k():
+    r = calculate(lookup_model("llama-3.1-70b"), seq_len=131_072)
+    assert r.per_token.bytes == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert r.total_bytes == 40 * GIB
+    assert calculate(lookup_model("Llama-3-70B"), seq_len=128_000).total_bytes / GIB == pytest.approx(39.06, abs=0.01)
+
+
+@pytest.mark.parametrize("name,per_token_bf16,max_context", [
+    ("Llama-3-8B", 131_072, 8192), ("Llama-3.1-8B", 131_072, 131_072), ("Llama-3-70B", 327_680, 8192),
+    ("Llama-3.1-70B", 327_680, 131_072), ("Qwen2.5-7B", 2 * 28 * 4 * 128 * 2, 131_072),
+    ("Mistral-7B", 131_072, 32_768), ("DeepSeek-V3", 61 * 576 * 2, 163_840),
+    ("SmolLM2-135M", 2 * 30 * 3 * 64 * 2, 8192),
+])
+def test_builtin_table(name, per_token_bf16, max_context):
+    m = lookup_model(name)
+    assert per_token(m, get_dtype("bf16")).bytes == per_token_bf16
+    assert m.max_context == max_context and m.params > 0
+
+
+def test_deepseek_v3_mla_caches_one_576_latent_per_layer():
+    m = lookup_model("deepseek-ai/DeepSeek-V3")
+    pt = per_token(m, get_dtype("bf16"))
+    assert m.attention == "mla" and pt.bytes == 61 * 576 * 2 == 70_272
+    assert pt.formula == "61 layers x 576 latent x 2 B (bf16) = 70,272 B"
+
+
+def test_dtypes_and_int8_scale_overhead_exact():
+    m = lookup_model("Llama-3-8B")
+    assert [per_token(m, get_dtype(d)).bytes for d in ("fp32", "bf16", "fp16", "fp8")] == [262_144, 131_072,
+                                                                                           131_072, 65_536]
+    int8 = per_token(m, get_dtype("int8"))
+    assert (int8.kv_bytes, int8.scale_bytes, int8.bytes) == (65_536, 2 * 32 * 8 * 4, 65_536 + 2048)
+    mla = per_token(lookup_model("DeepSeek-V3"), get_dtype("int8"))
+    assert (mla.kv_bytes, mla.scale_bytes) == (61 * 576, 61 * 4)
+    assert per_token(m, get_dtype("fp8")).scale_bytes == 0
+    assert any("negligible" in n for n in calculate(m, seq_len=1, kv_dtype="fp8").notes)
+    assert get_dtype("BFloat16").name == "bf16"
+
+
+def test_names_are_case_insensitive_with_aliases():
+    for name in ("llama-3-8b", "LLAMA3-8B", "meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-8B-Instruct"):
+        assert lookup_model(name).name == "Llama-3-8B"
+    assert lookup_model("mistralai/Mistral-7B-v0.1").sliding_window == 4096
+    assert lookup_model("HuggingFaceTB/SmolLM2-135M-Instruct").name == "SmolLM2-135M"
+    assert len({m.name for m in BUILTIN_MODELS}) == len(BUILTIN_MODELS)
+
+
+# --- pages, windows, the reverse question -----------------------------------------------------------------------
+
+
+def test_page_padding_exact():
+    r = calculate(lookup_model("Llama-3-8B"), batch=3, seq_len=1000, page_size=16)
+    p = r.paging
+    assert p.pages_per_sequence == 63 and p.allocated_tokens_per_sequence == 1008
+    assert p.padding_tokens_per_sequence == 8 and p.padding_bytes_per_sequence == 8 * 131_072
+    assert p.padding_percent == pytest.approx(100 * 8 / 1008)
+    assert p.total_pages == 189 and p.total_allocated_bytes == 3 * 1008 * 131_072
+    assert p.total_padding_bytes == p.total_allocated_bytes - r.total_bytes
+
+
+def test_sliding_window_and_sinks_cap():
+    mistral = lookup_model("Mistral-7B")
+    assert calculate(mistral, seq_len=32_768).tokens_per_sequence == 4096  # the model's own window
+    r = calculate(mistral, seq_len=32_768, sinks=4, page_size=16, batch=2)
+    assert r.tokens_per_sequence == 4100 and r.total_bytes == 2 * 4100 * 131_072
+    assert r.paging.pages_per_sequence == 257
+    assert calculate(mistral, seq_len=1000, sinks=4).tokens_per_sequence == 1000
+    assert calculate(mistral, seq_len=32_768, sliding_window=0).tokens_per_sequence == 32_768
+    assert calculate(lookup_model("Llama-3-8B"), seq_len=8192, sliding_window=1024, sinks=4).tokens_per_sequence == 1028
+    with pytest.raises(KvMemError, match="--sinks needs a sliding window"):
+        calculate(lookup_model("Llama-3-8B"), seq_len=8192, sinks=4)
+
+
+TINY = ModelSpec("tiny", num_layers=2, num_kv_heads=1, head_dim=4, params=250)  # fp32: 2*2*1*4*4 = 64 B/token
+
+
+def test_reverse_question_exact():
+    kw = dict(seq_len=10, kv_dtype="fp32", gpu_memory=10_000, memory_utilization=0.5, reserve=500)
+    c = calculate(TINY, weights_bytes=1000, **kw).capacity
+    assert (c.usable_bytes, c.kv_budget_bytes) == (5000, 3500)
+    assert c.max_tokens == 3500 // 64 == 54 and c.max_pages is None
+    assert c.request_bytes == 640 and c.max_concurrent_requests == 5 and c.batch_fits
+    c = calculate(TINY, weights_bytes=1000, page_size=4, **kw).capacity  # 256 B pages
+    assert (c.max_pages, c.max_tokens, c.request_pages, c.max_concurrent_requests) == (13, 52, 3, 4)
+    c = calculate(TINY, weights_bytes=1000, page_size=4, sliding_window=4, sinks=2, **kw).capacity
+    assert (c.request_tokens, c.request_pages, c.max_concurrent_requests) == (6, 2, 6)
+    c = calculate(TINY, batch=6, **kw).capacity  # weights default: 250 params x 2 B (bf16)
+    assert c.weights_bytes == 500 and c.kv_budget_bytes == 4000 and c.max_concurrent_requests == 6 and c.batch_fits
+    assert not calculate(TINY, batch=7, **kw).capacity.batch_fits
+    assert calculate(TINY, weights_dtype="fp32", **kw).capacity.weights_bytes == 1000
+
+
+def test_reverse_question_80gib_llama3_8b():
+    c = calculate(lookup_model("Llama-3-8B"), seq_len=8192, page_size=16, gpu_memory=80 * GIB).capacity
+    assert c.usable_bytes == 72 * GIB and c.weights_bytes == 8_030_000_000 * 2
+    assert c.max_pages == (72 * GIB - 16_060_000_000) // (16 * 131_072) and c.max_tokens == 16 * c.max_pages
+    assert c.max_concurrent_requests == c.max_pages // 512
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(batch=0), "--batch must be a positive integer"), (dict(seq_len=-5), "--seq-len must be a positive"),
+    (dict(kv_dtype="fp4"), "unknown --kv-dtype 'fp4'"), (dict(page_size=0), "--page-size must be a positive"),
+    (dict(sinks=-1), "--sinks must be a non-negative"),
+    (dict(gpu_memory=GIB, weights_bytes=2 * GIB), "do not fit in the usable GPU memory"),
+    (dict(gpu_memory=GIB, memory_utilization=1.5), "--memory-utilization must be in"),
+])
+def test_bad_input(kw, message):
+    with pytest.raises(KvMemError, match=message):
+        calculate(lookup_model("Llama-3-8B"), **{"seq_len": 8192, **kw})
+
+
+def test_unknown_model_lists_the_known_ones():
+    with pytest.raises(KvMemError, match="unknown model 'gpt-5'.*known: Llama-3-8B, .*SmolLM2-135M"):
+        find_model("gpt-5")
+
+
+# --- HF config.json ---------------------------------------------------------------------------------------------
+
+
+def test_hf_config_json(tmp_path):
+    cfg = {"model_type": "mistral", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 32000, "sliding_window": 4096,
+           "max_position_embeddings": 32768, "torch_dtype": "float16", "_name_or_path": "my-mistral"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for where in (tmp_path, tmp_path / "config.json", str(tmp_path / "config.json")):
+        m = find_model(str(where))
+        assert (m.name, m.num_layers, m.num_kv_heads, m.head_dim, m.sliding_window) == ("my-mistral", 32, 8, 128, 4096)
+        assert m.default_kv_dtype == "fp16" and m.params == pytest.approx(7.24e9, rel=0.01)
+    assert calculate(m, seq_len=8192).tokens_per_sequence == 4096
+
+    qwen = model_from_hf_config({"model_type": "qwen2", "num_hidden_layers": 28, "num_attention_heads": 28,
+                                 "num_key_value_heads": 4, "hidden_size": 3584, "sliding_window": 131072,
+                                 "use_sliding_window": False, "torch_dtype": "bfloat16"})
+    assert qwen.sliding_window is None and per_token(qwen, get_dtype("bf16")).bytes == 57_344
+    mha = model_from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64,
+                                "sliding_window": None})
+    assert (mha.num_kv_heads, mha.head_dim, mha.sliding_window, mha.default_kv_dtype) == (4, 16, None, "bf16")
+    ds = model_from_hf_config({"model_type": "deepseek_v3", "num_hidden_layers": 61, "kv_lora_rank": 512,
+                               "qk_rope_head_dim": 64, "num_attention_heads": 128})
+    assert ds.latent_dim == 576 and per_token(ds, get_dtype("bf16")).bytes == 70_272
+
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(KvMemError, match="cannot read"):
+        find_model(str(tmp_path / "bad.json"))
+    with pytest.raises(KvMemError, match="no such file"):
+        find_model(str(tmp_path / "missing.json"))
+    with pytest.raises(KvMemError, match="num_hidden_layers must be a positive integer"):
+        model_from_hf_config({"num_attention_heads": 4})
+
+
+# --- the worker's pool equals the calculator --------------------------------------------------------------------
+
+
+def test_worker_pool_bytes_equal_the_calculator(model_dir):
+    import torch
+
+    from kvserve.worker.config import ModelConfig
+    from kvserve.worker.kv_pool import size_pool
+    from kvserve.worker.runner import ModelRunner, RunnerConfig
+
+    m = load_hf_config(model_dir)
+    assert (m.num_layers, m.num_kv_heads, m.head_dim) == (30, 3, 64)  # the built-in SmolLM2-135M row
+    builtin = lookup_model("SmolLM2-135M")
+    assert (builtin.num_layers, builtin.num_kv_heads, builtin.head_dim) == (m.num_layers, m.num_kv_heads, m.head_dim)
+
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=8, page_size=16, device="cpu", dtype="float32"))
+    r = calculate(m, kv_dtype="fp32", seq_len=8 * 16, page_size=16)
+    assert runner.info.bytes_per_token == r.per_token.bytes == 46_080
+    assert runner.info.pool_bytes == r.paging.total_allocated_bytes == r.total_bytes == 8 * 16 * 46_080
+    assert runner.kv_cache.nbytes == r.total_bytes
+
+    cfg = ModelConfig.from_folder(model_dir)
+    for torch_dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        spec = size_pool(cfg, torch_dtype, 16, num_pages=3)
+        assert spec.bytes_per_token == cfg.kv_bytes_per_token(get_dtype(name).bytes)
+        assert spec.bytes_per_token == per_token(m, get_dtype(name)).bytes
+        assert spec.pool_bytes == calculate(m, kv_dtype=name, seq_len=48, page_size=16).paging.total_allocated_bytes
+
+
+def test_params_estimate_matches_the_real_checkpoint(model_dir):
+    from safetensors import safe_open
+
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                shape = st.get_slice(key).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n
+    assert load_hf_config(model_dir).params == total
+
+
+# --- the command line -------------------------------------------------------------------------------------------
+
+
+def _kv_mem(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+    return subprocess.run([sys.executable, "-m", "kvserve.services.cli", "kv-mem", *args], capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+def test_cli_human_output_shows_the_formula():
+    out = _kv_mem("llama-3-8b", "--seq-len", "8192", "--page-size", "16", "--gpu-memory", "80GiB")
+    assert out.returncode == 0, out.stderr
+    assert "2 x 32 layers x 8 kv heads x 128 head_dim x 2 B (bf16) = 131,072 B" in out.stdout
+    assert "1,073,741,824 B (1.00 GiB)" in out.stdout
+    for label in ("pages", "padding", "GPU memory", "KV budget", "requests"):
+        assert label in out.stdout
+
+
+def test_cli_json():
+    out = _kv_mem("Mistral-7B", "--seq-len", "32768", "--sinks", "4", "--page-size", "16", "--kv-dtype", "int8",
+                  "--gpu-memory", "24GiB", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert {"model", "kv_dtype", "per_token", "bytes_per_token", "batch", "seq_len", "sliding_window", "sinks",
+            "tokens_per_sequence", "bytes_per_sequence", "total_tokens", "total_bytes", "paging", "capacity",
+            "notes"} <= d.keys()
+    assert d["bytes_per_token"] == 65_536 + 2048 and d["per_token"]["scale_bytes"] == 2048
+    assert d["tokens_per_sequence"] == 4100 and d["paging"]["pages_per_sequence"] == 257
+    assert d["capacity"]["weights_bytes"] == 7_240_000_000 * 2 and d["capacity"]["max_concurrent_requests"] > 0
+
+
+def test_cli_config_json_path(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "hidden_size": 64, "torch_dtype": "float32"}))
+    out = _kv_mem(str(tmp_path / "config.json"), "--seq-len", "10", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["total_bytes"] == 10 * 2 * 2 * 4 * 16 * 4
+
+
+@pytest.mark.parametrize("args,message", [
+    (["gpt-5"], "unknown model 'gpt-5'"),
+    (["llama-3-8b", "--batch", "0"], "--batch: must be positive"),
+    (["llama-3-8b", "--seq-len", "-5"], "--seq-len: must be positive"),
+    (["llama-3-8b", "--kv-dtype", "fp4"], "unknown --kv-dtype 'fp4'; known: fp32, bf16, fp16, fp8, int8"),
+    (["llama-3-70b", "--gpu-memory", "80GiB"], "do not fit in the usable GPU memory"),
+    (["llama-3-8b", "--gpu-memory", "80GiB", "--weights-bytes", "100GiB"], "do not fit"),
+    (["llama-3-8b", "--page-size", "x"], "--page-size: not an integer"),
+    (["llama-3-8b", "--reserve", "1GiB"], "--reserve only apply with --gpu-memory"),
+])
+def test_cli_bad_input_is_one_clear_line_and_exit_2(args, message):
+    out = _kv_mem(*args)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and out.stdout == ""
