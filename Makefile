@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test protos lint bench bench-quick bench-kvmanager bench-gateway clean
+.PHONY: install model serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-gateway clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -40,11 +40,17 @@ protos: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# The report: kvserve (kvserve up) side by side with HF transformers, one run; JSON, PNG plots and a Markdown
+# table in bench/results/. bench-quick: the same in under 5 minutes.
 bench: model
-	$(PY) bench/bench_worker.py
+	$(PY) bench/report.py
 
 bench-quick: model
-	$(PY) bench/bench_worker.py --quick
+	$(PY) bench/report.py --quick
+
+# Worker decode vs HF's forward, and the KV cache vs recomputation (in-process, interleaved repeats).
+bench-worker: model
+	$(PY) bench/bench_worker.py
 
 bench-kvmanager: install
 	$(PY) bench/bench_kvmanager.py

@@ -1,0 +1,186 @@
+"""kvserve's benchmark report: one command, one run, kvserve side by side with HF transformers on this machine.
+
+    python bench/report.py [--quick]        # make bench / make bench-quick
+
+Writes bench/results/<date>[-quick].json (every workload: kvserve's figure, each HF figure from the same run,
+and their ratio), PNG plots and a Markdown table next to it. Workloads (seeded, greedy, fixed lengths):
+
+  throughput     the gateway issue's mixed burst through the whole stack (`kvserve up`) vs HF `generate()` one
+                 request at a time and HF's continuous batching (`generate_batch`)
+  concurrency    32 concurrent requests vs the worker's raw batched forward doing the same work
+  prefix         a ~2000-token system prompt + 10 user messages: TTFT of the first vs the mean of the rest,
+                 prefix caching on and off, HF (no reuse) for reference
+  kv_cache       256 generated tokens with and without the KV cache (kvserve and HF)
+  memory         bytes per token and pool bytes (calculator vs the worker's real tensor); page utilisation of the
+                 mixed workload (tokens stored / slots allocated) vs padding every request to the longest
+  latency        TTFT and time-per-output-token percentiles at 1, 4 and 16 concurrent clients
+  tracing        (full run only) the 32-request burst with tracing on vs off
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime as dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_gateway as bg  # noqa: E402
+import bench_worker as bw  # noqa: E402
+import hf_reference as hf  # noqa: E402
+import report_output  # noqa: E402
+
+from kvserve.services.client import Client  # noqa: E402
+from kvserve.services.model_store import prepare_default_model  # noqa: E402
+from kvserve.worker.tokenizer import Tokenizer  # noqa: E402
+
+PAGE_SIZE = 16
+CLIENT_COUNTS = (1, 4, 16)
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+
+
+def latency_under_load(address: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
+    """`clients` closed-loop clients, each sending `per_client` requests one after another."""
+    def client_loop(i: int) -> list[dict]:
+        with Client(address, timeout_s=600) as client:
+            return [bg.stream_one(client, prompts[(i * per_client + j) % len(prompts)], max_tokens)
+                    for j in range(per_client)]
+
+    with cf.ThreadPoolExecutor(clients) as pool:
+        runs = [r for rs in pool.map(client_loop, range(clients)) for r in rs]
+    ttft, tpot = [r["ttft_s"] for r in runs], [r["tpot_s"] for r in runs]
+    return {"clients": clients, "requests": len(runs),
+            **{f"ttft_p{p}_s": percentile(ttft, p) for p in (50, 90, 99)},
+            **{f"tpot_p{p}_s": percentile(tpot, p) for p in (50, 90, 99)}}
+
+
+def page_utilisation(work: list[hf.Workitem]) -> dict:
+    """Tokens stored / slots allocated at the end of the mixed workload: pages of 16 vs padding to the longest."""
+    lengths = [len(w.prompt_ids) + w.max_new_tokens for w in work]
+    paged_slots = sum(-(-n // PAGE_SIZE) * PAGE_SIZE for n in lengths)
+    padded_slots = len(lengths) * max(lengths)
+    return {"tokens": sum(lengths), "paged_slots": paged_slots, "padded_slots": padded_slots,
+            "paged_utilisation": sum(lengths) / paged_slots, "padded_utilisation": sum(lengths) / padded_slots}
+
+
+def memory(runner, work: list[hf.Workitem]) -> dict:
+    from kvserve.services.kvmem import get_dtype, load_hf_config, per_token
+
+    info = runner.info
+    calc_per_token = per_token(load_hf_config(runner.cfg.model_dir / "config.json"), get_dtype(info.kv_dtype)).bytes
+    calc_pool = calc_per_token * info.page_size * info.num_pages
+    measured_pool = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    return {"kv_dtype": info.kv_dtype, "bytes_per_token_calculator": calc_per_token,
+            "bytes_per_token_worker": info.bytes_per_token, "pool_bytes_calculator": calc_pool,
+            "pool_bytes_measured": measured_pool, "calculator_over_measured": calc_pool / measured_pool,
+            "pages": page_utilisation(work)}
+
+
+class Report:
+    """Runs the stages in order with one progress bar; everything lands in ``self.out``."""
+
+    def __init__(self, quick: bool):
+        self.quick = quick
+        self.model_dir = prepare_default_model(progress=False)
+        self.tok = Tokenizer(self.model_dir)
+        corpus = hf.corpus_token_ids(self.model_dir)
+        n_mixed, self.n_conc = (12, 16) if quick else (24, 32)
+        self.mixed_text, self.mixed_hf = bg.as_text(self.tok, hf.make_workload(
+            n_mixed, seed=1, corpus=corpus, max_new=64 if quick else 128))
+        self.conc_text, self.conc_hf = bg.as_text(self.tok, hf.make_workload(
+            self.n_conc, seed=2, min_prompt=128, max_prompt=128, min_new=64, max_new=64, corpus=corpus))
+        self.prefix_prompts = bg.prefix_workload(self.tok, corpus, 2000, 10)
+        self.load_text = [t for t, _ in bg.as_text(self.tok, hf.make_workload(
+            32, seed=3, min_prompt=64, max_prompt=256, corpus=corpus))[0]]
+        self.out: dict = {"quick": quick, "date": str(dt.date.today())}
+
+    def stages(self):
+        stages = [("kvserve, prefix caching on", self.kvserve_on), ("kvserve, prefix caching off", self.kvserve_off)]
+        if not self.quick:
+            stages.append(("tracing off vs on", self.tracing))
+        stages += [("raw runner, KV cache, memory", self.runner_stages), ("HF transformers", self.hf_stages)]
+        return stages
+
+    def kvserve_on(self) -> None:
+        with bg.stack("--num-pages", "2048") as (gateway, stats):
+            bg.kvserve_burst(gateway, self.mixed_text[:2])  # warm-up
+            self.out["throughput"] = {"kvserve": bg.kvserve_burst(gateway, self.mixed_text)}
+            self.out["concurrency"] = {"kvserve": bg.kvserve_burst(gateway, self.conc_text),
+                                       "num_requests": self.n_conc}
+            self.out["prefix"] = {"kvserve_on": bg.kvserve_prefix(gateway, self.prefix_prompts)}
+            per_client, max_tokens = (2, 16) if self.quick else (4, 32)
+            self.out["latency"] = {"kvserve": [latency_under_load(gateway, self.load_text, c, per_client, max_tokens)
+                                               for c in CLIENT_COUNTS], "max_tokens": max_tokens}
+        self.out["kv_wait_share_pct"] = stats["kv_wait_share_pct"]
+
+    def kvserve_off(self) -> None:
+        with bg.stack("--num-pages", "1024", "--no-prefix-caching") as (gateway, _):
+            self.out["prefix"]["kvserve_off"] = bg.kvserve_prefix(gateway, self.prefix_prompts)
+
+    def tracing(self) -> None:
+        self.out["tracing"] = bg.tracing_overhead(self.conc_text, rounds=3)
+
+    def runner_stages(self) -> None:
+        from kvserve.worker.runner import ModelRunner, RunnerConfig
+
+        self.out["concurrency"]["raw_runner"] = bg.raw_runner(self.model_dir, self.conc_hf)
+        runner = ModelRunner(RunnerConfig(model_dir=self.model_dir, num_pages=64, page_size=PAGE_SIZE,
+                                          device="cpu", dtype="float32"))
+        self.hf_model = hf.load_hf(self.model_dir)
+        self.out["kv_cache"] = bw.bench_kv_cache(runner, self.hf_model, 64 if self.quick else 256)
+        self.out["memory"] = memory(runner, self.mixed_hf)
+
+    def hf_stages(self) -> None:
+        model = self.hf_model
+        t = self.out["throughput"]
+        t["hf_generate"] = bg._strip(hf.hf_generate_serial(model, self.mixed_hf))
+        t["hf_generate_batch"] = bg._strip(hf.hf_generate_batch(model, self.mixed_hf))
+        self.out["prefix"]["hf"] = bg.hf_prefix(model, self.tok, self.prefix_prompts[:3] if self.quick
+                                                else self.prefix_prompts)
+        one = self.mixed_hf[0]
+        self.out["latency"]["hf_one_client"] = {"ttft_s": hf.hf_ttft_s(model, one.prompt_ids)}
+
+    def run(self) -> dict:
+        stages = self.stages()
+        with tqdm(stages, desc="bench", unit="stage", file=sys.stderr) as bar:
+            for name, stage in bar:
+                bar.set_postfix_str(name)
+                stage()
+        report_output.add_ratios(self.out)
+        return self.out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="kvserve vs HF transformers, one run, JSON + plots + table")
+    parser.add_argument("--quick", action="store_true", help="smaller workloads, under 5 minutes")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    out = Report(args.quick).run()
+    out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                      "python": platform.python_version()}
+    stem = args.out_dir / f"{dt.date.today()}{'-quick' if args.quick else ''}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(out, indent=2))
+    plots = report_output.plots(out, stem)
+    table = report_output.markdown(out, [p.name for p in plots])
+    stem.with_suffix(".md").write_text(table)
+    print(table)
+    print(f"wrote {stem}.json, {stem}.md and {len(plots)} plots", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
