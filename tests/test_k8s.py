@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -12,8 +13,10 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
+from opentelemetry.sdk.trace import TracerProvider
 
 from kvserve.services.cli import build_parser
+from kvserve.services.telemetry import tracing_enabled_by_env
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "k8s"
 GATEWAY_PORT = 50050
@@ -25,6 +28,10 @@ GATEWAY_DRAIN_S = 5.0
 GATEWAY_STOP_GRACE_S = 2.0
 API_KEYS_SECRET = "kvserve-api-keys"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+# The three kvserve services (workload name, `kvserve` subcommand): each serves gRPC, metrics and traces.
+SERVICES = (("kvserve-kvmanager", "kvmanager"), ("kvserve-worker", "worker"), ("kvserve-gateway", "gateway"))
+DASHBOARD_CONFIGMAP = "kvserve-grafana-dashboard"
+DASHBOARD_FILE = "grafana-dashboard.json"
 SECRET_LIKE_ENV = re.compile(r"TOKEN|PASSWORD|SECRET|PASSWD|CREDENTIAL", re.IGNORECASE)
 
 
@@ -75,6 +82,29 @@ def _env(container: dict) -> dict[str, dict]:
     return {env["name"]: env for env in container.get("env", [])}
 
 
+def _ports(container: dict) -> dict[str, int]:
+    """The container's ports by name."""
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def _metrics_port(container: dict) -> int:
+    return int(_env(container)["KVSERVE_METRICS_PORT"]["value"])
+
+
+def _generated_config_maps() -> list[dict]:
+    """The ConfigMaps the kustomization's configMapGenerator makes (not resources: no file of their own)."""
+    return _kustomization().get("configMapGenerator", [])
+
+
+def _generator_files(generator: dict) -> dict[str, str]:
+    """A generator's files as {ConfigMap key: file path}; an entry is `path` or `key=path`."""
+    files: dict[str, str] = {}
+    for entry in generator.get("files", []):
+        key, _, path = entry.rpartition("=")
+        files[key or Path(path).name] = path
+    return files
+
+
 def _assert_grpc_probes(container: dict, port: int) -> None:
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert probe in container, probe
@@ -112,7 +142,11 @@ def test_kubectl_kustomize_renders_every_resource_with_the_common_label() -> Non
     assert out.returncode == 0, out.stderr
     rendered = [doc for doc in yaml.safe_load_all(out.stdout) if doc is not None]
     assert sorted((d["kind"], d["metadata"]["name"]) for d in rendered) == sorted(
-        (d["kind"], d["metadata"]["name"]) for d in _resources())
+        [(d["kind"], d["metadata"]["name"]) for d in _resources()]
+        + [("ConfigMap", g["name"]) for g in _generated_config_maps()])
+    (dashboard,) = [d for d in rendered if (d["kind"], d["metadata"]["name"]) == ("ConfigMap", DASHBOARD_CONFIGMAP)]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"][DASHBOARD_FILE]) == json.loads((K8S_DIR / DASHBOARD_FILE).read_text())
     for doc in rendered:
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvserve", doc["metadata"]["name"]
 
@@ -181,7 +215,7 @@ def test_worker_statefulset_runs_the_worker_with_grpc_probes() -> None:
     (container,) = pod["spec"]["containers"]
     assert container["image"] == "kvserve:latest"
     assert container["command"] == ["kvserve", "worker", "--host", "0.0.0.0", "--port", str(WORKER_PORT)]
-    assert [p["containerPort"] for p in container["ports"]] == [WORKER_PORT]
+    assert _ports(container) == {"grpc": WORKER_PORT, "metrics": _metrics_port(container)}
     assert {"KVSERVE_MODEL", "KVSERVE_KV_CACHE_BYTES"} <= set(_env(container))
     assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
     _assert_grpc_probes(container, WORKER_PORT)
@@ -241,6 +275,91 @@ def test_env_names_are_flags_the_cli_reads(workload: str, command: str, monkeypa
         assert by_env == by_flag, f"{name}={value!r} parses to {by_env!r}, {flag} {value!r} to {by_flag!r}"
 
 
+# --- observability: metrics and traces ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("workload", "command"), SERVICES)
+def test_service_serves_metrics_on_its_named_port_and_the_pod_is_annotated_for_scraping(workload: str,
+                                                                                       command: str) -> None:
+    """KVSERVE_METRICS_PORT (--metrics-port) is the container's `metrics` port, and the pod template's
+    prometheus.io/* annotations point a kubernetes_sd scrape at that same port and path."""
+    pod = _workload(workload)["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    port = _metrics_port(container)
+    assert _container_port(container, "metrics") == port
+    assert port != _container_port(container, "grpc")
+    # The metrics server binds the service's --host: it must listen on the pod IP, not loopback.
+    argv = container["command"]
+    assert argv[:2] == ["kvserve", command] and argv[argv.index("--host") + 1] == "0.0.0.0"
+    annotations = pod["metadata"].get("annotations", {})
+    assert annotations.get("prometheus.io/scrape") == "true"
+    # Annotation values are strings: an unquoted number would not even be accepted by the API server.
+    assert annotations.get("prometheus.io/port") == str(port)
+    assert annotations.get("prometheus.io/path") == "/metrics"
+
+
+@pytest.mark.parametrize(("workload", "command"), SERVICES)
+def test_service_exports_traces_over_otlp_with_a_sampler(workload: str, command: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The container's OTEL_* environment turns tracing on (services/telemetry.py) and names a sampler the
+    OpenTelemetry SDK recognises (an unknown name or a bad ratio only logs a warning and samples everything)."""
+    (container,) = _workload(workload)["spec"]["template"]["spec"]["containers"]
+    env = {name: e["value"] for name, e in _env(container).items() if name.startswith("OTEL_")}
+    endpoint = urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    assert endpoint.scheme in ("http", "https") and endpoint.hostname and endpoint.port, endpoint.geturl()
+    sampler = env["OTEL_TRACES_SAMPLER"]
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert tracing_enabled_by_env()
+    description = TracerProvider().sampler.get_description()
+    if sampler.startswith("parentbased_"):
+        assert description.startswith("ParentBased{"), description
+    if sampler.endswith("traceidratio"):
+        ratio = float(env["OTEL_TRACES_SAMPLER_ARG"])
+        assert 0 < ratio <= 1, ratio
+        assert f"TraceIdRatioBased{{{ratio}}}" in description, description
+    else:
+        assert sampler in ("always_on", "always_off", "parentbased_always_on", "parentbased_always_off"), sampler
+
+
+def test_services_agree_on_the_collector_and_the_gateway_alone_samples() -> None:
+    """One collector; the gateway decides which requests are traced (a ratio), and the kvmanager and workers,
+    which only ever see the traceparents of sampled requests, keep all of them."""
+    envs = {w: _env(_workload(w)["spec"]["template"]["spec"]["containers"][0]) for w, _ in SERVICES}
+    assert len({env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] for env in envs.values()}) == 1
+    for workload, env in envs.items():
+        sampler = env["OTEL_TRACES_SAMPLER"]["value"]
+        if workload == "kvserve-gateway":
+            assert sampler == "parentbased_traceidratio" and 0 < float(env["OTEL_TRACES_SAMPLER_ARG"]["value"]) <= 1
+        else:
+            assert sampler == "parentbased_always_on" and "OTEL_TRACES_SAMPLER_ARG" not in env, workload
+
+
+@pytest.mark.parametrize(("workload", "command"), SERVICES)
+def test_service_env_is_kvserve_flags_or_opentelemetry(workload: str, command: str) -> None:
+    """test_env_names_are_flags_the_cli_reads checks KVSERVE_* only; anything else must be OTEL_* (read by
+    the OpenTelemetry SDK), so a misspelt prefix cannot slip past both."""
+    (container,) = _workload(workload)["spec"]["template"]["spec"]["containers"]
+    for name in _env(container):
+        assert name.startswith(("KVSERVE_", "OTEL_")), f"{workload}: {name}"
+
+
+def test_kustomization_ships_the_grafana_dashboard_to_the_grafana_sidecar() -> None:
+    """A configMapGenerator, not a resource: it makes the ConfigMap from grafana-dashboard.json on disk, with
+    the label the Grafana sidecar looks for, under a fixed name."""
+    (generator,) = [g for g in _generated_config_maps() if g["name"] == DASHBOARD_CONFIGMAP]
+    files = _generator_files(generator)
+    assert files == {DASHBOARD_FILE: DASHBOARD_FILE}
+    dashboard = json.loads((K8S_DIR / files[DASHBOARD_FILE]).read_text())
+    assert dashboard["panels"], "the dashboard has no panels"
+    options = generator["options"]
+    assert options["labels"]["grafana_dashboard"] == "1"
+    assert options["disableNameSuffixHash"] is True
+    assert DASHBOARD_FILE not in _kustomization()["resources"]
+
+
 # --- kvmanager --------------------------------------------------------------------------------------------------
 
 
@@ -257,7 +376,7 @@ def test_kvmanager_deployment_runs_the_kvmanager_with_grpc_probes() -> None:
     (container,) = pod["spec"]["containers"]
     assert container["image"] == "kvserve:latest"
     assert container["command"] == ["kvserve", "kvmanager", "--host", "0.0.0.0", "--port", str(KVMANAGER_PORT)]
-    assert [p["containerPort"] for p in container["ports"]] == [KVMANAGER_PORT]
+    assert _ports(container) == {"grpc": KVMANAGER_PORT, "metrics": _metrics_port(container)}
     _assert_grpc_probes(container, KVMANAGER_PORT)
 
 
@@ -314,7 +433,7 @@ def test_gateway_deployment_runs_the_gateway_with_grpc_probes() -> None:
     container = _gateway_container()
     assert container["image"] == "kvserve:latest"
     assert container["command"] == ["kvserve", "gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
-    assert [p["containerPort"] for p in container["ports"]] == [GATEWAY_PORT]
+    assert _ports(container) == {"grpc": GATEWAY_PORT, "metrics": _metrics_port(container)}
     _assert_grpc_probes(container, GATEWAY_PORT)
 
 
