@@ -100,12 +100,13 @@ def as_text(tok: Tokenizer, work: list[hf.Workitem]) -> tuple[list[tuple[str, in
     return texts, [hf.Workitem(tuple(tok.encode(t)), n) for t, n in texts]
 
 
-def raw_runner(model_dir: Path, work: list[hf.Workitem], max_step_tokens: int = 2048) -> dict:
-    """The same requests through ModelRunner.step in-process: prefill in chunks, then batched decode steps."""
-    longest = max(len(w.prompt_ids) + w.max_new_tokens for w in work)
-    pages = -(-longest // PAGE_SIZE)
-    runner = ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=pages * len(work), page_size=PAGE_SIZE,
-                                      device="cpu", dtype="float32"))
+def raw_runner(model_dir: Path, work: list[hf.Workitem], max_step_tokens: int = 2048,
+               runner: ModelRunner | None = None) -> dict:
+    """The same requests through ModelRunner.step in-process: prefill in chunks, then batched decode steps.
+    ``runner`` must have pages_for(work) pages; by default one is made."""
+    pages = pages_for(work) // len(work)
+    runner = runner or ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=pages_for(work), page_size=PAGE_SIZE,
+                                                device="cpu", dtype="float32"))
     tables = [tuple(range(i * pages, (i + 1) * pages)) for i in range(len(work))]
     t0 = time.perf_counter()
     last = {}
@@ -124,6 +125,12 @@ def raw_runner(model_dir: Path, work: list[hf.Workitem], max_step_tokens: int = 
         generated += len(live)
     wall = time.perf_counter() - t0
     return {"generated_tokens": generated, "wall_s": wall, "tokens_per_s": generated / wall}
+
+
+def pages_for(work: list[hf.Workitem]) -> int:
+    """Pages raw_runner needs: every request gets room for the longest one."""
+    longest = max(len(w.prompt_ids) + w.max_new_tokens for w in work)
+    return -(-longest // PAGE_SIZE) * len(work)
 
 
 def prefix_workload(tok: Tokenizer, corpus: list[int], system_tokens: int, num_users: int) -> list[str]:
@@ -211,13 +218,13 @@ def run(quick: bool) -> dict:
     if not quick:
         print("tracing off vs on ...", file=sys.stderr, flush=True)
         out["tracing"] = tracing_overhead(conc_text, rounds=3)
-    print("raw ModelRunner, then HF transformers ...", file=sys.stderr, flush=True)
-    out["concurrency"]["raw_runner"] = raw_runner(model_dir, conc_hf)
-    out["concurrency"]["num_requests"] = n_conc
-    model = hf.load_hf(model_dir)
+    print("HF transformers, then the raw ModelRunner ...", file=sys.stderr, flush=True)
+    model = hf.load_hf(model_dir)  # before any ModelRunner: its compute thread's OpenMP team would slow HF
     out["throughput"]["hf_generate"] = _strip(hf.hf_generate_serial(model, mixed_hf))
     out["throughput"]["hf_generate_batch"] = _strip(hf.hf_generate_batch(model, mixed_hf))
     out["prefix"]["hf"] = hf_prefix(model, tok, prefix_prompts[:3] if quick else prefix_prompts)
+    out["concurrency"]["raw_runner"] = raw_runner(model_dir, conc_hf)
+    out["concurrency"]["num_requests"] = n_conc
     _ratios(out)
     return out
 
