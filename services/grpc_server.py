@@ -52,11 +52,25 @@ def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.Server
     return GrpcServer(server=server, port=bound, health=health_servicer)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 def install_stop_signals() -> threading.Event:
-    """An event that SIGTERM and SIGINT set from now on. Call from the main thread, before the ready line."""
+    """An event that the first SIGTERM or SIGINT sets; a second one terminates the process at once (the usual
+    "press Ctrl-C again"). Call from the main thread, before the ready line.
+
+    The handler restores the default actions before it touches the event: Event.set takes a lock, and a
+    second signal handled while the first handler held it would deadlock the main thread (seen: a kvmanager
+    that got SIGTERM twice, from its parent's death and from its parent's terminate, hung forever)."""
     done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+
+    def handler(*_) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        done.set()
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
     return done
 
 
