@@ -25,7 +25,10 @@ import datetime as dt
 import json
 import os
 import platform
+import queue
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -60,10 +63,73 @@ def latency_under_load(address: str, prompts: list[str], clients: int, per_clien
 
     with cf.ThreadPoolExecutor(clients) as pool:
         runs = [r for rs in pool.map(client_loop, range(clients)) for r in rs]
+    return _percentiles(clients, runs)
+
+
+class _TokenTimes:
+    """An HF generate() streamer that timestamps every generated token (the first put() is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if self.prompt_seen:
+            self.times.append(time.perf_counter())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def hf_latency_under_load(model, prompts: list[list[int]], clients: int, per_client: int, max_tokens: int) -> dict:
+    """HF `generate()` as the naive server it is: one request at a time, first come first served, for
+    `clients` closed-loop client threads. The model runs on this (the main) thread only."""
+    jobs: queue.Queue = queue.Queue()
+    done_records: list[dict] = []
+
+    def client(i: int) -> None:
+        for j in range(per_client):
+            record = {"t0": time.perf_counter(), "prompt": prompts[(i * per_client + j) % len(prompts)],
+                      "done": threading.Event()}
+            jobs.put(record)
+            record["done"].wait()
+            done_records.append(record)
+        jobs.put(None)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    finished = 0
+    with torch.inference_mode():
+        while finished < clients:
+            record = jobs.get()
+            if record is None:
+                finished += 1
+                continue
+            ids, times = torch.tensor([record["prompt"]]), _TokenTimes()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                           min_new_tokens=max_tokens, do_sample=False, pad_token_id=hf._pad_id(model), streamer=times)
+            record["ttft_s"] = times.times[0] - record["t0"]
+            record["tpot_s"] = (times.times[-1] - times.times[0]) / max(1, len(times.times) - 1)
+            record["done"].set()
+    for t in threads:
+        t.join()
+    return _percentiles(clients, done_records)
+
+
+def _percentiles(clients: int, runs: list[dict]) -> dict:
     ttft, tpot = [r["ttft_s"] for r in runs], [r["tpot_s"] for r in runs]
     return {"clients": clients, "requests": len(runs),
             **{f"ttft_p{p}_s": percentile(ttft, p) for p in (50, 90, 99)},
             **{f"tpot_p{p}_s": percentile(tpot, p) for p in (50, 90, 99)}}
+
+
+def hf_bytes_per_token(model, num_tokens: int = 100) -> float:
+    """Bytes of HF's DynamicCache after a forward over num_tokens tokens, per token (measured)."""
+    with torch.inference_mode():
+        cache = model(torch.arange(100, 100 + num_tokens)[None], use_cache=True).past_key_values
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) / num_tokens
 
 
 def page_utilisation(work: list[hf.Workitem]) -> dict:
@@ -104,6 +170,7 @@ class Report:
         self.prefix_prompts = bg.prefix_workload(self.tok, corpus, 2000, 10)
         self.load_text = [t for t, _ in bg.as_text(self.tok, hf.make_workload(
             32, seed=3, min_prompt=64, max_prompt=256, corpus=corpus))[0]]
+        self.load_shape = (2, 16) if quick else (4, 32)  # (requests per client, max_tokens)
         self.out: dict = {"quick": quick, "date": str(dt.date.today())}
 
     def stages(self):
@@ -123,9 +190,9 @@ class Report:
             self.out["concurrency"] = {"kvserve": bg.kvserve_burst(gateway, self.conc_text),
                                        "num_requests": self.n_conc}
             self.out["prefix"] = {"kvserve_on": bg.kvserve_prefix(gateway, self.prefix_prompts)}
-            per_client, max_tokens = (2, 16) if self.quick else (4, 32)
-            self.out["latency"] = {"kvserve": [latency_under_load(gateway, self.load_text, c, per_client, max_tokens)
-                                               for c in CLIENT_COUNTS], "max_tokens": max_tokens}
+            self.out["latency"] = {"kvserve": [latency_under_load(gateway, self.load_text, c, *self.load_shape)
+                                               for c in CLIENT_COUNTS], "max_tokens": self.load_shape[1],
+                                   "requests_per_client": self.load_shape[0]}
         self.out["kv_wait_share_pct"] = stats["kv_wait_share_pct"]
 
     def kvserve_off(self) -> None:
@@ -143,6 +210,7 @@ class Report:
         self.out["concurrency"]["raw_runner"] = bg.raw_runner(self.model_dir, self.conc_hf, runner=runner)
         self.out["kv_cache"] = bw.bench_kv_cache(runner, self.hf_model, 64 if self.quick else 256)
         self.out["memory"] = memory(runner, self.mixed_hf)
+        self.out["memory"]["bytes_per_token_hf_measured"] = self.hf_bytes_per_token
 
     def hf_stages(self) -> None:
         model = self.hf_model = hf.load_hf(self.model_dir)
@@ -151,8 +219,10 @@ class Report:
         t["hf_generate_batch"] = bg._strip(hf.hf_generate_batch(model, self.mixed_hf))
         self.out["prefix"]["hf"] = bg.hf_prefix(model, self.tok, self.prefix_prompts[:3] if self.quick
                                                 else self.prefix_prompts)
-        one = self.mixed_hf[0]
-        self.out["latency"]["hf_one_client"] = {"ttft_s": hf.hf_ttft_s(model, one.prompt_ids)}
+        load_ids = [self.tok.encode(t) for t in self.load_text]
+        self.out["latency"]["hf_generate"] = [hf_latency_under_load(model, load_ids, c, *self.load_shape)
+                                              for c in CLIENT_COUNTS]
+        self.hf_bytes_per_token = hf_bytes_per_token(model)
 
     def run(self) -> dict:
         stages = self.stages()
