@@ -200,7 +200,7 @@ class Report:
             self.out["prefix"]["kvserve_off"] = bg.kvserve_prefix(gateway, self.prefix_prompts)
 
     def tracing(self) -> None:
-        self.out["tracing"] = bg.tracing_overhead(self.conc_text, rounds=3)
+        self.out["tracing"] = bg.tracing_overhead(self.conc_text, rounds=5)
 
     def runner_stages(self) -> None:
         from kvserve.worker.runner import ModelRunner, RunnerConfig
