@@ -26,7 +26,9 @@ import json
 import os
 import platform
 import queue
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -177,10 +179,11 @@ class Report:
         stages = [("kvserve, prefix caching on", self.kvserve_on), ("kvserve, prefix caching off", self.kvserve_off)]
         if not self.quick:
             stages.append(("tracing off vs on", self.tracing))
-        # HF before any ModelRunner exists in this process: a runner's compute thread holds its own OpenMP
-        # team, and two teams on two cores make every op slower (README, "The worker"); the HF parts that
-        # run later (KV cache vs none) run on the runner's compute thread, as bench/bench_worker.py does.
-        stages += [("HF transformers", self.hf_stages), ("raw runner, KV cache, memory", self.runner_stages)]
+        # Each in-process measurement runs in a fresh process: a thread that ran torch keeps its own OpenMP
+        # team, and two teams on two cores slow every op down (README, "The worker"), so HF measured after a
+        # ModelRunner existed (or the runner after HF ran) came out 15-30% slow.
+        stages += [("HF transformers", lambda: self.isolated("hf")),
+                   ("raw runner, KV cache, memory", lambda: self.isolated("runner"))]
         return stages
 
     def kvserve_on(self) -> None:
@@ -202,27 +205,35 @@ class Report:
     def tracing(self) -> None:
         self.out["tracing"] = bg.tracing_overhead(self.conc_text, rounds=5)
 
-    def runner_stages(self) -> None:
+    def isolated(self, stage: str) -> None:
+        """Runs ``<stage>_results`` in a fresh `python bench/report.py --stage` process; merges its answer."""
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "stage.json"
+            subprocess.run([sys.executable, __file__, "--stage", stage, "--stage-out", str(out),
+                            *(["--quick"] if self.quick else [])], check=True)
+            merge(self.out, json.loads(out.read_text()))
+
+    def runner_results(self) -> dict:
+        """The raw runner, the KV cache with and without (HF on the runner's compute thread), memory."""
         from kvserve.worker.runner import ModelRunner, RunnerConfig
 
         runner = ModelRunner(RunnerConfig(model_dir=self.model_dir, num_pages=bg.pages_for(self.conc_hf),
                                           page_size=PAGE_SIZE, device="cpu", dtype="float32"))
-        self.out["concurrency"]["raw_runner"] = bg.raw_runner(self.model_dir, self.conc_hf, runner=runner)
-        self.out["kv_cache"] = bw.bench_kv_cache(runner, self.hf_model, 64 if self.quick else 256)
-        self.out["memory"] = memory(runner, self.mixed_hf)
-        self.out["memory"]["bytes_per_token_hf_measured"] = self.hf_bytes_per_token
+        raw = bg.raw_runner(self.model_dir, self.conc_hf, runner=runner)
+        kv_cache = bw.bench_kv_cache(runner, hf.load_hf(self.model_dir), 64 if self.quick else 256)
+        return {"concurrency": {"raw_runner": raw}, "kv_cache": kv_cache, "memory": memory(runner, self.mixed_hf)}
 
-    def hf_stages(self) -> None:
-        model = self.hf_model = hf.load_hf(self.model_dir)
-        t = self.out["throughput"]
-        t["hf_generate"] = bg._strip(hf.hf_generate_serial(model, self.mixed_hf))
-        t["hf_generate_batch"] = bg._strip(hf.hf_generate_batch(model, self.mixed_hf))
-        self.out["prefix"]["hf"] = bg.hf_prefix(model, self.tok, self.prefix_prompts[:3] if self.quick
-                                                else self.prefix_prompts)
+    def hf_results(self) -> dict:
+        """HF transformers on this process' main thread, before anything else ran torch here."""
+        model = hf.load_hf(self.model_dir)
         load_ids = [self.tok.encode(t) for t in self.load_text]
-        self.out["latency"]["hf_generate"] = [hf_latency_under_load(model, load_ids, c, *self.load_shape)
-                                              for c in CLIENT_COUNTS]
-        self.hf_bytes_per_token = hf_bytes_per_token(model)
+        return {"throughput": {"hf_generate": bg._strip(hf.hf_generate_serial(model, self.mixed_hf)),
+                               "hf_generate_batch": bg._strip(hf.hf_generate_batch(model, self.mixed_hf))},
+                "prefix": {"hf": bg.hf_prefix(model, self.tok, self.prefix_prompts[:3] if self.quick
+                                              else self.prefix_prompts)},
+                "latency": {"hf_generate": [hf_latency_under_load(model, load_ids, c, *self.load_shape)
+                                            for c in CLIENT_COUNTS]},
+                "memory": {"bytes_per_token_hf_measured": hf_bytes_per_token(model)}}
 
     def run(self) -> dict:
         stages = self.stages()
@@ -234,12 +245,25 @@ class Report:
         return self.out
 
 
+def merge(into: dict, new: dict) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            merge(into[key], value)
+        else:
+            into[key] = value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvserve vs HF transformers, one run, JSON + plots + table")
     parser.add_argument("--quick", action="store_true", help="smaller workloads, under 5 minutes")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--stage", choices=("hf", "runner"), help=argparse.SUPPRESS)  # one isolated stage
+    parser.add_argument("--stage-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
+    if args.stage:
+        args.stage_out.write_text(json.dumps(getattr(Report(args.quick), f"{args.stage}_results")()))
+        return 0
     out = Report(args.quick).run()
     out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                       "python": platform.python_version()}
