@@ -129,3 +129,20 @@ def test_decodes_share_one_group_and_each_prefill_chunk_is_padded_alone():
     decode_only = build_metadata([3, 9], [1, 1], [[4], [7]], 16, torch.device("cpu"))
     (group,) = ReferenceBackend().prepare(decode_only).groups
     assert group.token_index is None and not group.padded
+
+
+def test_decodes_of_very_different_lengths_are_bucketed_and_still_exact():
+    lengths = [3, 200, 17, 150, 40, 90, 5, 120, 64, 180, 33, 9]  # 12 decodes, 1 to 13 pages
+    cached = [n - 1 for n in lengths]
+    meta = build_metadata(cached, [1] * len(lengths), [list(range(13))] * len(lengths), 16, torch.device("cpu"))
+    groups = ReferenceBackend().prepare(meta).groups
+    assert len(groups) == 4 and sorted(i for g in groups for i in g.token_index.tolist()) == list(range(12))
+    assert [g.num_keys // 16 for g in groups] == [1, 3, 8, 13]  # each gathers only up to its own longest
+    run_case(lengths, cached, heads=4, kv_heads=2, page_size=16, seed=7)
+
+
+def test_decodes_of_similar_lengths_stay_one_group():
+    lengths = [100 + i for i in range(12)]
+    meta = build_metadata([n - 1 for n in lengths], [1] * 12, [list(range(7))] * 12, 16, torch.device("cpu"))
+    (group,) = ReferenceBackend().prepare(meta).groups
+    assert group.token_index is None
