@@ -15,6 +15,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Channels between kvserve's own services carry whole prompts' token ids: the same limits as the servers.
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
 
 
 @dataclass(slots=True)

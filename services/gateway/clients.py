@@ -12,23 +12,55 @@ import grpc
 
 from kvserve.kvmanager import convert as kv_convert
 from kvserve.kvmanager.types import PoolSpec, RegisterResult, StepOps, StepResults
+from kvserve.services.grpc_server import CHANNEL_OPTIONS
 from kvserve.v1 import kvmanager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvserve.worker import convert as worker_convert
 from kvserve.worker.batch import StepBatch, StepOutput, WorkerInfo
 
 log = logging.getLogger("kvserve.gateway")
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+MAX_BACKOFF_S = 2.0
+RETRY_STEP = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the worker went away mid-step
 
 
-class KVManagerClient:
-    def __init__(self, address: str, timeout_s: float = 10.0, retry_for_s: float = 60.0,
-                 stopping: threading.Event | None = None):
+def call_with_retries(call, *, retry_on, retry_for_s: float, first_backoff_s: float, stopping: threading.Event,
+                      on_retry):
+    """``call()``, again while it fails with a status in ``retry_on`` and the next try starts within
+    retry_for_s, waiting first_backoff_s (doubling, at most MAX_BACKOFF_S) between tries; never once
+    ``stopping`` is set. ``on_retry(error, backoff_s)`` says why before each wait."""
+    deadline, backoff_s = time.monotonic() + retry_for_s, first_backoff_s
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as e:
+            if e.code() not in retry_on or time.monotonic() + backoff_s > deadline:
+                raise
+            on_retry(e, backoff_s)
+            if stopping.wait(backoff_s):
+                raise
+            backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+
+
+class _ServiceClient:
+    """A channel to one service, a stub on it, and the retry settings of its calls."""
+
+    def __init__(self, address: str, stub_type, timeout_s: float, retry_for_s: float,
+                 stopping: threading.Event | None):
+        self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = kvmanager_pb2_grpc.KVManagerServiceStub(self.channel)
+        self.stub = stub_type(self.channel)
         self.timeout_s, self.retry_for_s = timeout_s, retry_for_s
         self.stopping = stopping or threading.Event()
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class KVManagerClient(_ServiceClient):
+    """Retries UNAVAILABLE (kvmanager restarting, Redis briefly down) with capped backoff."""
+
+    def __init__(self, address: str, timeout_s: float = 10.0, retry_for_s: float = 60.0,
+                 stopping: threading.Event | None = None):
+        super().__init__(address, kvmanager_pb2_grpc.KVManagerServiceStub, timeout_s, retry_for_s, stopping)
 
     def register(self, spec: PoolSpec) -> RegisterResult:
         return self._call(self.stub.RegisterWorker, kv_convert.spec_to_proto(spec), kv_convert.register_from_proto)
@@ -43,38 +75,23 @@ class KVManagerClient:
                           lambda r: r.worker_id)
 
     def _call(self, method, request, convert):
-        """Retries UNAVAILABLE (kvmanager restarting, Redis briefly down) with capped backoff."""
-        deadline, backoff_s = time.monotonic() + self.retry_for_s, 0.05
-        while True:
-            try:
-                return convert(method(request, timeout=self.timeout_s, wait_for_ready=True))
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + backoff_s > deadline:
-                    raise
-                log.warning("kvmanager unavailable (%s); retrying in %.2fs", e.details(), backoff_s)
-                if self.stopping.wait(backoff_s):
-                    raise
-                backoff_s = min(backoff_s * 2, 2.0)
+        def on_retry(e, backoff_s):
+            log.warning("kvmanager unavailable (%s); retrying in %.2fs", e.details(), backoff_s)
 
-    def close(self) -> None:
-        self.channel.close()
+        reply = call_with_retries(lambda: method(request, timeout=self.timeout_s, wait_for_ready=True),
+                                  retry_on=(grpc.StatusCode.UNAVAILABLE,), retry_for_s=self.retry_for_s,
+                                  first_backoff_s=0.05, stopping=self.stopping, on_retry=on_retry)
+        return convert(reply)
 
 
-RETRY_STEP = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the worker went away mid-step
-
-
-class WorkerClient:
+class WorkerClient(_ServiceClient):
     """A worker's Step and Info. A Step the worker did not answer (it stopped or restarted) is sent again once
     it is back, for up to retry_for_s: a step is idempotent (same K/V into the same slots), and a restarted
     worker answers FAILED_PRECONDITION (new epoch), which the engine turns into re-registration and recompute."""
 
     def __init__(self, address: str, timeout_s: float = 120.0, retry_for_s: float = 60.0,
                  stopping: threading.Event | None = None):
-        self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
-        self.timeout_s, self.retry_for_s = timeout_s, retry_for_s
-        self.stopping = stopping or threading.Event()
+        super().__init__(address, worker_pb2_grpc.WorkerServiceStub, timeout_s, retry_for_s, stopping)
 
     def info(self, wait_s: float = 60.0) -> WorkerInfo:
         """The worker's Info, waiting up to wait_s for it to come up."""
@@ -83,19 +100,16 @@ class WorkerClient:
 
     def step(self, batch: StepBatch, traceparents: Mapping[str, str] = kv_convert.EMPTY) -> StepOutput:
         request = worker_convert.batch_to_proto(batch, traceparents)
-        deadline = time.monotonic() + self.retry_for_s
-        while True:
-            try:
-                reply = self.stub.Step(request, timeout=self.timeout_s, wait_for_ready=True)
-                return worker_convert.output_from_proto(reply)
-            except grpc.RpcError as e:
-                if e.code() not in RETRY_STEP or time.monotonic() > deadline or self.stopping.is_set():
-                    raise
-                log.warning("worker %s did not answer a step (%s); sending it again once it is back",
-                            self.address, e.code().name)
 
-    def close(self) -> None:
-        self.channel.close()
+        def on_retry(e, _backoff_s):
+            log.warning("worker %s did not answer a step (%s); sending it again once it is back",
+                        self.address, e.code().name)
+
+        # No backoff: wait_for_ready holds the next try until the worker is reachable again.
+        reply = call_with_retries(lambda: self.stub.Step(request, timeout=self.timeout_s, wait_for_ready=True),
+                                  retry_on=RETRY_STEP, retry_for_s=self.retry_for_s, first_backoff_s=0.0,
+                                  stopping=self.stopping, on_retry=on_retry)
+        return worker_convert.output_from_proto(reply)
 
 
 def pool_spec(info: WorkerInfo) -> PoolSpec:

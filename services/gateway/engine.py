@@ -46,7 +46,6 @@ class RequestHandle:
     def __init__(self, req: Request, text: TextStream):
         self.req, self.text = req, text
         self.deltas: queue.SimpleQueue[Delta] = queue.SimpleQueue()
-        self.done = False  # set by the loop thread when the last delta is queued
 
     def __iter__(self) -> Iterator[Delta]:
         while True:
@@ -58,7 +57,6 @@ class RequestHandle:
     def _finish(self, text: str = "") -> None:
         """Queues the last delta. Called once the request's pages are freed (or it never held any)."""
         req = self.req
-        self.done = True
         self.deltas.put(Delta(text=text, finish_reason=req.finish_reason, error=req.error,
                               usage=(len(req.prompt_token_ids), req.num_cached_tokens, len(req.output_token_ids))))
 
@@ -66,10 +64,8 @@ class RequestHandle:
 @dataclass(slots=True)
 class EngineStats:
     num_steps: int = 0
-    num_step_tokens: int = 0
     step_s: float = 0.0  # wall time of whole steps
     kv_wait_s: float = 0.0  # of which: waiting on the kvmanager's StepPages
-    worker_s: float = 0.0  # of which: waiting on the worker's Step
 
     @property
     def kv_wait_share(self) -> float:
@@ -219,7 +215,6 @@ class EngineLoop:
                 self.observe.preempted(req)
 
     def _compute(self, batch: ScheduledBatch) -> None:
-        t0 = time.perf_counter()
         try:
             output = self.worker.step(batch.to_step(self.info.epoch), self.traceparents)
         except grpc.RpcError as e:
@@ -227,8 +222,6 @@ class EngineLoop:
                 raise
             self._reregister()  # the worker restarted: its pages are gone, recompute what ran
             return
-        self.stats.worker_s += time.perf_counter() - t0
-        self.stats.num_step_tokens += output.num_tokens
         for req, sampled in self.scheduler.update(batch, output.sampled):
             self._on_token(req, sampled)
 
