@@ -14,7 +14,7 @@ import grpc
 
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.servicer import KVAdminServicer, KVManagerServicer, TextEncoder
-from kvserve.services.grpc_server import GrpcServer, start_grpc_server
+from kvserve.services.grpc_server import GrpcServer, bearer_token, start_grpc_server
 from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 MANAGER_SERVICE = kvmanager_pb2.DESCRIPTOR.services_by_name["KVManagerService"].full_name
@@ -45,10 +45,10 @@ class AdminAuthInterceptor(grpc.ServerInterceptor):
         if value is None:
             return _deny(grpc.StatusCode.UNAUTHENTICATED, "admin calls need the metadata 'authorization: Bearer "
                          "<admin token>' (kvserve admin: --admin-token or KVSERVE_ADMIN_TOKEN)")
-        scheme, _, token = value.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        token = bearer_token(value)
+        if token is None:
             return _deny(grpc.StatusCode.UNAUTHENTICATED, "the authorization metadata must be 'Bearer <admin token>'")
-        if not hmac.compare_digest(token.strip().encode(), self._token):
+        if not hmac.compare_digest(token.encode(), self._token):
             return _deny(grpc.StatusCode.PERMISSION_DENIED, "wrong admin token")
         return continuation(handler_call_details)
 

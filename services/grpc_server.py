@@ -58,6 +58,14 @@ def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.Server
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+def bearer_token(authorization: str) -> str | None:
+    """The token of an ``authorization: Bearer <token>`` metadata value; None when it is not one."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token.strip()
+
+
 def install_stop_signals() -> threading.Event:
     """An event that the first SIGTERM or SIGINT sets; a second one terminates the process at once (the usual
     "press Ctrl-C again"). Call from the main thread, before the ready line.

@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvserve.services.grpc_server import bearer_token
+
 DEV_TENANT = "default"
 
 
@@ -27,12 +29,11 @@ class ApiKeys:
         """The tenant of a call's ``authorization: Bearer <key>`` metadata. Raises Unauthenticated."""
         if self.dev_mode:
             return DEV_TENANT
-        header = metadata.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key:
+        key = bearer_token(metadata.get("authorization", ""))
+        if key is None:
             raise Unauthenticated("missing API key: send metadata 'authorization: Bearer <api key>'")
         for known, tenant in self.keys:
-            if hmac.compare_digest(known.encode(), key.strip().encode()):
+            if hmac.compare_digest(known.encode(), key.encode()):
                 return tenant
         raise Unauthenticated("unknown API key")
 
