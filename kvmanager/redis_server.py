@@ -55,7 +55,7 @@ def connect(url: str, timeout_s: float = 2.0) -> redis.Redis:
     )
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: it gets SIGTERM when the thread that started it dies, even by kill -9,
     so an embedded Redis never outlives its kvmanager (a restart would otherwise start a second server on the
     same AOF). SIGTERM makes redis flush and fsync its AOF before it exits; acknowledged writes are already
@@ -117,7 +117,7 @@ class EmbeddedRedis:
             "--daemonize", "no", "--logfile", str(self.log_path.resolve()),
         ]
         return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
 
     def _wait_ready(self, proc: subprocess.Popen, port: int) -> bool:
         """Polls PING until it answers (True), the process exits (False), or the deadline passes (raises)."""

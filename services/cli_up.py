@@ -61,12 +61,6 @@ class Child:
     lines: queue.Queue = field(default_factory=queue.Queue)
 
 
-def _die_with_parent() -> None:
-    from kvserve.kvmanager.redis_server import _die_with_parent as die
-
-    die()
-
-
 def _pump(child: Child) -> None:
     for line in child.proc.stdout:
         child.lines.put(line)
@@ -75,8 +69,10 @@ def _pump(child: Child) -> None:
 
 def start_child(name: str, argv: list[str]) -> Child:
     """Starts `kvserve ARGV` and returns once it printed its ready line. Raises RuntimeError otherwise."""
+    from kvserve.kvmanager.redis_server import die_with_parent  # imported here, never in the forked child
+
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.services.cli", *argv], stdout=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True, process_group=0, preexec_fn=_die_with_parent)
+                            stdin=subprocess.DEVNULL, text=True, process_group=0, preexec_fn=die_with_parent)
     child = Child(name, proc)
     threading.Thread(target=_pump, args=(child,), daemon=True).start()
     try:
