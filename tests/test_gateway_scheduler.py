@@ -143,3 +143,10 @@ def test_a_request_that_can_never_fit_fails_instead_of_waiting_forever():
     assert batch.failed == [big] and big.finish_reason is FinishReason.ERROR
     assert "needs 3 pages" in str(big.error)
     assert not sched.has_work() and mgr.pools["w0"].num_used == 2
+
+
+def test_token_ids_slices_prompt_and_outputs_as_one_sequence():
+    req = request("a", [1, 2, 3])
+    req.output_token_ids = [7, 8]
+    for start, end in [(0, 2), (1, 3), (2, 4), (3, 5), (0, 5), (4, 5), (3, 3)]:
+        assert req.token_ids(start, end) == tuple(req.all_token_ids[start:end])

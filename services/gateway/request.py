@@ -68,6 +68,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> tuple[int, ...]:
+        """Positions [start, end) of all_token_ids, without building the whole list (a decode step needs one
+        token of a long sequence)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return tuple(self.prompt_token_ids[start:end])
+        if start >= n:
+            return tuple(self.output_token_ids[start - n:end - n])
+        return tuple(self.prompt_token_ids[start:]) + tuple(self.output_token_ids[:end - n])
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

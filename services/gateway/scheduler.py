@@ -68,7 +68,7 @@ class ScheduledBatch:
     failed: list[Request] = field(default_factory=list)  # finished with an error by assign()
 
     def to_step(self, epoch: int) -> StepBatch:
-        items = tuple(StepItem(c.req.req_id, tuple(c.req.all_token_ids[c.start_pos:c.start_pos + c.num_tokens]),
+        items = tuple(StepItem(c.req.req_id, c.req.token_ids(c.start_pos, c.start_pos + c.num_tokens),
                                c.start_pos, tuple(c.req.page_table), sample=c.start_pos + c.num_tokens ==
                                c.req.num_tokens, sampling=c.req.params.sampling) for c in self.chunks)
         return StepBatch(items=items, epoch=epoch)
@@ -148,7 +148,7 @@ class Scheduler:
         full = req.num_computed_tokens // self.cfg.page_size * self.cfg.page_size
         if full <= req.num_committed_tokens:
             return None
-        tokens = tuple(req.all_token_ids[req.num_committed_tokens:full])
+        tokens = req.token_ids(req.num_committed_tokens, full)
         return Commit(req.req_id, req.num_committed_tokens, tokens, req.num_computed_tokens)
 
     def _admit(self, budget: int, available: int, freeing: set[str]) -> list[Chunk]:
