@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-gateway clean
+.PHONY: install model serve test protos lint bench bench-quick bench-worker bench-kvmanager clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -54,10 +54,6 @@ bench-worker: model
 
 bench-kvmanager: install
 	$(PY) bench/bench_kvmanager.py
-
-# The whole stack (kvserve up) vs HF transformers on the same prompts; ~5 minutes (QUICK=1: ~2).
-bench-gateway: model
-	$(PY) bench/bench_gateway.py $(if $(QUICK),--quick,)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,26 +1,12 @@
-"""Gateway benchmark: the whole kvserve stack (`kvserve up` as real processes) side by side with HF transformers
-on the same prompts, in one run.
-
-    python bench/bench_gateway.py [--quick] [--out bench/results/gateway-DATE.json]
-
-Workloads (greedy, fixed lengths with ignore_eos / min_new_tokens, seeded):
-  throughput   a mixed batch (prompts 32-512 tokens, 16-128 new tokens) sent at once through the SDK, vs HF
-               `generate()` one request at a time and HF's continuous batching (`generate_batch`)
-  concurrency  32 concurrent requests (prompt 128, 64 new tokens) vs the worker's raw batched forward pass
-               (ModelRunner in-process: the same prefill and decode with no scheduler, kvmanager or gRPC)
-  prefix       a ~2000-token system prompt with 10 different user messages sent one after another: TTFT of the
-               first vs the mean of the other nine, prefix caching on and off, and HF (no reuse) for reference
-Each kvserve stack reports the share of its step time spent waiting on the kvmanager.
+"""The kvserve side of the benchmark report (bench/report.py): `kvserve up` stacks as real processes, bursts
+and closed-loop clients through the SDK, the prefix-cache workload, the raw ModelRunner doing the same work,
+and tracing on vs off. Plain functions; report.py runs them and puts HF transformers beside them.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
-import datetime as dt
-import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -31,14 +17,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent / "tests"))  # otlp_collector: the tests' OTLP sink
 import hf_reference as hf  # noqa: E402
 
 from kvserve.services.client import Client  # noqa: E402
-from kvserve.services.model_store import prepare_default_model  # noqa: E402
 from kvserve.worker.batch import StepBatch, StepItem  # noqa: E402
 from kvserve.worker.runner import ModelRunner, RunnerConfig  # noqa: E402
 from kvserve.worker.tokenizer import Tokenizer  # noqa: E402
@@ -190,104 +173,6 @@ def _noop_hooks_us(n: int = 20000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def ratio(a: float, b: float) -> float:
-    return a / b if b else float("nan")
-
-
-def run(quick: bool) -> dict:
-    model_dir = prepare_default_model(progress=False)
-    tok = Tokenizer(model_dir)
-    corpus = hf.corpus_token_ids(model_dir)
-    n_mixed, n_conc = (12, 16) if quick else (24, 32)
-    mixed_text, mixed_hf = as_text(tok, hf.make_workload(n_mixed, seed=1, corpus=corpus,
-                                                         max_new=64 if quick else 128))
-    conc_text, conc_hf = as_text(tok, hf.make_workload(n_conc, seed=2, min_prompt=128, max_prompt=128,
-                                                       min_new=64, max_new=64, corpus=corpus))
-    prefix_prompts = prefix_workload(tok, corpus, 2000, 10)
-    out: dict = {"quick": quick}
-    print("kvserve: mixed burst, 32-way concurrency, prefix caching on ...", file=sys.stderr, flush=True)
-    with stack("--num-pages", "2048") as (gateway, stats):
-        kvserve_burst(gateway, mixed_text[:2])  # warm-up
-        out["throughput"] = {"kvserve": kvserve_burst(gateway, mixed_text)}
-        out["concurrency"] = {"kvserve": kvserve_burst(gateway, conc_text)}
-        out["prefix"] = {"kvserve_on": kvserve_prefix(gateway, prefix_prompts)}
-    out["kv_wait_share_pct"] = stats["kv_wait_share_pct"]
-    print("kvserve: prefix caching off ...", file=sys.stderr, flush=True)
-    with stack("--num-pages", "1024", "--no-prefix-caching") as (gateway, _):
-        out["prefix"]["kvserve_off"] = kvserve_prefix(gateway, prefix_prompts)
-    if not quick:
-        print("tracing off vs on ...", file=sys.stderr, flush=True)
-        out["tracing"] = tracing_overhead(conc_text, rounds=3)
-    print("HF transformers, then the raw ModelRunner ...", file=sys.stderr, flush=True)
-    model = hf.load_hf(model_dir)  # before any ModelRunner: its compute thread's OpenMP team would slow HF
-    out["throughput"]["hf_generate"] = _strip(hf.hf_generate_serial(model, mixed_hf))
-    out["throughput"]["hf_generate_batch"] = _strip(hf.hf_generate_batch(model, mixed_hf))
-    out["prefix"]["hf"] = hf_prefix(model, tok, prefix_prompts[:3] if quick else prefix_prompts)
-    out["concurrency"]["raw_runner"] = raw_runner(model_dir, conc_hf)
-    out["concurrency"]["num_requests"] = n_conc
-    _ratios(out)
-    return out
-
-
-def _strip(result: dict) -> dict:
+def strip_outputs(result: dict) -> dict:
+    """An HF result without its token lists (kept out of the JSON)."""
     return {k: v for k, v in result.items() if k != "outputs"}
-
-
-def _ratios(out: dict) -> None:
-    t, c = out["throughput"], out["concurrency"]
-    t["kvserve_over_hf_generate"] = ratio(t["kvserve"]["tokens_per_s"], t["hf_generate"]["tokens_per_s"])
-    t["kvserve_over_hf_generate_batch"] = ratio(t["kvserve"]["tokens_per_s"], t["hf_generate_batch"]["tokens_per_s"])
-    c["kvserve_over_raw_runner"] = ratio(c["kvserve"]["tokens_per_s"], c["raw_runner"]["tokens_per_s"])
-
-
-def markdown(out: dict) -> str:
-    t, c, p = out["throughput"], out["concurrency"], out["prefix"]
-    rows = [
-        "| workload | kvserve | reference | ratio | target |", "|---|---:|---:|---:|---|",
-        f"| mixed burst, tok/s vs HF generate() one at a time | {t['kvserve']['tokens_per_s']:.1f} | "
-        f"{t['hf_generate']['tokens_per_s']:.1f} | **{t['kvserve_over_hf_generate']:.2f}x** | >= 4x |",
-        f"| mixed burst, tok/s vs HF generate_batch | {t['kvserve']['tokens_per_s']:.1f} | "
-        f"{t['hf_generate_batch']['tokens_per_s']:.1f} | **{t['kvserve_over_hf_generate_batch']:.2f}x** | >= 4x |",
-        f"| {c['num_requests']} concurrent, tok/s vs raw batched forward (same work) | "
-        f"{c['kvserve']['tokens_per_s']:.1f} | {c['raw_runner']['tokens_per_s']:.1f} | "
-        f"**{c['kvserve_over_raw_runner']:.0%}** | >= 70% |",
-        f"| prefix caching on: TTFT rest / first | {p['kvserve_on']['ttft_rest_mean_s'] * 1000:.0f} ms | "
-        f"{p['kvserve_on']['ttft_first_s'] * 1000:.0f} ms | **{p['kvserve_on']['rest_over_first']:.1%}** | <= 5% |",
-        f"| prefix caching off: TTFT rest / first | {p['kvserve_off']['ttft_rest_mean_s'] * 1000:.0f} ms | "
-        f"{p['kvserve_off']['ttft_first_s'] * 1000:.0f} ms | {p['kvserve_off']['rest_over_first']:.1%} | |",
-        f"| HF generate (no reuse): TTFT rest / first | {p['hf']['ttft_rest_mean_s'] * 1000:.0f} ms | "
-        f"{p['hf']['ttft_first_s'] * 1000:.0f} ms | {p['hf']['rest_over_first']:.1%} | |",
-    ]
-    if "tracing" in out:
-        tr = out["tracing"]
-        rows.append(f"| tracing on (OTLP) vs off, tok/s of the {c['num_requests']}-request burst | "
-                    f"{tr['on_tokens_per_s']:.1f} | {tr['off_tokens_per_s']:.1f} | **{tr['on_over_off']:.1%}** | "
-                    f">= 95% |")
-        rows.append(f"| tracing off: span and metric hooks per request | {tr['off_hooks_us_per_request']:.1f} us |"
-                    " | | nothing measurable |")
-    share = out.get("kv_wait_share_pct")
-    rows.append(f"\nShare of the gateway's step time spent waiting on the kvmanager: "
-                f"{share:.2f}%." if share is not None else "")
-    return "\n".join(rows) + "\n"
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
-    out = run(args.quick)
-    out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}
-    name = f"gateway-{dt.date.today()}{'-quick' if args.quick else ''}.json"
-    path = args.out or Path(__file__).parent / "results" / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    path.with_suffix(".md").write_text(markdown(out))
-    print(markdown(out))
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

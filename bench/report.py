@@ -227,8 +227,8 @@ class Report:
         """HF transformers on this process' main thread, before anything else ran torch here."""
         model = hf.load_hf(self.model_dir)
         load_ids = [self.tok.encode(t) for t in self.load_text]
-        return {"throughput": {"hf_generate": bg._strip(hf.hf_generate_serial(model, self.mixed_hf)),
-                               "hf_generate_batch": bg._strip(hf.hf_generate_batch(model, self.mixed_hf))},
+        return {"throughput": {"hf_generate": bg.strip_outputs(hf.hf_generate_serial(model, self.mixed_hf)),
+                               "hf_generate_batch": bg.strip_outputs(hf.hf_generate_batch(model, self.mixed_hf))},
                 "prefix": {"hf": bg.hf_prefix(model, self.tok, self.prefix_prompts[:3] if self.quick
                                               else self.prefix_prompts)},
                 "latency": {"hf_generate": [hf_latency_under_load(model, load_ids, c, *self.load_shape)
