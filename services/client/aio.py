@@ -13,13 +13,9 @@ from typing import Any
 import grpc
 
 from kvserve.services.client.client import (
-    DEFAULT_CHANNEL_OPTIONS,
-    DEFAULT_GATEWAY_ADDRESS,
-    DEFAULT_TIMEOUT_S,
-    auth_metadata,
+    ClientBase,
     call_deadline,
     call_metadata,
-    check_timeout,
     remaining_s,
 )
 from kvserve.services.client.errors import from_rpc_error, rpc_error_code
@@ -31,7 +27,6 @@ from kvserve.services.client.types import (
     completion_from_response,
     delta_from_response,
 )
-from kvserve.v1 import gateway_pb2_grpc
 
 
 class AsyncGenerateStream:
@@ -131,7 +126,7 @@ def _task_cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     """An asyncio client of the gateway. Use it as an async context manager or call ``await close()``.
 
     Args:
@@ -146,18 +141,7 @@ class AsyncClient:
         ValueError: timeout_s is not positive.
     """
 
-    def __init__(self, address: str = DEFAULT_GATEWAY_ADDRESS, api_key: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, retry: RetryPolicy = RetryPolicy(),  # noqa: B008
-                 channel_options: Sequence[tuple[str, Any]] = DEFAULT_CHANNEL_OPTIONS,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-        self._timeout_s = check_timeout(timeout_s)
-        self._retry = retry
-        self._metadata = auth_metadata(api_key)
-        self._rng = random.Random()
-        options = list(channel_options)
-        self._channel = (grpc.aio.insecure_channel(address, options=options) if credentials is None
-                         else grpc.aio.secure_channel(address, credentials, options=options))
-        self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
+    _channels = grpc.aio
 
     async def generate(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
                        timeout_s: float | None = None, **sampling: Any) -> AsyncGenerateStream:

@@ -157,7 +157,27 @@ class GenerateStream:
             self.cancel()
 
 
-class Client:
+class ClientBase:
+    """What Client and AsyncClient share: settings, call metadata and a channel from ``_channels`` (the grpc
+    module for the sync client, grpc.aio for the asyncio one)."""
+
+    _channels: Any = grpc
+
+    def __init__(self, address: str = DEFAULT_GATEWAY_ADDRESS, api_key: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, retry: RetryPolicy = RetryPolicy(),  # noqa: B008
+                 channel_options: Sequence[tuple[str, Any]] = DEFAULT_CHANNEL_OPTIONS,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._timeout_s = check_timeout(timeout_s)
+        self._retry = retry
+        self._metadata = auth_metadata(api_key)
+        self._rng = random.Random()
+        options = list(channel_options)
+        self._channel = (self._channels.insecure_channel(address, options=options) if credentials is None
+                         else self._channels.secure_channel(address, credentials, options=options))
+        self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
+
+
+class Client(ClientBase):
     """A synchronous client of the gateway. Thread-safe; use it as a context manager or call ``close()``.
 
     Args:
@@ -171,19 +191,6 @@ class Client:
     Raises:
         ValueError: timeout_s is not positive.
     """
-
-    def __init__(self, address: str = DEFAULT_GATEWAY_ADDRESS, api_key: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, retry: RetryPolicy = RetryPolicy(),  # noqa: B008
-                 channel_options: Sequence[tuple[str, Any]] = DEFAULT_CHANNEL_OPTIONS,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-        self._timeout_s = check_timeout(timeout_s)
-        self._retry = retry
-        self._metadata = auth_metadata(api_key)
-        self._rng = random.Random()
-        options = list(channel_options)
-        self._channel = (grpc.insecure_channel(address, options=options) if credentials is None
-                         else grpc.secure_channel(address, credentials, options=options))
-        self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
     def generate(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
                  timeout_s: float | None = None, **sampling: Any) -> GenerateStream:
