@@ -3,7 +3,7 @@ still become a stop string, and cuts the text at a stop string (which is not ret
 
 from __future__ import annotations
 
-from kvserve.worker.tokenizer import Tokenizer
+from kvserve.worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -19,24 +19,20 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
 
 class TextStream:
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...] = ()):
-        self.tokenizer = tokenizer
+        self.detokenizer = IncrementalDetokenizer(tokenizer)  # never yields half a UTF-8 character
         self.stops = stops
-        self.token_ids: list[int] = []
         self.text = ""  # decoded so far (complete characters only)
         self.num_emitted = 0  # characters of self.text already returned
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Appends a token. Returns (new text safe to emit, whether a stop string was generated). After a
         stop the returned text ends right before the stop string."""
-        self.token_ids.append(token_id)
-        text = self.tokenizer.decode(self.token_ids)
-        if text.endswith("\ufffd"):  # a multi-byte character is still incomplete
-            return "", False
-        self.text = text
+        self.detokenizer.push(token_id)
+        self.text = self.detokenizer.emitted  # unchanged while a multi-byte character is incomplete
         cut = self._stop_at()
         if cut is not None:
             return self._emit(cut), True
-        return self._emit(len(text) - held_back(text, self.stops)), False
+        return self._emit(len(self.text) - held_back(self.text, self.stops)), False
 
     def flush(self) -> str:
         """The text held back, when the request ends for another reason than a stop string."""
