@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvserve.services.kvmem import kv_bytes_per_token
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -69,8 +71,8 @@ class ModelConfig:
         return cls.from_dict(json.loads((Path(folder) / "config.json").read_text()))
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Exact KV-cache bytes of one token: K and V, every layer, every KV head."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """Exact KV-cache bytes of one token: K and V, every layer, every KV head (kvserve kv-mem's formula)."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
 
 
 def _rope_scaling(raw: dict) -> dict | None:

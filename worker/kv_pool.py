@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.services.kvmem import kv_bytes_per_token
 from kvserve.worker.config import ModelConfig
 
 
@@ -53,7 +52,7 @@ def size_pool(
         raise ValueError("give exactly one of kv_cache_bytes and num_pages")
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
-    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype_bytes(dtype))  # = kv-mem's
+    per_token = cfg.kv_bytes_per_token(dtype_bytes(dtype))
     if num_pages is None:
         num_pages = kv_cache_bytes // (per_token * page_size)
     if num_pages <= 0:
