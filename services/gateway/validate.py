@@ -36,6 +36,11 @@ class Limits:
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
 
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + completion tokens one request may have: the model's context and one whole pool bound it."""
+        return min(self.max_model_len, self.max_pool_tokens)
+
 
 def _prompt_text(inp: GenerateInput, tokenizer: Tokenizer) -> str:
     if (inp.prompt is None) == (inp.messages is None):
@@ -64,7 +69,7 @@ def _check_stop(stop: tuple[str, ...]) -> None:
 
 
 def _max_tokens(inp: GenerateInput, num_prompt: int, limits: Limits) -> int:
-    room = min(limits.max_model_len, limits.max_pool_tokens) - num_prompt
+    room = limits.max_request_tokens - num_prompt
     if inp.max_tokens < 0:
         raise InvalidRequest(f"max_tokens must be >= 0 (0 = default), got {inp.max_tokens}")
     if inp.max_tokens > limits.max_tokens_limit:
@@ -84,7 +89,7 @@ def build_request(inp: GenerateInput, tenant: str, tokenizer: Tokenizer, limits:
     prompt_ids = tokenizer.encode(_prompt_text(inp, tokenizer))
     if not prompt_ids:
         raise InvalidRequest("the prompt encodes to no tokens")
-    room = min(limits.max_model_len, limits.max_pool_tokens)
+    room = limits.max_request_tokens
     if len(prompt_ids) >= room:
         raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens; at most {room - 1} fit (model context "
                              f"{limits.max_model_len}, worker pool {limits.max_pool_tokens} tokens), leaving room "
