@@ -48,6 +48,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from kvserve.kvmanager.convert import step_to_request_proto
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
@@ -118,14 +119,7 @@ def fingerprint(res) -> tuple:
 
 
 def to_proto(ops: StepOps) -> pb.StepPagesRequest:
-    return pb.StepPagesRequest(
-        step_id=ops.step_id,
-        allocations=[pb.PageAllocation(req_id=a.req_id, tenant=a.tenant, token_ids=a.token_ids, worker_id=a.worker_id)
-                     for a in ops.allocations],
-        extensions=[pb.PageExtension(req_id=e.req_id, num_tokens=e.num_tokens) for e in ops.extensions],
-        commits=[pb.PageCommit(req_id=c.req_id, start_pos=c.start_pos, token_ids=c.token_ids,
-                               num_computed_tokens=c.num_computed_tokens) for c in ops.commits],
-        frees=[pb.PageFree(req_id=f.req_id) for f in ops.frees])
+    return step_to_request_proto(ops)  # what the gateway sends
 
 
 class Workload:
@@ -535,12 +529,12 @@ def grpc_floor(num_calls: int) -> dict:
 
 # -- profiling ----------------------------------------------------------------------------------------------
 def profile(redis_url: str, scenario: str, rounds: int, calls: int, seed: int, top: int = 14) -> list[dict]:
-    """cProfile of the in-thread servicer with Redis write-through over one scenario's timed calls, one
+    """cProfile of the in-thread servicer with the default store (Redis call log) over one scenario's timed calls, one
     profile per call kind (row of the table)."""
     wl = Workload(scenario, seed)
     wl.setup()
     client = connect(redis_url)
-    target = DirectServicerTarget(RedisStore(client, prefix=f"bench-profile-{scenario}"))
+    target = DirectServicerTarget(LoggedStore(client, prefix=f"bench-profile-{scenario}"))
     target.register()
     for c in wl.calls:
         c.msg = to_proto(c.ops)

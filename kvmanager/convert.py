@@ -7,6 +7,8 @@ from dataclasses import fields
 from types import MappingProxyType
 
 from kvserve.kvmanager import admin
+from kvserve.kvmanager.errors import InvalidRequest
+from kvserve.kvmanager.hashing import le_uint32, unpack_uint32
 from kvserve.kvmanager.types import (
     Allocate,
     AllocateResult,
@@ -52,13 +54,22 @@ def register_to_proto(r: RegisterResult) -> pb.RegisterWorkerResponse:
     return pb.RegisterWorkerResponse(ok=True, previous_epoch=r.previous_epoch, dropped_req_ids=r.dropped_req_ids)
 
 
+def unpack_token_ids(where: str, packed: bytes):
+    """A ``packed_token_ids`` field as a sequence of ints (an array of uint32); InvalidRequest when torn."""
+    try:
+        return unpack_uint32(packed)
+    except ValueError as e:
+        raise InvalidRequest(f"{where}: packed_token_ids: {e}") from None
+
+
 def step_from_proto(r: pb.StepPagesRequest) -> StepOps:
     return StepOps(
         step_id=r.step_id,
-        allocations=tuple(Allocate(a.req_id, a.tenant, tuple(a.token_ids), a.worker_id, a.skip_prefix_cache)
-                          for a in r.allocations),
+        allocations=tuple(Allocate(a.req_id, a.tenant, unpack_token_ids(f"allocation {a.req_id!r}", a.packed_token_ids),
+                                   a.worker_id, a.skip_prefix_cache) for a in r.allocations),
         extensions=tuple(Extend(e.req_id, e.num_tokens) for e in r.extensions),
-        commits=tuple(Commit(c.req_id, c.start_pos, tuple(c.token_ids), c.num_computed_tokens) for c in r.commits),
+        commits=tuple(Commit(c.req_id, c.start_pos, unpack_token_ids(f"commit {c.req_id!r}", c.packed_token_ids),
+                             c.num_computed_tokens) for c in r.commits),
         frees=tuple(Free(f.req_id) for f in r.frees),
     )
 
@@ -114,15 +125,18 @@ def step_to_request_proto(ops: StepOps, traceparents: Mapping[str, str] = EMPTY)
 
     return pb.StepPagesRequest(
         step_id=ops.step_id,
-        allocations=[pb.PageAllocation(**_fields(a), **tp(a)) for a in ops.allocations],
+        allocations=[pb.PageAllocation(req_id=a.req_id, tenant=a.tenant, worker_id=a.worker_id,
+                                       packed_token_ids=le_uint32(a.token_ids),
+                                       skip_prefix_cache=a.skip_prefix_cache, **tp(a)) for a in ops.allocations],
         extensions=[pb.PageExtension(**_fields(e), **tp(e)) for e in ops.extensions],
-        commits=[pb.PageCommit(**_fields(c), **tp(c)) for c in ops.commits],
+        commits=[pb.PageCommit(req_id=c.req_id, start_pos=c.start_pos, packed_token_ids=le_uint32(c.token_ids),
+                               num_computed_tokens=c.num_computed_tokens, **tp(c)) for c in ops.commits],
         frees=[pb.PageFree(**_fields(f), **tp(f)) for f in ops.frees],
     )
 
 
 def place_to_proto(tenant: str, token_ids, num_queued: dict[str, int]) -> pb.PlaceRequest:
-    return pb.PlaceRequest(tenant=tenant, token_ids=token_ids, num_queued=num_queued)
+    return pb.PlaceRequest(tenant=tenant, packed_token_ids=le_uint32(token_ids), num_queued=num_queued)
 
 
 def step_results_from_proto(r: pb.StepPagesResponse) -> StepResults:

@@ -46,6 +46,9 @@ class KVManager:
         self.load_penalty_pages = load_penalty_pages
         self.clock = 0  # logical time, one tick per event: block.last_used orders the LRU across restarts
         self.changes = Changes()
+        # Whether changes name every block indexed, evicted or touched (a store that writes state needs them;
+        # the call log only needs to know that something changed). KVService sets it from its store.
+        self.track_block_changes = True
         # Answers that no live request record can hold (frees, OUT_OF_PAGES allocations), for retried calls:
         # (kind, req_id) -> (step_id, result). Bounded; not persisted (after a restart such ops re-evaluate).
         self.recent: OrderedDict[tuple[str, str], tuple[int, object]] = OrderedDict()
@@ -142,15 +145,14 @@ class KVManager:
         pool, hits, seed = choice.pool, choice.hits, choice.seed
         spec = pool.spec
         self.stale.pop(op.req_id, None)  # a re-queued request may reuse the id of its dropped incarnation
-        for block in hits:
-            pool.acquire(block.page_id)
-            pool.touch(block, self.tick())
-            self.changes.touched[(spec.worker_id, block.block_hash)] = block.tenant
+        hit_pages = [b.page_id for b in hits]
+        pool.acquire(hit_pages)
+        self._touch(spec.worker_id, hits)
         num_pages = -(-len(op.token_ids) // spec.page_size)
         fresh, evicted = pool.allocate(num_pages - len(hits))
-        self._record_evicted(spec.worker_id, evicted)
+        self._record_blocks(spec.worker_id, evicted)
         num_cached = len(hits) * spec.page_size
-        req = Request(op.req_id, op.tenant, spec.worker_id, spec.epoch, [b.page_id for b in hits] + fresh, seed,
+        req = Request(op.req_id, op.tenant, spec.worker_id, spec.epoch, hit_pages + fresh, seed,
                       [b.block_hash for b in hits], len(op.token_ids), num_cached, op.skip_prefix_cache)
         self.requests[op.req_id] = req
         pool.num_requests += 1
@@ -176,7 +178,7 @@ class KVManager:
             return ExtendResult(op.req_id, OpStatus.OUT_OF_PAGES, [], len(req.page_table),
                                 need - pool.available())
         fresh, evicted = pool.allocate(need)
-        self._record_evicted(req.worker_id, evicted)
+        self._record_blocks(req.worker_id, evicted)
         req.page_table.extend(fresh)
         self.changes.requests[req.req_id] = req.tenant
         return ExtendResult(op.req_id, OpStatus.OK, fresh, len(req.page_table))
@@ -189,14 +191,16 @@ class KVManager:
         page_size = pool.spec.page_size
         touched.add(req.worker_id)
         if not req.skip_prefix_cache:
-            prev = req.block_hashes[-1] if req.block_hashes else req.seed
-            for h in chain_hashes(prev, op.token_ids, page_size):
-                index = len(req.block_hashes)
-                block = Block(h, prev, req.tenant, req.page_table[index], index, self.tick())
-                if pool.cache_block(block):
-                    self.changes.blocks[(req.worker_id, h)] = req.tenant
-                req.block_hashes.append(h)
-                prev = h
+            hashes = req.block_hashes
+            prev = hashes[-1] if hashes else req.seed
+            new = chain_hashes(prev, op.token_ids, page_size)
+            first, clock, tenant, page_table = len(hashes), self.clock, req.tenant, req.page_table
+            parents = [prev, *new[:-1]]
+            blocks = [Block(h, parents[i], tenant, page_table[first + i], first + i, clock + i + 1)
+                      for i, h in enumerate(new)]
+            self.clock += len(blocks)
+            self._record_blocks(req.worker_id, pool.cache_blocks(blocks))
+            hashes.extend(new)
         req.num_committed_tokens += len(op.token_ids)
         self.changes.requests[req.req_id] = req.tenant
         return CommitResult(op.req_id, OpStatus.OK, req.num_committed_tokens)
@@ -210,20 +214,31 @@ class KVManager:
         if req is None:
             return FreeResult(op.req_id, OpStatus.OK)  # freeing twice is harmless
         pool = self.pools[req.worker_id]
-        for page_id in reversed(req.page_table):  # tail first: the chain's end is evicted first
-            pool.release(page_id)
-            block = pool.block_of[page_id]
-            if block is not None and pool.ref_cnt[page_id] == 0:  # joins the LRU: stamp its place in it
-                pool.touch(block, self.tick())
-                self.changes.touched[(req.worker_id, block.block_hash)] = block.tenant
+        # Tail first: the chain's end is evicted first. Blocks joining the LRU get their place in it stamped.
+        self._touch(req.worker_id, pool.release(reversed(req.page_table)))
         pool.num_requests -= 1
         touched.add(req.worker_id)
         self.changes.requests[op.req_id] = req.tenant
         return FreeResult(op.req_id, OpStatus.OK)
 
-    def _record_evicted(self, worker_id: str, evicted: list[Block]) -> None:
-        for block in evicted:
-            self.changes.blocks[(worker_id, block.block_hash)] = block.tenant
+    def _record_blocks(self, worker_id: str, blocks: list[Block]) -> None:
+        """Blocks indexed or evicted: changes for a store that writes state (not for the call log)."""
+        if self.track_block_changes:
+            changed = self.changes.blocks
+            for block in blocks:
+                changed[(worker_id, block.block_hash)] = block.tenant
+
+    def _touch(self, worker_id: str, blocks: list[Block]) -> None:
+        """Stamps blocks as used now, one clock tick each in order (their LRU order after a restart)."""
+        clock = self.clock
+        for block in blocks:
+            clock += 1
+            block.last_used = clock
+        self.clock = clock
+        if self.track_block_changes:
+            touched = self.changes.touched
+            for block in blocks:
+                touched[(worker_id, block.block_hash)] = block.tenant
 
     # -- helpers for placement, admin and the store -----------------------------------------------------
     def seed_for(self, pool: PagePool, tenant: str) -> bytes:

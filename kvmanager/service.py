@@ -24,6 +24,10 @@ from kvserve.kvmanager.types import PoolSpec, RegisterResult, StepOps, StepResul
 class Store(Protocol):
     """Persistence of the manager's state (kvmanager/store.py has the Redis one)."""
 
+    # Whether write() needs ``changes`` to name every block indexed, evicted or touched (a store that writes
+    # state does; one that logs calls does not, and naming them costs a dict entry per page on big calls).
+    wants_block_changes: bool
+
     def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
         """Persists a call's effect, atomically: ``changes`` names what changed (a state store writes its current
         values), ``record`` is the call itself (("step", StepOps), ("register", PoolSpec) or ("admin", name,
@@ -38,6 +42,8 @@ class Store(Protocol):
 class NullStore:
     """No persistence (tests of the domain, --no-persistence)."""
 
+    wants_block_changes = False
+
     def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
         pass
 
@@ -51,6 +57,7 @@ class KVService:
     def __init__(self, manager: KVManager | None = None, store: Store | None = None):
         self.manager = manager or KVManager()
         self.store = store or NullStore()
+        self.manager.track_block_changes = self.store.wants_block_changes
         self.lock = threading.Lock()
         self.store_ok = True
         self.last_store_ms = 0.0

@@ -85,8 +85,8 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
 
     @_mapped
     def Place(self, request, context):
-        result = self.service.read(placement.place, request.tenant, tuple(request.token_ids),
-                                   dict(request.num_queued))
+        token_ids = cv.unpack_token_ids("place", request.packed_token_ids)
+        result = self.service.read(placement.place, request.tenant, token_ids, dict(request.num_queued))
         return pb.PlaceResponse(worker_id=result.worker_id, num_hit_tokens=result.num_hit_tokens)
 
 

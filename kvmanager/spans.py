@@ -8,8 +8,8 @@ from kvserve.kvmanager.types import StepResults
 from kvserve.services.telemetry import context_of
 
 
-def _allocate_attrs(op, res) -> dict:
-    return {"kvserve.tenant": op.tenant, "kvserve.prompt_tokens": len(op.token_ids),
+def _allocate_attrs(op, res) -> dict:  # op: the PageAllocation message (token ids packed, 4 bytes each)
+    return {"kvserve.tenant": op.tenant, "kvserve.prompt_tokens": len(op.packed_token_ids) // 4,
             "kvserve.worker_id": res.worker_id, "kvserve.num_cached_tokens": res.num_cached_tokens,
             "kvserve.num_pages": len(res.page_table), "kvserve.num_pages_short": res.num_pages_short}
 
@@ -20,7 +20,8 @@ def _extend_attrs(op, res) -> dict:
 
 
 def _commit_attrs(op, res) -> dict:
-    return {"kvserve.num_new_tokens": len(op.token_ids), "kvserve.num_committed_tokens": res.num_committed_tokens}
+    return {"kvserve.num_new_tokens": len(op.packed_token_ids) // 4,
+            "kvserve.num_committed_tokens": res.num_committed_tokens}
 
 
 def _free_attrs(op, res) -> dict:

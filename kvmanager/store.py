@@ -107,6 +107,8 @@ class RedisStore:
     """Store (service.py) on Redis. ``write`` is one MULTI/EXEC transaction: a kill -9 of the kvmanager at any
     point leaves Redis holding the state after some complete RPC, never half of one."""
 
+    wants_block_changes = True
+
     def __init__(self, client: redis.Redis, prefix: str = "kvserve"):
         self.client = client
         self.keys = Keys(prefix)

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from service_process import EXIT_TIMEOUT_S, KVSERVE, service_process
 
+from kvserve.kvmanager.hashing import le_uint32
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -50,11 +51,11 @@ def populate(port: int) -> None:
                                                      model_fingerprint="fp", kv_dtype="float32",
                                                      bytes_per_token=100), timeout=10)
         steps = [pb.StepPagesRequest(step_id=1, allocations=[pb.PageAllocation(req_id="a", tenant="A",
-                                                                              token_ids=P1 + [1])]),
-                 pb.StepPagesRequest(step_id=2, commits=[pb.PageCommit(req_id="a", token_ids=P1,
+                                                                              packed_token_ids=le_uint32(P1 + [1]))]),
+                 pb.StepPagesRequest(step_id=2, commits=[pb.PageCommit(req_id="a", packed_token_ids=le_uint32(P1),
                                                                        num_computed_tokens=12)]),
                  pb.StepPagesRequest(step_id=3, frees=[pb.PageFree(req_id="a")], allocations=[
-                     pb.PageAllocation(req_id="b", tenant="B", token_ids=range(5))])]
+                     pb.PageAllocation(req_id="b", tenant="B", packed_token_ids=le_uint32(range(5)))])]
         for step in steps:
             stub.StepPages(step, timeout=10)
 

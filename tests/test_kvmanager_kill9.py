@@ -12,6 +12,7 @@ import pytest
 from test_kvmanager_cli import kvmanager_process, stop_cleanly
 
 from kvserve.kvmanager.convert import step_from_proto
+from kvserve.kvmanager.hashing import le_uint32
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.redis_server import EmbeddedRedis
 from kvserve.kvmanager.types import PoolSpec
@@ -36,8 +37,9 @@ def workload() -> list[pb.StepPagesRequest]:
         tenant = "A" if i % 2 == 0 else "B"
         prompt = SYSTEM + [i, i + 1, i + 2]
         computed[req_id] = prompt
-        call(allocations=[pb.PageAllocation(req_id=req_id, tenant=tenant, token_ids=prompt)])
-        call(commits=[pb.PageCommit(req_id=req_id, start_pos=0, token_ids=prompt[:12], num_computed_tokens=15)]
+        call(allocations=[pb.PageAllocation(req_id=req_id, tenant=tenant, packed_token_ids=le_uint32(prompt))])
+        call(commits=[pb.PageCommit(req_id=req_id, start_pos=0, packed_token_ids=le_uint32(prompt[:12]),
+                                    num_computed_tokens=15)]
              if i < 2 else [])  # the first of each tenant computes the prefix; later ones hit it
         if i >= 3:  # decode: grow the oldest running request past a page boundary
             old = REQ_IDS[i - 3]
@@ -115,7 +117,7 @@ def test_kill9_mid_traffic_then_restart_recovers_every_page(tmp_path, persistenc
                 stub.StepPages(s, timeout=10)
             assert observed_view(admin, metadata) == expected_view(replay(steps))
             late = stub.StepPages(pb.StepPagesRequest(step_id=len(steps) + 1, allocations=[
-                pb.PageAllocation(req_id="late", tenant="A", token_ids=SYSTEM + [9])]), timeout=10)
+                pb.PageAllocation(req_id="late", tenant="A", packed_token_ids=le_uint32(SYSTEM + [9]))]), timeout=10)
             assert late.allocation_results[0].num_cached_tokens == 12  # the index survived the kill
             live = [r for r in REQ_IDS + ["late"] if r in observed_view(admin, metadata)["tables"]] + ["late"]
             stub.StepPages(pb.StepPagesRequest(step_id=len(steps) + 2,

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvserve.kvmanager import admin
-from kvserve.kvmanager.hashing import chain_hashes
+from kvserve.kvmanager.hashing import chain_hashes, le_uint32
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.server import start_kvmanager_server
@@ -68,11 +68,12 @@ class KV:
                                    timeout=10)
 
     def alloc(self, req_id, tokens, tenant="A", worker="", step_id=0):
-        op = pb.PageAllocation(req_id=req_id, tenant=tenant, token_ids=tokens, worker_id=worker)
+        op = pb.PageAllocation(req_id=req_id, tenant=tenant, packed_token_ids=le_uint32(tokens), worker_id=worker)
         return self.step(step_id, allocations=[op]).allocation_results[0]
 
     def commit(self, req_id, start, tokens, step_id=0):
-        op = pb.PageCommit(req_id=req_id, start_pos=start, token_ids=tokens, num_computed_tokens=start + len(tokens))
+        op = pb.PageCommit(req_id=req_id, start_pos=start, packed_token_ids=le_uint32(tokens),
+                           num_computed_tokens=start + len(tokens))
         return self.step(step_id, commits=[op]).commit_results[0]
 
     def free(self, req_id, step_id=0):
@@ -118,7 +119,7 @@ def test_register_and_step_round_trip_with_exact_pages(kv):
     a = kv.alloc("a", P1 + [7])  # 13 tokens -> 4 pages
     assert (a.status, list(a.page_table), a.num_cached_tokens, a.worker_id, a.epoch) == (OK, [0, 1, 2, 3], 0, "w0", 1)
     assert kv.commit("a", 0, P1).num_committed_tokens == 12
-    out = kv.step(allocations=[pb.PageAllocation(req_id="b", tenant="A", token_ids=P1)],
+    out = kv.step(allocations=[pb.PageAllocation(req_id="b", tenant="A", packed_token_ids=le_uint32(P1))],
                   extensions=[pb.PageExtension(req_id="a", num_tokens=17)])
     b, ext = out.allocation_results[0], out.extension_results[0]
     assert list(b.page_table) == [0, 1, 5] and b.num_cached_tokens == 8  # capped: the last token is computed
@@ -151,7 +152,8 @@ def test_epoch_fencing(kv):
     reg = kv.register(epoch=2)
     assert reg.previous_epoch == 1 and list(reg.dropped_req_ids) == ["a"]
     out = kv.step(extensions=[pb.PageExtension(req_id="a", num_tokens=20)],
-                  commits=[pb.PageCommit(req_id="a", start_pos=12, token_ids=[1, 2, 3, 4], num_computed_tokens=16)])
+                  commits=[pb.PageCommit(req_id="a", start_pos=12, packed_token_ids=le_uint32([1, 2, 3, 4]),
+                                         num_computed_tokens=16)])
     assert out.extension_results[0].status == STALE and out.commit_results[0].status == STALE
     err = rpc_error(kv.admin.GetPageTable, pb.GetPageTableRequest(req_id="a"))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "dropped with epoch 1" in err.details()
@@ -165,14 +167,14 @@ def test_epoch_fencing(kv):
 
 
 def _alloc(req_id, tokens, tenant="A", worker=""):
-    return pb.PageAllocation(req_id=req_id, tenant=tenant, token_ids=tokens, worker_id=worker)
+    return pb.PageAllocation(req_id=req_id, tenant=tenant, packed_token_ids=le_uint32(tokens), worker_id=worker)
 
 
 BAD_STEPS = [
     ("unknown worker", dict(allocations=[_alloc("x", [1], worker="nope")]), "NOT_FOUND", "no pool is registered"),
     ("unknown request", dict(extensions=[pb.PageExtension(req_id="ghost", num_tokens=4)]), "NOT_FOUND",
      "'ghost' is not live"),
-    ("commit of unknown request", dict(commits=[pb.PageCommit(req_id="ghost", token_ids=[1, 2, 3, 4],
+    ("commit of unknown request", dict(commits=[pb.PageCommit(req_id="ghost", packed_token_ids=le_uint32([1, 2, 3, 4]),
                                                               num_computed_tokens=4)]), "NOT_FOUND", "not live"),
     ("negative count", dict(extensions=[pb.PageExtension(req_id="live", num_tokens=-4)]), "INVALID_ARGUMENT",
      "num_tokens must be > 0, got -4"),
@@ -180,11 +182,16 @@ BAD_STEPS = [
      "INVALID_ARGUMENT", "exceeds the pool's 32 token slots"),
     ("oversized allocation", dict(allocations=[_alloc("x", range(40))]), "INVALID_ARGUMENT",
      "40 tokens need more pages than any pool has"),
-    ("commit not whole pages", dict(commits=[pb.PageCommit(req_id="live", token_ids=[1, 2, 3],
+    ("commit not whole pages", dict(commits=[pb.PageCommit(req_id="live", packed_token_ids=le_uint32([1, 2, 3]),
                                                            num_computed_tokens=3)]), "INVALID_ARGUMENT",
      "3 token ids are not a whole number of pages of 4"),
     ("empty tenant", dict(allocations=[_alloc("x", [1], tenant="")]), "INVALID_ARGUMENT", "tenant must not be empty"),
-    ("negative token id", dict(allocations=[_alloc("x", [5, -1])]), "INVALID_ARGUMENT", "token id -1 is not a uint32"),
+    ("torn packed token ids",
+     dict(allocations=[pb.PageAllocation(req_id="x", tenant="A", packed_token_ids=b"\x05\0\0")]),
+     "INVALID_ARGUMENT", "allocation 'x': packed_token_ids: 3 bytes are not a whole number of 4-byte token ids"),
+    ("torn commit", dict(commits=[pb.PageCommit(req_id="live", packed_token_ids=le_uint32([1, 2, 3, 4]) + b"\0",
+                                                num_computed_tokens=4)]),
+     "INVALID_ARGUMENT", "commit 'live': packed_token_ids: 17 bytes"),
     ("duplicate req_id", dict(frees=[pb.PageFree(req_id="x"), pb.PageFree(req_id="x")]), "INVALID_ARGUMENT",
      "appears twice in frees"),
 ]

@@ -49,20 +49,20 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., previous_epoch: _Optional[int] = ..., dropped_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PageAllocation(_message.Message):
-    __slots__ = ("req_id", "tenant", "worker_id", "token_ids", "skip_prefix_cache", "traceparent")
+    __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     tenant: str
     worker_id: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_token_ids: bytes
     skip_prefix_cache: bool
     traceparent: str
-    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PageAllocationResult(_message.Message):
     __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short")
@@ -107,18 +107,18 @@ class PageExtensionResult(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., new_page_ids: _Optional[_Iterable[int]] = ..., num_pages: _Optional[int] = ..., num_pages_short: _Optional[int] = ...) -> None: ...
 
 class PageCommit(_message.Message):
-    __slots__ = ("req_id", "start_pos", "token_ids", "num_computed_tokens", "traceparent")
+    __slots__ = ("req_id", "start_pos", "packed_token_ids", "num_computed_tokens", "traceparent")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     start_pos: int
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_token_ids: bytes
     num_computed_tokens: int
     traceparent: str
-    def __init__(self, req_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, req_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., packed_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PageCommitResult(_message.Message):
     __slots__ = ("req_id", "status", "num_committed_tokens")
@@ -189,7 +189,7 @@ class StepPagesResponse(_message.Message):
     def __init__(self, allocation_results: _Optional[_Iterable[_Union[PageAllocationResult, _Mapping]]] = ..., extension_results: _Optional[_Iterable[_Union[PageExtensionResult, _Mapping]]] = ..., commit_results: _Optional[_Iterable[_Union[PageCommitResult, _Mapping]]] = ..., free_results: _Optional[_Iterable[_Union[PageFreeResult, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolSummary, _Mapping]]] = ..., handle_ms: _Optional[float] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("tenant", "token_ids", "num_queued")
+    __slots__ = ("tenant", "packed_token_ids", "num_queued")
     class NumQueuedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -198,12 +198,12 @@ class PlaceRequest(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TENANT_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
     tenant: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_token_ids: bytes
     num_queued: _containers.ScalarMap[str, int]
-    def __init__(self, tenant: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_queued: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, tenant: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., num_queued: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PlaceResponse(_message.Message):
     __slots__ = ("worker_id", "num_hit_tokens")
