@@ -35,7 +35,17 @@ class GroupState:
     num_seqs: int
     max_q_len: int
     num_keys: int  # num_pages * page_size: key length of the gathered batch
-    mask: torch.Tensor  # [num_seqs, 1, max_q_len, num_keys] bool, True = may attend
+    mask: torch.Tensor  # [num_seqs, 1, max_q_len, num_keys] bool, True = may attend; see additive_mask
+    kv_rows: torch.Tensor | None = None  # rows of the layer cache viewed as [2 * num_pages, page]: K rows, V rows
+    kv_buf: torch.Tensor | None = None  # the gathered pages, reused by every layer of the step
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as SDPA would convert it (0 = may attend, -inf = may not), once per step rather than in
+        every layer's SDPA call."""
+        if self.mask.dtype != dtype:
+            self.mask = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
+        return self.mask
 
     @property
     def padded(self) -> bool:
@@ -120,23 +130,41 @@ class ReferenceBackend:
         if len(state.groups) == 1 and state.groups[0].token_index is None:
             return _attend(q, kv_cache, state.groups[0], scale)
         out = torch.empty_like(q)
-        for group in state.groups:
-            out[group.token_index] = _attend(q[group.token_index], kv_cache, group, scale)
+        for group in state.groups:  # index_select / index_copy_: several times faster than [] on CPU
+            out.index_copy_(0, group.token_index, _attend(q.index_select(0, group.token_index), kv_cache, group,
+                                                          scale))
         return out
+
+
+def _gather(kv_cache: torch.Tensor, g: GroupState) -> torch.Tensor:
+    """K and V of the group's pages, ``[2, num_seqs * num_pages, page_size, kv_heads, d]``, in one gather.
+
+    The layer's cache is viewed as rows of one page's K (or V), so the gather is one index_select over a
+    contiguous 2-D tensor (about twice the bandwidth of selecting along dim 1 of the 5-D cache), into a buffer
+    that every layer of the step reuses (no fresh multi-megabyte allocation per layer)."""
+    _, num_pages, *page_shape = kv_cache.shape
+    if g.kv_rows is None:
+        g.kv_rows = torch.cat([g.page_ids, g.page_ids + num_pages])
+    rows = kv_cache.view(2 * num_pages, -1)
+    if g.kv_buf is None or g.kv_buf.dtype != kv_cache.dtype:
+        g.kv_buf = rows.new_empty((g.kv_rows.shape[0], rows.shape[1]))
+    torch.index_select(rows, 0, g.kv_rows, out=g.kv_buf)
+    return g.kv_buf.view(2, -1, *page_shape)
 
 
 def _attend(q: torch.Tensor, kv_cache: torch.Tensor, g: GroupState, scale: float) -> torch.Tensor:
     """Attention of one group's queries ``q`` [group_tokens, heads, d] over its sequences' pages."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
-    kv = kv_cache.index_select(1, g.page_ids).to(q.dtype)  # K and V of every page in one gather
+    kv = _gather(kv_cache, g).to(q.dtype)
     kv = kv.view(2, g.num_seqs, g.num_keys, num_kv_heads, head_dim).transpose(2, 3)  # [2, seqs, kv_heads, k, d]
     if g.padded:
         q_pad = q.new_zeros((g.num_seqs * g.max_q_len, num_heads, head_dim))
-        q_pad[g.q_index] = q
+        q_pad.index_copy_(0, g.q_index, q)
     else:  # every sequence has max_q tokens (e.g. a pure decode batch): no scatter needed
         q_pad = q
     q_pad = q_pad.view(g.num_seqs, g.max_q_len, num_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q_pad, kv[0], kv[1], attn_mask=g.mask, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q_pad, kv[0], kv[1], attn_mask=g.additive_mask(q.dtype), scale=scale,
+                                         enable_gqa=True)
     out = out.transpose(1, 2).reshape(g.num_seqs * g.max_q_len, num_heads, head_dim)  # [seqs * max_q, heads, d]
-    return out[g.q_index] if g.padded else out
+    return out.index_select(0, g.q_index) if g.padded else out
