@@ -28,6 +28,7 @@ from kvserve.worker.tokenizer import Tokenizer  # noqa: E402
 
 READY = re.compile(r"^kvserve up ready: gateway on (?P<gateway>\S+) ")
 KV_WAIT = re.compile(r"kvmanager wait ([0-9.]+)% of step time")
+COMPUTE = re.compile(r"worker compute ([0-9.]+)%")
 PAGE_SIZE = 16
 
 
@@ -50,8 +51,10 @@ def stack(*args: str, env: dict[str, str] | None = None):
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
-            shares = [float(m) for m in KV_WAIT.findall(err.read_text())]
-            stats["kv_wait_share_pct"] = statistics.mean(shares) if shares else None
+            log = err.read_text()
+            for key, pattern in (("kv_wait_share_pct", KV_WAIT), ("compute_share_pct", COMPUTE)):
+                shares = [float(m) for m in pattern.findall(log)]
+                stats[key] = statistics.mean(shares) if shares else None
 
 
 def stream_one(client: Client, text: str, max_tokens: int) -> dict:

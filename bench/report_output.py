@@ -126,6 +126,9 @@ def markdown(out: dict, plot_names: list[str]) -> str:
             load.append(f"| {r['clients']} | {name} | " + " | ".join(
                 f"{r[f'{m}_p{q}_s'] * 1000:.0f} ms" for m in ("ttft", "tpot") for q in (50, 90, 99)) + " |")
     share = out.get("kv_wait_share_pct")
-    tail = [f"\nShare of the gateway's step time waiting on the kvmanager: {share:.2f}%." if share is not None else ""]
+    compute = out.get("compute_share_pct")
+    tail = [f"\nShare of the gateway's step time waiting on the kvmanager: {share:.2f}%." if share is not None else "",
+            f"Share of it in the worker's forward pass and sampling: {compute:.1f}% (the rest: gRPC, scheduling, "
+            f"detokenising)." if compute is not None else ""]
     images = [f"![{name}]({name})" for name in plot_names]
     return "\n".join(rows + load + tail + [""] + images) + "\n"

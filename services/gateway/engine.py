@@ -66,10 +66,15 @@ class EngineStats:
     num_steps: int = 0
     step_s: float = 0.0  # wall time of whole steps
     kv_wait_s: float = 0.0  # of which: waiting on the kvmanager's StepPages
+    compute_s: float = 0.0  # of which: the worker's forward pass and sampling (its compute_ms)
 
     @property
     def kv_wait_share(self) -> float:
         return self.kv_wait_s / self.step_s if self.step_s else 0.0
+
+    @property
+    def compute_share(self) -> float:
+        return self.compute_s / self.step_s if self.step_s else 0.0
 
 
 class EngineLoop:
@@ -138,8 +143,9 @@ class EngineLoop:
             with self._cv:
                 if not self.handles and not self._inbox and not self.finishing:
                     self.idle.set()
-        log.info("engine %s stopped after %d steps; kvmanager wait %.1f%% of step time", self.info.worker_id,
-                 self.stats.num_steps, 100 * self.stats.kv_wait_share)
+        log.info("engine %s stopped after %d steps; kvmanager wait %.1f%% of step time, worker compute %.1f%%",
+                 self.info.worker_id, self.stats.num_steps, 100 * self.stats.kv_wait_share,
+                 100 * self.stats.compute_share)
 
     def _next_work(self) -> bool:
         """Waits for work; takes new requests and aborts in. False once stopping and everything is freed."""
@@ -222,6 +228,7 @@ class EngineLoop:
                 raise
             self._reregister()  # the worker restarted: its pages are gone, recompute what ran
             return
+        self.stats.compute_s += output.compute_ms / 1000
         for req, sampled in self.scheduler.update(batch, output.sampled):
             self._on_token(req, sampled)
 
