@@ -99,7 +99,15 @@ class KVManager:
     def step(self, ops: StepOps) -> StepResults:
         """Applies one scheduler step's page ops. Raises InvalidRequest, UnknownWorker, UnknownRequest or
         StaleStep with nothing applied."""
+        self.check(ops)
+        return self.apply_checked(ops)
+
+    def check(self, ops: StepOps) -> None:
+        """step()'s validation alone: raises as step() does, changes nothing."""
         validate_step(self, ops)
+
+    def apply_checked(self, ops: StepOps) -> StepResults:
+        """step() without its validation, for ops that check() just accepted on this same state."""
         out = StepResults()
         touched: set[str] = set()
         sid = ops.step_id

@@ -9,8 +9,9 @@ same calls give the same pages, hits and answers (the restart tests check exactl
     <prefix>:log    list of records, oldest first: a JSON header {"k": "step"|"register"|"admin", ...},
                     then, for a step, its token ids as little-endian uint32 (see encode)
 
-A record is appended only when its call changed state. Retried calls (same step_id) replay their answers,
-so a record logged twice (its first write failed) changes nothing the second time.
+A step is appended as soon as it is validated, while the manager applies it (send_early); other calls only
+when they changed state. Retried calls (same step_id) replay their answers, so a record logged twice (its
+first write failed) changes nothing the second time.
 """
 
 from __future__ import annotations
@@ -108,19 +109,66 @@ class LoggedStore:
         self.num_logged = 0
         self.pending: list[bytes] = []  # records whose append failed, in call order
         self.last_record = b""
+        self.in_flight: tuple | None = None  # (connection, number of records) of an RPUSH sent early
+
+    def send_early(self, record: tuple) -> bool:
+        """Sends the RPUSH of a validated step (and of any records still pending) before the manager applies
+        it, without waiting: Redis appends while the manager works, and write() reads the reply before the
+        call is answered, so an answer is still only given once its call is durable. False (nothing sent)
+        when this call will take a snapshot instead, or the send failed (write() then retries the plain way).
+        A call logged this way may turn out to change nothing: replaying it changes nothing either."""
+        self._queue(record)
+        if not self.pending or self._snapshot_due():
+            return False
+        pool = self.client.connection_pool
+        try:
+            conn = pool.get_connection()  # connects (and may fail) when the pool has no live connection
+        except Exception:  # noqa: BLE001 - any failure: fall back to write()'s own attempt, which raises
+            return False
+        try:
+            conn.send_command("RPUSH", self.log_key, *self.pending)
+        except Exception:  # noqa: BLE001 - as above
+            conn.disconnect()
+            pool.release(conn)
+            return False
+        self.in_flight = (conn, len(self.pending))
+        return True
 
     def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
+        if self.in_flight is not None:
+            self._finish_early()
+            return
         if record is not None:
-            encoded = encode(record)
-            if encoded != self.last_record:  # a retried call after a failed write: logged once
-                self.pending.append(encoded)
-                self.last_record = encoded
-        if changes.reset or record is None or self.num_logged + len(self.pending) >= self.snapshot_every:
+            self._queue(record)
+        if changes.reset or record is None or self._snapshot_due():
             self.snapshot(mgr)
             return
         self.client.rpush(self.log_key, *self.pending)
         self.num_logged += len(self.pending)
         self.pending.clear()
+
+    def _queue(self, record: tuple) -> None:
+        encoded = encode(record)
+        if encoded != self.last_record:  # a retried call after a failed write: logged once
+            self.pending.append(encoded)
+            self.last_record = encoded
+
+    def _snapshot_due(self) -> bool:
+        return self.num_logged + len(self.pending) >= self.snapshot_every
+
+    def _finish_early(self) -> None:
+        conn, count = self.in_flight
+        self.in_flight = None
+        pool = self.client.connection_pool
+        try:
+            conn.read_response()
+        except BaseException:
+            conn.disconnect()  # the reply is lost with it: the records stay pending and are sent again
+            raise
+        finally:
+            pool.release(conn)
+        self.num_logged += count
+        del self.pending[:count]
 
     def snapshot(self, mgr: KVManager) -> None:
         """Writes the whole state and empties the log, atomically (RedisStore's reset write deletes every key

@@ -31,7 +31,11 @@ class Store(Protocol):
     def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
         """Persists a call's effect, atomically: ``changes`` names what changed (a state store writes its current
         values), ``record`` is the call itself (("step", StepOps), ("register", PoolSpec) or ("admin", name,
-        args)) for a store that logs calls. Raises on failure."""
+        args)) for a store that logs calls. Raises on failure.
+
+        A store may also have ``send_early(record) -> bool``: called with a validated step before it is applied;
+        True means the record is on its way and the next write() completes it (it is then called even if the
+        call changed nothing)."""
         ...
 
     def load(self, mgr: KVManager) -> None:
@@ -75,8 +79,14 @@ class KVService:
 
     def step(self, ops: StepOps) -> StepResults:
         with self.lock:
-            results = self.manager.step(ops)
-            self._write_through(("step", ops))
+            self.manager.check(ops)  # bad input raises here: nothing applied, nothing logged
+            record = ("step", ops)
+            send_early = getattr(self.store, "send_early", None)
+            # A store that logs calls can send this one before it is applied: Redis appends it while the
+            # manager works, and the answer still waits for Redis's reply (in _write_through).
+            early = send_early(record) if send_early is not None else False
+            results = self.manager.apply_checked(ops)
+            self._write_through(record, force=early)
             return results
 
     def mutate(self, fn, *args):
@@ -91,9 +101,11 @@ class KVService:
         with self.lock:
             return fn(self.manager, *args)
 
-    def _write_through(self, record: tuple) -> None:
+    def _write_through(self, record: tuple, force: bool = False) -> None:
+        """Persists the call's changes; ``force``: also when nothing changed (a record sent early awaits its
+        reply)."""
         changes = self.manager.take_changes()
-        if changes.empty():
+        if changes.empty() and not force:
             return
         t0 = time.perf_counter()
         try:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from test_kvmanager_store import alloc, build_history, spec
 
 from kvserve.kvmanager import admin
-from kvserve.kvmanager.errors import StoreUnavailable
+from kvserve.kvmanager.errors import InvalidRequest, StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
 from kvserve.kvmanager.service import KVService
-from kvserve.kvmanager.types import Commit, Free, StepOps
+from kvserve.kvmanager.types import Commit, Extend, Free, StepOps
 
 from kvmanager_soak import snapshot  # isort: skip
 
@@ -47,15 +49,24 @@ def test_reload_replays_the_log_on_top_of_the_last_snapshot(redis_url, snapshot_
     assert exact(loaded) == exact(svc.manager)
 
 
-def test_only_calls_that_change_state_are_logged(redis_url):
+def test_a_step_is_logged_once_when_validated_and_replays_to_the_same_state(redis_url):
     client = connect(redis_url)
     svc = KVService(KVManager(), LoggedStore(client))
     svc.register_worker(spec("w0"))
     svc.step(StepOps(1, allocations=(alloc("a", "A", range(9)),)))
     assert client.llen("kvserve:log") == 2
-    svc.step(StepOps(1, allocations=(alloc("a", "A", range(9)),)))  # a retried call: replayed, not logged
-    svc.step(StepOps(2, frees=(Free("ghost"),)))  # freeing an unknown request changes nothing
+    svc.step(StepOps(1, allocations=(alloc("a", "A", range(9)),)))  # a retried call: replayed, not logged again
     assert client.llen("kvserve:log") == 2
+    with pytest.raises(InvalidRequest):
+        svc.step(StepOps(2, extensions=(Extend("a", -1),)))  # refused by validation: never logged
+    assert client.llen("kvserve:log") == 2
+    # Sent before it is applied, a step is logged even when it turns out to change nothing ...
+    svc.step(StepOps(3, frees=(Free("ghost"),)))
+    assert client.llen("kvserve:log") == 3
+    # ... and replaying it changes nothing either.
+    restored = KVManager()
+    LoggedStore(client).load(restored)
+    assert {r: q.page_table for r, q in restored.requests.items()} == {"a": svc.manager.requests["a"].page_table}
 
 
 def test_failed_append_is_kept_and_logged_once_when_the_retry_succeeds(tmp_path):
@@ -75,6 +86,52 @@ def test_failed_append_is_kept_and_logged_once_when_the_retry_succeeds(tmp_path)
         assert first.allocations[0].page_table == [0, 1, 2]
         svc.step(StepOps(2, commits=(Commit("a", 0, tuple(range(8)), 9),)))
         assert store.client.llen("kvserve:log") == 3
+        loaded, _ = reload(server.url)
+        assert exact(loaded) == exact(svc.manager)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("fault", ["redis killed before it appended", "reply lost after the append"])
+def test_a_step_whose_early_append_fails_is_unavailable_then_durable_exactly_once_applied(tmp_path, fault):
+    """The early RPUSH of a step fails after it was sent: the call is UNAVAILABLE and applied in memory; the
+    retry sends the kept record again. If Redis had appended it, the log now holds it twice, and replaying
+    the second copy only replays the call's remembered answers: the reload is exact either way."""
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        store = LoggedStore(connect(server.url))
+        svc = KVService(KVManager(), store)
+        svc.register_worker(spec("w0"))
+        send_early = store.send_early
+
+        def send_then_fail(record):
+            if fault == "redis killed before it appended":
+                server.proc.send_signal(signal.SIGSTOP)  # the RPUSH waits in the socket, unread
+                sent = send_early(record)
+                server.proc.kill()
+                server.proc.wait()
+                server.proc = None
+            else:
+                sent = send_early(record)
+                while store.client.llen("kvserve:log") < 2:  # Redis has appended it (and replied)
+                    pass
+                store.in_flight[0].disconnect()  # the reply is never read
+            return sent
+
+        store.send_early = send_then_fail
+        ops = StepOps(1, allocations=(alloc("a", "A", range(9)),))
+        with pytest.raises(StoreUnavailable):
+            svc.step(ops)
+        assert "a" in svc.manager.requests and store.in_flight is None and store.pending
+        del store.send_early
+        if server.proc is None:
+            server.start()
+            store.client = connect(server.url)
+        assert svc.step(ops).allocations[0].page_table == [0, 1, 2]  # the retry: remembered answer, logged
+        assert not store.pending
+        expected = 2 if fault == "redis killed before it appended" else 3
+        assert store.client.llen("kvserve:log") == expected
+        svc.step(StepOps(2, commits=(Commit("a", 0, tuple(range(8)), 9),)))
         loaded, _ = reload(server.url)
         assert exact(loaded) == exact(svc.manager)
     finally:
