@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test protos lint bench bench-quick bench-worker bench-kvmanager clean
+.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -26,11 +26,16 @@ install: $(STAMP)
 model: install
 	$(KVSERVE) model prepare
 
+# Compiles the CPU attention kernel (kernels/csrc, g++ via torch.utils.cpp_extension, ~20 s once; cached by torch
+# until the source changes). Without a compiler workers fall back to the reference backend, and say so.
+kernels: install
+	$(PY) -m kvserve.kernels.cpu_paged
+
 # The whole stack on this machine: embedded Redis, kvmanager, one worker, gateway on 127.0.0.1:50050.
-serve: model
+serve: model kernels
 	$(KVSERVE) up
 
-test: model lint
+test: model kernels lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Regenerates the committed protobuf/gRPC modules from protos/kvserve/v1/*.proto.
@@ -42,14 +47,14 @@ lint: install
 
 # The report: kvserve (kvserve up) side by side with HF transformers, one run; JSON, PNG plots and a Markdown
 # table in bench/results/. bench-quick: the same in under 5 minutes.
-bench: model
+bench: model kernels
 	$(PY) bench/report.py
 
-bench-quick: model
+bench-quick: model kernels
 	$(PY) bench/report.py --quick
 
 # Worker decode vs HF's forward, and the KV cache vs recomputation (in-process, interleaved repeats).
-bench-worker: model
+bench-worker: model kernels
 	$(PY) bench/bench_worker.py
 
 bench-kvmanager: install

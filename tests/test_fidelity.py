@@ -97,6 +97,7 @@ def hf_reference(hf_model, tokenizer):
 
 
 def test_batched_step_greedy_equals_hf(worker_stub, runner, tokenizer, hf_reference):
+    assert runner.info.attention_backend == "cpu"  # the default on CPU: decodes run the in-place kernel
     prompts = make_prompts(tokenizer)
     free_pages = list(range(runner.info.num_pages))[::-1][::3] + list(range(runner.info.num_pages))[1::3]
     seqs = run_through_step(worker_stub, prompts, eos_id=runner.info.eos_token_ids[0],

@@ -1,4 +1,5 @@
-"""The reference paged-attention backend against dense causal attention."""
+"""The paged-attention backends (reference, and the CPU one with its in-place decode kernel) against dense
+causal attention."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import math
 import pytest
 import torch
 
-from kvserve.kernels.paged_attention import build_metadata, write_kv
+from kvserve.kernels.cpu_paged import CPUPagedBackend
+from kvserve.kernels.paged_attention import build_metadata, get_backend, write_kv
 from kvserve.kernels.reference import ReferenceBackend
 from kvserve.kernels.rotary import apply_rotary, cos_sin_table, inverse_frequencies
 
@@ -38,7 +40,10 @@ def scattered_pages(num_seqs: int, lengths: list[int], page_size: int, num_pages
     return tables
 
 
-def run_case(lengths, cached, heads, kv_heads, page_size, seed=0):
+BACKENDS = {"reference": ReferenceBackend, "cpu": CPUPagedBackend}
+
+
+def run_case(lengths, cached, heads, kv_heads, page_size, seed=0, backend="reference"):
     """Sequences of total length lengths[b], of which cached[b] are already in the cache."""
     gen = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-n // page_size) for n in lengths) + 3
@@ -54,7 +59,7 @@ def run_case(lengths, cached, heads, kv_heads, page_size, seed=0):
     q_lens = [n - c for n, c in zip(lengths, cached, strict=True)]
     meta = build_metadata(cached, q_lens, tables, page_size, torch.device("cpu"))
     cat = [torch.cat([t[i][c:] for t, c in zip(full, cached, strict=True)]) for i in range(3)]
-    backend = ReferenceBackend()
+    backend = BACKENDS[backend]()
     out = backend.forward(*cat, cache, meta, backend.prepare(meta), 1 / math.sqrt(HEAD_DIM))
     offsets = meta.cu_q_lens.tolist()
     for b, ((q, k, v), c) in enumerate(zip(full, cached, strict=True)):
@@ -62,18 +67,38 @@ def run_case(lengths, cached, heads, kv_heads, page_size, seed=0):
         torch.testing.assert_close(out[offsets[b] : offsets[b + 1]], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 31, 32, 33, 100])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1), (9, 3)])
-def test_prefill_matches_dense_attention(length, heads, kv_heads):
-    run_case([length], [0], heads, kv_heads, page_size=16)
+def test_prefill_matches_dense_attention(length, heads, kv_heads, backend):
+    run_case([length], [0], heads, kv_heads, page_size=16, backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_mixed_batch_of_prefills_chunks_and_decodes(page_size):
+def test_mixed_batch_of_prefills_chunks_and_decodes(page_size, backend):
     # a fresh prefill, a chunk on top of 16 cached tokens, decodes at and across page boundaries
     lengths = [23, 40, 17, 16, 1, 64]
     cached = [0, 16, 16, 15, 0, 63]
-    run_case(lengths, cached, heads=9, kv_heads=3, page_size=page_size, seed=page_size)
+    run_case(lengths, cached, heads=9, kv_heads=3, page_size=page_size, seed=page_size, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (6, 1)])
+def test_a_decode_step_of_many_lengths_matches_dense_attention(page_size, heads, kv_heads, backend):
+    """Only decodes (the CPU kernel's whole-step path): contexts from 1 to 300, on and off page boundaries."""
+    lengths = [1, 2, 15, 16, 17, 33, 64, 65, 128, 300]
+    run_case(lengths, [n - 1 for n in lengths], heads, kv_heads, page_size, seed=page_size + heads,
+             backend=backend)
+
+
+def test_auto_picks_the_cpu_kernel_for_float32_on_cpu_and_the_reference_otherwise():
+    assert get_backend("auto", torch.device("cpu")).name == "cpu"
+    assert get_backend("auto", torch.device("cpu"), torch.bfloat16).name == "reference"
+    assert get_backend("reference", torch.device("cpu")).name == "reference"
+    with pytest.raises(ValueError, match="runs float32 on CPU"):
+        get_backend("cpu", torch.device("cpu"), torch.bfloat16)
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 33])
@@ -146,3 +171,16 @@ def test_decodes_of_similar_lengths_stay_one_group():
     meta = build_metadata([n - 1 for n in lengths], [1] * 12, [list(range(7))] * 12, 16, torch.device("cpu"))
     (group,) = ReferenceBackend().prepare(meta).groups
     assert group.token_index is None
+
+
+def test_without_a_compiler_auto_falls_back_to_the_reference_and_cpu_says_why(monkeypatch, caplog):
+    from kvserve.kernels import cpu_paged
+
+    def no_compiler():
+        raise RuntimeError("Error building extension 'kvserve_paged_decode': c++: command not found")
+
+    monkeypatch.setattr(cpu_paged, "load_extension", no_compiler)
+    assert get_backend("auto", torch.device("cpu")).name == "reference"
+    assert "c++: command not found" in caplog.text
+    with pytest.raises(ValueError, match="cpu attention backend is not available: RuntimeError: .*command not found"):
+        get_backend("cpu", torch.device("cpu"))

@@ -78,7 +78,8 @@ class ModelRunner:
         self._compute_thread = threading.get_ident()
         self.kv_cache = allocate_pool(self.model_cfg, self.pool_spec, self.device)
         weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
-        self.model = LlamaDecoder(self.model_cfg, weights, get_backend(self.cfg.attention_backend, self.device))
+        backend = get_backend(self.cfg.attention_backend, self.device, self.dtype)
+        self.model = LlamaDecoder(self.model_cfg, weights, backend)
         self._rng = torch.Generator(device=self.device).manual_seed(self.epoch & 0x7FFFFFFF)
 
     def call(self, fn, *args, **kwargs):

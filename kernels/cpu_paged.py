@@ -1,0 +1,128 @@
+"""The CPU backend: decode tokens attend through a small C++ kernel that reads K/V in place from the page pool
+(``kernels/csrc/paged_decode.cpp``); prefill chunks go through the reference backend's gather + SDPA.
+
+Why: in a decode step the reference backend copies every sequence's pages into a padded batch and SDPA then
+reads the copy, so K/V cross memory three times; with contexts of a few hundred tokens that gather cost as
+much as all the GEMMs. The kernel walks each sequence's page table once, with an online softmax, one sequence
+per intra-op thread. Prefill chunks are GEMM-bound and keep the reference path.
+
+The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja; about 20 s), cached
+under torch's extension directory, and built ahead by ``make install`` (``python -m kvserve.kernels.cpu_paged``).
+When it cannot be built, ``get_backend("auto", cpu)`` falls back to the reference backend and says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
+from kvserve.kernels.reference import ReferenceBackend, ReferenceState, _attend, _group
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+CFLAGS = ["-O3", "-ffast-math", "-march=native"]
+
+
+def _build_name() -> str:
+    """The extension's name, which keys torch's build cache: ``-march=native`` code must not be reused on a
+    machine with other instruction sets (a shared home directory), so the CPU's flags are part of it."""
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    digest = hashlib.sha256(f"{platform.machine()} {flags} {CFLAGS}".encode()).hexdigest()[:12]
+    return f"kvserve_paged_decode_{digest}"
+
+
+@cache
+def load_extension():
+    """The compiled module (built on first call, then cached on disk). Raises when it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    try:  # torch runs `ninja` from PATH; the ninja wheel's binary may not be on it (an unactivated venv)
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    except ImportError:
+        pass
+    return load(_build_name(), [str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
+
+
+def unavailable_reason() -> str | None:
+    """None when the extension loads; else why not (no compiler, no ninja, a build error)."""
+    try:
+        load_extension()
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the reference backend
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    return None
+
+
+@dataclass(slots=True)
+class CPUState:
+    decode_index: torch.Tensor | None  # [num_decodes] flat token (= sequence) rows of the decodes; None = all
+    tables: torch.Tensor  # [num_decodes, max_pages] int64
+    seq_lens: torch.Tensor  # [num_decodes] int64
+    prefill: ReferenceState  # groups of the prefill chunks
+
+
+class CPUPagedBackend:
+    """float32 on CPU. Decodes: the in-place kernel; prefill chunks: the reference backend's groups."""
+
+    name = "cpu"
+
+    def __init__(self):
+        self.ext = load_extension()
+        self.reference = ReferenceBackend()
+
+    def prepare(self, meta: AttentionMetadata) -> CPUState | ReferenceState:
+        q_lens = meta.q_lens.tolist()
+        decodes = [i for i, n in enumerate(q_lens) if n == 1]
+        if not decodes:
+            return self.reference.prepare(meta)
+        prefills = [i for i, n in enumerate(q_lens) if n > 1]
+        if not prefills:
+            return CPUState(None, meta.block_tables, meta.seq_lens, ReferenceState([]))
+        idx = torch.tensor(decodes, device=meta.positions.device)
+        return CPUState(meta.cu_q_lens[idx], meta.block_tables[idx].contiguous(), meta.seq_lens[idx],
+                        ReferenceState([_group(meta, [i]) for i in prefills]))
+
+    def forward(self, q, k, v, kv_cache, meta, state, scale: float) -> torch.Tensor:
+        if isinstance(state, ReferenceState):
+            return self.reference.forward(q, k, v, kv_cache, meta, state, scale)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+            raise TypeError("the cpu backend runs float32 only; use --attention-backend reference")
+        if state.decode_index is None:
+            return self.ext.paged_decode(q.contiguous(), kv_cache, state.tables, state.seq_lens, scale)
+        out = torch.empty_like(q)
+        q_dec = q.index_select(0, state.decode_index)
+        out.index_copy_(0, state.decode_index, self.ext.paged_decode(q_dec, kv_cache, state.tables,
+                                                                      state.seq_lens, scale))
+        for group in state.prefill.groups:
+            out.index_copy_(0, group.token_index, _attend(q.index_select(0, group.token_index), kv_cache, group,
+                                                          scale))
+        return out
+
+
+def main() -> int:
+    """``python -m kvserve.kernels.cpu_paged``: builds the extension now (make install runs it)."""
+    reason = unavailable_reason()
+    if reason:
+        print(f"kvserve: the cpu attention kernel did not build ({reason}); workers on CPU will use the "
+              f"reference backend", file=sys.stderr)
+        return 0
+    print("kvserve: cpu attention kernel built", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
