@@ -143,9 +143,10 @@ class EngineLoop:
             with self._cv:
                 if not self.handles and not self._inbox and not self.finishing:
                     self.idle.set()
-        log.info("engine %s stopped after %d steps; kvmanager wait %.1f%% of step time, worker compute %.1f%%",
-                 self.info.worker_id, self.stats.num_steps, 100 * self.stats.kv_wait_share,
-                 100 * self.stats.compute_share)
+        s = self.stats
+        log.info("engine %s stopped after %d steps; kvmanager wait %.1f%% of step time (%.2f ms per step), "
+                 "worker compute %.1f%%", self.info.worker_id, s.num_steps, 100 * s.kv_wait_share,
+                 1000 * s.kv_wait_s / max(s.num_steps, 1), 100 * s.compute_share)
 
     def _next_work(self) -> bool:
         """Waits for work; takes new requests and aborts in. False once stopping and everything is freed."""
