@@ -61,18 +61,26 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache
         const int64_t tokens = std::min(page_size, n - p * page_size);
         const float* kp = k_ptr + page * page_size * token_stride;
         const float* vp = v_ptr + page * page_size * token_stride;
-        if ((p + 1) * page_size < n) {  // the next page is elsewhere in the pool: start fetching it now
+        // The next page is elsewhere in the pool: fetch it while this one is computed, a slice per head, so
+        // that the misses stay in flight without flooding the line-fill buffers.
+        const char* next_k = nullptr;
+        const char* next_v = nullptr;
+        if ((p + 1) * page_size < n) {
           const int64_t next = table_ptr[b * max_pages + p + 1];
           if (next >= 0 && next < num_pages) {
-            const char* nk = reinterpret_cast<const char*>(k_ptr + next * page_size * token_stride);
-            const char* nv = reinterpret_cast<const char*>(v_ptr + next * page_size * token_stride);
-            for (int64_t off = 0; off < page_size * token_stride * 4; off += 64) {
-              __builtin_prefetch(nk + off);
-              __builtin_prefetch(nv + off);
-            }
+            next_k = reinterpret_cast<const char*>(k_ptr + next * page_size * token_stride);
+            next_v = reinterpret_cast<const char*>(v_ptr + next * page_size * token_stride);
           }
         }
+        const int64_t page_bytes = page_size * token_stride * static_cast<int64_t>(sizeof(float));
+        const int64_t slice = (page_bytes / num_heads + 63) / 64 * 64;
         for (int64_t h = 0; h < num_heads; ++h) {
+          if (next_k != nullptr) {
+            for (int64_t off = h * slice; off < std::min((h + 1) * slice, page_bytes); off += 64) {
+              __builtin_prefetch(next_k + off);
+              __builtin_prefetch(next_v + off);
+            }
+          }
           const float* qh = qb + h * head_dim;
           const int64_t kv_offset = (h / group) * head_dim;
           float* w = weights.data();
