@@ -39,7 +39,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     size.add_argument("--kv-cache-bytes", type=parse_bytes, default=_env("kv_cache_bytes"), action=_PoolSize,
                       help="KV pool budget, e.g. 512MiB (default 512MiB)")
     size.add_argument("--num-pages", type=positive_int, default=_env("num_pages"), action=_PoolSize)
-    p.add_argument("--attention-backend", default=_env("attention_backend", "auto"))
+    p.add_argument("--attention-backend", default=_env("attention_backend", "auto"),
+                   choices=["auto", "cpu", "reference"],
+                   help="auto (default): the in-place C++ decode kernel for float32 on CPU when it builds, else "
+                        "the torch reference; cpu: that kernel or an error; reference: gather + SDPA")
 
 
 def add_commands(sub) -> None:
