@@ -26,7 +26,7 @@ install: $(STAMP)
 model: install
 	$(KVSERVE) model prepare
 
-# Compiles the CPU attention kernel (kernels/csrc, g++ via torch.utils.cpp_extension, ~20 s once; cached by torch
+# Compiles the CPU attention kernel (kernels/paged_decode.cpp, g++ via torch.utils.cpp_extension, ~20 s once; cached by torch
 # until the source changes). Without a compiler workers fall back to the reference backend, and say so.
 kernels: install
 	$(PY) -m kvserve.kernels.cpu_paged

@@ -1,5 +1,5 @@
 """The CPU backend: decode tokens attend through a small C++ kernel that reads K/V in place from the page pool
-(``kernels/csrc/paged_decode.cpp``); prefill chunks go through the reference backend's gather + SDPA.
+(``kernels/paged_decode.cpp``); prefill chunks go through the reference backend's gather + SDPA.
 
 Why: in a decode step the reference backend copies every sequence's pages into a padded batch and SDPA then
 reads the copy, so K/V cross memory three times; with contexts of a few hundred tokens that gather cost as
@@ -28,7 +28,7 @@ from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
 from kvserve.kernels.reference import ReferenceBackend, ReferenceState, _attend, _group
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCE = Path(__file__).parent / "paged_decode.cpp"
 CFLAGS = ["-O3", "-ffast-math", "-march=native"]
 
 
