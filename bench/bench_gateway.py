@@ -28,7 +28,6 @@ from kvserve.worker.tokenizer import Tokenizer  # noqa: E402
 
 READY = re.compile(r"^kvserve up ready: gateway on (?P<gateway>\S+) ")
 KV_WAIT = re.compile(r"kvmanager wait ([0-9.]+)% of step time")
-KV_WAIT_MS = re.compile(r"of step time \(([0-9.]+) ms per step\)")
 COMPUTE = re.compile(r"worker compute ([0-9.]+)%")
 PAGE_SIZE = 16
 
@@ -53,8 +52,7 @@ def stack(*args: str, env: dict[str, str] | None = None):
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
             log = err.read_text()
-            for key, pattern in (("kv_wait_share_pct", KV_WAIT), ("kv_wait_ms_per_step", KV_WAIT_MS),
-                                 ("compute_share_pct", COMPUTE)):
+            for key, pattern in (("kv_wait_share_pct", KV_WAIT), ("compute_share_pct", COMPUTE)):
                 shares = [float(m) for m in pattern.findall(log)]
                 stats[key] = statistics.mean(shares) if shares else None
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
-from kvserve.kernels.reference import ReferenceBackend, ReferenceState, _attend, _group
+from kvserve.kernels.reference import ReferenceBackend, ReferenceState, attend_groups, group_state
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "paged_decode.cpp"
@@ -93,28 +93,23 @@ class CPUPagedBackend:
             return CPUState(None, meta.block_tables, meta.seq_lens, ReferenceState([]))
         idx = torch.tensor(decodes, device=meta.positions.device)
         return CPUState(meta.cu_q_lens[idx], meta.block_tables[idx].contiguous(), meta.seq_lens[idx],
-                        ReferenceState([_group(meta, [i]) for i in prefills]))
+                        ReferenceState([group_state(meta, [i]) for i in prefills]))
 
     def forward(self, q, k, v, kv_cache, meta, state, scale: float) -> torch.Tensor:
         if isinstance(state, ReferenceState):
             return self.reference.forward(q, k, v, kv_cache, meta, state, scale)
-        write_kv(k, v, kv_cache, meta.slot_mapping)
-        if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
-            raise TypeError("the cpu backend runs float32 only; use --attention-backend reference")
+        write_kv(k, v, kv_cache, meta.slot_mapping)  # the kernel checks dtypes (float32 only) and shapes
         if state.decode_index is None:
             return self.ext.paged_decode(q.contiguous(), kv_cache, state.tables, state.seq_lens, scale)
         out = torch.empty_like(q)
         q_dec = q.index_select(0, state.decode_index)
         out.index_copy_(0, state.decode_index, self.ext.paged_decode(q_dec, kv_cache, state.tables,
                                                                       state.seq_lens, scale))
-        for group in state.prefill.groups:
-            out.index_copy_(0, group.token_index, _attend(q.index_select(0, group.token_index), kv_cache, group,
-                                                          scale))
-        return out
+        return attend_groups(q, kv_cache, state.prefill.groups, scale, out)
 
 
 def main() -> int:
-    """``python -m kvserve.kernels.cpu_paged``: builds the extension now (make install runs it)."""
+    """``python -m kvserve.kernels.cpu_paged``: builds the extension now (``make kernels`` runs it)."""
     reason = unavailable_reason()
     if reason:
         print(f"kvserve: the cpu attention kernel did not build ({reason}); workers on CPU will use the "

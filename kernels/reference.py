@@ -57,7 +57,7 @@ class ReferenceState:
     groups: list[GroupState]
 
 
-def _group(meta: AttentionMetadata, seqs: list[int] | None) -> GroupState:
+def group_state(meta: AttentionMetadata, seqs: list[int] | None) -> GroupState:
     """The state of the sequences ``seqs`` (None = all of them, in order)."""
     device = meta.positions.device
     if seqs is None:
@@ -111,10 +111,10 @@ class ReferenceBackend:
         prefills = [i for i, n in enumerate(q_lens) if n > 1]
         buckets = _length_buckets(decodes, meta.seq_lens.tolist(), meta.page_size)
         if not prefills and len(buckets) == 1 and len(buckets[0]) == len(q_lens):
-            return ReferenceState([_group(meta, None)])
+            return ReferenceState([group_state(meta, None)])
         if len(prefills) == 1 and not decodes:
-            return ReferenceState([_group(meta, None)])
-        return ReferenceState([_group(meta, b) for b in buckets] + [_group(meta, [i]) for i in prefills])
+            return ReferenceState([group_state(meta, None)])
+        return ReferenceState([group_state(meta, b) for b in buckets] + [group_state(meta, [i]) for i in prefills])
 
     def forward(
         self,
@@ -129,11 +129,15 @@ class ReferenceBackend:
         write_kv(k, v, kv_cache, meta.slot_mapping)
         if len(state.groups) == 1 and state.groups[0].token_index is None:
             return _attend(q, kv_cache, state.groups[0], scale)
-        out = torch.empty_like(q)
-        for group in state.groups:  # index_select / index_copy_: several times faster than [] on CPU
-            out.index_copy_(0, group.token_index, _attend(q.index_select(0, group.token_index), kv_cache, group,
-                                                          scale))
-        return out
+        return attend_groups(q, kv_cache, state.groups, scale, torch.empty_like(q))
+
+
+def attend_groups(q: torch.Tensor, kv_cache: torch.Tensor, groups: list[GroupState], scale: float,
+                  out: torch.Tensor) -> torch.Tensor:
+    """Writes each group's attention into its rows of ``out`` (flat tokens, like ``q``) and returns ``out``."""
+    for group in groups:  # index_select / index_copy_: several times faster than [] on CPU
+        out.index_copy_(0, group.token_index, _attend(q.index_select(0, group.token_index), kv_cache, group, scale))
+    return out
 
 
 def _gather(kv_cache: torch.Tensor, g: GroupState) -> torch.Tensor:
