@@ -108,13 +108,10 @@ class PagePool:
         pages = [free.popleft() for _ in range(min(num, len(free)))]
         evicted = []
         if len(pages) < num:
-            popitem, block_of, index = self.evictable.popitem, self.block_of, self.index
+            popitem, drop_block = self.evictable.popitem, self._drop_block
             for _ in range(num - len(pages)):
                 page_id = popitem(last=False)[0]
-                block = block_of[page_id]
-                del index[block.block_hash]
-                block_of[page_id] = None
-                evicted.append(block)
+                evicted.append(drop_block(page_id))
                 pages.append(page_id)
             self.num_evicted += len(evicted)
         for page_id in pages:
