@@ -28,17 +28,16 @@ def _free_attrs(op, res) -> dict:
     return {}
 
 
-KINDS = (("allocate", "allocations", "allocations", _allocate_attrs),
-         ("extend", "extensions", "extensions", _extend_attrs),
-         ("commit", "commits", "commits", _commit_attrs),
-         ("free", "frees", "frees", _free_attrs))
+# (span kind, the field of the request's ops, which is also the field of their results in StepResults)
+KINDS = (("allocate", "allocations", _allocate_attrs), ("extend", "extensions", _extend_attrs),
+         ("commit", "commits", _commit_attrs), ("free", "frees", _free_attrs))
 
 
 def record_op_spans(tracer, request, results: StepResults, start_ns: int, end_ns: int, num_evicted: int) -> None:
     """``request``: the StepPagesRequest proto; spans only for ops that carry a traceparent. ``num_evicted``:
     blocks the call evicted, as an event on the spans of the ops that took pages (allocate, extend)."""
-    for kind, ops_field, results_field, attrs in KINDS:
-        for op, res in zip(getattr(request, ops_field), getattr(results, results_field), strict=True):
+    for kind, field, attrs in KINDS:
+        for op, res in zip(getattr(request, field), getattr(results, field), strict=True):
             if not op.traceparent:
                 continue
             attributes = {"kvserve.req_id": op.req_id, "kvserve.status": res.status.value,
