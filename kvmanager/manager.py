@@ -2,6 +2,7 @@
 
 A step's ops are validated as a whole first (any error: nothing applied), then applied in the order
 frees, commits, extensions, allocations, so that freed pages and newly committed blocks serve the same step.
+A request freed in a call may also commit its last full pages in it: that commit is applied before the frees.
 Out of pages is a result (OUT_OF_PAGES with num_pages_short), never an exception.
 """
 
@@ -111,8 +112,15 @@ class KVManager:
         out = StepResults()
         touched: set[str] = set()
         sid = ops.step_id
+        freeing = {f.req_id for f in ops.frees} if ops.frees and ops.commits else ()
+        final = {c.req_id: self._replay_or(sid, "commit", c.req_id, self._commit, c, touched)
+                 for c in ops.commits if c.req_id in freeing}
         out.frees = [self._replay_or(sid, "free", f.req_id, self._free, f, touched) for f in ops.frees]
-        out.commits = [self._replay_or(sid, "commit", c.req_id, self._commit, c, touched) for c in ops.commits]
+        if sid:
+            for req_id, result in final.items():  # its request is gone now: a retry finds the answer here
+                self._remember("commit", req_id, sid, result)
+        out.commits = [final[c.req_id] if c.req_id in final else
+                       self._replay_or(sid, "commit", c.req_id, self._commit, c, touched) for c in ops.commits]
         out.extensions = [self._replay_or(sid, "extend", e.req_id, self._extend, e, touched) for e in ops.extensions]
         out.allocations = [self._replay_or(sid, "allocate", a.req_id, self._allocate, a, touched)
                            for a in ops.allocations]
@@ -139,11 +147,14 @@ class KVManager:
         if req is not None:
             req.last_ops[kind] = (step_id, result)
         else:
-            self.recent[(kind, req_id)] = (step_id, result)
-            self.recent.move_to_end((kind, req_id))
-            if len(self.recent) > RECENT_RESULTS:
-                self.recent.popitem(last=False)
+            self._remember(kind, req_id, step_id, result)
         return result
+
+    def _remember(self, kind: str, req_id: str, step_id: int, result) -> None:
+        self.recent[(kind, req_id)] = (step_id, result)
+        self.recent.move_to_end((kind, req_id))
+        if len(self.recent) > RECENT_RESULTS:
+            self.recent.popitem(last=False)
 
     # -- ops ------------------------------------------------------------------------------------------
     def _allocate(self, op: Allocate, touched: set[str]) -> AllocateResult:

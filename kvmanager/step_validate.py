@@ -39,8 +39,11 @@ def _check_unique(ops: StepOps) -> None:
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise InvalidRequest(f"req_id {dup!r} appears twice in {name}")
+    # A request may commit its last full pages in the call that frees it (applied commit first); an extension
+    # of a request being freed, or an allocation sharing a req_id with any other op, makes no sense.
     running = set(lists["extensions"]) | set(lists["commits"])
-    for a, b in (("allocations", running), ("frees", running), ("allocations", set(lists["frees"]))):
+    for a, b in (("allocations", running), ("frees", set(lists["extensions"])),
+                 ("allocations", set(lists["frees"]))):
         both = set(lists[a]) & b
         if both:
             raise InvalidRequest(f"req_id {sorted(both)[0]!r} appears in {a} and in another list of the same call")
@@ -108,6 +111,10 @@ def _check_extend(mgr: KVManager, e: Extend, step_id: int) -> None:
 
 def _check_commit(mgr: KVManager, c: Commit, step_id: int) -> None:
     where = f"commit {c.req_id!r}"
+    if step_id and c.req_id not in mgr.requests and c.req_id not in mgr.stale:
+        remembered = mgr.recent.get(("commit", c.req_id))
+        if remembered is not None and remembered[0] == step_id:
+            return  # a retried call whose first attempt committed this request's last pages, then freed it
     req = _live_or_stale(mgr, c.req_id)
     _check_not_stale(mgr, c.req_id, "commit", step_id)
     _check_tokens(where, c.token_ids)

@@ -55,7 +55,8 @@ class Free:
 
 @dataclass(frozen=True, slots=True)
 class StepOps:
-    """All page operations of one scheduler step, applied as frees, commits, extensions, allocations."""
+    """All page operations of one scheduler step, applied as frees, commits, extensions, allocations (the
+    commit of a request freed in the same step goes before the frees)."""
 
     step_id: int = 0  # 0 = no idempotency tracking
     allocations: tuple[Allocate, ...] = ()

@@ -173,6 +173,22 @@ def test_retried_call_with_same_step_id_is_not_applied_twice():
         m.step(StepOps(7, extensions=(Extend("a", 16),)))
 
 
+
+def test_a_request_commits_its_last_pages_in_the_call_that_frees_it_and_a_retry_gets_the_same_answers():
+    m = mgr_with()
+    alloc(m, "a", range(10))  # pages 0, 1, 2
+    ops = StepOps(5, commits=(Commit("a", 0, tuple(range(8)), 10),), frees=(Free("a"),))
+    first = m.step(ops)
+    assert first.commits[0].status is OpStatus.OK and first.commits[0].num_committed_tokens == 8
+    assert "a" not in m.requests and ref_cnts(m)[:3] == [0, 0, 0]
+    pool = m.pools["w0"]
+    assert len(pool.index) == 2 and list(pool.evictable) == [1, 0]  # committed, then released tail first
+    again = m.step(ops)  # the reply was lost: the same answers, nothing applied twice
+    assert (again.commits, again.frees) == (first.commits, first.frees) and len(pool.index) == 2
+    assert alloc(m, "b", range(12)).num_cached_tokens == 8  # the pages it committed on its way out serve b
+    with pytest.raises(UnknownRequest, match="'a' is not live"):  # a later call is not a retry
+        m.step(StepOps(9, commits=(Commit("a", 8, tuple(range(8, 12)), 12),)))
+
 def test_reregistration_with_new_epoch_drops_old_pages_and_index():
     m = mgr_with()
     prompt = list(range(9))

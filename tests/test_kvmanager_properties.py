@@ -142,10 +142,16 @@ class KVManagerMachine(RuleBasedStateMachine):
         res = self.mgr.step(ops)
         assert [len(res.allocations), len(res.extensions), len(res.commits), len(res.frees)] == [
             len(ops.allocations), len(ops.extensions), len(ops.commits), len(ops.frees)]
+        freeing = {f.req_id for f in ops.frees}
+        commits = list(zip(ops.commits, res.commits, strict=True))
+        for c, r in commits:  # a request's last commit, in the call that frees it, goes first
+            if c.req_id in freeing:
+                self.absorb_commit(c, r)
         for f, r in zip(ops.frees, res.frees, strict=True):
             self.absorb_free(f, r)
-        for c, r in zip(ops.commits, res.commits, strict=True):
-            self.absorb_commit(c, r)
+        for c, r in commits:
+            if c.req_id not in freeing:
+                self.absorb_commit(c, r)
         for e, r in zip(ops.extensions, res.extensions, strict=True):
             self.absorb_extend(e, r, pre)
         for a, r in zip(ops.allocations, res.allocations, strict=True):
@@ -450,10 +456,10 @@ class KVManagerMachine(RuleBasedStateMachine):
         chosen = data.draw(st.lists(st.sampled_from(sorted(self.live)), unique=True, max_size=3)) if self.live else []
         frees, commits, extensions = [], [], []
         for rid in chosen:
-            kind = data.draw(st.sampled_from(("free", "commit", "extend", "both")))
-            if kind == "free":
+            kind = data.draw(st.sampled_from(("free", "commit", "extend", "both", "last")))
+            if kind in ("free", "last"):  # last: its final commit and its free in one call
                 frees.append(Free(rid))
-            if kind in ("commit", "both"):
+            if kind in ("commit", "both", "last"):
                 commits.append(self.commit_op(rid, data))
             if kind in ("extend", "both") and (op := self.extend_op(rid, data)) is not None:
                 extensions.append(op)
