@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.types import Allocate, PoolSpec, StepOps
+from kvserve.kvmanager.types import Allocate, PoolSpec, StepOps, StepResults
 from kvserve.services.gateway.request import FinishReason, Request, RequestParams, RequestStatus
 from kvserve.services.gateway.scheduler import Scheduler, SchedulerConfig
 from kvserve.worker.batch import SampledToken
@@ -29,7 +29,7 @@ def request(req_id, prompt, max_tokens=3, tenant="t"):
 def run_step(mgr, sched):
     """One step with a fake model whose next token is 100 + the position it is sampled at."""
     out = sched.schedule()
-    batch = sched.assign(out, mgr.step(out.ops))
+    batch = sched.assign(out, mgr.step(out.ops) if out.ops is not None else StepResults())
     step = batch.to_step(epoch=1)
     sampled = [SampledToken(i.req_id, 100 + i.end_pos, 0.0) for i in step.items if i.sample]
     sched.update(batch, sampled)
@@ -89,7 +89,7 @@ def test_prefix_caching_off_commits_nothing_and_never_hits():
     mgr, sched = setup(prefix_caching=False)
     sched.add(request("a", range(1, 11), max_tokens=1))
     steps = drain(mgr, sched)
-    assert all(not out.ops.commits for out, _ in steps)
+    assert all(out.ops is None or not out.ops.commits for out, _ in steps)
     b = request("b", range(1, 11), max_tokens=1)
     sched.add(b)
     drain(mgr, sched)
@@ -150,3 +150,70 @@ def test_token_ids_slices_prompt_and_outputs_as_one_sequence():
     req.output_token_ids = [7, 8]
     for start, end in [(0, 2), (1, 3), (2, 4), (3, 5), (0, 5), (4, 5), (3, 3)]:
         assert req.token_ids(start, end) == tuple(req.all_token_ids[start:end])
+
+
+def test_decode_steps_call_the_kvmanager_only_when_a_request_runs_out_of_headroom():
+    mgr, sched = setup(num_pages=32)
+    a = request("a", range(1, 5), max_tokens=30)  # computes positions 0..32
+    sched.add(a)
+    steps = drain(mgr, sched)
+    assert len(steps) == 31 and a.output_token_ids == [100 + p for p in range(4, 34)]
+    calls = {i: out.ops for i, (out, _) in enumerate(steps) if out.ops is not None}
+    # the admission; then, whenever a runs out of slots, the page it needs plus one page of headroom, with the
+    # commit of the pages filled since the call before; the last pages' commit goes with the free
+    assert list(calls) == [0, 1, 9, 17, 25, 30]
+    assert [[e.num_tokens for e in ops.extensions] for ops in calls.values()] == [[], [9], [17], [25], [33], []]
+    assert [[(c.start_pos, len(c.token_ids)) for c in ops.commits] for ops in calls.values()] == [
+        [], [(0, 4)], [(4, 8)], [(12, 8)], [(20, 8)], [(28, 4)]]
+    assert [f.req_id for f in calls[30].frees] == ["a"]
+    assert len(mgr.pools["w0"].index) == 8 and mgr.pools["w0"].num_used == 0  # every full page it computed
+
+
+def test_a_finished_requests_last_pages_are_cached_for_the_next_turn():
+    mgr, sched = setup(num_pages=32)
+    a = request("a", range(1, 5), max_tokens=9)  # computes positions 0..11: three full pages
+    sched.add(a)
+    drain(mgr, sched)
+    next_turn = request("b", a.all_token_ids + [70, 71], max_tokens=1)
+    sched.add(next_turn)
+    drain(mgr, sched)
+    assert next_turn.num_cached_tokens == 12  # prompt and reply, up to the last page a filled
+
+
+def test_headroom_takes_at_most_half_the_spare_pages():
+    mgr, sched = setup(num_pages=8, budget=32)
+    for name in "abc":
+        sched.add(request(name, range(1, 8), max_tokens=20))  # 7 tokens: 2 pages each
+    run_step(mgr, sched)
+    assert mgr.pools["w0"].num_free == 2
+    out, _ = run_step(mgr, sched)  # the prompts' first pages are committed; every request has a slot for now
+    assert [(e.req_id, e.num_tokens) for e in out.ops.extensions] == [("a", 12)]  # 2 spare pages: 1 for headroom
+    assert out.headroom_only == {"a"} and len(sched.requests["a"].page_table) == 3
+
+
+def test_headroom_the_pool_cannot_give_preempts_nothing():
+    mgr, sched = setup(num_pages=4, budget=16)
+    a = request("a", range(1, 7), max_tokens=20)  # 6 tokens: 2 pages
+    sched.add(a)
+    run_step(mgr, sched)
+    mgr.step(StepOps(allocations=(Allocate("other", "u", tuple(range(50, 58)), "w0"),)))  # the 2 other pages
+    out, step = run_step(mgr, sched)  # a's first page is committed; the scheduler still counts 2 spare pages
+    assert out.headroom_only == {"a"} and [(e.req_id, e.num_tokens) for e in out.ops.extensions] == [("a", 11)]
+    assert [i.req_id for i in step.items] == ["a"] and sched.num_preemptions == 0 and len(a.page_table) == 2
+
+
+def test_a_preempted_request_commits_what_it_computed_and_hits_it_on_resume():
+    mgr, sched = setup(num_pages=32)
+    b = request("b", range(1, 5), max_tokens=30)
+    sched.add(b)
+    for _ in range(9):  # positions 0..11 computed; only the first page committed (the next call is at step 9)
+        run_step(mgr, sched)
+    assert b.num_computed_tokens == 12 and b.num_committed_tokens == 4
+    sched.preempt(b)
+    out, _ = run_step(mgr, sched)
+    assert [(c.req_id, c.start_pos, len(c.token_ids)) for c in out.ops.commits] == [("b", 4, 8)]
+    assert [f.req_id for f in out.ops.frees] == ["b"]
+    run_step(mgr, sched)  # readmitted: recomputes only what its committed pages do not hold
+    assert mgr.tenants["t"].prefix_hit_tokens == 12
+    drain(mgr, sched)
+    assert b.output_token_ids == [100 + p for p in range(4, 34)]

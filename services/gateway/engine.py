@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvserve.kvmanager.types import StepResults
 from kvserve.services.gateway.clients import KVManagerClient, WorkerClient, pool_spec
 from kvserve.services.gateway.errors import BackendFailure
 from kvserve.services.gateway.observe import Observer
 from kvserve.services.gateway.request import FinishReason, Request, RequestStatus
-from kvserve.services.gateway.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from kvserve.services.gateway.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.services.gateway.textstream import TextStream
 from kvserve.worker.batch import SampledToken, WorkerInfo
 from kvserve.worker.tokenizer import Tokenizer
@@ -64,6 +65,7 @@ class RequestHandle:
 @dataclass(slots=True)
 class EngineStats:
     num_steps: int = 0
+    num_kv_calls: int = 0  # steps that needed a kvmanager round trip
     step_s: float = 0.0  # wall time of whole steps
     kv_wait_s: float = 0.0  # of which: waiting on the kvmanager's StepPages
     compute_s: float = 0.0  # of which: the worker's forward pass and sampling (its compute_ms)
@@ -144,9 +146,10 @@ class EngineLoop:
                 if not self.handles and not self._inbox and not self.finishing:
                     self.idle.set()
         s = self.stats
-        log.info("engine %s stopped after %d steps; kvmanager wait %.1f%% of step time (%.2f ms per step), "
-                 "worker compute %.1f%%", self.info.worker_id, s.num_steps, 100 * s.kv_wait_share,
-                 1000 * s.kv_wait_s / max(s.num_steps, 1), 100 * s.compute_share)
+        log.info("engine %s stopped after %d steps; kvmanager wait %.1f%% of step time (%.2f ms per step, "
+                 "a call in %d steps), worker compute %.1f%%", self.info.worker_id, s.num_steps,
+                 100 * s.kv_wait_share, 1000 * s.kv_wait_s / max(s.num_steps, 1), s.num_kv_calls,
+                 100 * s.compute_share)
 
     def _next_work(self) -> bool:
         """Waits for work; takes new requests and aborts in. False once stopping and everything is freed."""
@@ -192,13 +195,10 @@ class EngineLoop:
     def _step(self) -> None:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        try:
-            results = self.kv.step_pages(out.ops, self.traceparents)
-        except grpc.RpcError:
-            self.scheduler.resend_frees(out)
-            raise
+        results = self._step_pages(out)
         t1 = time.perf_counter()
-        self._deliver_freed(f.req_id for f in out.ops.frees)
+        if out.ops is not None:
+            self._deliver_freed(f.req_id for f in out.ops.frees)
         batch = self.scheduler.assign(out, results)
         self._observe_assign(out)
         for req in batch.failed:
@@ -210,6 +210,17 @@ class EngineLoop:
         s.num_steps, s.step_s, s.kv_wait_s = s.num_steps + 1, s.step_s + t2 - t0, s.kv_wait_s + t1 - t0
         self.observe.step(self.info.worker_id, t2 - t0, s.kv_wait_share, len(self.scheduler.running),
                           len(self.scheduler.waiting))
+
+    def _step_pages(self, out: SchedulerOutput) -> StepResults:
+        if out.ops is None:
+            return StepResults()  # nothing to allocate, extend, commit or free: no round trip
+        try:
+            results = self.kv.step_pages(out.ops, self.traceparents)
+        except grpc.RpcError:
+            self.scheduler.resend_frees(out)
+            raise
+        self.stats.num_kv_calls += 1
+        return results
 
     def _observe_assign(self, out) -> None:
         for chunk in out.admitted:

@@ -11,7 +11,14 @@ One step, in three calls (the engine loop does the I/O between them):
                                             newest running request (recompute later; its blocks stay cached)
     done  = scheduler.update(batch, output) appends sampled tokens, applies EOS and length limits
 
-Finished, cancelled and preempted requests are freed by the next step's page operations.
+Finished, cancelled and preempted requests are freed by the next step's page operations, together with the
+commit of the pages they filled since their last one.
+
+A step calls the kvmanager only when it must: to free, to admit, to extend a request that has no slot left for
+this step, or to commit prompt pages (so that a request arriving next finds them). Pages filled by decoding ride
+along with the next call, and every call tops up each running request that has less than a page of headroom
+with one more page (while the pool has spare pages), so that decoding sequences cross page boundaries without
+a round trip. A decode-only step mostly has nothing to ask: out.ops is None, and the engine skips the call.
 """
 
 from __future__ import annotations
@@ -57,9 +64,10 @@ class Chunk:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    ops: StepOps
+    ops: StepOps | None  # None: this step needs no kvmanager call
     running: list[Chunk]  # already running; those with an extension wait for its answer
     admitted: list[Chunk]  # waiting requests asking for an allocation; num_tokens is the budget reserved
+    headroom_only: frozenset[str] = frozenset()  # extensions this step could do without (out of pages: no-op)
 
 
 @dataclass(slots=True)
@@ -84,6 +92,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is preempted first
         self.pending_frees: list[str] = []
+        self.final_commits: list[Commit] = []  # of requests in pending_frees: the pages they filled last
         self.requests: dict[str, Request] = {}  # every request not finished, by req_id
         self.num_available_pages = cfg.num_pages  # free + evictable, as of the last answer
         self._step_ids = itertools.count(1)
@@ -102,7 +111,7 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.pending_frees.append(req.req_id)
+            self._queue_free(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         else:  # between schedule() and assign(): its allocation may have been applied
@@ -110,20 +119,30 @@ class Scheduler:
         self.requests.pop(req.req_id, None)
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
 
+    def _queue_free(self, req: Request) -> None:
+        """Its pages go back with the next call, after the commit of those it filled since its last one."""
+        self.pending_frees.append(req.req_id)
+        commit = self._commit_for(req)
+        if commit is not None:
+            self.final_commits.append(commit)
+
     def resend_frees(self, out: SchedulerOutput) -> None:
-        """The page-ops call of ``out`` failed: its frees go out again with the next one."""
-        self.pending_frees.extend(f.req_id for f in out.ops.frees)
+        """The page-ops call of ``out`` failed: its frees go out again with the next one (its commits do not:
+        they only make a cache entry, and the kvmanager may have applied them)."""
+        if out.ops is not None:
+            self.pending_frees.extend(f.req_id for f in out.ops.frees)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.pending_frees)
 
     # -- 1. schedule ------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        page_size = self.cfg.page_size
         budget = self.cfg.max_num_batched_tokens
         frees = tuple(Free(r) for r in self.pending_frees)
         freeing = set(self.pending_frees)
-        self.pending_frees = []
-        commits = tuple(c for c in map(self._commit_for, self.running) if c is not None)
+        final_commits, self.pending_frees, self.final_commits = self.final_commits, [], []
+        commits = [c for c in map(self._commit_for, self.running) if c is not None]
         running, extensions, pages_needed = [], [], 0
         for req in self.running:
             if budget == 0:
@@ -132,14 +151,43 @@ class Scheduler:
             budget -= n
             running.append(Chunk(req, n, req.num_computed_tokens))
             end = req.num_computed_tokens + n
-            if end > len(req.page_table) * self.cfg.page_size:
+            if end > len(req.page_table) * page_size:
                 extensions.append(Extend(req.req_id, end))
-                pages_needed += _pages(end, self.cfg.page_size) - len(req.page_table)
-        admitted = self._admit(budget, self.num_available_pages - pages_needed, freeing)
+                pages_needed += _pages(end, page_size) - len(req.page_table)
+        spare = self.num_available_pages - pages_needed
+        admitted = self._admit(budget, spare, freeing)
+        prompt_commits = any(c.start_pos < len(self.requests[c.req_id].prompt_token_ids) for c in commits)
+        if not (frees or admitted or extensions or prompt_commits):
+            return SchedulerOutput(None, running, admitted)
+        spare -= sum(_pages(c.req.num_tokens, page_size) for c in admitted)
+        extensions, headroom_only = self._with_headroom(running, extensions, spare)
         allocations = tuple(Allocate(c.req.req_id, c.req.tenant, tuple(c.req.all_token_ids), self.cfg.worker_id,
                                      skip_prefix_cache=not self.cfg.prefix_caching) for c in admitted)
-        ops = StepOps(next(self._step_ids), allocations, tuple(extensions), commits, frees)
-        return SchedulerOutput(ops, running, admitted)
+        ops = StepOps(next(self._step_ids), allocations, tuple(extensions), tuple(final_commits + commits), frees)
+        return SchedulerOutput(ops, running, admitted, headroom_only)
+
+    def _with_headroom(self, running: list[Chunk], extensions: list[Extend],
+                       spare: int) -> tuple[list[Extend], frozenset[str]]:
+        """This step's extensions, each running request topped up to a page of headroom past this step (never
+        past the last position it can compute), while that takes at most half the spare pages."""
+        page_size = self.cfg.page_size
+        needed = {e.req_id: e.num_tokens for e in extensions}
+        out, headroom_only, budget = [], set(), max(spare, 0) // 2
+        for chunk in running:
+            req = chunk.req
+            end = chunk.start_pos + chunk.num_tokens
+            last = min(len(req.prompt_token_ids) + req.params.max_tokens - 1, self.cfg.max_model_len)
+            target = max(end, min(end + page_size, last))
+            have = max(len(req.page_table), _pages(needed.get(req.req_id, 0), page_size))
+            extra = _pages(target, page_size) - have
+            if 0 < extra <= budget:
+                budget -= extra
+                out.append(Extend(req.req_id, target))
+                if req.req_id not in needed:
+                    headroom_only.add(req.req_id)
+            elif req.req_id in needed:
+                out.append(Extend(req.req_id, needed[req.req_id]))
+        return out, frozenset(headroom_only)
 
     def _commit_for(self, req: Request) -> Commit | None:
         """The request's pages that became full since its last commit, if prefix caching is on."""
@@ -176,18 +224,19 @@ class Scheduler:
         for pool in results.pools:
             if pool.worker_id == self.cfg.worker_id:
                 self.num_available_pages = pool.num_free_pages + pool.num_evictable_pages
+        freed = {f.req_id for f in out.ops.frees} if out.ops is not None else ()
         for c in results.commits:
-            if c.status is OpStatus.OK:
+            if c.status is OpStatus.OK and c.req_id not in freed:
                 self.requests[c.req_id].num_committed_tokens = c.num_committed_tokens
-        skipped = self._apply_extensions(results)
+        skipped = self._apply_extensions(results, out.headroom_only)
         chunks = [c for c in out.running if c.req.status is RequestStatus.RUNNING and c.req.req_id not in skipped]
         batch = ScheduledBatch(chunks)
         self._apply_allocations(out.admitted, results, batch)
         return batch
 
-    def _apply_extensions(self, results: StepResults) -> set[str]:
-        """Appends new pages; on out of pages preempts the newest running request. Returns the req_ids that
-        sit this step out (they wait for a victim's pages)."""
+    def _apply_extensions(self, results: StepResults, headroom_only: frozenset[str]) -> set[str]:
+        """Appends new pages; on out of pages preempts the newest running request (unless the request only
+        asked for headroom). Returns the req_ids that sit this step out (they wait for a victim's pages)."""
         skipped: set[str] = set()
         for e in results.extensions:
             req = self.requests[e.req_id]
@@ -197,6 +246,8 @@ class Scheduler:
                 req.page_table.extend(e.new_page_ids)
             elif e.status is OpStatus.STALE_EPOCH:
                 self.preempt(req)
+            elif e.req_id in headroom_only:
+                continue
             else:
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -233,7 +284,7 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Frees the request's pages (next step) and queues it first for recompute."""
         self.running.remove(req)
-        self.pending_frees.append(req.req_id)
+        self._queue_free(req)
         req.reset_for_recompute()
         self.waiting.appendleft(req)
         self.num_preemptions += 1
