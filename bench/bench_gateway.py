@@ -29,6 +29,7 @@ from kvserve.worker.tokenizer import Tokenizer  # noqa: E402
 READY = re.compile(r"^kvserve up ready: gateway on (?P<gateway>\S+) ")
 KV_WAIT = re.compile(r"kvmanager wait ([0-9.]+)% of step time")
 COMPUTE = re.compile(r"worker compute ([0-9.]+)%")
+CALLS = re.compile(r"stopped after ([0-9]+) steps;.* a call in ([0-9]+) steps")
 PAGE_SIZE = 16
 
 
@@ -55,6 +56,9 @@ def stack(*args: str, env: dict[str, str] | None = None):
             for key, pattern in (("kv_wait_share_pct", KV_WAIT), ("compute_share_pct", COMPUTE)):
                 shares = [float(m) for m in pattern.findall(log)]
                 stats[key] = statistics.mean(shares) if shares else None
+            counts = [(int(steps), int(calls)) for steps, calls in CALLS.findall(log)]
+            num_steps = sum(steps for steps, _ in counts)
+            stats["kv_call_share_pct"] = 100 * sum(calls for _, calls in counts) / num_steps if num_steps else None
 
 
 def stream_one(client: Client, text: str, max_tokens: int) -> dict:

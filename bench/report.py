@@ -198,6 +198,7 @@ class Report:
                                    "requests_per_client": self.load_shape[0]}
         self.out["kv_wait_share_pct"] = stats["kv_wait_share_pct"]
         self.out["compute_share_pct"] = stats["compute_share_pct"]
+        self.out["kv_call_share_pct"] = stats["kv_call_share_pct"]
 
     def kvserve_off(self) -> None:
         with bg.stack("--num-pages", "1024", "--no-prefix-caching") as (gateway, _):

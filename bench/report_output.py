@@ -127,7 +127,10 @@ def markdown(out: dict, plot_names: list[str]) -> str:
                 f"{r[f'{m}_p{q}_s'] * 1000:.0f} ms" for m in ("ttft", "tpot") for q in (50, 90, 99)) + " |")
     share = out.get("kv_wait_share_pct")
     compute = out.get("compute_share_pct")
-    tail = [f"\nShare of the gateway's step time waiting on the kvmanager: {share:.2f}%." if share is not None else "",
+    calls = out.get("kv_call_share_pct")
+    calls_note = f" (a StepPages round trip in {calls:.0f}% of steps)" if calls is not None else ""
+    tail = [f"\nShare of the gateway's step time waiting on the kvmanager: {share:.2f}%{calls_note}."
+            if share is not None else "",
             f"Share of it in the worker's forward pass and sampling: {compute:.1f}% (the rest: gRPC, scheduling, "
             f"detokenising)." if compute is not None else ""]
     images = [f"![{name}]({name})" for name in plot_names]
