@@ -3,7 +3,9 @@
 // The reference backend gathers every sequence's pages into a padded batch and then runs SDPA over it, so a
 // decode step moves its K/V three times (read, write the copy, read the copy). Here each sequence walks its
 // page table and reads each key and value once, with an online softmax (running max and sum, rescaled per
-// page) so no score matrix is materialised. Sequences are spread over the intra-op threads.
+// page) so no score matrix is materialised. Sequences are spread over the intra-op threads. Shapes with
+// head_dim in {16, 32, 64, 128}, up to 8 query heads per kv head and pages of up to 64 tokens take a kernel
+// specialised at compile time (decode_seq_fast); any other shape takes decode_seq_generic.
 //
 //   q           [num_seqs, num_heads, head_dim]                      float32, contiguous
 //   kv_cache    [2, num_pages, page_size, num_kv_heads, head_dim]     float32, contiguous (one layer)
@@ -23,96 +25,233 @@ namespace {
 
 constexpr float kMinScore = -1e30f;  // a finite "minus infinity": the build uses -ffast-math
 
+// 16 floats: GCC/Clang lower it to one AVX-512 register, two AVX2 ones, or four NEON ones. v16u is the same
+// at any float's alignment, for loads and stores of rows in the pool.
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+inline float hsum(v16 x) {  // a tree of halves: four dependent adds, not sixteen
+  v8 lo, hi;
+  __builtin_memcpy(&lo, &x, sizeof(lo));
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+  const v8 a = lo + hi;
+  v4 l4, h4;
+  __builtin_memcpy(&l4, &a, sizeof(l4));
+  __builtin_memcpy(&h4, reinterpret_cast<const char*>(&a) + sizeof(l4), sizeof(h4));
+  const v4 b = l4 + h4;
+  return (b[0] + b[1]) + (b[2] + b[3]);
+}
+
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+
+inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+
+struct Shape {
+  int64_t num_heads, head_dim, num_pages, page_size, num_kv_heads, max_pages, token_stride;
+  float scale;
+};
+
+// One sequence, the fast path: head_dim = 16 * NV, and the G query heads that share a kv head are computed
+// together, so each key and value row is loaded once for the group, and the group's queries and accumulators
+// stay in registers while the sequence's pages go by. For each kv head, page by page: the G x page_size
+// scores, an online-softmax update (running max and sum, earlier pages rescaled), the weighted sum of the
+// values; the same rows of the next page are prefetched meanwhile. Walking the pages once for all kv heads
+// instead (accumulators kept in memory between pages) measured 10% slower on a cold pool.
+template <int NV, int G>
+void decode_seq_fast(const Shape& s, const float* qb, const float* k_ptr, const float* v_ptr,
+                     const int64_t* table, int64_t n, float* ob) {
+  constexpr int D = 16 * NV;
+  for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
+    v16 q[G][NV], acc[G][NV];
+    float run_max[G], run_sum[G];
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i) {
+        q[g][i] = load(qb + (kvh * G + g) * D + 16 * i) * s.scale;
+        acc[g][i] = v16{};
+      }
+      run_max[g] = kMinScore;
+      run_sum[g] = 0.f;
+    }
+    const int64_t kv_offset = kvh * D;
+    for (int64_t p = 0; p * s.page_size < n; ++p) {
+      const int64_t page = table[p];
+      TORCH_CHECK(page >= 0 && page < s.num_pages, "page id outside the pool");
+      const int64_t tokens = std::min(s.page_size, n - p * s.page_size);
+      const float* kp = k_ptr + page * s.page_size * s.token_stride + kv_offset;
+      const float* vp = v_ptr + page * s.page_size * s.token_stride + kv_offset;
+      if ((p + 1) * s.page_size < n) {  // the next page is elsewhere in the pool: fetch this head's rows now
+        const int64_t next = table[p + 1];
+        if (next >= 0 && next < s.num_pages) {
+          const float* nk = k_ptr + next * s.page_size * s.token_stride + kv_offset;
+          const float* nv = v_ptr + next * s.page_size * s.token_stride + kv_offset;
+          for (int64_t t = 0; t < s.page_size; ++t) {
+            for (int i = 0; i < D; i += 16) {
+              __builtin_prefetch(nk + t * s.token_stride + i);
+              __builtin_prefetch(nv + t * s.token_stride + i);
+            }
+          }
+        }
+      }
+      float w[G][64];  // scores, then softmax weights (page_size <= 64 on this path)
+      for (int64_t t = 0; t < tokens; ++t) {
+        v16 krow[NV];
+#pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) krow[i] = load(kp + t * s.token_stride + 16 * i);
+#pragma GCC unroll 16
+        for (int g = 0; g < G; ++g) {
+          v16 dot = q[g][0] * krow[0];
+#pragma GCC unroll 16
+          for (int i = 1; i < NV; ++i) dot += q[g][i] * krow[i];
+          w[g][t] = hsum(dot);
+        }
+      }
+#pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) {
+        float page_max = kMinScore;
+        for (int64_t t = 0; t < tokens; ++t) page_max = std::max(page_max, w[g][t]);
+        const float new_max = std::max(run_max[g], page_max);
+        float page_sum = 0.f;
+        for (int64_t t = 0; t < tokens; ++t) {
+          w[g][t] = std::exp(w[g][t] - new_max);
+          page_sum += w[g][t];
+        }
+        const float correction = std::exp(run_max[g] - new_max);  // rescale what earlier pages summed
+        run_sum[g] = run_sum[g] * correction + page_sum;
+        run_max[g] = new_max;
+#pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) acc[g][i] *= correction;
+      }
+      for (int64_t t = 0; t < tokens; ++t) {
+        v16 vrow[NV];
+#pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) vrow[i] = load(vp + t * s.token_stride + 16 * i);
+#pragma GCC unroll 16
+        for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+          for (int i = 0; i < NV; ++i) acc[g][i] += w[g][t] * vrow[i];
+      }
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+      const float inv = 1.f / run_sum[g];
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i) store(ob + (kvh * G + g) * D + 16 * i, acc[g][i] * inv);
+    }
+  }
+}
+
+// Any head_dim and group size: one query head at a time, with scalar loops the compiler vectorises.
+void decode_seq_generic(const Shape& s, const float* qb, const float* k_ptr, const float* v_ptr,
+                        const int64_t* table, int64_t n, float* ob, float* w, float* acc) {
+  const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
+  for (int64_t h = 0; h < s.num_heads; ++h) {
+    const float* qh = qb + h * D;
+    const int64_t kv_offset = (h / group) * D;
+    float run_max = kMinScore, run_sum = 0.f;
+    std::fill(acc, acc + D, 0.f);
+    for (int64_t p = 0; p * s.page_size < n; ++p) {
+      const int64_t page = table[p];
+      TORCH_CHECK(page >= 0 && page < s.num_pages, "page id outside the pool");
+      const int64_t tokens = std::min(s.page_size, n - p * s.page_size);
+      const float* kp = k_ptr + page * s.page_size * s.token_stride + kv_offset;
+      const float* vp = v_ptr + page * s.page_size * s.token_stride + kv_offset;
+      float page_max = kMinScore;
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float* k = kp + t * s.token_stride;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
+        w[t] = dot * s.scale;
+        page_max = std::max(page_max, w[t]);
+      }
+      const float new_max = std::max(run_max, page_max);
+      float page_sum = 0.f;
+      for (int64_t t = 0; t < tokens; ++t) {
+        w[t] = std::exp(w[t] - new_max);
+        page_sum += w[t];
+      }
+      const float correction = std::exp(run_max - new_max);
+      run_sum = run_sum * correction + page_sum;
+      run_max = new_max;
+      for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float* v = vp + t * s.token_stride;
+        for (int64_t d = 0; d < D; ++d) acc[d] += w[t] * v[d];
+      }
+    }
+    for (int64_t d = 0; d < D; ++d) ob[h * D + d] = acc[d] / run_sum;
+  }
+}
+
+using FastFn = void (*)(const Shape&, const float*, const float*, const float*, const int64_t*, int64_t, float*);
+
+template <int NV>
+FastFn fast_for_group(int64_t group) {
+  switch (group) {
+    case 1: return decode_seq_fast<NV, 1>;
+    case 2: return decode_seq_fast<NV, 2>;
+    case 3: return decode_seq_fast<NV, 3>;
+    case 4: return decode_seq_fast<NV, 4>;
+    case 5: return decode_seq_fast<NV, 5>;
+    case 6: return decode_seq_fast<NV, 6>;
+    case 7: return decode_seq_fast<NV, 7>;
+    case 8: return decode_seq_fast<NV, 8>;
+    default: return nullptr;
+  }
+}
+
+// The specialised kernel for this shape, or nullptr (the generic one then runs).
+FastFn fast_kernel(int64_t head_dim, int64_t group, int64_t page_size) {
+  if (page_size > 64) return nullptr;
+  switch (head_dim) {
+    case 16: return fast_for_group<1>(group);
+    case 32: return fast_for_group<2>(group);
+    case 64: return fast_for_group<4>(group);
+    case 128: return fast_for_group<8>(group);
+    default: return nullptr;
+  }
+}
+
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& tables,
                            const torch::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && tables.dim() == 2 && seq_lens.dim() == 1, "bad ranks");
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables and lengths");
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && tables.is_contiguous(), "contiguous inputs only");
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_pages = kv_cache.size(1), page_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == head_dim && num_heads % num_kv_heads == 0, "shapes");
+  Shape s{q.size(1), q.size(2), kv_cache.size(1), kv_cache.size(2), kv_cache.size(3), tables.size(1), 0,
+          static_cast<float>(scale)};
+  const int64_t num_seqs = q.size(0);
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == s.head_dim && s.num_heads % s.num_kv_heads == 0,
+              "shapes");
   TORCH_CHECK(tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs, "one table and length per sequence");
-  const int64_t group = num_heads / num_kv_heads, max_pages = tables.size(1);
-  const int64_t token_stride = num_kv_heads * head_dim;
-  const float fscale = static_cast<float>(scale);
+  s.token_stride = s.num_kv_heads * s.head_dim;
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const FastFn fast = fast_kernel(s.head_dim, group, s.page_size);
 
   auto out = torch::empty_like(q);
   const float* q_ptr = q.data_ptr<float>();
   const float* k_ptr = kv_cache.data_ptr<float>();
-  const float* v_ptr = k_ptr + num_pages * page_size * token_stride;
+  const float* v_ptr = k_ptr + s.num_pages * s.page_size * s.token_stride;
   const int64_t* table_ptr = tables.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
 
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(num_heads * head_dim), run_max(num_heads), run_sum(num_heads);
-    std::vector<float> weights(page_size);
+    std::vector<float> scratch(s.page_size + s.head_dim);  // the generic kernel's weights and accumulator
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = len_ptr[b];
-      TORCH_CHECK(n > 0 && n <= max_pages * page_size, "seq_len outside its page table");
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(run_max.begin(), run_max.end(), kMinScore);
-      std::fill(run_sum.begin(), run_sum.end(), 0.f);
-      const float* qb = q_ptr + b * num_heads * head_dim;
-      for (int64_t p = 0; p * page_size < n; ++p) {
-        const int64_t page = table_ptr[b * max_pages + p];
-        TORCH_CHECK(page >= 0 && page < num_pages, "page id outside the pool");
-        const int64_t tokens = std::min(page_size, n - p * page_size);
-        const float* kp = k_ptr + page * page_size * token_stride;
-        const float* vp = v_ptr + page * page_size * token_stride;
-        // The next page is elsewhere in the pool: fetch it while this one is computed, a slice per head, so
-        // that the misses stay in flight without flooding the line-fill buffers.
-        const char* next_k = nullptr;
-        const char* next_v = nullptr;
-        if ((p + 1) * page_size < n) {
-          const int64_t next = table_ptr[b * max_pages + p + 1];
-          if (next >= 0 && next < num_pages) {
-            next_k = reinterpret_cast<const char*>(k_ptr + next * page_size * token_stride);
-            next_v = reinterpret_cast<const char*>(v_ptr + next * page_size * token_stride);
-          }
-        }
-        const int64_t page_bytes = page_size * token_stride * static_cast<int64_t>(sizeof(float));
-        const int64_t slice = (page_bytes / num_heads + 63) / 64 * 64;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          if (next_k != nullptr) {
-            for (int64_t off = h * slice; off < std::min((h + 1) * slice, page_bytes); off += 64) {
-              __builtin_prefetch(next_k + off);
-              __builtin_prefetch(next_v + off);
-            }
-          }
-          const float* qh = qb + h * head_dim;
-          const int64_t kv_offset = (h / group) * head_dim;
-          float* w = weights.data();
-          float page_max = kMinScore;
-          for (int64_t t = 0; t < tokens; ++t) {  // this page's scores
-            const float* k = kp + t * token_stride + kv_offset;
-            float dot = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * k[d];
-            w[t] = dot * fscale;
-            page_max = std::max(page_max, w[t]);
-          }
-          const float new_max = std::max(run_max[h], page_max);
-          float page_sum = 0.f;
-          for (int64_t t = 0; t < tokens; ++t) {  // contiguous: the compiler vectorises the exp
-            w[t] = std::exp(w[t] - new_max);
-            page_sum += w[t];
-          }
-          const float correction = std::exp(run_max[h] - new_max);  // rescale what earlier pages summed
-          run_sum[h] = run_sum[h] * correction + page_sum;
-          run_max[h] = new_max;
-          float* a = acc.data() + h * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-          for (int64_t t = 0; t < tokens; ++t) {
-            const float* v = vp + t * token_stride + kv_offset;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += w[t] * v[d];
-          }
-        }
-      }
-      float* ob = out_ptr + b * num_heads * head_dim;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const float inv = 1.f / run_sum[h];
-        for (int64_t d = 0; d < head_dim; ++d) ob[h * head_dim + d] = acc[h * head_dim + d] * inv;
+      TORCH_CHECK(n > 0 && n <= s.max_pages * s.page_size, "seq_len outside its page table");
+      const float* qb = q_ptr + b * s.num_heads * s.head_dim;
+      float* ob = out_ptr + b * s.num_heads * s.head_dim;
+      const int64_t* table = table_ptr + b * s.max_pages;
+      if (fast != nullptr) {
+        fast(s, qb, k_ptr, v_ptr, table, n, ob);
+      } else {
+        decode_seq_generic(s, qb, k_ptr, v_ptr, table, n, ob, scratch.data(), scratch.data() + s.page_size);
       }
     }
   });

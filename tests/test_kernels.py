@@ -43,14 +43,14 @@ def scattered_pages(num_seqs: int, lengths: list[int], page_size: int, num_pages
 BACKENDS = {"reference": ReferenceBackend, "cpu": CPUPagedBackend}
 
 
-def run_case(lengths, cached, heads, kv_heads, page_size, seed=0, backend="reference"):
+def run_case(lengths, cached, heads, kv_heads, page_size, seed=0, backend="reference", head_dim=HEAD_DIM):
     """Sequences of total length lengths[b], of which cached[b] are already in the cache."""
     gen = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-n // page_size) for n in lengths) + 3
-    cache = torch.zeros(2, num_pages, page_size, kv_heads, HEAD_DIM)
+    cache = torch.zeros(2, num_pages, page_size, kv_heads, head_dim)
     tables = scattered_pages(len(lengths), lengths, page_size, num_pages, gen)
-    full = [(torch.randn(n, heads, HEAD_DIM, generator=gen), torch.randn(n, kv_heads, HEAD_DIM, generator=gen),
-             torch.randn(n, kv_heads, HEAD_DIM, generator=gen)) for n in lengths]
+    full = [(torch.randn(n, heads, head_dim, generator=gen), torch.randn(n, kv_heads, head_dim, generator=gen),
+             torch.randn(n, kv_heads, head_dim, generator=gen)) for n in lengths]
     # Earlier steps wrote the cached prefix.
     for (_, k, v), table, c in zip(full, tables, cached, strict=True):
         if c:
@@ -60,7 +60,7 @@ def run_case(lengths, cached, heads, kv_heads, page_size, seed=0, backend="refer
     meta = build_metadata(cached, q_lens, tables, page_size, torch.device("cpu"))
     cat = [torch.cat([t[i][c:] for t, c in zip(full, cached, strict=True)]) for i in range(3)]
     backend = BACKENDS[backend]()
-    out = backend.forward(*cat, cache, meta, backend.prepare(meta), 1 / math.sqrt(HEAD_DIM))
+    out = backend.forward(*cat, cache, meta, backend.prepare(meta), 1 / math.sqrt(head_dim))
     offsets = meta.cu_q_lens.tolist()
     for b, ((q, k, v), c) in enumerate(zip(full, cached, strict=True)):
         expected = dense_attention(q[c:], k, v, c)
@@ -91,6 +91,19 @@ def test_a_decode_step_of_many_lengths_matches_dense_attention(page_size, heads,
     lengths = [1, 2, 15, 16, 17, 33, 64, 65, 128, 300]
     run_case(lengths, [n - 1 for n in lengths], heads, kv_heads, page_size, seed=page_size + heads,
              backend=backend)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads,page_size", [
+    (64, 9, 3, 16),  # the default model's shape, on the kernel specialised for it
+    (128, 8, 1, 32),  # a wider head, 8 query heads per kv head
+    (24, 6, 2, 16),  # head_dim not a multiple of 16: the generic kernel
+    (16, 9, 1, 16),  # 9 query heads per kv head: the generic kernel
+    (16, 4, 2, 80),  # pages over 64 tokens: the generic kernel
+])
+def test_the_cpu_kernels_specialised_and_generic_paths_match_dense_attention(head_dim, heads, kv_heads, page_size):
+    lengths = [1, 17, 64, 65, 200, 301]
+    run_case(lengths, [n - 1 for n in lengths], heads, kv_heads, page_size, seed=head_dim, backend="cpu",
+             head_dim=head_dim)
 
 
 def test_auto_picks_the_cpu_kernel_for_float32_on_cpu_and_the_reference_otherwise():
