@@ -4,7 +4,7 @@
 Why: in a decode step the reference backend copies every sequence's pages into a padded batch and SDPA then
 reads the copy, so K/V cross memory three times; with contexts of a few hundred tokens that gather cost as
 much as all the GEMMs. The kernel walks each sequence's page table once, with an online softmax, one sequence
-per intra-op thread. Prefill chunks are GEMM-bound and keep the reference path.
+per intra-op thread (torch's OpenMP pool). Prefill chunks are GEMM-bound and keep the reference path.
 
 The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja; about 20 s), cached
 under torch's extension directory, and built ahead by ``make install`` (``python -m kvserve.kernels.cpu_paged``).
@@ -29,7 +29,10 @@ from kvserve.kernels.reference import ReferenceBackend, ReferenceState, attend_g
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "paged_decode.cpp"
-CFLAGS = ["-O3", "-ffast-math", "-march=native"]
+# -fopenmp: at::parallel_for is a header template that runs its loop inline, on one thread, unless the code
+# that instantiates it is compiled with OpenMP. The extension then links the libgomp torch already loaded.
+OPENMP = ["-fopenmp"]
+CFLAGS = ["-O3", "-ffast-math", "-march=native", *OPENMP]
 
 
 def _build_name() -> str:
@@ -54,7 +57,7 @@ def load_extension():
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     except ImportError:
         pass
-    return load(_build_name(), [str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
+    return load(_build_name(), [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=OPENMP, verbose=False)
 
 
 def unavailable_reason() -> str | None:

@@ -258,8 +258,17 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache
   return out;
 }
 
+// How many intra-op threads one at::parallel_for over ``num_tasks`` tasks ran on (1 when the extension was
+// built without OpenMP: then parallel_for runs inline). For the test that guards the build flags.
+int64_t parallel_threads(int64_t num_tasks) {
+  std::vector<int> used(at::get_num_threads(), 0);
+  at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) { used[at::get_thread_num()] = 1; });
+  return std::count(used.begin(), used.end(), 1);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention, K/V read in place (CPU, float32)");
+  m.def("parallel_threads", &parallel_threads, "intra-op threads one parallel_for ran on (a build check)");
 }

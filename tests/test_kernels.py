@@ -106,6 +106,18 @@ def test_the_cpu_kernels_specialised_and_generic_paths_match_dense_attention(hea
              head_dim=head_dim)
 
 
+def test_the_cpu_kernel_runs_on_every_intra_op_thread():
+    """Built without OpenMP, at::parallel_for runs inline on one thread: correct, and half as fast here."""
+    from kvserve.kernels.cpu_paged import load_extension
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert load_extension().parallel_threads(8) == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_auto_picks_the_cpu_kernel_for_float32_on_cpu_and_the_reference_otherwise():
     assert get_backend("auto", torch.device("cpu")).name == "cpu"
     assert get_backend("auto", torch.device("cpu"), torch.bfloat16).name == "reference"
