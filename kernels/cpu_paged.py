@@ -23,16 +23,18 @@ from functools import cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
 from kvserve.kernels.reference import ReferenceBackend, ReferenceState, attend_groups, group_state
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "paged_decode.cpp"
+SOURCES = [Path(__file__).parent / name for name in ("cpu_ops.cpp", "paged_decode.cpp", "packed_linear.cpp")]
 # -fopenmp: at::parallel_for is a header template that runs its loop inline, on one thread, unless the code
 # that instantiates it is compiled with OpenMP. The extension then links the libgomp torch already loaded.
 OPENMP = ["-fopenmp"]
 CFLAGS = ["-O3", "-ffast-math", "-march=native", *OPENMP]
+PANEL = 32  # output columns per packed weight panel (kPanel in packed_linear.cpp)
 
 
 def _build_name() -> str:
@@ -57,7 +59,7 @@ def load_extension():
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     except ImportError:
         pass
-    return load(_build_name(), [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=OPENMP, verbose=False)
+    return load(_build_name(), [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=OPENMP, verbose=False)
 
 
 def unavailable_reason() -> str | None:
@@ -78,13 +80,27 @@ class CPUState:
 
 
 class CPUPagedBackend:
-    """float32 on CPU. Decodes: the in-place kernel; prefill chunks: the reference backend's groups."""
+    """float32 on CPU. Decodes: the in-place kernel; prefill chunks: the reference backend's groups. Linear
+    layers: weights packed once into panels of 32 output columns (``kernels/packed_linear.cpp``); MKL's sgemm
+    repacks them on every call, which costs a decode step more than the product."""
 
     name = "cpu"
 
     def __init__(self):
         self.ext = load_extension()
         self.reference = ReferenceBackend()
+
+    def pack_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> panels [N / 32, K, 32]; a w whose N is not a multiple of 32 stays as it is (F.linear)."""
+        if w.dim() != 2 or w.shape[0] % PANEL or w.dtype != torch.float32:
+            return w
+        return self.ext.pack_panels(w)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if w.dim() == 2:
+            return F.linear(x, w, bias)
+        y = self.ext.linear_packed(x.contiguous(), w)
+        return y if bias is None else y.add_(bias)
 
     def prepare(self, meta: AttentionMetadata) -> CPUState | ReferenceState:
         q_lens = meta.q_lens.tolist()

@@ -88,9 +88,19 @@ def build_metadata(
 
 
 class PagedAttentionBackend(Protocol):
-    """A paged-attention implementation. ``prepare`` runs once per step, ``forward`` once per layer."""
+    """A paged-attention implementation. ``prepare`` runs once per step, ``forward`` once per layer. A backend
+    also owns the layout of the linear layers' weights: ``pack_weight`` runs once per weight at load, and the
+    model calls ``linear`` with what it returned."""
 
     name: str
+
+    def pack_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """w [out_features, in_features] in the layout ``linear`` reads (w itself for F.linear)."""
+        ...
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w.T + bias, for a w that ``pack_weight`` returned."""
+        ...
 
     def prepare(self, meta: AttentionMetadata) -> object:
         """Precomputes backend-specific per-step state (gather indices, masks) from the metadata."""

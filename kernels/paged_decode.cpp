@@ -14,13 +14,14 @@
 //   returns     [num_seqs, num_heads, head_dim]                      float32
 //
 // Query head h attends with kv head h / (num_heads / num_kv_heads), as in HF's repeat_kv.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+namespace kvserve {
 namespace {
 
 constexpr float kMinScore = -1e30f;  // a finite "minus infinity": the build uses -ffast-math
@@ -216,8 +217,10 @@ FastFn fast_kernel(int64_t head_dim, int64_t group, int64_t page_size) {
   }
 }
 
-torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& tables,
-                           const torch::Tensor& seq_lens, double scale) {
+}  // namespace
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tables,
+                           const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && tables.dim() == 2 && seq_lens.dim() == 1, "bad ranks");
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables and lengths");
@@ -232,7 +235,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache
   const int64_t group = s.num_heads / s.num_kv_heads;
   const FastFn fast = fast_kernel(s.head_dim, group, s.page_size);
 
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* q_ptr = q.data_ptr<float>();
   const float* k_ptr = kv_cache.data_ptr<float>();
   const float* v_ptr = k_ptr + s.num_pages * s.page_size * s.token_stride;
@@ -266,9 +269,4 @@ int64_t parallel_threads(int64_t num_tasks) {
   return std::count(used.begin(), used.end(), 1);
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention, K/V read in place (CPU, float32)");
-  m.def("parallel_threads", &parallel_threads, "intra-op threads one parallel_for ran on (a build check)");
-}
+}  // namespace kvserve

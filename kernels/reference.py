@@ -105,6 +105,12 @@ class ReferenceBackend:
 
     name = "reference"
 
+    def pack_weight(self, w: torch.Tensor) -> torch.Tensor:
+        return w
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, w, bias)
+
     def prepare(self, meta: AttentionMetadata) -> ReferenceState:
         q_lens = meta.q_lens.tolist()
         decodes = [i for i, n in enumerate(q_lens) if n == 1]

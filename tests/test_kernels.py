@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvserve.kernels.cpu_paged import CPUPagedBackend
 from kvserve.kernels.paged_attention import build_metadata, get_backend, write_kv
@@ -116,6 +117,21 @@ def test_the_cpu_kernel_runs_on_every_intra_op_thread():
         assert load_extension().parallel_threads(8) == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 24, 200])
+def test_the_cpu_backends_packed_linear_matches_f_linear(rows):
+    """Every row-tile size of the micro-kernel (1..8 rows, and several tiles), with and without a bias."""
+    backend, gen = CPUPagedBackend(), torch.Generator().manual_seed(rows)
+    w, bias = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(rows, 40, generator=gen)
+    packed = backend.pack_weight(w)
+    assert packed.shape == (3, 40, 32)  # panels of 32 output columns
+    torch.testing.assert_close(backend.linear(x, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(backend.linear(x, packed, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    odd = torch.randn(50, 40, generator=gen)  # 50 output features: not a whole number of panels
+    assert backend.pack_weight(odd) is odd
+    torch.testing.assert_close(backend.linear(x, backend.pack_weight(odd)), F.linear(x, odd))
 
 
 def test_auto_picks_the_cpu_kernel_for_float32_on_cpu_and_the_reference_otherwise():

@@ -7,6 +7,7 @@ returns hidden states for all of them; the runner picks the rows it needs logits
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +27,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def pack_layers(weights: ModelWeights, pack) -> ModelWeights:
+    """The layers' projection weights in the layout the attention backend's ``linear`` reads, one layer at a
+    time (the unpacked copy of a layer is freed before the next is packed)."""
+    for i, layer in enumerate(weights.layers):
+        weights.layers[i] = replace(layer, qkv=pack(layer.qkv), o=pack(layer.o), gate_up=pack(layer.gate_up),
+                                    down=pack(layer.down))
+    return weights
+
+
 class LlamaDecoder:
     """Stateless apart from its weights: all KV lives in the pool passed to ``forward``."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, backend: PagedAttentionBackend):
         self.cfg = cfg
-        self.weights = weights
+        self.weights = pack_layers(weights, backend.pack_weight)
         self.backend = backend
+        self.linear = backend.linear
         device = weights.embed.device
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = cos_sin_table(inv_freq, cfg.max_position_embeddings)
@@ -65,14 +76,14 @@ class LlamaDecoder:
 
     def _attention(self, x, layer: LayerWeights, cos, sin, kv_cache, meta, state) -> torch.Tensor:
         cfg = self.cfg
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self.linear(x, layer.qkv, layer.qkv_bias)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = apply_rotary(qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)  # one call for q, k
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, state, self.scale)
-        return F.linear(out.reshape(-1, self.q_size), layer.o)
+        return self.linear(out.reshape(-1, self.q_size), layer.o)
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, layer.down)

@@ -1,0 +1,18 @@
+// The CPU backend's extension module: the paged decode kernel (paged_decode.cpp) and the packed linear
+// layers (packed_linear.cpp). kvserve/kernels/cpu_paged.py builds the three files into one module.
+#include <torch/extension.h>
+
+namespace kvserve {
+torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& tables,
+                           const torch::Tensor& seq_lens, double scale);
+int64_t parallel_threads(int64_t num_tasks);
+torch::Tensor pack_panels(const torch::Tensor& w);
+torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels);
+}  // namespace kvserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &kvserve::paged_decode, "paged decode attention, K/V read in place (CPU, float32)");
+  m.def("parallel_threads", &kvserve::parallel_threads, "intra-op threads one parallel_for ran on (a build check)");
+  m.def("pack_panels", &kvserve::pack_panels, "w [N, K] -> panels [N / 32, K, 32] for linear_packed");
+  m.def("linear_packed", &kvserve::linear_packed, "x [M, K] @ w.T from w's panels (CPU, float32)");
+}

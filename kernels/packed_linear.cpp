@@ -1,0 +1,92 @@
+// y = x @ w.T with w packed once into column panels: the CPU backend's linear layers (float32).
+//
+// MKL's sgemm packs the weight matrix on every call. With the few rows of a decode step that packing costs
+// more than the product: 30 layers of SmolLM2's projections took 47 ms for 8 rows and 55 ms for 24, where
+// reading the weights once takes about 18. Here the weights are packed once, at load, into panels of 32
+// output columns,
+//
+//   panels      [num_panels = N / 32, K, 32]   float32, contiguous: panels[p, k, j] = w[32 p + j, k]
+//
+// so a panel streams from memory in order, and a micro-kernel keeps up to 8 rows x 32 columns of y in
+// registers while it walks k: per k, two vector loads of the panel, one broadcast per row, 2 FMAs per row.
+// Panels are spread over the intra-op threads; a panel stays in L2 while every row tile of x passes over it.
+// Measured against MKL on the same shapes (30 layers, 2 threads): 31 vs 47 ms at 8 rows, 43 vs 56 at 24,
+// 120 vs 127 at 128, 419 vs 398 at 512 (a prefill chunk; 5% slower, and no second copy of the weights).
+//
+//   x           [M, K]          float32, contiguous
+//   returns     [M, N]          float32
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+namespace kvserve {
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+constexpr int kPanel = 32;  // output columns per panel: two vectors
+constexpr int kMaxRows = 8;  // rows of x per micro-kernel call: 16 accumulators
+
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+
+// y[0:R, 0:32] = x[0:R, :] @ panel, for one panel of K x 32.
+template <int R>
+void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy) {
+  v16 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    const v16 w0 = load(panel + k * kPanel), w1 = load(panel + k * kPanel + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * ldx + k];
+      acc[r][0] += xv * w0;
+      acc[r][1] += xv * w1;
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    store(y + r * ldy, acc[r][0]);
+    store(y + r * ldy + 16, acc[r][1]);
+  }
+}
+
+using MicroKernel = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
+constexpr MicroKernel kKernels[kMaxRows + 1] = {nullptr,         micro_kernel<1>, micro_kernel<2>,
+                                                micro_kernel<3>, micro_kernel<4>, micro_kernel<5>,
+                                                micro_kernel<6>, micro_kernel<7>, micro_kernel<8>};
+
+}  // namespace
+
+at::Tensor pack_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "w: a float32 matrix [N, K]");
+  TORCH_CHECK(w.size(0) % kPanel == 0, "N must be a multiple of ", kPanel, ", got ", w.size(0));
+  return w.reshape({w.size(0) / kPanel, kPanel, w.size(1)}).transpose(1, 2).contiguous();
+}
+
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& panels) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kFloat, "panels: contiguous float32 [N / 32, K, 32]");
+  const int64_t M = x.size(0), K = x.size(1), num_panels = panels.size(0);
+  TORCH_CHECK(panels.size(1) == K, "x has ", K, " columns, the panels ", panels.size(1), " rows");
+  auto y = at::empty({M, num_panels * kPanel}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldy = num_panels * kPanel;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
+        kKernels[rows](xp + m * K, K, pp + p * K * kPanel, K, yp + m * ldy + p * kPanel, ldy);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace kvserve
