@@ -134,6 +134,26 @@ def test_the_cpu_backends_packed_linear_matches_f_linear(rows):
     torch.testing.assert_close(backend.linear(x, backend.pack_weight(odd)), F.linear(x, odd))
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_weights_keep_a_tied_embedding_once_and_read_it_from_the_lm_head(tied):
+    from kvserve.worker.model import embedding, pack_weights
+    from kvserve.worker.weights import LayerWeights, ModelWeights
+
+    gen = torch.Generator().manual_seed(3)
+    mat = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    embed = mat(128, 40)
+    layer = LayerWeights(mat(40), mat(96, 40), None, mat(40, 32), mat(40), mat(64, 40), mat(40, 32))
+    weights = ModelWeights(embed, [layer], mat(40), embed if tied else mat(128, 40))
+    lm_head = weights.lm_head
+    packed = pack_weights(weights, CPUPagedBackend().pack_weight)
+    assert (packed.embed is None) == tied and packed.lm_head.shape == (4, 40, 32)
+    assert packed.layers[0].qkv.dim() == 3 and packed.layers[0].o.dim() == 2  # 40 outputs: not whole panels
+    ids = torch.tensor([0, 31, 32, 127, 5, 5])
+    assert torch.equal(embedding(ids, packed), embed[ids])
+    x = mat(3, 40)
+    torch.testing.assert_close(CPUPagedBackend().linear(x, packed.lm_head), F.linear(x, lm_head))
+
+
 def test_auto_picks_the_cpu_kernel_for_float32_on_cpu_and_the_reference_otherwise():
     assert get_backend("auto", torch.device("cpu")).name == "cpu"
     assert get_backend("auto", torch.device("cpu"), torch.bfloat16).name == "reference"

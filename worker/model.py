@@ -27,13 +27,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def pack_layers(weights: ModelWeights, pack) -> ModelWeights:
-    """The layers' projection weights in the layout the attention backend's ``linear`` reads, one layer at a
-    time (the unpacked copy of a layer is freed before the next is packed)."""
+def pack_weights(weights: ModelWeights, pack) -> ModelWeights:
+    """The projection weights and the LM head in the layout the attention backend's ``linear`` reads, one
+    matrix at a time (the unpacked copy of a layer is freed before the next is packed). A tied embedding is
+    then read from the packed LM head (``embed`` becomes None), so the matrix is still held once."""
     for i, layer in enumerate(weights.layers):
         weights.layers[i] = replace(layer, qkv=pack(layer.qkv), o=pack(layer.o), gate_up=pack(layer.gate_up),
                                     down=pack(layer.down))
+    tied = weights.lm_head is weights.embed
+    weights.lm_head = pack(weights.lm_head)
+    if tied and weights.lm_head.dim() == 3:
+        weights.embed = None
     return weights
+
+
+def embedding(token_ids: torch.Tensor, weights: ModelWeights) -> torch.Tensor:
+    """Rows of the embedding; of a tied one packed as panels [vocab / 32, hidden, 32], column id % 32 of panel
+    id // 32 (the same floats)."""
+    if weights.embed is not None:
+        return F.embedding(token_ids, weights.embed)
+    panel = weights.lm_head.shape[2]
+    return weights.lm_head[token_ids // panel, :, token_ids % panel]
 
 
 class LlamaDecoder:
@@ -41,10 +55,10 @@ class LlamaDecoder:
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, backend: PagedAttentionBackend):
         self.cfg = cfg
-        self.weights = pack_layers(weights, backend.pack_weight)
+        self.weights = pack_weights(weights, backend.pack_weight)
         self.backend = backend
         self.linear = backend.linear
-        device = weights.embed.device
+        device = weights.lm_head.device
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = cos_sin_table(inv_freq, cfg.max_position_embeddings)
         self.cos, self.sin = cos.to(device), sin.to(device)
@@ -59,7 +73,7 @@ class LlamaDecoder:
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        x = F.embedding(token_ids, self.weights.embed)
+        x = embedding(token_ids, self.weights)
         dtype = x.dtype
         cos = self.cos[meta.positions].to(dtype)
         sin = self.sin[meta.positions].to(dtype)
@@ -72,7 +86,7 @@ class LlamaDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in fp32."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        return self.linear(hidden, self.weights.lm_head).float()
 
     def _attention(self, x, layer: LayerWeights, cos, sin, kv_cache, meta, state) -> torch.Tensor:
         cfg = self.cfg

@@ -29,7 +29,7 @@ class LayerWeights:
 
 @dataclass(slots=True)
 class ModelWeights:
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: torch.Tensor | None  # [vocab, hidden]; None once a tied embedding is read from the packed LM head
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden], the embedding itself when tied
