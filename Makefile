@@ -26,8 +26,9 @@ install: $(STAMP)
 model: install
 	$(KVSERVE) model prepare
 
-# Compiles the CPU attention kernel (kernels/paged_decode.cpp, g++ via torch.utils.cpp_extension, ~20 s once; cached by torch
-# until the source changes). Without a compiler workers fall back to the reference backend, and say so.
+# Compiles the cpu backend's C++ module (kernels/*.cpp: decode attention and packed linear layers; g++ via
+# torch.utils.cpp_extension, ~30 s once; cached by torch until the sources change). Without a compiler workers
+# fall back to the reference backend, and say so.
 kernels: install
 	$(PY) -m kvserve.kernels.cpu_paged
 

@@ -1,13 +1,14 @@
 """The CPU backend: decode tokens attend through a small C++ kernel that reads K/V in place from the page pool
-(``kernels/paged_decode.cpp``); prefill chunks go through the reference backend's gather + SDPA.
+(``kernels/paged_decode.cpp``); prefill chunks go through the reference backend's gather + SDPA; the linear
+layers run over weights packed once into column panels (``kernels/packed_linear.cpp``).
 
 Why: in a decode step the reference backend copies every sequence's pages into a padded batch and SDPA then
 reads the copy, so K/V cross memory three times; with contexts of a few hundred tokens that gather cost as
 much as all the GEMMs. The kernel walks each sequence's page table once, with an online softmax, one sequence
 per intra-op thread (torch's OpenMP pool). Prefill chunks are GEMM-bound and keep the reference path.
 
-The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja; about 20 s), cached
-under torch's extension directory, and built ahead by ``make install`` (``python -m kvserve.kernels.cpu_paged``).
+The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja; about 30 s), cached
+under torch's extension directory, and built ahead by ``make kernels`` (``python -m kvserve.kernels.cpu_paged``).
 When it cannot be built, ``get_backend("auto", cpu)`` falls back to the reference backend and says why.
 """
 
