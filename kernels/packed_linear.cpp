@@ -33,66 +33,42 @@ constexpr int kMaxRows = 8;  // rows of x per call of the one-panel kernel: 16 a
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
-// y[0:R, 0:32] = x[0:R, :] @ panel, for one panel of K x 32.
-template <int R>
-void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy) {
-  v16 acc[R][2];
+// y[0:R, 0:32P] = x[0:R, :] @ [panel_0 .. panel_P-1]: P adjacent panels (2P vectors per row, R x 2P
+// accumulators in registers); each broadcast of x feeds 2P FMAs.
+template <int R, int P>
+void micro_kernel(const float* x, int64_t ldx, const float* panels, int64_t K, float* y, int64_t ldy) {
+  v16 acc[R][2 * P];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v16{};
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * P; ++j) acc[r][j] = v16{};
   for (int64_t k = 0; k < K; ++k) {
-    const v16 w0 = load(panel + k * kPanel), w1 = load(panel + k * kPanel + 16);
+    v16 w[2 * P];
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * P; ++j) w[j] = load(panels + (j / 2) * K * kPanel + k * kPanel + (j % 2) * 16);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * ldx + k];
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
+#pragma GCC unroll 8
+      for (int j = 0; j < 2 * P; ++j) acc[r][j] += xv * w[j];
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    store(y + r * ldy, acc[r][0]);
-    store(y + r * ldy + 16, acc[r][1]);
-  }
-}
-
-// y[0:R, 0:64] = x[0:R, :] @ [panel0 panel1]: two panels at once, 4 vectors per row (for R <= 6, 24
-// accumulators), so each broadcast of x feeds 4 FMAs instead of 2.
-template <int R>
-void micro_kernel_wide(const float* x, int64_t ldx, const float* panel0, const float* panel1, int64_t K,
-                       float* y, int64_t ldy) {
-  v16 acc[R][4];
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = v16{};
-  for (int64_t k = 0; k < K; ++k) {
-    const v16 w0 = load(panel0 + k * kPanel), w1 = load(panel0 + k * kPanel + 16);
-    const v16 w2 = load(panel1 + k * kPanel), w3 = load(panel1 + k * kPanel + 16);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float xv = x[r * ldx + k];
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
-      acc[r][2] += xv * w2;
-      acc[r][3] += xv * w3;
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    store(y + r * ldy, acc[r][0]);
-    store(y + r * ldy + 16, acc[r][1]);
-    store(y + r * ldy + kPanel, acc[r][2]);
-    store(y + r * ldy + kPanel + 16, acc[r][3]);
-  }
+    for (int j = 0; j < 2 * P; ++j) store(y + r * ldy + j * 16, acc[r][j]);
 }
 
 using MicroKernel = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
-using WideKernel = void (*)(const float*, int64_t, const float*, const float*, int64_t, float*, int64_t);
+// Two panels at once, up to 6 rows (24 accumulators): four FMAs per broadcast. An odd last panel: one panel,
+// up to 8 rows (16 accumulators).
 constexpr int kWideRows = 6;
-constexpr WideKernel kWide[kWideRows + 1] = {nullptr, micro_kernel_wide<1>, micro_kernel_wide<2>,
-                                             micro_kernel_wide<3>, micro_kernel_wide<4>, micro_kernel_wide<5>,
-                                             micro_kernel_wide<6>};
-constexpr MicroKernel kKernels[kMaxRows + 1] = {nullptr,         micro_kernel<1>, micro_kernel<2>,
-                                                micro_kernel<3>, micro_kernel<4>, micro_kernel<5>,
-                                                micro_kernel<6>, micro_kernel<7>, micro_kernel<8>};
+constexpr MicroKernel kWide[kWideRows + 1] = {nullptr,             micro_kernel<1, 2>, micro_kernel<2, 2>,
+                                             micro_kernel<3, 2>, micro_kernel<4, 2>, micro_kernel<5, 2>,
+                                             micro_kernel<6, 2>};
+constexpr MicroKernel kNarrow[kMaxRows + 1] = {nullptr,             micro_kernel<1, 1>, micro_kernel<2, 1>,
+                                               micro_kernel<3, 1>, micro_kernel<4, 1>, micro_kernel<5, 1>,
+                                               micro_kernel<6, 1>, micro_kernel<7, 1>, micro_kernel<8, 1>};
 
 }  // namespace
 
@@ -115,19 +91,15 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& panels) {
   const int64_t ldy = num_panels * kPanel;
   const int64_t num_pairs = (num_panels + 1) / 2;  // work items: pairs of panels (the last may be single)
   at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t p = 2 * pair;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = 2 * item;
       const float* panel = pp + p * K * kPanel;
-      if (p + 1 < num_panels) {
-        for (int64_t m = 0; m < M; m += kWideRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kWideRows, M - m));
-          kWide[rows](xp + m * K, K, panel, panel + K * kPanel, K, yp + m * ldy + p * kPanel, ldy);
-        }
-      } else {
-        for (int64_t m = 0; m < M; m += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m));
-          kKernels[rows](xp + m * K, K, panel, K, yp + m * ldy + p * kPanel, ldy);
-        }
+      const bool two = p + 1 < num_panels;
+      const int max_rows = two ? kWideRows : kMaxRows;
+      const MicroKernel* kernels = two ? kWide : kNarrow;
+      for (int64_t m = 0; m < M; m += max_rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(max_rows, M - m));
+        kernels[rows](xp + m * K, K, panel, K, yp + m * ldy + p * kPanel, ldy);
       }
     }
   });

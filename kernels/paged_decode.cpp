@@ -55,6 +55,22 @@ struct Shape {
   float scale;
 };
 
+// Page p of a sequence of n tokens: how many of its tokens are visible, and the first key and value rows of
+// the kv head at kv_offset.
+struct PageRows {
+  int64_t tokens;
+  const float* k;
+  const float* v;
+};
+
+inline PageRows page_rows(const Shape& s, const int64_t* table, int64_t p, int64_t n, const float* k_ptr,
+                          const float* v_ptr, int64_t kv_offset) {
+  const int64_t page = table[p];
+  TORCH_CHECK(page >= 0 && page < s.num_pages, "page id outside the pool");
+  const int64_t first = page * s.page_size * s.token_stride + kv_offset;
+  return {std::min(s.page_size, n - p * s.page_size), k_ptr + first, v_ptr + first};
+}
+
 // One sequence, the fast path: head_dim = 16 * NV, and the G query heads that share a kv head are computed
 // together, so each key and value row is loaded once for the group, and the group's queries and accumulators
 // stay in registers while the sequence's pages go by. For each kv head, page by page: the G x page_size
@@ -80,11 +96,7 @@ void decode_seq_fast(const Shape& s, const float* qb, const float* k_ptr, const 
     }
     const int64_t kv_offset = kvh * D;
     for (int64_t p = 0; p * s.page_size < n; ++p) {
-      const int64_t page = table[p];
-      TORCH_CHECK(page >= 0 && page < s.num_pages, "page id outside the pool");
-      const int64_t tokens = std::min(s.page_size, n - p * s.page_size);
-      const float* kp = k_ptr + page * s.page_size * s.token_stride + kv_offset;
-      const float* vp = v_ptr + page * s.page_size * s.token_stride + kv_offset;
+      const auto [tokens, kp, vp] = page_rows(s, table, p, n, k_ptr, v_ptr, kv_offset);
       if ((p + 1) * s.page_size < n) {  // the next page is elsewhere in the pool: fetch this head's rows now
         const int64_t next = table[p + 1];
         if (next >= 0 && next < s.num_pages) {
@@ -156,11 +168,7 @@ void decode_seq_generic(const Shape& s, const float* qb, const float* k_ptr, con
     float run_max = kMinScore, run_sum = 0.f;
     std::fill(acc, acc + D, 0.f);
     for (int64_t p = 0; p * s.page_size < n; ++p) {
-      const int64_t page = table[p];
-      TORCH_CHECK(page >= 0 && page < s.num_pages, "page id outside the pool");
-      const int64_t tokens = std::min(s.page_size, n - p * s.page_size);
-      const float* kp = k_ptr + page * s.page_size * s.token_stride + kv_offset;
-      const float* vp = v_ptr + page * s.page_size * s.token_stride + kv_offset;
+      const auto [tokens, kp, vp] = page_rows(s, table, p, n, k_ptr, v_ptr, kv_offset);
       float page_max = kMinScore;
       for (int64_t t = 0; t < tokens; ++t) {
         const float* k = kp + t * s.token_stride;
