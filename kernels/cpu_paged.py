@@ -34,18 +34,18 @@ SOURCES = [Path(__file__).parent / name for name in ("cpu_ops.cpp", "paged_decod
 # -fopenmp: at::parallel_for is a header template that runs its loop inline, on one thread, unless the code
 # that instantiates it is compiled with OpenMP. The extension then links the libgomp torch already loaded.
 OPENMP = ["-fopenmp"]
-CFLAGS = ["-O3", "-ffast-math", "-march=native", *OPENMP]
+CFLAGS = ["-O3", "-ffast-math", "-march=native"]
 PANEL = 32  # output columns per packed weight panel (kPanel in packed_linear.cpp)
 
 
-def _build_name() -> str:
+def _build_name(cflags: list[str]) -> str:
     """The extension's name, which keys torch's build cache: ``-march=native`` code must not be reused on a
     machine with other instruction sets (a shared home directory), so the CPU's flags are part of it."""
     flags = ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-    digest = hashlib.sha256(f"{platform.machine()} {flags} {CFLAGS}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{platform.machine()} {flags} {cflags}".encode()).hexdigest()[:12]
     return f"kvserve_paged_decode_{digest}"
 
 
@@ -60,7 +60,14 @@ def load_extension():
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     except ImportError:
         pass
-    return load(_build_name(), [str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=OPENMP, verbose=False)
+    sources = [str(s) for s in SOURCES]
+    try:
+        return load(_build_name(CFLAGS + OPENMP), sources, extra_cflags=CFLAGS + OPENMP, extra_ldflags=OPENMP,
+                    verbose=False)
+    except Exception as e:  # noqa: BLE001 - a compiler without OpenMP (Apple clang): build without it
+        log.warning("cpu kernels: the OpenMP build failed (%s); building without OpenMP, so they run on one "
+                    "thread", str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+    return load(_build_name(CFLAGS), sources, extra_cflags=CFLAGS, verbose=False)
 
 
 def unavailable_reason() -> str | None:

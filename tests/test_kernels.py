@@ -245,3 +245,28 @@ def test_without_a_compiler_auto_falls_back_to_the_reference_and_cpu_says_why(mo
     assert "c++: command not found" in caplog.text
     with pytest.raises(ValueError, match="cpu attention backend is not available: RuntimeError: .*command not found"):
         get_backend("cpu", torch.device("cpu"))
+
+
+def test_a_compiler_without_openmp_gets_the_kernels_built_without_it(monkeypatch, caplog):
+    """Apple clang has no -fopenmp: the module is built again without it (one thread) rather than not at all."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from kvserve.kernels import cpu_paged
+
+    builds = []
+
+    def fake_load(name, sources, extra_cflags=(), extra_ldflags=(), verbose=False):
+        builds.append((name, list(extra_cflags), list(extra_ldflags)))
+        if "-fopenmp" in extra_cflags:
+            raise RuntimeError("clang: error: unsupported option '-fopenmp'")
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    cpu_paged.load_extension.cache_clear()
+    try:
+        assert cpu_paged.load_extension() == "module"
+    finally:
+        cpu_paged.load_extension.cache_clear()  # the next caller builds (loads from cache) the real one
+    (first, with_omp, _), (second, without, ldflags) = builds
+    assert "-fopenmp" in with_omp and "-fopenmp" not in without and not ldflags and first != second
+    assert "unsupported option '-fopenmp'" in caplog.text and "one thread" in caplog.text
