@@ -217,3 +217,12 @@ def test_a_preempted_request_commits_what_it_computed_and_hits_it_on_resume():
     assert mgr.tenants["t"].prefix_hit_tokens == 12
     drain(mgr, sched)
     assert b.output_token_ids == [100 + p for p in range(4, 34)]
+
+
+def test_headroom_never_asks_past_the_pool():
+    mgr, sched = setup(num_pages=8, budget=32)  # 32 slots
+    sched.add(request("a", range(1, 29), max_tokens=100))  # 28 prompt tokens: 7 pages (the gateway would refuse)
+    run_step(mgr, sched)
+    sched.num_available_pages = 100  # a stale count: headroom looks free (the half-the-spare rule stops it else)
+    out, _ = run_step(mgr, sched)  # position 28 needs the 8th page; a page of headroom would be a 9th, and the
+    assert [(e.req_id, e.num_tokens) for e in out.ops.extensions] == [("a", 29)]  # kvmanager refuses such a call

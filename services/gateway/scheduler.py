@@ -176,7 +176,8 @@ class Scheduler:
         for chunk in running:
             req = chunk.req
             end = chunk.start_pos + chunk.num_tokens
-            last = min(len(req.prompt_token_ids) + req.params.max_tokens - 1, self.cfg.max_model_len)
+            last = min(len(req.prompt_token_ids) + req.params.max_tokens - 1, self.cfg.max_model_len,
+                       self.cfg.num_pages * page_size)  # the kvmanager refuses a call extending past its pool
             target = max(end, min(end + page_size, last))
             have = max(len(req.page_table), _pages(needed.get(req.req_id, 0), page_size))
             extra = _pages(target, page_size) - have
