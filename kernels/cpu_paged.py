@@ -65,8 +65,8 @@ def load_extension():
         return load(_build_name(CFLAGS + OPENMP), sources, extra_cflags=CFLAGS + OPENMP, extra_ldflags=OPENMP,
                     verbose=False)
     except Exception as e:  # noqa: BLE001 - a compiler without OpenMP (Apple clang): build without it
-        log.warning("cpu kernels: the OpenMP build failed (%s); building without OpenMP, so they run on one "
-                    "thread", str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        log.warning("cpu kernels: the build with OpenMP failed (%s); trying without OpenMP, where they run on "
+                    "one thread", str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
     return load(_build_name(CFLAGS), sources, extra_cflags=CFLAGS, verbose=False)
 
 

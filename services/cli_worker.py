@@ -41,8 +41,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     size.add_argument("--num-pages", type=positive_int, default=_env("num_pages"), action=_PoolSize)
     p.add_argument("--attention-backend", default=_env("attention_backend", "auto"),
                    choices=["auto", "cpu", "reference"],
-                   help="auto (default): the in-place C++ decode kernel for float32 on CPU when it builds, else "
-                        "the torch reference; cpu: that kernel or an error; reference: gather + SDPA")
+                   help="auto (default): cpu for float32 on CPU when its C++ module builds, else reference; "
+                        "cpu: the in-place decode kernel and linear layers on packed weights, or an error; "
+                        "reference: gather + SDPA and F.linear")
 
 
 def add_commands(sub) -> None:

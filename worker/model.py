@@ -28,9 +28,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def pack_weights(weights: ModelWeights, pack) -> ModelWeights:
-    """The projection weights and the LM head in the layout the attention backend's ``linear`` reads, one
-    matrix at a time (the unpacked copy of a layer is freed before the next is packed). A tied embedding is
-    then read from the packed LM head (``embed`` becomes None), so the matrix is still held once."""
+    """Puts the projection weights and the LM head, in place, in the layout the attention backend's ``linear``
+    reads, one matrix at a time (the unpacked copy of a layer is freed before the next is packed). A tied
+    embedding is then read from the packed LM head (``embed`` becomes None), so the matrix is still held once."""
     for i, layer in enumerate(weights.layers):
         weights.layers[i] = replace(layer, qkv=pack(layer.qkv), o=pack(layer.o), gate_up=pack(layer.gate_up),
                                     down=pack(layer.down))
