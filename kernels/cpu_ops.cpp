@@ -1,5 +1,5 @@
 // The CPU backend's extension module: the paged decode kernel (paged_decode.cpp) and the packed linear
-// layers (packed_linear.cpp). kvserve/kernels/cpu_paged.py builds the three files into one module.
+// layers (packed_linear.cpp, block_linear.cpp). kvserve/kernels/cpu_paged.py builds the files into one module.
 #include <torch/extension.h>
 
 namespace kvserve {
@@ -8,6 +8,9 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache
 int64_t parallel_threads(int64_t num_tasks);
 torch::Tensor pack_panels(const torch::Tensor& w);
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels);
+std::vector<torch::Tensor> pack_blocks(const torch::Tensor& w, int64_t bits);
+torch::Tensor linear_blocks(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
+                            const torch::Tensor& m);
 }  // namespace kvserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -15,4 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &kvserve::parallel_threads, "intra-op threads one parallel_for ran on (a build check)");
   m.def("pack_panels", &kvserve::pack_panels, "w [N, K] -> panels [N / 32, K, 32] for linear_packed");
   m.def("linear_packed", &kvserve::linear_packed, "x [M, K] @ w.T from w's panels (CPU, float32)");
+  m.def("pack_blocks", &kvserve::pack_blocks,
+        "w [N, K] -> [q, d, m] panels of exact 4- or 8-bit blocks for linear_blocks; [] when w has none");
+  m.def("linear_blocks", &kvserve::linear_blocks, "x [M, K] @ w.T from w's block panels (CPU, float32)");
 }

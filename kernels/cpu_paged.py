@@ -1,6 +1,8 @@
 """The CPU backend: decode tokens attend through a small C++ kernel that reads K/V in place from the page pool
 (``kernels/paged_decode.cpp``); prefill chunks go through the reference backend's gather + SDPA; the linear
-layers run over weights packed once into column panels (``kernels/packed_linear.cpp``).
+layers run over weights packed once into column panels (``kernels/packed_linear.cpp``), or, for a weight whose
+float32 values are exactly 4- or 8-bit blocks (a quantised GGUF's, such as the default model's), over those
+blocks (``kernels/block_linear.cpp``): the same floats in a fifth of the bytes, which a decode step reads once.
 
 Why: in a decode step the reference backend copies every sequence's pages into a padded batch and SDPA then
 reads the copy, so K/V cross memory three times; with contexts of a few hundred tokens that gather cost as
@@ -30,12 +32,14 @@ from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
 from kvserve.kernels.reference import ReferenceBackend, ReferenceState, attend_groups, group_state
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / name for name in ("cpu_ops.cpp", "paged_decode.cpp", "packed_linear.cpp")]
+SOURCES = [Path(__file__).parent / name
+           for name in ("cpu_ops.cpp", "paged_decode.cpp", "packed_linear.cpp", "block_linear.cpp")]
 # -fopenmp: at::parallel_for is a header template that runs its loop inline, on one thread, unless the code
 # that instantiates it is compiled with OpenMP. The extension then links the libgomp torch already loaded.
 OPENMP = ["-fopenmp"]
 CFLAGS = ["-O3", "-ffast-math", "-march=native"]
-PANEL = 32  # output columns per packed weight panel (kPanel in packed_linear.cpp)
+PANEL = 32  # output columns per packed weight panel (kPanel in packed_linear.cpp), and weights per block along K
+BLOCK_BITS = (4, 8)  # the block formats pack_weight tries, in order (block_linear.cpp)
 
 
 def _build_name(cflags: list[str]) -> str:
@@ -80,6 +84,32 @@ def unavailable_reason() -> str | None:
 
 
 @dataclass(slots=True)
+class BlockPanels:
+    """A float32 weight matrix [N, K] held as the exact 4- or 8-bit blocks its values are
+    (``kernels/block_linear.cpp``): per panel p of 32 output columns, block b of 32 along K and column j,
+    w[32 p + j, 32 b + i] = d[p, b, j] * q + m[p, b, j] (4 bits; m is empty for 8 bits, where w = d * q)."""
+
+    q: torch.Tensor  # [N / 32, K, 16] uint8: column j in the low nibble of byte j, j + 16 in the high one; or
+    #                  [N / 32, K, 32] int8
+    d: torch.Tensor  # [N / 32, K / 32, 32] float32
+    m: torch.Tensor  # [N / 32, K / 32, 32] float32, or empty
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """w[ids] as float32 [len(ids), K], the same floats (a tied embedding read from the LM head)."""
+        p, j = ids // PANEL, ids % PANEL
+        if self.m.numel():
+            q = (self.q[p, :, j % 16] >> (4 * (j // 16)).unsqueeze(1)) & 15
+        else:
+            q = self.q[p, :, j]
+        w = q.float() * self.d[p, :, j].repeat_interleave(PANEL, dim=1)
+        return w + self.m[p, :, j].repeat_interleave(PANEL, dim=1) if self.m.numel() else w
+
+
+@dataclass(slots=True)
 class CPUState:
     decode_index: torch.Tensor | None  # [num_decodes] flat token (= sequence) rows of the decodes; None = all
     tables: torch.Tensor  # [num_decodes, max_pages] int64
@@ -90,24 +120,38 @@ class CPUState:
 class CPUPagedBackend:
     """float32 on CPU. Decodes: the in-place kernel; prefill chunks: the reference backend's groups. Linear
     layers: weights packed once into panels of 32 output columns (``kernels/packed_linear.cpp``); MKL's sgemm
-    repacks them on every call, which costs a decode step more than the product."""
+    repacks them on every call, which costs a decode step more than the product. A weight that is exact 4- or
+    8-bit blocks is kept as those blocks and unpacked into panels in cache, per call (``block_linear.cpp``):
+    bit for bit the float32 panels' result. ``block_weights=False`` (or KVSERVE_BLOCK_WEIGHTS=0) turns that off,
+    for comparisons."""
 
     name = "cpu"
 
-    def __init__(self):
+    def __init__(self, block_weights: bool | None = None):
         self.ext = load_extension()
+        if block_weights is None:  # KVSERVE_BLOCK_WEIGHTS=0: float32 panels only (for comparisons)
+            block_weights = os.environ.get("KVSERVE_BLOCK_WEIGHTS", "1") != "0"
+        self.block_weights = block_weights
         self.reference = ReferenceBackend()
 
-    def pack_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """[N, K] -> panels [N / 32, K, 32]; a w whose N is not a multiple of 32 stays as it is (F.linear)."""
+    def pack_weight(self, w: torch.Tensor) -> torch.Tensor | BlockPanels:
+        """[N, K] -> exact 4- or 8-bit block panels when every weight is one (a quantised GGUF's), else float32
+        panels [N / 32, K, 32]; a w whose N is not a multiple of 32 stays as it is (F.linear)."""
         if w.dim() != 2 or w.shape[0] % PANEL or w.dtype != torch.float32:
             return w
+        for bits in BLOCK_BITS if self.block_weights else ():
+            parts = self.ext.pack_blocks(w, bits)
+            if parts:
+                return BlockPanels(*parts)
         return self.ext.pack_panels(w)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if w.dim() == 2:
+    def linear(self, x: torch.Tensor, w: torch.Tensor | BlockPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(w, BlockPanels):
+            y = self.ext.linear_blocks(x.contiguous(), w.q, w.d, w.m)
+        elif w.dim() == 2:
             return F.linear(x, w, bias)
-        y = self.ext.linear_packed(x.contiguous(), w)
+        else:
+            y = self.ext.linear_packed(x.contiguous(), w)
         return y if bias is None else y.add_(bias)
 
     def prepare(self, meta: AttentionMetadata) -> CPUState | ReferenceState:

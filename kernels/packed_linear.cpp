@@ -78,6 +78,15 @@ at::Tensor pack_panels(const at::Tensor& w) {
   return w.reshape({w.size(0) / kPanel, kPanel, w.size(1)}).transpose(1, 2).contiguous();
 }
 
+void panel_rows(const float* x, int64_t M, int64_t K, const float* panels, int count, float* y, int64_t ldy) {
+  const int max_rows = count == 2 ? kWideRows : kMaxRows;
+  const MicroKernel* kernels = count == 2 ? kWide : kNarrow;
+  for (int64_t m = 0; m < M; m += max_rows) {
+    const int rows = static_cast<int>(std::min<int64_t>(max_rows, M - m));
+    kernels[rows](x + m * K, K, panels, K, y + m * ldy, ldy);
+  }
+}
+
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& panels) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
@@ -93,14 +102,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& panels) {
   at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = 2 * item;
-      const float* panel = pp + p * K * kPanel;
-      const bool two = p + 1 < num_panels;
-      const int max_rows = two ? kWideRows : kMaxRows;
-      const MicroKernel* kernels = two ? kWide : kNarrow;
-      for (int64_t m = 0; m < M; m += max_rows) {
-        const int rows = static_cast<int>(std::min<int64_t>(max_rows, M - m));
-        kernels[rows](xp + m * K, K, panel, K, yp + m * ldy + p * kPanel, ldy);
-      }
+      panel_rows(xp, M, K, pp + p * K * kPanel, p + 1 < num_panels ? 2 : 1, yp + p * kPanel, ldy);
     }
   });
   return y;

@@ -270,3 +270,86 @@ def test_a_compiler_without_openmp_gets_the_kernels_built_without_it(monkeypatch
     (first, with_omp, _), (second, without, ldflags) = builds
     assert "-fopenmp" in with_omp and "-fopenmp" not in without and not ldflags and first != second
     assert "unsupported option '-fopenmp'" in caplog.text and "one thread" in caplog.text
+
+
+def block_matrix(n: int, k: int, bits: int, seed: int) -> torch.Tensor:
+    """float32 [n, k] whose every block of 32 along k is d * q + m (4 bits) or d * q (8 bits) with float16 d and
+    m: what a Q4_1 / Q8_0 GGUF dequantises to. As llama.cpp's quantiser, each block reaches q = 0 and 15
+    (4 bits) or 127 (8 bits)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = (n, k // 32, 1)
+    d = (torch.rand(blocks, generator=gen) * 0.01 + 1e-3).half().float()
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+        q[..., 0], q[..., 1] = 0, 15
+        return (d * q + (torch.randn(blocks, generator=gen) * 0.05).half().float()).reshape(n, k)
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
+    q[..., 0] = 127
+    return (d * q).reshape(n, k)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 5, 13, 24])
+def test_exact_block_weights_give_the_float32_panels_result_bit_for_bit(bits, rows):
+    """96 outputs: a pair of panels and a single one; 64 inputs: two blocks per column."""
+    from kvserve.kernels.cpu_paged import BlockPanels
+
+    backend = CPUPagedBackend(block_weights=True)
+    w = block_matrix(96, 64, bits, seed=rows)
+    blocks = backend.pack_weight(w)
+    assert isinstance(blocks, BlockPanels)
+    assert blocks.q.dtype == (torch.uint8 if bits == 4 else torch.int8)
+    assert blocks.q.numel() * blocks.q.element_size() == w.numel() * bits // 8  # 4 or 8 bits a weight
+    x, bias = torch.randn(rows, 64), torch.randn(96)
+    panels = backend.ext.pack_panels(w)
+    assert same_bits(backend.linear(x, blocks), backend.linear(x, panels))
+    assert same_bits(backend.linear(x, blocks, bias), backend.linear(x, panels, bias))
+    torch.testing.assert_close(backend.linear(x, blocks), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([0, 15, 16, 31, 32, 95, 7, 7])  # both nibbles of a byte, every panel
+    assert same_bits(blocks.rows(ids), w[ids])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_matrix_with_one_weight_off_its_block_grid_stays_float32(bits):
+    backend = CPUPagedBackend(block_weights=True)
+    w = block_matrix(64, 64, bits, seed=bits)
+    w[37, 50] = torch.nextafter(w[37, 50], torch.tensor(1.0))  # one ulp: no d, q (and m) give it back
+    packed = backend.pack_weight(w)
+    assert isinstance(packed, torch.Tensor) and packed.shape == (2, 64, 32)
+    exact = block_matrix(64, 64, bits, seed=bits)
+    assert isinstance(CPUPagedBackend(block_weights=False).pack_weight(exact), torch.Tensor)
+
+
+def test_a_tied_block_embedding_is_kept_once_and_read_from_the_lm_head():
+    from kvserve.kernels.cpu_paged import BlockPanels
+    from kvserve.worker.model import embedding, pack_weights
+    from kvserve.worker.weights import LayerWeights, ModelWeights
+
+    embed, mat = block_matrix(128, 64, 8, seed=1), lambda *shape: torch.randn(*shape)  # noqa: E731
+    layer = LayerWeights(mat(64), block_matrix(96, 64, 4, seed=2), None, mat(64, 32), mat(64),
+                         block_matrix(64, 64, 4, seed=3), mat(64, 32))
+    packed = pack_weights(ModelWeights(embed, [layer], mat(64), embed), CPUPagedBackend(block_weights=True).pack_weight)
+    assert packed.embed is None and isinstance(packed.lm_head, BlockPanels)
+    assert isinstance(packed.layers[0].qkv, BlockPanels) and isinstance(packed.layers[0].gate_up, BlockPanels)
+    ids = torch.tensor([0, 31, 32, 127, 5, 5])
+    assert same_bits(embedding(ids, packed), embed[ids])
+
+
+def test_the_default_models_weights_are_packed_as_exact_blocks():
+    """SmolLM2's GGUF is Q4_1 with a Q8_0 embedding: every projection is 4-bit blocks, the LM head 8-bit."""
+    from kvserve.kernels.cpu_paged import BlockPanels
+    from kvserve.services.model_store import prepare_default_model
+    from kvserve.worker.config import ModelConfig
+    from kvserve.worker.model import pack_weights
+    from kvserve.worker.weights import load_weights
+
+    model_dir = prepare_default_model(progress=False)
+    weights = load_weights(model_dir, ModelConfig.from_folder(model_dir), torch.float32, torch.device("cpu"))
+    packed = pack_weights(weights, CPUPagedBackend(block_weights=True).pack_weight)
+    matrices = [m for layer in packed.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(isinstance(m, BlockPanels) and m.q.dtype == torch.uint8 for m in matrices)
+    assert isinstance(packed.lm_head, BlockPanels) and packed.lm_head.q.dtype == torch.int8

@@ -36,16 +36,18 @@ def pack_weights(weights: ModelWeights, pack) -> ModelWeights:
                                     down=pack(layer.down))
     tied = weights.lm_head is weights.embed
     weights.lm_head = pack(weights.lm_head)
-    if tied and weights.lm_head.dim() == 3:
+    if tied and weights.lm_head is not weights.embed:
         weights.embed = None
     return weights
 
 
 def embedding(token_ids: torch.Tensor, weights: ModelWeights) -> torch.Tensor:
-    """Rows of the embedding; of a tied one packed as panels [vocab / 32, hidden, 32], column id % 32 of panel
-    id // 32 (the same floats)."""
+    """Rows of the embedding; of a tied one, read from the packed LM head (the same floats): from panels
+    [vocab / 32, hidden, 32], column id % 32 of panel id // 32; from a packing with ``rows``, its rows."""
     if weights.embed is not None:
         return F.embedding(token_ids, weights.embed)
+    if hasattr(weights.lm_head, "rows"):
+        return weights.lm_head.rows(token_ids)
     panel = weights.lm_head.shape[2]
     return weights.lm_head[token_ids // panel, :, token_ids % panel]
 
