@@ -115,10 +115,13 @@ def run_worker(args) -> int:
     metrics = WorkerMetrics() if args.metrics_port is not None else None
     metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None
     ws = start_worker_server(runner, args.host, args.port, metrics=metrics)
+    from kvserve.worker.model import describe_weights
+
     i = runner.info
     print(f"kvserve worker {i.worker_id} ready on {args.host}:{ws.port}: model {i.model_name} on {i.device}, "
           f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
-          f"({i.kv_dtype}){metrics_note(args.host, metrics_port)}", flush=True)
+          f"({i.kv_dtype}); linear weights: {describe_weights(runner.model.weights)}"
+          f"{metrics_note(args.host, metrics_port)}", flush=True)
     serve_until_signal(ws, stop, "worker")
     shutdown_tracing()
     return 0

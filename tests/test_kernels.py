@@ -344,7 +344,7 @@ def test_the_default_models_weights_are_packed_as_exact_blocks():
     from kvserve.kernels.cpu_paged import BlockPanels
     from kvserve.services.model_store import prepare_default_model
     from kvserve.worker.config import ModelConfig
-    from kvserve.worker.model import pack_weights
+    from kvserve.worker.model import describe_weights, pack_weights
     from kvserve.worker.weights import load_weights
 
     model_dir = prepare_default_model(progress=False)
@@ -353,3 +353,4 @@ def test_the_default_models_weights_are_packed_as_exact_blocks():
     matrices = [m for layer in packed.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     assert all(isinstance(m, BlockPanels) and m.q.dtype == torch.uint8 for m in matrices)
     assert isinstance(packed.lm_head, BlockPanels) and packed.lm_head.q.dtype == torch.int8
+    assert describe_weights(packed).startswith("120 as 4-bit blocks, 1 as 8-bit blocks (")  # the ready line's

@@ -41,6 +41,21 @@ def pack_weights(weights: ModelWeights, pack) -> ModelWeights:
     return weights
 
 
+def describe_weights(weights: ModelWeights) -> str:
+    """How the packed matrices are held, for the worker's ready line: "210 as 4-bit blocks, 1 as 8-bit blocks
+    (96 MB)"; a plain or panel tensor counts as float32 (or its dtype)."""
+    matrices = [m for layer in weights.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    counts: dict[str, int] = {}
+    num_bytes = 0
+    for m in [*matrices, weights.lm_head]:
+        parts = [m] if isinstance(m, torch.Tensor) else [m.q, m.d, m.m]
+        kind = str(m.dtype).removeprefix("torch.") if isinstance(m, torch.Tensor) else \
+            ("4-bit blocks" if m.q.dtype == torch.uint8 else "8-bit blocks")
+        counts[kind] = counts.get(kind, 0) + 1
+        num_bytes += sum(t.numel() * t.element_size() for t in parts)
+    return ", ".join(f"{n} as {kind}" for kind, n in counts.items()) + f" ({num_bytes / 1e6:.0f} MB)"
+
+
 def embedding(token_ids: torch.Tensor, weights: ModelWeights) -> torch.Tensor:
     """Rows of the embedding; of a tied one, read from the packed LM head (the same floats): from panels
     [vocab / 32, hidden, 32], column id % 32 of panel id // 32; from a packing with ``rows``, its rows."""
