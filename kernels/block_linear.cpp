@@ -15,9 +15,11 @@
 //   q (8 bits)  [P, K, 32] int8
 //   d, m        [P, K / 32, 32]     float32 (m: 4 bits only), for panel p, block b, column j
 //
-// P = N / 32 panels of 32 output columns, as for the float32 panels. linear_blocks unpacks a pair of panels
-// into a per-thread float32 buffer laid out exactly as packed_linear.cpp's panels and runs the same
-// micro-kernel over it, so its output equals linear_packed's on the unpacked weights bit for bit.
+// P = N / 32 panels of 32 output columns, as for the float32 panels. For up to 8 rows of x (a decode step),
+// linear_blocks unpacks each row of weights in registers and feeds it straight to the FMAs; for more, it
+// unpacks a pair of panels into a per-thread float32 buffer laid out exactly as packed_linear.cpp's panels
+// and runs that file's micro-kernel over it. Both do the same FMAs in the same order as linear_packed on the
+// unpacked weights, so the output is the same bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -100,33 +102,86 @@ bool fit_q8(const float* v, int64_t stride, float& d, int8_t* q) {
   return true;
 }
 
-// Panel p of a 4-bit matrix as float32 [K, 32] (packed_linear.cpp's panel layout).
-void unpack_q4(const uint8_t* q, const float* d, const float* m, int64_t K, int64_t p, float* out) {
+// The scales of block b of panel p (two vectors each; m for 4 bits only).
+template <bool kFour>
+inline void block_scales(const float* d, const float* m, int64_t num_blocks, int64_t p, int64_t b, v16* dv,
+                         v16* mv) {
+  const int64_t at = (p * num_blocks + b) * kPanel;
+  dv[0] = load(d + at);
+  dv[1] = load(d + at + 16);
+  if constexpr (kFour) {
+    mv[0] = load(m + at);
+    mv[1] = load(m + at + 16);
+  }
+}
+
+// The 32 weights of row k of panel p (two vectors), from their block's scales: d * q + m, or d * q.
+template <bool kFour>
+inline void weights_row(const void* q, int64_t K, int64_t p, int64_t k, const v16* dv, const v16* mv, v16* w) {
+  if constexpr (kFour) {
+    const v16i bytes = widen<false>(static_cast<const uint8_t*>(q) + (p * K + k) * 16);
+    w[0] = __builtin_convertvector(bytes & 15, v16) * dv[0] + mv[0];
+    w[1] = __builtin_convertvector(bytes >> 4, v16) * dv[1] + mv[1];
+  } else {
+    const int8_t* row = static_cast<const int8_t*>(q) + (p * K + k) * kPanel;
+    w[0] = __builtin_convertvector(widen<true>(row), v16) * dv[0];
+    w[1] = __builtin_convertvector(widen<true>(row + 16), v16) * dv[1];
+  }
+}
+
+// Panel p as float32 [K, 32] (packed_linear.cpp's panel layout).
+template <bool kFour>
+void unpack(const void* q, const float* d, const float* m, int64_t K, int64_t p, float* out) {
   const int64_t num_blocks = K / kBlock;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* db = d + (p * num_blocks + b) * kPanel;
-    const float* mb = m + (p * num_blocks + b) * kPanel;
-    const v16 d0 = load(db), d1 = load(db + 16), m0 = load(mb), m1 = load(mb + 16);
+    v16 dv[2], mv[2], w[2];
+    block_scales<kFour>(d, m, num_blocks, p, b, dv, mv);
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
-      const v16i bytes = widen<false>(q + (p * K + k) * 16);
-      store(out + k * kPanel, __builtin_convertvector(bytes & 15, v16) * d0 + m0);
-      store(out + k * kPanel + 16, __builtin_convertvector(bytes >> 4, v16) * d1 + m1);
+      weights_row<kFour>(q, K, p, k, dv, mv, w);
+      store(out + k * kPanel, w[0]);
+      store(out + k * kPanel + 16, w[1]);
     }
   }
 }
 
-void unpack_q8(const int8_t* q, const float* d, int64_t K, int64_t p, float* out) {
+// y[0:R, 0:32] = x[0:R, :] @ panel p, each row of weights unpacked in registers: for the few rows of a decode
+// step, where writing the unpacked panel to a buffer and reading it back costs more than the product. The
+// same weights and the same FMAs in the same order as micro_kernel over unpack's panel: the same floats.
+template <int R, bool kFour>
+void fused_kernel(const float* x, int64_t ldx, const void* q, const float* d, const float* m, int64_t K,
+                  int64_t p, float* y, int64_t ldy) {
+  v16 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v16{};
   const int64_t num_blocks = K / kBlock;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* db = d + (p * num_blocks + b) * kPanel;
-    const v16 d0 = load(db), d1 = load(db + 16);
+    v16 dv[2], mv[2];
+    block_scales<kFour>(d, m, num_blocks, p, b, dv, mv);
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
-      const int8_t* row = q + (p * K + k) * kPanel;
-      store(out + k * kPanel, __builtin_convertvector(widen<true>(row), v16) * d0);
-      store(out + k * kPanel + 16, __builtin_convertvector(widen<true>(row + 16), v16) * d1);
+      v16 w[2];
+      weights_row<kFour>(q, K, p, k, dv, mv, w);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float xv = x[r * ldx + k];
+        acc[r][0] += xv * w[0];
+        acc[r][1] += xv * w[1];
+      }
     }
   }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    store(y + r * ldy, acc[r][0]);
+    store(y + r * ldy + 16, acc[r][1]);
+  }
 }
+
+using FusedKernel = void (*)(const float*, int64_t, const void*, const float*, const float*, int64_t, int64_t,
+                             float*, int64_t);
+constexpr int kFusedRows = 8;  // up to 8 rows: 16 accumulators, 2 weight vectors, 4 scale vectors
+template <bool kFour>
+constexpr FusedKernel kFused[kFusedRows + 1] = {
+    nullptr, fused_kernel<1, kFour>, fused_kernel<2, kFour>, fused_kernel<3, kFour>, fused_kernel<4, kFour>,
+    fused_kernel<5, kFour>, fused_kernel<6, kFour>, fused_kernel<7, kFour>, fused_kernel<8, kFour>};
 
 }  // namespace
 
@@ -192,20 +247,23 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const at::Ten
   float* yp = y.data_ptr<float>();
   const int64_t ldy = num_panels * kPanel;
   const int64_t num_pairs = (num_panels + 1) / 2;
+  const void* qp = q.data_ptr();
+  const FusedKernel fused = M <= kFusedRows ? (four ? kFused<true> : kFused<false>)[M] : nullptr;
   at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buffer;  // two panels, unpacked; kept between calls (no page faults)
-    if (buffer.size() < static_cast<size_t>(2 * K * kPanel)) buffer.resize(2 * K * kPanel);
+    if (!fused && buffer.size() < static_cast<size_t>(2 * K * kPanel)) buffer.resize(2 * K * kPanel);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = 2 * item;
       const int count = p + 1 < num_panels ? 2 : 1;
       for (int i = 0; i < count; ++i) {
-        float* out = buffer.data() + i * K * kPanel;
-        if (four)
-          unpack_q4(q.data_ptr<uint8_t>(), dp, mp, K, p + i, out);
+        if (fused)
+          fused(xp, K, qp, dp, mp, K, p + i, yp + (p + i) * kPanel, ldy);
+        else if (four)
+          unpack<true>(qp, dp, mp, K, p + i, buffer.data() + i * K * kPanel);
         else
-          unpack_q8(q.data_ptr<int8_t>(), dp, K, p + i, out);
+          unpack<false>(qp, dp, mp, K, p + i, buffer.data() + i * K * kPanel);
       }
-      panel_rows(xp, M, K, buffer.data(), count, yp + p * kPanel, ldy);
+      if (!fused) panel_rows(xp, M, K, buffer.data(), count, yp + p * kPanel, ldy);
     }
   });
   return y;
