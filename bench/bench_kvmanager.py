@@ -18,7 +18,10 @@ carries a step_id (idempotency tracking on), as a gateway's would. Scenarios, ea
 Configurations: the domain core (KVManager.step), KVService over NullStore and over RedisStore (write-through
 to an embedded redis-server), and the real gRPC service (a server on 127.0.0.1 port 0 in this process, a real
 channel, StepPages) over each store; --server-process puts each server in a child process instead (measured: no
-difference). A reference KVManager generates each round's calls, then every
+difference). Last, the floor: the same server and servicer over a service that does no bookkeeping but appends
+each call to the Redis call log and answers with results of the right shape, i.e. what a call of that size
+costs before any page is looked at (the transport, the conversions, the log). A reference KVManager generates
+each round's calls, then every
 configuration replays the same calls on its own state, interleaved round by round (a shared 2-core machine is
 noisy), and every answer is checked against the reference. Latency is per call; requests/s is the number of
 distinct requests a call carries divided by the mean call time. The garbage collector stays on: the p99 of the
@@ -56,7 +59,21 @@ from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.kvmanager.servicer import KVManagerServicer
 from kvserve.kvmanager.store import RedisStore
-from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps, StepResults
+from kvserve.kvmanager.types import (
+    Allocate,
+    AllocateResult,
+    Commit,
+    CommitResult,
+    Extend,
+    ExtendResult,
+    Free,
+    FreeResult,
+    OpStatus,
+    PoolSpec,
+    PoolSummary,
+    StepOps,
+    StepResults,
+)
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -77,12 +94,13 @@ SPEC = PoolSpec("w0", 1, NUM_PAGES, PAGE_SIZE, "bench-model-fp", "float32", 2 * 
 ADMIN_TOKEN = "bench-admin-token"
 TARGET_P50_MS = 2.0
 TARGET_SHARE = 0.03
-CONFIGS = ("core", "service", "service+redis", "service+log", "grpc", "grpc+redis", "grpc+log")
+CONFIGS = ("core", "service", "service+redis", "service+log", "grpc", "grpc+redis", "grpc+log", "grpc+log-echo")
 CONFIG_TITLES = {"core": "domain core (KVManager.step)", "service": "KVService, NullStore",
                  "service+redis": "KVService, Redis write-through", "grpc": "gRPC StepPages, NullStore",
                  "grpc+redis": "gRPC StepPages, Redis write-through",
                  "service+log": "KVService, Redis call log (default)",
-                 "grpc+log": "gRPC StepPages, Redis call log (default)"}
+                 "grpc+log": "gRPC StepPages, Redis call log (default)",
+                 "grpc+log-echo": "floor: gRPC + call log, no bookkeeping (echo)"}
 
 
 # -- the workload ---------------------------------------------------------------------------------------------
@@ -273,6 +291,7 @@ class Target:
     """One configuration: its own state, fed the same calls as every other."""
 
     name = ""
+    checks_answers = True  # False: its answers only have the reference's shape (the echo floor)
 
     def register(self) -> None: ...
 
@@ -360,6 +379,45 @@ class GrpcTarget(Target):
             self.child.wait(30)
 
 
+class EchoService(KVService):
+    """A KVService that does no bookkeeping: it appends each call to the Redis call log as the default store
+    does (sent before the work, reply awaited before the answer) and answers with results of the right shape
+    (a page table of the right length for each allocation). Served by the real server and servicer, it is the
+    floor a call of that size pays for the transport, the conversions and the log, before any page is
+    looked at."""
+
+    def __init__(self, redis_url: str, prefix: str):
+        super().__init__(KVManager(), LoggedStore(connect(redis_url), prefix, snapshot_every=1 << 62))
+
+    def step(self, ops: StepOps) -> StepResults:
+        with self.lock:
+            early = self.store.send_early(("step", ops))
+            results = StepResults(
+                allocations=[AllocateResult(a.req_id, OpStatus.OK, SPEC.worker_id, SPEC.epoch,
+                                            list(range(-(-len(a.token_ids) // PAGE_SIZE))), 0)
+                             for a in ops.allocations],
+                extensions=[ExtendResult(e.req_id, OpStatus.OK, [], -(-e.num_tokens // PAGE_SIZE))
+                            for e in ops.extensions],
+                commits=[CommitResult(c.req_id, OpStatus.OK, c.start_pos + len(c.token_ids)) for c in ops.commits],
+                frees=[FreeResult(f.req_id, OpStatus.OK) for f in ops.frees],
+                pools=[PoolSummary(SPEC.worker_id, SPEC.epoch, 0, 0)])
+            self._write_through(("step", ops), force=early)
+            return results
+
+
+class EchoTarget(GrpcTarget):
+    name = "grpc+log-echo"
+    checks_answers = False
+
+    def __init__(self, redis_url: str, prefix: str):
+        self.child = None
+        self.server = start_kvmanager_server(EchoService(redis_url, prefix), "127.0.0.1", 0, admin_token=ADMIN_TOKEN)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}",
+                                             options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.stub = kvmanager_pb2_grpc.KVManagerServiceStub(self.channel)
+        self.handle_ms = 0.0
+
+
 def make_store(redis_url: str | None, prefix: str, log: bool):
     if not redis_url:
         return NullStore()
@@ -398,7 +456,8 @@ def make_targets(redis_url: str, scenario: str, separate: bool) -> list[Target]:
             ServiceTarget(RedisStore(connect(redis_url), prefix=f"{prefix}-svc"), "service+redis"),
             ServiceTarget(LoggedStore(connect(redis_url), prefix=f"{prefix}-svclog"), "service+log"),
             GrpcTarget("grpc", None, prefix, separate), GrpcTarget("grpc+redis", redis_url, f"{prefix}-grpc", separate),
-            GrpcTarget("grpc+log", redis_url, f"{prefix}-grpclog", separate, log=True)]
+            GrpcTarget("grpc+log", redis_url, f"{prefix}-grpclog", separate, log=True),
+            EchoTarget(redis_url, f"{prefix}-echo")]
 
 
 def replay(target: Target, calls: list[Call], samples: dict | None) -> None:
@@ -411,7 +470,7 @@ def replay(target: Target, calls: list[Call], samples: dict | None) -> None:
         t = perf() - t0
         if after is not None:
             after()
-        got = fingerprint(res)
+        got = fingerprint(res) if target.checks_answers else c.expect
         if got != c.expect:
             raise AssertionError(f"{target.name}: step {c.ops.step_id} answered {got}, the reference {c.expect}")
         if c.kind is not None and samples is not None:
