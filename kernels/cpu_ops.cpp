@@ -1,5 +1,6 @@
 // The CPU backend's extension module: the paged decode kernel (paged_decode.cpp) and the packed linear
-// layers (packed_linear.cpp, block_linear.cpp). kvserve/kernels/cpu_paged.py builds the files into one module.
+// layers (packed_linear.cpp, block_linear.cpp) and the per-layer small ops (layer_ops.cpp).
+// kvserve/kernels/cpu_paged.py builds the files into one module.
 #include <torch/extension.h>
 
 namespace kvserve {
@@ -11,6 +12,11 @@ torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels)
 std::vector<torch::Tensor> pack_blocks(const torch::Tensor& w, int64_t bits);
 torch::Tensor linear_blocks(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
                             const torch::Tensor& m);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& w, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
+                         int64_t Hkv, torch::Tensor& kv_cache, const torch::Tensor& slot_mapping);
 }  // namespace kvserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -21,4 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_blocks", &kvserve::pack_blocks,
         "w [N, K] -> [q, d, m] panels of exact 4- or 8-bit blocks for linear_blocks; [] when w has none");
   m.def("linear_blocks", &kvserve::linear_blocks, "x [M, K] @ w.T from w's block panels (CPU, float32)");
+  m.def("rms_norm", &kvserve::rms_norm, "RMSNorm of each row of x [M, n] (CPU, float32)");
+  m.def("add_rms_norm_", &kvserve::add_rms_norm_, "x += delta in place, then RMSNorm of x (CPU, float32)");
+  m.def("silu_mul", &kvserve::silu_mul, "gate_up [M, 2I] -> silu(gate) * up [M, I] (CPU, float32)");
+  m.def("rope_store", &kvserve::rope_store,
+        "RoPE on qkv's q and k heads; k and v stored in their cache slots; returns q [M, H, D] (CPU, float32)");
 }

@@ -33,7 +33,7 @@ from kvserve.kernels.reference import ReferenceBackend, ReferenceState, attend_g
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / name
-           for name in ("cpu_ops.cpp", "paged_decode.cpp", "packed_linear.cpp", "block_linear.cpp")]
+           for name in ("cpu_ops.cpp", "paged_decode.cpp", "packed_linear.cpp", "block_linear.cpp", "layer_ops.cpp")]
 # -fopenmp: at::parallel_for is a header template that runs its loop inline, on one thread, unless the code
 # that instantiates it is compiled with OpenMP. The extension then links the libgomp torch already loaded.
 OPENMP = ["-fopenmp"]
@@ -166,10 +166,30 @@ class CPUPagedBackend:
         return CPUState(meta.cu_q_lens[idx], meta.block_tables[idx].contiguous(), meta.seq_lens[idx],
                         ReferenceState([group_state(meta, [i]) for i in prefills]))
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ext.rms_norm(x.contiguous(), weight, eps)
+
+    def add_rms_norm_(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ext.add_rms_norm_(x, delta.contiguous(), weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ext.silu_mul(gate_up.contiguous())
+
+    def qkv_attention(self, qkv, cos, sin, kv_cache, meta, state, scale: float, num_heads: int,
+                      num_kv_heads: int) -> torch.Tensor:
+        """RoPE, the K/V write and the split into heads in one pass (``kernels/layer_ops.cpp``), then forward's
+        attention."""
+        q = self.ext.rope_store(qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_heads, num_kv_heads,
+                                kv_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, state, scale)
+
     def forward(self, q, k, v, kv_cache, meta, state, scale: float) -> torch.Tensor:
-        if isinstance(state, ReferenceState):
-            return self.reference.forward(q, k, v, kv_cache, meta, state, scale)
         write_kv(k, v, kv_cache, meta.slot_mapping)  # the kernel checks dtypes (float32 only) and shapes
+        return self._attend(q, kv_cache, state, scale)
+
+    def _attend(self, q, kv_cache, state, scale: float) -> torch.Tensor:
+        if isinstance(state, ReferenceState):
+            return self.reference.attend(q, kv_cache, state, scale)
         if state.decode_index is None:
             return self.ext.paged_decode(q.contiguous(), kv_cache, state.tables, state.seq_lens, scale)
         out = torch.empty_like(q)

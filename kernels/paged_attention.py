@@ -88,9 +88,11 @@ def build_metadata(
 
 
 class PagedAttentionBackend(Protocol):
-    """A paged-attention implementation. ``prepare`` runs once per step, ``forward`` once per layer. A backend
-    also owns the layout of the linear layers' weights: ``pack_weight`` runs once per weight at load, and the
-    model calls ``linear`` with what it returned."""
+    """A paged-attention implementation. ``prepare`` runs once per step, ``forward`` (or ``qkv_attention``, which
+    applies RoPE and splits the heads first) once per layer. A backend also owns the layout of the linear layers'
+    weights (``pack_weight`` runs once per weight at load, and the model calls ``linear`` with what it returned)
+    and the layer's small ops around them (``rms_norm``, ``add_rms_norm_``, ``silu_mul``), which a CPU backend
+    runs as one pass each."""
 
     name: str
 
@@ -104,6 +106,25 @@ class PagedAttentionBackend(Protocol):
 
     def prepare(self, meta: AttentionMetadata) -> object:
         """Precomputes backend-specific per-step state (gather indices, masks) from the metadata."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row, as HF computes it."""
+        ...
+
+    def add_rms_norm_(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x += delta in place (the residual stream), then rms_norm(x)."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[tokens, 2 I] (the fused gate and up projections) -> silu(gate) * up [tokens, I]."""
+        ...
+
+    def qkv_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, state: object, scale: float, num_heads: int,
+                      num_kv_heads: int) -> torch.Tensor:
+        """The fused projection's output [tokens, (H + 2 Hkv) * D]: RoPE (cos, sin [tokens, D]) on q and k, k and
+        v into their slots, then forward's attention; returns [tokens, H, D]."""
         ...
 
     def forward(

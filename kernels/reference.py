@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
+from kvserve.kernels.rotary import apply_rotary
 
 
 @dataclass(slots=True)
@@ -83,6 +84,25 @@ def group_state(meta: AttentionMetadata, seqs: list[int] | None) -> GroupState:
                       num_keys, visible.unsqueeze(1))
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, as HF does, then cast back; one fused op when x is already fp32."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int):
+    """The fused projection's output [tokens, (H + 2 Hkv) * D] as (q, k, v) [tokens, heads, D], RoPE applied to
+    q and k (one call for both)."""
+    head_dim = cos.shape[-1]
+    qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], dim=-1)
+    qk = apply_rotary(qk.reshape(-1, num_heads + num_kv_heads, head_dim), cos, sin)
+    q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    return q, k, v.view(-1, num_kv_heads, head_dim)
+
+
 MAX_DECODE_BUCKETS = 4
 
 
@@ -111,6 +131,21 @@ class ReferenceBackend:
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, w, bias)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm_(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x.add_(delta), weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def qkv_attention(self, qkv, cos, sin, kv_cache, meta, state, scale: float, num_heads: int,
+                      num_kv_heads: int) -> torch.Tensor:
+        q, k, v = rope_split(qkv, cos, sin, num_heads, num_kv_heads)
+        return self.forward(q, k, v, kv_cache, meta, state, scale)
+
     def prepare(self, meta: AttentionMetadata) -> ReferenceState:
         q_lens = meta.q_lens.tolist()
         decodes = [i for i, n in enumerate(q_lens) if n == 1]
@@ -133,6 +168,10 @@ class ReferenceBackend:
         scale: float,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
+        return self.attend(q, kv_cache, state, scale)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, state: ReferenceState, scale: float) -> torch.Tensor:
+        """forward() after its write: the new tokens' K/V are already in their slots."""
         if len(state.groups) == 1 and state.groups[0].token_index is None:
             return _attend(q, kv_cache, state.groups[0], scale)
         return attend_groups(q, kv_cache, state.groups, scale, torch.empty_like(q))

@@ -355,3 +355,46 @@ def test_the_default_models_weights_are_packed_as_exact_blocks():
     assert all(isinstance(m, BlockPanels) and m.q.dtype == torch.uint8 for m in matrices)
     assert isinstance(packed.lm_head, BlockPanels) and packed.lm_head.q.dtype == torch.int8
     assert describe_weights(packed).startswith("120 as 4-bit blocks, 1 as 8-bit blocks (")  # the ready line's
+
+
+@pytest.mark.parametrize("rows", [1, 7, 130])  # 130: more rows than one parallel chunk
+def test_the_cpu_backends_one_pass_norm_and_silu_match_the_reference(rows):
+    cpu, ref = CPUPagedBackend(), ReferenceBackend()
+    gen = torch.Generator().manual_seed(rows)
+    x, delta, w = torch.randn(rows, 96, generator=gen), torch.randn(rows, 96, generator=gen), torch.randn(96)
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), rtol=1e-6, atol=1e-6)
+    x_cpu, x_ref = x.clone(), x.clone()
+    y_cpu, y_ref = cpu.add_rms_norm_(x_cpu, delta, w, 1e-5), ref.add_rms_norm_(x_ref, delta, w, 1e-5)
+    assert torch.equal(x_cpu, x + delta) and torch.equal(x_ref, x + delta)  # the residual, updated in place
+    torch.testing.assert_close(y_cpu, y_ref, rtol=1e-6, atol=1e-6)
+    gate_up = torch.randn(rows, 2 * 80, generator=gen) * 4
+    torch.testing.assert_close(cpu.silu_mul(gate_up), ref.silu_mul(gate_up), rtol=1e-6, atol=1e-6)
+
+
+def test_the_cpu_backends_rope_and_store_writes_the_slots_and_attends_as_the_reference():
+    """One pass: RoPE on q and k, k and v into their slots, q split into heads; then the same attention."""
+    heads, kv_heads, head_dim, page_size = 9, 3, 64, 16
+    lengths, cached = [23, 40, 1, 17], [0, 16, 0, 16]
+    gen = torch.Generator().manual_seed(5)
+    num_pages = 12
+    tables = scattered_pages(len(lengths), lengths, page_size, num_pages, gen)
+    q_lens = [n - c for n, c in zip(lengths, cached, strict=True)]
+    meta = build_metadata(cached, q_lens, tables, page_size, torch.device("cpu"))
+    cos, sin = cos_sin_table(inverse_frequencies(head_dim, 10000.0, None), 128)
+    cos, sin = cos[meta.positions], sin[meta.positions]
+    qkv = torch.randn(sum(q_lens), (heads + 2 * kv_heads) * head_dim, generator=gen)
+    prior = torch.randn(2, num_pages, page_size, kv_heads, head_dim, generator=gen)  # the cached prefixes
+    outs, caches = [], []
+    for backend in (CPUPagedBackend(), ReferenceBackend()):
+        cache = prior.clone()
+        outs.append(backend.qkv_attention(qkv, cos, sin, cache, meta, backend.prepare(meta), 0.125, heads,
+                                          kv_heads))
+        caches.append(cache)
+    torch.testing.assert_close(caches[0], caches[1], rtol=1e-6, atol=1e-6)
+    slots = meta.slot_mapping
+    flat = caches[0].view(2, -1, kv_heads, head_dim)
+    assert torch.equal(flat[1, slots], qkv[:, (heads + kv_heads) * head_dim:].view(-1, kv_heads, head_dim))
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat[:, untouched], prior.view(2, -1, kv_heads, head_dim)[:, untouched])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -13,18 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.paged_attention import AttentionMetadata, PagedAttentionBackend
-from kvserve.kernels.rotary import apply_rotary, cos_sin_table, inverse_frequencies
+from kvserve.kernels.rotary import cos_sin_table, inverse_frequencies
 from kvserve.worker.config import ModelConfig
 from kvserve.worker.weights import LayerWeights, ModelWeights
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, as HF does, then cast back; one fused op when x is already fp32."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 def pack_weights(weights: ModelWeights, pack) -> ModelWeights:
@@ -90,16 +81,18 @@ class LlamaDecoder:
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        x = embedding(token_ids, self.weights)
+        x = embedding(token_ids, self.weights)  # the residual stream: updated in place by add_rms_norm_
         dtype = x.dtype
         cos = self.cos[meta.positions].to(dtype)
         sin = self.sin[meta.positions].to(dtype)
         state = self.backend.prepare(meta)
-        for i, layer in enumerate(self.weights.layers):
-            x = x + self._attention(rms_norm(x, layer.input_norm, self.cfg.rms_norm_eps), layer,
-                                    cos, sin, kv_cache[i], meta, state)
-            x = x + self._mlp(rms_norm(x, layer.post_norm, self.cfg.rms_norm_eps), layer)
-        return rms_norm(x, self.weights.final_norm, self.cfg.rms_norm_eps)
+        b, eps, layers = self.backend, self.cfg.rms_norm_eps, self.weights.layers
+        h = b.rms_norm(x, layers[0].input_norm, eps)
+        for i, layer in enumerate(layers):
+            h = b.add_rms_norm_(x, self._attention(h, layer, cos, sin, kv_cache[i], meta, state), layer.post_norm, eps)
+            following = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.final_norm
+            h = b.add_rms_norm_(x, self._mlp(h, layer), following, eps)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in fp32."""
@@ -108,13 +101,9 @@ class LlamaDecoder:
     def _attention(self, x, layer: LayerWeights, cos, sin, kv_cache, meta, state) -> torch.Tensor:
         cfg = self.cfg
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = apply_rotary(qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)  # one call for q, k
-        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, meta, state, self.scale)
+        out = self.backend.qkv_attention(qkv, cos, sin, kv_cache, meta, state, self.scale, cfg.num_heads,
+                                         cfg.num_kv_heads)
         return self.linear(out.reshape(-1, self.q_size), layer.o)
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, layer.down)
+        return self.linear(self.backend.silu_mul(self.linear(x, layer.gate_up)), layer.down)

@@ -47,15 +47,16 @@ def sample(
     positions: list[int],  # position the sampled token will occupy, per row
     rng: torch.Generator,
 ) -> list[SampledToken]:
-    """Picks one token per row and reports its logprob under the raw distribution."""
-    logprobs = torch.log_softmax(logits, dim=-1)
+    """Picks one token per row and reports its logprob under the raw distribution: logit - logsumexp(logits), so
+    that no [n, vocab] log-softmax is written (a full pass over a vocabulary of 49k per row, each step)."""
+    lse = torch.logsumexp(logits, dim=-1).tolist()
     greedy_ids = logits.argmax(-1).tolist()
     out = []
     for row, (req_id, p) in enumerate(zip(req_ids, params, strict=True)):
         token = greedy_ids[row] if p.greedy else _draw(logits[row], p, positions[row], rng)
         top: list[tuple[int, float]] = []
         if p.top_logprobs:
-            vals, ids = torch.topk(logprobs[row], p.top_logprobs)
-            top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-        out.append(SampledToken(req_id, token, float(logprobs[row, token]), top))
+            vals, ids = torch.topk(logits[row], p.top_logprobs)
+            top = [(i, v - lse[row]) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+        out.append(SampledToken(req_id, token, float(logits[row, token]) - lse[row], top))
     return out
