@@ -17,6 +17,7 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const 
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
                          int64_t Hkv, torch::Tensor& kv_cache, const torch::Tensor& slot_mapping);
+std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(const torch::Tensor& logits);
 }  // namespace kvserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -32,4 +33,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &kvserve::silu_mul, "gate_up [M, 2I] -> silu(gate) * up [M, I] (CPU, float32)");
   m.def("rope_store", &kvserve::rope_store,
         "RoPE on qkv's q and k heads; k and v stored in their cache slots; returns q [M, H, D] (CPU, float32)");
+  m.def("argmax_logsumexp", &kvserve::argmax_logsumexp, "per row of logits: (argmax, logsumexp) (CPU, float32)");
 }

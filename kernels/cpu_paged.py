@@ -175,6 +175,9 @@ class CPUPagedBackend:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.ext.silu_mul(gate_up.contiguous())
 
+    def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ext.argmax_logsumexp(logits.float().contiguous())
+
     def qkv_attention(self, qkv, cos, sin, kv_cache, meta, state, scale: float, num_heads: int,
                       num_kv_heads: int) -> torch.Tensor:
         """RoPE, the K/V write and the split into heads in one pass (``kernels/layer_ops.cpp``), then forward's

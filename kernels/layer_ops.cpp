@@ -135,4 +135,36 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
+// Per row of logits [n, vocab]: the first index of the maximum (as torch.argmax) and logsumexp, in two passes
+// over the row while it is in cache, where argmax + log_softmax made three over the whole matrix and wrote one.
+std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {
+  check_rows(logits, "logits");
+  const int64_t n = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "logits: an empty vocabulary");
+  auto ids = at::empty({n}, logits.options().dtype(at::kLong));
+  auto lse = at::empty({n}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* sp = lse.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * V;
+      float best = x[0];
+      int64_t at = 0;
+      for (int64_t j = 1; j < V; ++j) {
+        if (x[j] > best) {
+          best = x[j];
+          at = j;
+        }
+      }
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < V; ++j) sum += std::exp(x[j] - best);
+      ip[r] = at;
+      sp[r] = best + std::log(sum);
+    }
+  });
+  return {ids, lse};
+}
+
 }  // namespace kvserve

@@ -91,8 +91,8 @@ class PagedAttentionBackend(Protocol):
     """A paged-attention implementation. ``prepare`` runs once per step, ``forward`` (or ``qkv_attention``, which
     applies RoPE and splits the heads first) once per layer. A backend also owns the layout of the linear layers'
     weights (``pack_weight`` runs once per weight at load, and the model calls ``linear`` with what it returned)
-    and the layer's small ops around them (``rms_norm``, ``add_rms_norm_``, ``silu_mul``), which a CPU backend
-    runs as one pass each."""
+    and the small ops around them (``rms_norm``, ``add_rms_norm_``, ``silu_mul``, and the sampler's
+    ``argmax_logsumexp``), which a CPU backend runs as one pass each."""
 
     name: str
 
@@ -118,6 +118,10 @@ class PagedAttentionBackend(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[tokens, 2 I] (the fused gate and up projections) -> silu(gate) * up [tokens, I]."""
+        ...
+
+    def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of [n, vocab] logits: the first index of the maximum, and logsumexp (the sampler's needs)."""
         ...
 
     def qkv_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,

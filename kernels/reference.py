@@ -141,6 +141,9 @@ class ReferenceBackend:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return logits.argmax(-1), torch.logsumexp(logits, dim=-1)
+
     def qkv_attention(self, qkv, cos, sin, kv_cache, meta, state, scale: float, num_heads: int,
                       num_kv_heads: int) -> torch.Tensor:
         q, k, v = rope_split(qkv, cos, sin, num_heads, num_kv_heads)

@@ -398,3 +398,12 @@ def test_the_cpu_backends_rope_and_store_writes_the_slots_and_attends_as_the_ref
     untouched[slots] = False
     assert torch.equal(flat[:, untouched], prior.view(2, -1, kv_heads, head_dim)[:, untouched])
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_backends_argmax_and_logsumexp_match_torch_and_take_the_first_of_a_tie():
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 49152, generator=gen) * 6
+    logits[2, 100] = logits[2, 40000] = logits[2].max() + 1  # a tie: torch.argmax returns the first
+    ids, lse = CPUPagedBackend().argmax_logsumexp(logits)
+    assert ids.tolist() == logits.argmax(-1).tolist() and ids[2] == 100
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-5)

@@ -127,7 +127,7 @@ class ModelRunner:
             logits = self.model.logits(hidden[last])
         chosen = [items[r] for r in rows]
         return sample([i.req_id for i in chosen], logits, [i.sampling for i in chosen],
-                      [i.end_pos for i in chosen], self._rng)
+                      [i.end_pos for i in chosen], self._rng, stats=self.model.backend.argmax_logsumexp)
 
 
 __all__ = ["InvalidRequest", "ModelRunner", "RunnerConfig", "StaleEpoch", "WorkerInfo"]

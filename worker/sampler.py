@@ -40,23 +40,31 @@ def _draw(logits: torch.Tensor, params: SamplingParams, position: int, rng: torc
     return int(torch.multinomial(probs, 1, generator=rng))
 
 
+def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax, logsumexp) of each row of [n, vocab] logits: what ``sample`` needs from the whole vocabulary. An
+    attention backend may provide a faster one (``argmax_logsumexp``)."""
+    return logits.argmax(-1), torch.logsumexp(logits, dim=-1)
+
+
 def sample(
     req_ids: list[str],
     logits: torch.Tensor,  # [n, vocab] fp32, one row per sampled item
     params: list[SamplingParams],
     positions: list[int],  # position the sampled token will occupy, per row
     rng: torch.Generator,
+    stats=row_stats,
 ) -> list[SampledToken]:
-    """Picks one token per row and reports its logprob under the raw distribution: logit - logsumexp(logits), so
-    that no [n, vocab] log-softmax is written (a full pass over a vocabulary of 49k per row, each step)."""
-    lse = torch.logsumexp(logits, dim=-1).tolist()
-    greedy_ids = logits.argmax(-1).tolist()
+    """Picks one token per row and reports its logprob under the raw distribution, logit - logsumexp(row)."""
+    ids, lse = stats(logits)
+    greedy_ids, lse = ids.tolist(), lse.tolist()
+    tokens = [greedy_ids[row] if p.greedy else _draw(logits[row], p, positions[row], rng)
+              for row, p in enumerate(params)]
+    chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
     out = []
     for row, (req_id, p) in enumerate(zip(req_ids, params, strict=True)):
-        token = greedy_ids[row] if p.greedy else _draw(logits[row], p, positions[row], rng)
         top: list[tuple[int, float]] = []
         if p.top_logprobs:
-            vals, ids = torch.topk(logits[row], p.top_logprobs)
-            top = [(i, v - lse[row]) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
-        out.append(SampledToken(req_id, token, float(logits[row, token]) - lse[row], top))
+            vals, top_ids = torch.topk(logits[row], p.top_logprobs)
+            top = [(i, v - lse[row]) for i, v in zip(top_ids.tolist(), vals.tolist(), strict=True)]
+        out.append(SampledToken(req_id, tokens[row], chosen[row] - lse[row], top))
     return out
