@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager clean
+.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-ab clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -60,6 +60,10 @@ bench-worker: model kernels
 
 bench-kvmanager: install
 	$(PY) bench/bench_kvmanager.py
+
+# The report's mixed burst, kvserve and HF's continuous batching alternated over rounds (~6 min).
+bench-ab: model kernels
+	$(PY) bench/throughput_ab.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
