@@ -300,12 +300,15 @@ def test_stream_failing_after_first_delta_is_not_retried(gateway):
 
 
 def test_retries_stop_at_the_deadline(gateway):
+    """A retry starts only when its backoff ends before the deadline, and runs with the time that is left; if that
+    last attempt is still in flight at the deadline (a loaded machine), the call ends DEADLINE_EXCEEDED instead of
+    UNAVAILABLE. Either way it ends at the deadline, having retried."""
     gw, address = gateway
     gw.fail_first = 10**6
     policy = RetryPolicy(max_attempts=10**6, initial_backoff_s=0.02, max_backoff_s=0.02)
     with Client(address, retry=policy) as client:
         start = time.monotonic()
-        with pytest.raises(Unavailable):
+        with pytest.raises((Unavailable, DeadlineExceeded)):
             client.complete("hi", timeout_s=0.3)
         assert time.monotonic() - start < 0.3 + 0.2
     assert 1 < gw.calls < 10**6
