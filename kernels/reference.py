@@ -103,6 +103,11 @@ def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     return q, k, v.view(-1, num_kv_heads, head_dim)
 
 
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of [n, vocab] logits: the first index of the maximum, and logsumexp (the sampler's needs)."""
+    return logits.argmax(-1), torch.logsumexp(logits, dim=-1)
+
+
 MAX_DECODE_BUCKETS = 4
 
 
@@ -142,7 +147,7 @@ class ReferenceBackend:
         return F.silu(gate) * up
 
     def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return logits.argmax(-1), torch.logsumexp(logits, dim=-1)
+        return argmax_logsumexp(logits)
 
     def qkv_attention(self, qkv, cos, sin, kv_cache, meta, state, scale: float, num_heads: int,
                       num_kv_heads: int) -> torch.Tensor:

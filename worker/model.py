@@ -33,8 +33,8 @@ def pack_weights(weights: ModelWeights, pack) -> ModelWeights:
 
 
 def describe_weights(weights: ModelWeights) -> str:
-    """How the packed matrices are held, for the worker's ready line: "210 as 4-bit blocks, 1 as 8-bit blocks
-    (96 MB)"; a plain or panel tensor counts as float32 (or its dtype)."""
+    """How the packed matrices are held, for the worker's ready line: "120 as 4-bit blocks, 1 as 8-bit blocks
+    (111 MB)" for the default model; a plain or panel tensor counts as its dtype (float32)."""
     matrices = [m for layer in weights.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     counts: dict[str, int] = {}
     num_bytes = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.kernels.reference import argmax_logsumexp
 from kvserve.worker.batch import SampledToken, SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the 64-bit space
@@ -40,19 +41,13 @@ def _draw(logits: torch.Tensor, params: SamplingParams, position: int, rng: torc
     return int(torch.multinomial(probs, 1, generator=rng))
 
 
-def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax, logsumexp) of each row of [n, vocab] logits: what ``sample`` needs from the whole vocabulary. An
-    attention backend may provide a faster one (``argmax_logsumexp``)."""
-    return logits.argmax(-1), torch.logsumexp(logits, dim=-1)
-
-
 def sample(
     req_ids: list[str],
     logits: torch.Tensor,  # [n, vocab] fp32, one row per sampled item
     params: list[SamplingParams],
     positions: list[int],  # position the sampled token will occupy, per row
     rng: torch.Generator,
-    stats=row_stats,
+    stats=argmax_logsumexp,  # an attention backend's own may be faster (the runner passes it)
 ) -> list[SampledToken]:
     """Picks one token per row and reports its logprob under the raw distribution, logit - logsumexp(row)."""
     ids, lse = stats(logits)
