@@ -33,25 +33,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace kvserve {
-
-// packed_linear.cpp: y[:, 0:32 count] = x @ panels (count = 1 or 2 adjacent float32 panels [K, 32]).
-void panel_rows(const float* x, int64_t M, int64_t K, const float* panels, int count, float* y, int64_t ldy);
-
 namespace {
 
-constexpr int kPanel = 32;  // output columns per panel, as in packed_linear.cpp
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 typedef int8_t v16sb __attribute__((vector_size(16)));
 
 constexpr int kBlock = 32;  // weights per block along K (GGUF's QK4_1 and QK8_0)
-
-inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
 // 16 bytes widened to 16 int32 lanes: one vpmovzxbd / vpmovsxbd with AVX-512 (GCC's __builtin_convertvector
 // goes byte by byte here, and took longer than the product it feeds), else the portable conversion.

@@ -34,6 +34,7 @@ from kvserve.kernels.reference import ReferenceBackend, ReferenceState, attend_g
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / name
            for name in ("cpu_ops.cpp", "paged_decode.cpp", "packed_linear.cpp", "block_linear.cpp", "layer_ops.cpp")]
+HEADERS = [Path(__file__).parent / "cpu_vec.h"]  # torch rebuilds when SOURCES change; these are in the name
 # -fopenmp: at::parallel_for is a header template that runs its loop inline, on one thread, unless the code
 # that instantiates it is compiled with OpenMP. The extension then links the libgomp torch already loaded.
 OPENMP = ["-fopenmp"]
@@ -44,12 +45,14 @@ BLOCK_BITS = (4, 8)  # the block formats pack_weight tries, in order (block_line
 
 def _build_name(cflags: list[str]) -> str:
     """The extension's name, which keys torch's build cache: ``-march=native`` code must not be reused on a
-    machine with other instruction sets (a shared home directory), so the CPU's flags are part of it."""
+    machine with other instruction sets (a shared home directory), so the CPU's flags are part of it, and so is
+    the shared header's text (torch rebuilds only when a listed source changes)."""
     flags = ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-    digest = hashlib.sha256(f"{platform.machine()} {flags} {cflags}".encode()).hexdigest()[:12]
+    headers = "".join(h.read_text() for h in HEADERS)  # torch's JIT build does not watch included headers
+    digest = hashlib.sha256(f"{platform.machine()} {flags} {cflags} {headers}".encode()).hexdigest()[:12]
     return f"kvserve_paged_decode_{digest}"
 
 

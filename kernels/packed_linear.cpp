@@ -21,17 +21,12 @@
 
 #include <algorithm>
 
+#include "cpu_vec.h"
+
 namespace kvserve {
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
-
-constexpr int kPanel = 32;  // output columns per panel: two vectors
 constexpr int kMaxRows = 8;  // rows of x per call of the one-panel kernel: 16 accumulators
-
-inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
 // y[0:R, 0:32P] = x[0:R, :] @ [panel_0 .. panel_P-1]: P adjacent panels (2P vectors per row, R x 2P
 // accumulators in registers); each broadcast of x feeds 2P FMAs.

@@ -21,15 +21,12 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace kvserve {
 namespace {
 
 constexpr float kMinScore = -1e30f;  // a finite "minus infinity": the build uses -ffast-math
-
-// 16 floats: GCC/Clang lower it to one AVX-512 register, two AVX2 ones, or four NEON ones. v16u is the same
-// at any float's alignment, for loads and stores of rows in the pool.
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
@@ -45,10 +42,6 @@ inline float hsum(v16 x) {  // a tree of halves: four dependent adds, not sixtee
   const v4 b = l4 + h4;
   return (b[0] + b[1]) + (b[2] + b[3]);
 }
-
-inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-
-inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 
 struct Shape {
   int64_t num_heads, head_dim, num_pages, page_size, num_kv_heads, max_pages, token_stride;

@@ -1,0 +1,23 @@
+// What the cpu backend's C++ files share: 16-float vectors, their loads and stores at any float's alignment,
+// and the float32 panel layout of the packed linear layers (kernels/cpu_paged.py keys its build cache on this
+// file's text too, since torch's JIT build watches only the .cpp sources).
+#pragma once
+
+#include <cstdint>
+
+namespace kvserve {
+
+// 16 floats: GCC/Clang lower it to one AVX-512 register, two AVX2 ones, or four NEON ones. v16u is the same
+// at any float's alignment, for loads and stores of rows in the pool or in a panel.
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+
+constexpr int kPanel = 32;  // output columns per packed weight panel: two vectors
+
+// packed_linear.cpp: y[:, 0:32 count] = x [M, K] @ panels (count = 1 or 2 adjacent float32 panels [K, 32]).
+void panel_rows(const float* x, int64_t M, int64_t K, const float* panels, int count, float* y, int64_t ldy);
+
+}  // namespace kvserve
