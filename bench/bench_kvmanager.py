@@ -338,7 +338,9 @@ class GrpcTarget(Target):
     """A real server on 127.0.0.1 port 0 (in this process, or with ``separate`` in a child process, as a
     deployed kvmanager is to its gateway), a real channel, StepPages."""
 
-    def __init__(self, name: str, redis_url: str | None, prefix: str, separate: bool, log: bool = False):
+    def __init__(self, name: str, redis_url: str | None, prefix: str, separate: bool, log: bool = False,
+                 service: KVService | None = None):
+        """``service``: serve this one (in this process) instead of a KVService over the store the flags name."""
         self.name, self.child, self.server = name, None, None
         if separate:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--prefix", prefix] + (
@@ -347,9 +349,8 @@ class GrpcTarget(Target):
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             port = int(self.child.stdout.readline())
         else:
-            store = make_store(redis_url, prefix, log)
-            self.server = start_kvmanager_server(KVService(KVManager(), store), "127.0.0.1", 0,
-                                                 admin_token=ADMIN_TOKEN)
+            service = service or KVService(KVManager(), make_store(redis_url, prefix, log))
+            self.server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=ADMIN_TOKEN)
             port = self.server.port
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}",
                                              options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -406,16 +407,10 @@ class EchoService(KVService):
 
 
 class EchoTarget(GrpcTarget):
-    name = "grpc+log-echo"
     checks_answers = False
 
     def __init__(self, redis_url: str, prefix: str):
-        self.child = None
-        self.server = start_kvmanager_server(EchoService(redis_url, prefix), "127.0.0.1", 0, admin_token=ADMIN_TOKEN)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}",
-                                             options=[("grpc.max_receive_message_length", 64 << 20)])
-        self.stub = kvmanager_pb2_grpc.KVManagerServiceStub(self.channel)
-        self.handle_ms = 0.0
+        super().__init__("grpc+log-echo", None, prefix, separate=False, service=EchoService(redis_url, prefix))
 
 
 def make_store(redis_url: str | None, prefix: str, log: bool):
