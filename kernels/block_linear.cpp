@@ -18,8 +18,10 @@
 // P = N / 32 panels of 32 output columns, as for the float32 panels. For up to 32 rows of x (a decode step),
 // linear_blocks unpacks each row of weights in registers and feeds it straight to the FMAs of up to 8 rows of
 // x at a time; for more, it unpacks a pair of panels into a per-thread float32 buffer laid out exactly as
-// packed_linear.cpp's panels and runs that file's micro-kernel over it. Both do the same FMAs in the same order as linear_packed on the
-// unpacked weights, so the output is the same bit for bit.
+// packed_linear.cpp's panels and runs that file's micro-kernel over it, up to 96 rows a work item. Items (a
+// panel, or a pair over a chunk of rows) are claimed by whichever intra-op thread is free (cpu_parallel.h).
+// Both paths do the same FMAs in the same order as linear_packed on the unpacked weights, so the output is the
+// same bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -33,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "cpu_vec.h"
 
 namespace kvserve {
@@ -174,6 +177,9 @@ constexpr int kFusedRows = 8;  // rows per pass: 16 accumulators, 2 weight vecto
 // rows, 24.4 vs 29.5 at 24, 34.8 vs 37.6 at 32, even at 48 and 64, 138 vs 135 at 128. 12-row passes (24
 // accumulators) were slower than 8 from 12 rows on.
 constexpr int kFusedMaxRows = 32;
+// Rows of x per work item beyond that (a multiple of packed_linear.cpp's 6-row tile): a 512-token prefill chunk
+// makes 6 items per pair of panels, so the two threads end together.
+constexpr int64_t kRowChunk = 96;
 template <bool kFour>
 constexpr FusedKernel kFused[kFusedRows + 1] = {
     nullptr, fused_kernel<1, kFour>, fused_kernel<2, kFour>, fused_kernel<3, kFour>, fused_kernel<4, kFour>,
@@ -242,30 +248,39 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& q, const at::Ten
   const float* mp = four ? m.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t ldy = num_panels * kPanel;
-  const int64_t num_pairs = (num_panels + 1) / 2;
   const void* qp = q.data_ptr();
-  const bool fused = M <= kFusedMaxRows;
   const FusedKernel* kernels = four ? kFused<true> : kFused<false>;
-  at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> buffer;  // two panels, unpacked; kept between calls (no page faults)
-    if (!fused && buffer.size() < static_cast<size_t>(2 * K * kPanel)) buffer.resize(2 * K * kPanel);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = 2 * item;
-      const int count = p + 1 < num_panels ? 2 : 1;
-      for (int i = 0; i < count; ++i) {
-        if (fused) {
-          for (int64_t r = 0; r < M; r += kFusedRows) {
-            const int rows = static_cast<int>(std::min<int64_t>(kFusedRows, M - r));
-            kernels[rows](xp + r * K, K, qp, dp, mp, K, p + i, yp + r * ldy + (p + i) * kPanel, ldy);
-          }
-        } else if (four) {
-          unpack<true>(qp, dp, mp, K, p + i, buffer.data() + i * K * kPanel);
-        } else {
-          unpack<false>(qp, dp, mp, K, p + i, buffer.data() + i * K * kPanel);
-        }
+  if (M <= kFusedMaxRows) {  // items: single panels, every row of x
+    parallel_items(num_panels, [&](int64_t p) {
+      for (int64_t r = 0; r < M; r += kFusedRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kFusedRows, M - r));
+        kernels[rows](xp + r * K, K, qp, dp, mp, K, p, yp + r * ldy + p * kPanel, ldy);
       }
-      if (!fused) panel_rows(xp, M, K, buffer.data(), count, yp + p * kPanel, ldy);
+    });
+    return y;
+  }
+  // items: a pair of panels over a chunk of rows, pair-major. A thread unpacks a pair into its buffer once per
+  // call (the next chunk it claims is often the same pair's).
+  const int64_t num_pairs = (num_panels + 1) / 2;
+  const int64_t num_chunks = (M + kRowChunk - 1) / kRowChunk;
+  static std::atomic<uint64_t> calls{0};
+  const uint64_t call = ++calls;
+  parallel_items(num_pairs * num_chunks, [&](int64_t item) {
+    thread_local std::vector<float> buffer;  // two panels, unpacked; kept between calls (no page faults)
+    thread_local uint64_t buffer_call = 0;
+    thread_local int64_t buffer_pair = -1;
+    const int64_t pair = item / num_chunks, r0 = (item % num_chunks) * kRowChunk, p = 2 * pair;
+    const int count = p + 1 < num_panels ? 2 : 1;
+    if (buffer_call != call || buffer_pair != pair) {
+      if (buffer.size() < static_cast<size_t>(2 * K * kPanel)) buffer.resize(2 * K * kPanel);
+      for (int i = 0; i < count; ++i) {
+        if (four) unpack<true>(qp, dp, mp, K, p + i, buffer.data() + i * K * kPanel);
+        else unpack<false>(qp, dp, mp, K, p + i, buffer.data() + i * K * kPanel);
+      }
+      buffer_call = call;
+      buffer_pair = pair;
     }
+    panel_rows(xp + r0 * K, std::min(kRowChunk, M - r0), K, buffer.data(), count, yp + r0 * ldy + p * kPanel, ldy);
   });
   return y;
 }

@@ -34,7 +34,8 @@ from kvserve.kernels.reference import ReferenceBackend, ReferenceState, attend_g
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / name
            for name in ("cpu_ops.cpp", "paged_decode.cpp", "packed_linear.cpp", "block_linear.cpp", "layer_ops.cpp")]
-HEADERS = [Path(__file__).parent / "cpu_vec.h"]  # torch rebuilds when SOURCES change; these are in the name
+# torch rebuilds when SOURCES change; the headers are in the extension's name instead
+HEADERS = [Path(__file__).parent / name for name in ("cpu_vec.h", "cpu_parallel.h")]
 # -fopenmp: at::parallel_for is a header template that runs its loop inline, on one thread, unless the code
 # that instantiates it is compiled with OpenMP. The extension then links the libgomp torch already loaded.
 OPENMP = ["-fopenmp"]

@@ -3,9 +3,10 @@
 // The reference backend gathers every sequence's pages into a padded batch and then runs SDPA over it, so a
 // decode step moves its K/V three times (read, write the copy, read the copy). Here each sequence walks its
 // page table and reads each key and value once, with an online softmax (running max and sum, rescaled per
-// page) so no score matrix is materialised. Sequences are spread over the intra-op threads. Shapes with
-// head_dim in {16, 32, 64, 128}, up to 8 query heads per kv head and pages of up to 64 tokens take a kernel
-// specialised at compile time (decode_seq_fast); any other shape takes decode_seq_generic.
+// page) so no score matrix is materialised. Sequences are claimed, longest first, by whichever intra-op
+// thread is free (cpu_parallel.h). Shapes with head_dim in {16, 32, 64, 128}, up to 8 query heads per kv head
+// and pages of up to 64 tokens take a kernel specialised at compile time (decode_seq_fast); any other shape
+// takes decode_seq_generic.
 //
 //   q           [num_seqs, num_heads, head_dim]                      float32, contiguous
 //   kv_cache    [2, num_pages, page_size, num_kv_heads, head_dim]     float32, contiguous (one layer)
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "cpu_vec.h"
 
 namespace kvserve {
@@ -244,19 +246,23 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
 
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(s.page_size + s.head_dim);  // the generic kernel's weights and accumulator
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = len_ptr[b];
-      TORCH_CHECK(n > 0 && n <= s.max_pages * s.page_size, "seq_len outside its page table");
-      const float* qb = q_ptr + b * s.num_heads * s.head_dim;
-      float* ob = out_ptr + b * s.num_heads * s.head_dim;
-      const int64_t* table = table_ptr + b * s.max_pages;
-      if (fast != nullptr) {
-        fast(s, qb, k_ptr, v_ptr, table, n, ob);
-      } else {
-        decode_seq_generic(s, qb, k_ptr, v_ptr, table, n, ob, scratch.data(), scratch.data() + s.page_size);
-      }
+  // Longest sequences first, each claimed by whichever thread is free: the costs differ with the lengths.
+  std::vector<int64_t> order(num_seqs);
+  for (int64_t b = 0; b < num_seqs; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
+  parallel_items(num_seqs, [&](int64_t i) {
+    thread_local std::vector<float> scratch;  // the generic kernel's weights and accumulator
+    scratch.resize(s.page_size + s.head_dim);
+    const int64_t b = order[i];
+    const int64_t n = len_ptr[b];
+    TORCH_CHECK(n > 0 && n <= s.max_pages * s.page_size, "seq_len outside its page table");
+    const float* qb = q_ptr + b * s.num_heads * s.head_dim;
+    float* ob = out_ptr + b * s.num_heads * s.head_dim;
+    const int64_t* table = table_ptr + b * s.max_pages;
+    if (fast != nullptr) {
+      fast(s, qb, k_ptr, v_ptr, table, n, ob);
+    } else {
+      decode_seq_generic(s, qb, k_ptr, v_ptr, table, n, ob, scratch.data(), scratch.data() + s.page_size);
     }
   });
   return out;

@@ -293,10 +293,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 5, 8, 13, 32, 33])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 32, 33, 200])
 def test_exact_block_weights_give_the_float32_panels_result_bit_for_bit(bits, rows):
     """96 outputs: a pair of panels and a single one; 64 inputs: two blocks per column. Up to 32 rows the weights
-    are unpacked in registers (in passes of up to 8 rows), from 33 into a buffer."""
+    are unpacked in registers (in passes of up to 8 rows), from 33 into a buffer; 200 rows are three work items
+    of up to 96 rows per pair of panels."""
     from kvserve.kernels.cpu_paged import BlockPanels
 
     backend = CPUPagedBackend(block_weights=True)
