@@ -1,5 +1,6 @@
-// The CPU backend's extension module: the paged decode kernel (paged_decode.cpp) and the packed linear
-// layers (packed_linear.cpp, block_linear.cpp) and the per-layer small ops (layer_ops.cpp).
+// The CPU backend's extension module: the paged decode and prefill kernels (paged_decode.cpp,
+// paged_prefill.cpp), the packed linear layers (packed_linear.cpp, block_linear.cpp) and the per-layer small ops
+// (layer_ops.cpp).
 // kvserve/kernels/cpu_paged.py builds the files into one module.
 #include <torch/extension.h>
 
@@ -7,6 +8,10 @@ namespace kvserve {
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& tables,
                            const torch::Tensor& seq_lens, double scale);
 int64_t parallel_threads(int64_t num_tasks);
+bool paged_prefill_supports(int64_t head_dim, int64_t num_heads, int64_t num_kv_heads, int64_t page_size);
+torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& tables,
+                            const torch::Tensor& row_start, const torch::Tensor& q_lens,
+                            const torch::Tensor& start_pos, double scale, torch::Tensor& out);
 torch::Tensor pack_panels(const torch::Tensor& w);
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels);
 std::vector<torch::Tensor> pack_blocks(const torch::Tensor& w, int64_t bits);
@@ -22,6 +27,10 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(const torch::Tensor& l
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &kvserve::paged_decode, "paged decode attention, K/V read in place (CPU, float32)");
+  m.def("paged_prefill", &kvserve::paged_prefill,
+        "causal attention of prefill chunks' rows of q over their pages, written into out (CPU, float32)");
+  m.def("paged_prefill_supports", &kvserve::paged_prefill_supports,
+        "whether paged_prefill takes (head_dim, num_heads, num_kv_heads, page_size)");
   m.def("parallel_threads", &kvserve::parallel_threads, "intra-op threads one parallel_for ran on (a build check)");
   m.def("pack_panels", &kvserve::pack_panels, "w [N, K] -> panels [N / 32, K, 32] for linear_packed");
   m.def("linear_packed", &kvserve::linear_packed, "x [M, K] @ w.T from w's panels (CPU, float32)");

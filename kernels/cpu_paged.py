@@ -1,13 +1,15 @@
 """The CPU backend: decode tokens attend through a small C++ kernel that reads K/V in place from the page pool
-(``kernels/paged_decode.cpp``); prefill chunks go through the reference backend's gather + SDPA; the linear
-layers run over weights packed once into column panels (``kernels/packed_linear.cpp``), or, for a weight whose
+(``kernels/paged_decode.cpp``), and so do prefill chunks (``kernels/paged_prefill.cpp``; shapes it does not take
+go through the reference backend's gather + SDPA); the linear layers run over weights packed once into column
+panels (``kernels/packed_linear.cpp``), or, for a weight whose
 float32 values are exactly 4- or 8-bit blocks (a quantised GGUF's, such as the default model's), over those
 blocks (``kernels/block_linear.cpp``): the same floats in a fifth of the bytes, which a decode step reads once.
 
 Why: in a decode step the reference backend copies every sequence's pages into a padded batch and SDPA then
 reads the copy, so K/V cross memory three times; with contexts of a few hundred tokens that gather cost as
-much as all the GEMMs. The kernel walks each sequence's page table once, with an online softmax, one sequence
-per intra-op thread (torch's OpenMP pool). Prefill chunks are GEMM-bound and keep the reference path.
+much as all the GEMMs. The kernel walks each sequence's page table once, with an online softmax, on torch's
+intra-op (OpenMP) threads. For prefill chunks the reference made a dozen small torch ops per chunk and layer;
+the prefill kernel reads the pages in place, two rows and one kv head per work item.
 
 The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja; about 30 s), cached
 under torch's extension directory, and built ahead by ``make kernels`` (``python -m kvserve.kernels.cpu_paged``).
@@ -33,7 +35,8 @@ from kvserve.kernels.reference import ReferenceBackend, ReferenceState, attend_g
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / name
-           for name in ("cpu_ops.cpp", "paged_decode.cpp", "packed_linear.cpp", "block_linear.cpp", "layer_ops.cpp")]
+           for name in ("cpu_ops.cpp", "paged_decode.cpp", "paged_prefill.cpp", "packed_linear.cpp", "block_linear.cpp",
+                        "layer_ops.cpp")]
 # torch rebuilds when SOURCES change; the headers are in the extension's name instead
 HEADERS = [Path(__file__).parent / name for name in ("cpu_vec.h", "cpu_parallel.h")]
 # -fopenmp: at::parallel_for is a header template that runs its loop inline, on one thread, unless the code
@@ -114,15 +117,30 @@ class BlockPanels:
 
 
 @dataclass(slots=True)
+class PrefillChunks:
+    """A step's prefill chunks for ``kernels/paged_prefill.cpp``: where their rows start in the step's flat
+    run, how many there are, the position of the first, and their page tables."""
+
+    row_start: torch.Tensor  # [num_chunks] int64
+    q_lens: torch.Tensor  # [num_chunks] int64
+    start_pos: torch.Tensor  # [num_chunks] int64
+    tables: torch.Tensor  # [num_chunks, max_pages] int64
+
+
+@dataclass(slots=True)
 class CPUState:
     decode_index: torch.Tensor | None  # [num_decodes] flat token (= sequence) rows of the decodes; None = all
     tables: torch.Tensor  # [num_decodes, max_pages] int64
     seq_lens: torch.Tensor  # [num_decodes] int64
-    prefill: ReferenceState  # groups of the prefill chunks
+    chunks: PrefillChunks | None  # the prefill chunks; None when every row is a decode
+    meta: AttentionMetadata
+    prefill: ReferenceState | None = None  # the chunks as reference groups, for shapes paged_prefill does not take
+    native_prefill: bool | None = None  # whether paged_prefill takes this step's shapes (decided by the first layer)
 
 
 class CPUPagedBackend:
-    """float32 on CPU. Decodes: the in-place kernel; prefill chunks: the reference backend's groups. Linear
+    """float32 on CPU. Decodes and prefill chunks: the in-place kernels (prefill chunks of shapes the kernel
+    does not take: the reference backend's groups). Linear
     layers: weights packed once into panels of 32 output columns (``kernels/packed_linear.cpp``); MKL's sgemm
     repacks them on every call, which costs a decode step more than the product. A weight that is exact 4- or
     8-bit blocks is kept as those blocks and unpacked into panels in cache, per call (``block_linear.cpp``):
@@ -158,17 +176,17 @@ class CPUPagedBackend:
             y = self.ext.linear_packed(x.contiguous(), w)
         return y if bias is None else y.add_(bias)
 
-    def prepare(self, meta: AttentionMetadata) -> CPUState | ReferenceState:
+    def prepare(self, meta: AttentionMetadata) -> CPUState:
         q_lens = meta.q_lens.tolist()
-        decodes = [i for i, n in enumerate(q_lens) if n == 1]
-        if not decodes:
-            return self.reference.prepare(meta)
         prefills = [i for i, n in enumerate(q_lens) if n > 1]
         if not prefills:
-            return CPUState(None, meta.block_tables, meta.seq_lens, ReferenceState([]))
-        idx = torch.tensor(decodes, device=meta.positions.device)
-        return CPUState(meta.cu_q_lens[idx], meta.block_tables[idx].contiguous(), meta.seq_lens[idx],
-                        ReferenceState([group_state(meta, [i]) for i in prefills]))
+            return CPUState(None, meta.block_tables, meta.seq_lens, None, meta)
+        decodes = [i for i, n in enumerate(q_lens) if n == 1]
+        idx = torch.tensor(decodes, dtype=torch.long, device=meta.positions.device)
+        pidx = torch.tensor(prefills, device=meta.positions.device)
+        chunks = PrefillChunks(meta.cu_q_lens[pidx], meta.q_lens[pidx], meta.start_pos[pidx],
+                               meta.block_tables[pidx].contiguous())
+        return CPUState(meta.cu_q_lens[idx], meta.block_tables[idx].contiguous(), meta.seq_lens[idx], chunks, meta)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ext.rms_norm(x.contiguous(), weight, eps)
@@ -194,15 +212,25 @@ class CPUPagedBackend:
         write_kv(k, v, kv_cache, meta.slot_mapping)  # the kernel checks dtypes (float32 only) and shapes
         return self._attend(q, kv_cache, state, scale)
 
-    def _attend(self, q, kv_cache, state, scale: float) -> torch.Tensor:
-        if isinstance(state, ReferenceState):
-            return self.reference.attend(q, kv_cache, state, scale)
-        if state.decode_index is None:
+    def _attend(self, q, kv_cache, state: CPUState, scale: float) -> torch.Tensor:
+        if state.chunks is None:
             return self.ext.paged_decode(q.contiguous(), kv_cache, state.tables, state.seq_lens, scale)
+        q = q.contiguous()
         out = torch.empty_like(q)
-        q_dec = q.index_select(0, state.decode_index)
-        out.index_copy_(0, state.decode_index, self.ext.paged_decode(q_dec, kv_cache, state.tables,
-                                                                      state.seq_lens, scale))
+        if state.decode_index.numel():
+            q_dec = q.index_select(0, state.decode_index)
+            out.index_copy_(0, state.decode_index, self.ext.paged_decode(q_dec, kv_cache, state.tables,
+                                                                          state.seq_lens, scale))
+        if state.native_prefill is None:
+            _, heads, head_dim = q.shape
+            state.native_prefill = self.ext.paged_prefill_supports(head_dim, heads, kv_cache.shape[3],
+                                                                   kv_cache.shape[2])
+        c = state.chunks
+        if state.native_prefill:
+            return self.ext.paged_prefill(q, kv_cache, c.tables, c.row_start, c.q_lens, c.start_pos, scale, out)
+        if state.prefill is None:
+            prefills = [i for i, n in enumerate(state.meta.q_lens.tolist()) if n > 1]
+            state.prefill = ReferenceState([group_state(state.meta, [i]) for i in prefills])
         return attend_groups(q, kv_cache, state.prefill.groups, scale, out)
 
 

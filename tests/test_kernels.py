@@ -107,6 +107,22 @@ def test_the_cpu_kernels_specialised_and_generic_paths_match_dense_attention(hea
              head_dim=head_dim)
 
 
+@pytest.mark.parametrize("head_dim,heads,kv_heads,native", [
+    (64, 9, 3, True),  # the default model's shape: kernels/paged_prefill.cpp
+    (128, 8, 1, True),  # a wider head, 8 query heads per kv head: paged_prefill.cpp
+    (32, 2, 2, True),  # one query head per kv head: paged_prefill.cpp
+    (24, 6, 2, False),  # head_dim not a multiple of 16: the reference groups
+    (16, 9, 1, False),  # 9 query heads per kv head: the reference groups
+])
+def test_the_cpu_backends_prefill_paths_match_dense_attention(head_dim, heads, kv_heads, native):
+    """Chunks of odd and even lengths, fresh and on top of cached prefixes that end on and off page boundaries,
+    with decodes in the same step."""
+    assert CPUPagedBackend().ext.paged_prefill_supports(head_dim, heads, kv_heads, 16) == native
+    lengths = [70, 33, 200, 2, 1, 50, 129]
+    cached = [0, 17, 100, 0, 0, 49, 32]
+    run_case(lengths, cached, heads, kv_heads, 16, seed=head_dim + heads, backend="cpu", head_dim=head_dim)
+
+
 def test_the_cpu_kernel_runs_on_every_intra_op_thread():
     """Built without OpenMP, at::parallel_for runs inline on one thread: correct, and half as fast here."""
     from kvserve.kernels.cpu_paged import load_extension

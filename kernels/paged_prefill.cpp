@@ -1,0 +1,308 @@
+// Paged attention for prefill chunks on CPU: each chunk's queries attend causally to their sequence's keys,
+// read in place from the page pool (no gather into a padded batch, no score matrix, no mask tensor).
+//
+// The reference backend copies each chunk's pages into a buffer and runs SDPA over it with an additive mask:
+// per layer a dozen small torch ops per chunk, and scores for masked keys too. Here, in two passes:
+//   1. each page a chunk reads is transposed, per kv head, into a scratch buffer as [head_dim][16 keys], so
+//      that one vector holds one dimension of the page's 16 keys;
+//   2. a work item is one or two adjacent query rows of one chunk and one kv head, with the G query heads that
+//      share it: page by page, the scores of those 2 x G queries against the page's 16 keys (one vector each,
+//      a key per lane), the causal mask, an online-softmax update (running max and sum, earlier pages rescaled,
+//      as in paged_decode.cpp) and the weighted sum of the visible values, all in registers.
+// Items are claimed most expensive (latest rows) first by whichever intra-op thread is free (cpu_parallel.h).
+// Pages of 16 tokens, head_dim in {16, 32, 64, 128} and up to 8 query heads per kv head; other shapes keep the
+// reference path (kernels/cpu_paged.py decides).
+//
+//   q, out      [num_tokens, num_heads, head_dim]                  float32, contiguous; the step's flat rows
+//   kv_cache    [2, num_pages, 16, num_kv_heads, head_dim]          float32, contiguous (one layer)
+//   tables      [num_chunks, max_pages]                            int64 page ids
+//   row_start   [num_chunks]   int64: the chunk's first row in q and out
+//   q_lens      [num_chunks]   int64: its rows
+//   start_pos   [num_chunks]   int64: the position of its first row (keys 0 .. position are visible to a row)
+// Writes the chunks' rows of out; other rows are left as they are.
+#include <ATen/ATen.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu_parallel.h"
+#include "cpu_vec.h"
+
+namespace kvserve {
+namespace {
+
+constexpr int kPage = 16;               // keys per page: one vector of scores
+constexpr float kMinScore = -1e30f;     // a finite "minus infinity": the build uses -ffast-math
+
+struct Chunk {
+  int64_t row_start, q_len, start_pos;
+  const int64_t* table;
+  int64_t num_pages;   // pages its last row reads
+  int64_t kt_offset;   // its first page in the transposed-keys buffer
+};
+
+struct Item {
+  int64_t chunk, row, kv_head;  // rows row and row + 1 (if any) of the chunk
+  int64_t cost;
+};
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// Reductions of a vector's 16 lanes as a tree of halves: four dependent steps, not fifteen.
+template <typename Op>
+inline float reduce16(v16 x, Op op) {
+  v8 lo, hi;
+  __builtin_memcpy(&lo, &x, sizeof(lo));
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+  const v8 a = op(lo, hi);
+  v4 l4, h4;
+  __builtin_memcpy(&l4, &a, sizeof(l4));
+  __builtin_memcpy(&h4, reinterpret_cast<const char*>(&a) + sizeof(l4), sizeof(h4));
+  const v4 b = op(l4, h4);
+  return op(op(b[0], b[1]), op(b[2], b[3]));
+}
+
+inline float hmax(v16 x) {
+  return reduce16(x, [](auto a, auto b) { return a > b ? a : b; });
+}
+
+inline float hsum16(v16 x) {
+  return reduce16(x, [](auto a, auto b) { return a + b; });
+}
+
+// e^x of 16 lanes. With AVX-512: n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' expf
+// polynomial on [-ln2 / 2, ln2 / 2] (about 1 ulp), times 2^n by vscalefps; x is clamped to [-110, 88.7], so
+// masked scores (-1e30) come out as 0. Elsewhere: std::exp per lane (vectorised by libmvec under -ffast-math).
+inline v16 exp16(v16 x) {
+#ifdef __AVX512F__
+  __m512 v = _mm512_min_ps(_mm512_max_ps(reinterpret_cast<__m512>(x), _mm512_set1_ps(-110.f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return reinterpret_cast<v16>(_mm512_scalef_ps(p, n));
+#else
+  alignas(64) float e[16];
+  store(e, x);
+#pragma omp simd
+  for (int i = 0; i < 16; ++i) e[i] = std::exp(e[i]);
+  return load(e);
+#endif
+}
+
+// R (1 or 2) rows x G heads of one chunk against one kv head. kt: the chunk's pages, transposed, for this kv
+// head at page stride kt_stride; v_ptr: the pool's V rows of this kv head (offset applied).
+template <int NV, int G, int R>
+void attend_rows(const float* q, float* out, int64_t row_stride, const float* kt, int64_t kt_stride,
+                 const float* v_ptr, int64_t token_stride, const int64_t* table, int64_t first_pos,
+                 int64_t kv_head, float scale) {
+  constexpr int D = 16 * NV;
+  v16 acc[R][G][NV];
+  float run_max[R][G], run_sum[R][G];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i) acc[r][g][i] = v16{};
+      run_max[r][g] = kMinScore;
+      run_sum[r][g] = 0.f;
+    }
+  const float* qr[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) qr[r] = q + r * row_stride + kv_head * G * D;
+  v16 lane;
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
+  const int64_t last_pos = first_pos + R - 1;
+  for (int64_t p = 0; p * kPage <= last_pos; ++p) {
+    const float* ktp = kt + p * kt_stride;
+    v16 sc[R][G];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) sc[r][g] = v16{};
+    for (int d = 0; d < D; ++d) {
+      const v16 k = load(ktp + d * kPage);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+        for (int g = 0; g < G; ++g) sc[r][g] += qr[r][g * D + d] * k;
+    }
+    alignas(64) float w[R][G][kPage];
+    int visible[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      visible[r] = static_cast<int>(std::clamp<int64_t>(first_pos + r + 1 - p * kPage, 0, kPage));
+      const v16 limit = v16{} + static_cast<float>(visible[r]);
+#pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) {
+        const v16 s = lane < limit ? sc[r][g] * scale : v16{} + kMinScore;
+        const float new_max = std::max(run_max[r][g], hmax(s));
+        const v16 e = exp16(s - new_max);
+        store(w[r][g], e);
+        if (new_max != run_max[r][g]) {  // rescale what earlier pages summed (after the first few, rarely)
+          const float correction = std::exp(run_max[r][g] - new_max);
+          run_sum[r][g] *= correction;
+#pragma GCC unroll 16
+          for (int i = 0; i < NV; ++i) acc[r][g][i] *= correction;
+          run_max[r][g] = new_max;
+        }
+        run_sum[r][g] += hsum16(e);
+      }
+    }
+    const float* vp = v_ptr + table[p] * kPage * token_stride;
+    const int keys = R == 2 ? std::max(visible[0], visible[R - 1]) : visible[0];
+    for (int t = 0; t < keys; ++t) {
+      v16 vrow[NV];
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i) vrow[i] = load(vp + t * token_stride + 16 * i);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+        for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+          for (int i = 0; i < NV; ++i) acc[r][g][i] += w[r][g][t] * vrow[i];
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+      const float inv = 1.f / run_sum[r][g];
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i) store(out + r * row_stride + (kv_head * G + g) * D + 16 * i, acc[r][g][i] * inv);
+    }
+}
+
+using RowsFn = void (*)(const float*, float*, int64_t, const float*, int64_t, const float*, int64_t, const int64_t*,
+                        int64_t, int64_t, float);
+
+template <int NV, int G>
+constexpr RowsFn kRows[2] = {attend_rows<NV, G, 1>, attend_rows<NV, G, 2>};
+
+template <int NV>
+const RowsFn* rows_for_group(int64_t group) {
+  switch (group) {
+    case 1: return kRows<NV, 1>;
+    case 2: return kRows<NV, 2>;
+    case 3: return kRows<NV, 3>;
+    case 4: return kRows<NV, 4>;
+    case 5: return kRows<NV, 5>;
+    case 6: return kRows<NV, 6>;
+    case 7: return kRows<NV, 7>;
+    case 8: return kRows<NV, 8>;
+    default: return nullptr;
+  }
+}
+
+const RowsFn* rows_kernels(int64_t head_dim, int64_t group) {
+  switch (head_dim) {
+    case 16: return rows_for_group<1>(group);
+    case 32: return rows_for_group<2>(group);
+    case 64: return rows_for_group<4>(group);
+    case 128: return rows_for_group<8>(group);
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+bool paged_prefill_supports(int64_t head_dim, int64_t num_heads, int64_t num_kv_heads, int64_t page_size) {
+  return page_size == kPage && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
+         rows_kernels(head_dim, num_heads / num_kv_heads) != nullptr;
+}
+
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tables,
+                         const at::Tensor& row_start, const at::Tensor& q_lens, const at::Tensor& start_pos,
+                         double scale, at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && tables.dim() == 2, "bad ranks");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && tables.is_contiguous() && out.is_contiguous() &&
+                  out.sizes() == q.sizes() && out.scalar_type() == at::kFloat, "contiguous q and out of one shape");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && row_start.scalar_type() == at::kLong &&
+                  q_lens.scalar_type() == at::kLong && start_pos.scalar_type() == at::kLong, "int64 metadata");
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_pages = kv_cache.size(1), page_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == head_dim, "kv_cache: [2, pages, 16, kv_heads, head_dim]");
+  TORCH_CHECK(paged_prefill_supports(head_dim, num_heads, num_kv_heads, page_size),
+              "paged_prefill: pages of 16, head_dim 16/32/64/128 and up to 8 query heads per kv head only");
+  const int64_t num_chunks = tables.size(0), max_pages = tables.size(1);
+  TORCH_CHECK(row_start.numel() == num_chunks && q_lens.numel() == num_chunks && start_pos.numel() == num_chunks,
+              "one row_start, q_len and start_pos per chunk");
+  const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+  const int64_t kt_page = num_kv_heads * head_dim * kPage;  // floats of one transposed page
+
+  const auto rs = row_start.contiguous(), ql = q_lens.contiguous(), sp = start_pos.contiguous();
+  const int64_t *rs_ptr = rs.data_ptr<int64_t>(), *ql_ptr = ql.data_ptr<int64_t>(), *sp_ptr = sp.data_ptr<int64_t>();
+  std::vector<Chunk> chunks(num_chunks);
+  int64_t kt_pages = 0;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    Chunk& ch = chunks[c];
+    ch.row_start = rs_ptr[c];
+    ch.q_len = ql_ptr[c];
+    ch.start_pos = sp_ptr[c];
+    TORCH_CHECK(ch.q_len > 0 && ch.start_pos >= 0 && ch.row_start >= 0 && ch.row_start + ch.q_len <= num_tokens,
+                "chunk ", c, ": rows outside q");
+    ch.num_pages = (ch.start_pos + ch.q_len - 1) / kPage + 1;
+    TORCH_CHECK(ch.num_pages <= max_pages, "chunk ", c, ": its last position is past its page table");
+    ch.table = tables.data_ptr<int64_t>() + c * max_pages;
+    for (int64_t p = 0; p < ch.num_pages; ++p)
+      TORCH_CHECK(ch.table[p] >= 0 && ch.table[p] < num_pages, "chunk ", c, ": page id outside the pool");
+    ch.kt_offset = kt_pages;
+    kt_pages += ch.num_pages;
+  }
+  const float* k_ptr = kv_cache.data_ptr<float>();
+  const float* v_ptr = k_ptr + num_pages * page_size * token_stride;
+
+  // Pass 1: every page a chunk reads, transposed per kv head: kt[page][kv_head][d][16 keys].
+  std::vector<std::pair<int64_t, int64_t>> pages;  // (chunk, page index)
+  pages.reserve(kt_pages);
+  for (int64_t c = 0; c < num_chunks; ++c)
+    for (int64_t p = 0; p < chunks[c].num_pages; ++p) pages.emplace_back(c, p);
+  std::vector<float> kt(kt_pages * kt_page);
+  parallel_items(kt_pages, [&](int64_t i) {
+    const auto [c, p] = pages[i];
+    const float* src = k_ptr + chunks[c].table[p] * kPage * token_stride;
+    float* dst = kt.data() + (chunks[c].kt_offset + p) * kt_page;
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int t = 0; t < kPage; ++t)
+        for (int64_t d = 0; d < head_dim; ++d) dst[(h * head_dim + d) * kPage + t] = src[t * token_stride + h * head_dim + d];
+  });
+
+  // Pass 2: pairs of rows x kv heads, the latest rows (the most keys) first.
+  std::vector<Item> items;
+  for (int64_t c = 0; c < num_chunks; ++c)
+    for (int64_t r = 0; r < chunks[c].q_len; r += 2)
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({c, r, h, chunks[c].start_pos + r});
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const RowsFn* kernels = rows_kernels(head_dim, group);
+  const float* q_ptr = q.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t row_stride = num_heads * head_dim;
+  parallel_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Item& it = items[i];
+    const Chunk& ch = chunks[it.chunk];
+    const int rows = it.row + 1 < ch.q_len ? 2 : 1;
+    const int64_t row = ch.row_start + it.row;
+    kernels[rows - 1](q_ptr + row * row_stride, out_ptr + row * row_stride, row_stride,
+                      kt.data() + ch.kt_offset * kt_page + it.kv_head * head_dim * kPage, kt_page,
+                      v_ptr + it.kv_head * head_dim, token_stride, ch.table, ch.start_pos + it.row, it.kv_head,
+                      static_cast<float>(scale));
+  });
+  return out;
+}
+
+}  // namespace kvserve
