@@ -1,4 +1,5 @@
-"""Worker benchmark: paged decode vs HF transformers' forward, and the KV cache vs recomputation.
+"""Worker benchmark: paged decode vs HF transformers' forward, prefill steps with the paged prefill kernel vs the
+reference, and the KV cache vs recomputation.
 
     python bench/bench_worker.py [--quick] [--out bench/results/worker-DATE.json]
 
@@ -170,6 +171,37 @@ def bench_kv_cache(runner, hf, num_tokens: int, prompt_len: int = 32) -> dict:
             "same_tokens_with_and_without_cache": results["cached"] == results["uncached"]}
 
 
+def bench_prefill(runner: ModelRunner, chunk_sets: list[list[int]], repeats: int) -> list[dict]:
+    """Prefill steps through the cpu backend's paged prefill kernel and through the reference backend's gather +
+    SDPA (the backend's ``prefill_kernel`` switch), alternated; fresh prompts, sampling each chunk's last token."""
+    backend = runner.model.backend
+    if not hasattr(backend, "prefill_kernel"):
+        return []
+    results = []
+    for lengths in chunk_sets:
+        ids = prompt_ids(len(lengths), max(lengths))
+        first, items = 0, []
+        for b, n in enumerate(lengths):
+            pages = -(-n // PAGE_SIZE)
+            items.append(StepItem(f"p{b}", tuple(ids[b, :n].tolist()), 0, tuple(range(first, first + pages))))
+            first += pages
+        batch = StepBatch(tuple(items))
+        times: dict[bool, list[float]] = {True: [], False: []}
+        tokens: dict[bool, list[int]] = {}
+        for _ in range(repeats):
+            for kernel in (True, False):
+                backend.prefill_kernel = kernel
+                t0 = time.perf_counter()
+                tokens[kernel] = [s.token_id for s in runner.call(runner._run, batch)]
+                times[kernel].append(time.perf_counter() - t0)
+        backend.prefill_kernel = True
+        kernel_ms, reference_ms = (1000 * statistics.median(times[k]) for k in (True, False))
+        results.append({"chunks": lengths, "kernel_ms": round(kernel_ms, 1), "reference_ms": round(reference_ms, 1),
+                        "reference_over_kernel": round(reference_ms / kernel_ms, 3),
+                        "same_tokens": tokens[True] == tokens[False]})
+    return results
+
+
 def markdown(report: dict) -> str:
     lines = ["| batch | context | kvserve tok/s | kvserve over gRPC tok/s | HF forward tok/s | kvserve / HF |",
              "|---:|---:|---:|---:|---:|---:|"]
@@ -184,6 +216,13 @@ def markdown(report: dict) -> str:
               f"| {k['speedup_kvserve']:.1f}x |",
               f"| HF transformers | {k['hf_with_cache_tok_s']:.1f} | {k['hf_without_cache_tok_s']:.1f} "
               f"| {k['speedup_hf']:.1f}x |"]
+    if report.get("prefill"):
+        lines += ["", "Prefill steps (fresh prompts, one step each), the paged prefill kernel vs the reference's "
+                  "gather + SDPA, alternated:", "",
+                  "| chunks | kernel ms | reference ms | reference / kernel | same tokens |",
+                  "|---|---:|---:|---:|---|"]
+        lines += [f"| {' + '.join(map(str, p['chunks']))} | {p['kernel_ms']:.1f} | {p['reference_ms']:.1f} "
+                  f"| {p['reference_over_kernel']:.3f} | {p['same_tokens']} |" for p in report["prefill"]]
     return "\n".join(lines) + "\n"
 
 
@@ -218,6 +257,8 @@ def main(argv=None) -> int:
         for b in args.batches:
             print(f"decode batch {b} ...", file=sys.stderr, flush=True)
             report["decode"].append(bench_decode(runner, hf, stub, b, args.context, steps, repeats))
+    print("prefill steps, kernel vs reference ...", file=sys.stderr, flush=True)
+    report["prefill"] = bench_prefill(runner, [[512], [256, 128, 96, 32]], repeats)
     print(f"KV cache vs none, {gen_tokens} tokens ...", file=sys.stderr, flush=True)
     report["kv_cache"] = bench_kv_cache(runner, hf, gen_tokens)
     out = args.out or Path(__file__).parent / "results" / f"worker-{dt.date.today().isoformat()}.json"

@@ -145,15 +145,19 @@ class CPUPagedBackend:
     repacks them on every call, which costs a decode step more than the product. A weight that is exact 4- or
     8-bit blocks is kept as those blocks and unpacked into panels in cache, per call (``block_linear.cpp``):
     bit for bit the float32 panels' result. ``block_weights=False`` (or KVSERVE_BLOCK_WEIGHTS=0) turns that off,
-    for comparisons."""
+    and ``prefill_kernel=False`` (KVSERVE_PREFILL_KERNEL=0) sends prefill chunks through the reference, for
+    comparisons."""
 
     name = "cpu"
 
-    def __init__(self, block_weights: bool | None = None):
+    def __init__(self, block_weights: bool | None = None, prefill_kernel: bool | None = None):
         self.ext = load_extension()
         if block_weights is None:  # KVSERVE_BLOCK_WEIGHTS=0: float32 panels only (for comparisons)
             block_weights = os.environ.get("KVSERVE_BLOCK_WEIGHTS", "1") != "0"
+        if prefill_kernel is None:  # KVSERVE_PREFILL_KERNEL=0: prefill through the reference (for comparisons)
+            prefill_kernel = os.environ.get("KVSERVE_PREFILL_KERNEL", "1") != "0"
         self.block_weights = block_weights
+        self.prefill_kernel = prefill_kernel
         self.reference = ReferenceBackend()
 
     def pack_weight(self, w: torch.Tensor) -> torch.Tensor | BlockPanels:
@@ -223,8 +227,8 @@ class CPUPagedBackend:
                                                                           state.seq_lens, scale))
         if state.native_prefill is None:
             _, heads, head_dim = q.shape
-            state.native_prefill = self.ext.paged_prefill_supports(head_dim, heads, kv_cache.shape[3],
-                                                                   kv_cache.shape[2])
+            state.native_prefill = self.prefill_kernel and self.ext.paged_prefill_supports(
+                head_dim, heads, kv_cache.shape[3], kv_cache.shape[2])
         c = state.chunks
         if state.native_prefill:
             return self.ext.paged_prefill(q, kv_cache, c.tables, c.row_start, c.q_lens, c.start_pos, scale, out)

@@ -114,12 +114,15 @@ def test_the_cpu_kernels_specialised_and_generic_paths_match_dense_attention(hea
     (24, 6, 2, False),  # head_dim not a multiple of 16: the reference groups
     (16, 9, 1, False),  # 9 query heads per kv head: the reference groups
 ])
-def test_the_cpu_backends_prefill_paths_match_dense_attention(head_dim, heads, kv_heads, native):
+def test_the_cpu_backends_prefill_paths_match_dense_attention(head_dim, heads, kv_heads, native, monkeypatch):
     """Chunks of odd and even lengths, fresh and on top of cached prefixes that end on and off page boundaries,
-    with decodes in the same step."""
+    with decodes in the same step; and with the kernel turned off (KVSERVE_PREFILL_KERNEL=0)."""
     assert CPUPagedBackend().ext.paged_prefill_supports(head_dim, heads, kv_heads, 16) == native
     lengths = [70, 33, 200, 2, 1, 50, 129]
     cached = [0, 17, 100, 0, 0, 49, 32]
+    run_case(lengths, cached, heads, kv_heads, 16, seed=head_dim + heads, backend="cpu", head_dim=head_dim)
+    monkeypatch.setenv("KVSERVE_PREFILL_KERNEL", "0")
+    assert not CPUPagedBackend().prefill_kernel
     run_case(lengths, cached, heads, kv_heads, 16, seed=head_dim + heads, backend="cpu", head_dim=head_dim)
 
 
