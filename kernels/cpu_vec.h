@@ -1,6 +1,6 @@
 // What the cpu backend's C++ files share: 16-float vectors, their loads and stores at any float's alignment,
-// and the float32 panel layout of the packed linear layers (kernels/cpu_paged.py keys its build cache on this
-// file's text too, since torch's JIT build watches only the .cpp sources).
+// lane reductions, and the float32 panel layout of the packed linear layers (kernels/cpu_paged.py keys its
+// build cache on this file's text too, since torch's JIT build watches only the .cpp sources).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +16,34 @@ inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
 constexpr int kPanel = 32;  // output columns per packed weight panel: two vectors
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// A reduction of a vector's 16 lanes as a tree of halves: four dependent steps, not fifteen.
+template <typename Op>
+inline float reduce16(v16 x, Op op) {
+  v8 lo, hi;
+  __builtin_memcpy(&lo, &x, sizeof(lo));
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
+  const v8 a = op(lo, hi);
+  v4 l4, h4;
+  __builtin_memcpy(&l4, &a, sizeof(l4));
+  __builtin_memcpy(&h4, reinterpret_cast<const char*>(&a) + sizeof(l4), sizeof(h4));
+  const v4 b = op(l4, h4);
+  return op(op(b[0], b[1]), op(b[2], b[3]));
+}
+
+inline float hsum(v16 x) {
+  return reduce16(x, [](auto a, auto b) { return a + b; });
+}
+
+inline float hmax(v16 x) {
+  return reduce16(x, [](auto a, auto b) { return a > b ? a : b; });
+}
+
+// The attention kernels' "minus infinity" for masked scores: finite, since the build uses -ffast-math.
+constexpr float kMinScore = -1e30f;
 
 // packed_linear.cpp: y[:, 0:32 count] = x [M, K] @ panels (count = 1 or 2 adjacent float32 panels [K, 32]).
 void panel_rows(const float* x, int64_t M, int64_t K, const float* panels, int count, float* y, int64_t ldy);

@@ -28,23 +28,6 @@
 namespace kvserve {
 namespace {
 
-constexpr float kMinScore = -1e30f;  // a finite "minus infinity": the build uses -ffast-math
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-inline float hsum(v16 x) {  // a tree of halves: four dependent adds, not sixteen
-  v8 lo, hi;
-  __builtin_memcpy(&lo, &x, sizeof(lo));
-  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
-  const v8 a = lo + hi;
-  v4 l4, h4;
-  __builtin_memcpy(&l4, &a, sizeof(l4));
-  __builtin_memcpy(&h4, reinterpret_cast<const char*>(&a) + sizeof(l4), sizeof(h4));
-  const v4 b = l4 + h4;
-  return (b[0] + b[1]) + (b[2] + b[3]);
-}
-
 struct Shape {
   int64_t num_heads, head_dim, num_pages, page_size, num_kv_heads, max_pages, token_stride;
   float scale;

@@ -36,7 +36,6 @@ namespace kvserve {
 namespace {
 
 constexpr int kPage = 16;               // keys per page: one vector of scores
-constexpr float kMinScore = -1e30f;     // a finite "minus infinity": the build uses -ffast-math
 
 struct Chunk {
   int64_t row_start, q_len, start_pos;
@@ -49,31 +48,6 @@ struct Item {
   int64_t chunk, row, kv_head;  // rows row and row + 1 (if any) of the chunk
   int64_t cost;
 };
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-// Reductions of a vector's 16 lanes as a tree of halves: four dependent steps, not fifteen.
-template <typename Op>
-inline float reduce16(v16 x, Op op) {
-  v8 lo, hi;
-  __builtin_memcpy(&lo, &x, sizeof(lo));
-  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(lo), sizeof(hi));
-  const v8 a = op(lo, hi);
-  v4 l4, h4;
-  __builtin_memcpy(&l4, &a, sizeof(l4));
-  __builtin_memcpy(&h4, reinterpret_cast<const char*>(&a) + sizeof(l4), sizeof(h4));
-  const v4 b = op(l4, h4);
-  return op(op(b[0], b[1]), op(b[2], b[3]));
-}
-
-inline float hmax(v16 x) {
-  return reduce16(x, [](auto a, auto b) { return a > b ? a : b; });
-}
-
-inline float hsum16(v16 x) {
-  return reduce16(x, [](auto a, auto b) { return a + b; });
-}
 
 // e^x of 16 lanes. With AVX-512: n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' expf
 // polynomial on [-ln2 / 2, ln2 / 2] (about 1 ulp), times 2^n by vscalefps; x is clamped to [-110, 88.7], so
@@ -160,7 +134,7 @@ void attend_rows(const float* q, float* out, int64_t row_stride, const float* kt
           for (int i = 0; i < NV; ++i) acc[r][g][i] *= correction;
           run_max[r][g] = new_max;
         }
-        run_sum[r][g] += hsum16(e);
+        run_sum[r][g] += hsum(e);
       }
     }
     const float* vp = v_ptr + table[p] * kPage * token_stride;
