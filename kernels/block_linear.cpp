@@ -177,9 +177,6 @@ constexpr int kFusedRows = 8;  // rows per pass: 16 accumulators, 2 weight vecto
 // rows, 24.4 vs 29.5 at 24, 34.8 vs 37.6 at 32, even at 48 and 64, 138 vs 135 at 128. 12-row passes (24
 // accumulators) were slower than 8 from 12 rows on.
 constexpr int kFusedMaxRows = 32;
-// Rows of x per work item beyond that (a multiple of packed_linear.cpp's 6-row tile): a 512-token prefill chunk
-// makes 6 items per pair of panels, so the two threads end together.
-constexpr int64_t kRowChunk = 96;
 template <bool kFour>
 constexpr FusedKernel kFused[kFusedRows + 1] = {
     nullptr, fused_kernel<1, kFour>, fused_kernel<2, kFour>, fused_kernel<3, kFour>, fused_kernel<4, kFour>,

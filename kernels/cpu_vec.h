@@ -17,6 +17,10 @@ inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
 constexpr int kPanel = 32;  // output columns per packed weight panel: two vectors
 
+// Rows of x per work item of the panel GEMMs (packed_linear.cpp, block_linear.cpp): a multiple of panel_rows'
+// 6-row tile; a 512-token prefill chunk makes 6 items per pair of panels, so the two threads end together.
+constexpr int64_t kRowChunk = 96;
+
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 

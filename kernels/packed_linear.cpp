@@ -28,8 +28,7 @@
 namespace kvserve {
 namespace {
 
-constexpr int kMaxRows = 8;
-constexpr int64_t kRowChunk = 96;  // rows of x per work item: a multiple of the 6-row tile  // rows of x per call of the one-panel kernel: 16 accumulators
+constexpr int kMaxRows = 8;  // rows of x per call of the one-panel kernel: 16 accumulators
 
 // y[0:R, 0:32P] = x[0:R, :] @ [panel_0 .. panel_P-1]: P adjacent panels (2P vectors per row, R x 2P
 // accumulators in registers); each broadcast of x feeds 2P FMAs.
