@@ -121,6 +121,7 @@ class PrefillChunks:
     """A step's prefill chunks for ``kernels/paged_prefill.cpp``: where their rows start in the step's flat
     run, how many there are, the position of the first, and their page tables."""
 
+    seqs: list[int]  # the chunks' sequences in the step (for the reference groups, when the kernel is not used)
     row_start: torch.Tensor  # [num_chunks] int64
     q_lens: torch.Tensor  # [num_chunks] int64
     start_pos: torch.Tensor  # [num_chunks] int64
@@ -188,7 +189,7 @@ class CPUPagedBackend:
         decodes = [i for i, n in enumerate(q_lens) if n == 1]
         idx = torch.tensor(decodes, dtype=torch.long, device=meta.positions.device)
         pidx = torch.tensor(prefills, device=meta.positions.device)
-        chunks = PrefillChunks(meta.cu_q_lens[pidx], meta.q_lens[pidx], meta.start_pos[pidx],
+        chunks = PrefillChunks(prefills, meta.cu_q_lens[pidx], meta.q_lens[pidx], meta.start_pos[pidx],
                                meta.block_tables[pidx].contiguous())
         return CPUState(meta.cu_q_lens[idx], meta.block_tables[idx].contiguous(), meta.seq_lens[idx], chunks, meta)
 
@@ -233,8 +234,7 @@ class CPUPagedBackend:
         if state.native_prefill:
             return self.ext.paged_prefill(q, kv_cache, c.tables, c.row_start, c.q_lens, c.start_pos, scale, out)
         if state.prefill is None:
-            prefills = [i for i, n in enumerate(state.meta.q_lens.tolist()) if n > 1]
-            state.prefill = ReferenceState([group_state(state.meta, [i]) for i in prefills])
+            state.prefill = ReferenceState([group_state(state.meta, [i]) for i in c.seqs])
         return attend_groups(q, kv_cache, state.prefill.groups, scale, out)
 
 

@@ -46,7 +46,6 @@ struct Chunk {
 
 struct Item {
   int64_t chunk, row, kv_head;  // rows row and row + 1 (if any) of the chunk
-  int64_t cost;
 };
 
 // e^x of 16 lanes. With AVX-512: n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' expf
@@ -260,8 +259,10 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const 
   std::vector<Item> items;
   for (int64_t c = 0; c < num_chunks; ++c)
     for (int64_t r = 0; r < chunks[c].q_len; r += 2)
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({c, r, h, chunks[c].start_pos + r});
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({c, r, h});
+  const auto position = [&](const Item& it) { return chunks[it.chunk].start_pos + it.row; };  // keys it reads
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const Item& a, const Item& b) { return position(a) > position(b); });
   const RowsFn* kernels = rows_kernels(head_dim, group);
   const float* q_ptr = q.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
