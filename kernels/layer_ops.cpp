@@ -37,19 +37,35 @@ inline void norm_row(const float* x, const float* w, int64_t n, float eps, float
   for (int64_t j = 0; j < n; ++j) y[j] = (x[j] * r) * w[j];
 }
 
+// rms_norm of each row of x into a new tensor; first x += delta in place when delta is given.
+at::Tensor norm_rows(at::Tensor& x, const at::Tensor* delta, const at::Tensor& w, double eps) {
+  const int64_t M = x.size(0), n = x.size(1);
+  TORCH_CHECK(w.numel() == n && w.is_contiguous() && w.scalar_type() == at::kFloat, "w: float32 [features]");
+  auto y = at::empty_like(x);
+  float* xp = x.data_ptr<float>();
+  const float* dp = delta != nullptr ? delta->data_ptr<float>() : nullptr;
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = xp + r * n;
+      if (dp != nullptr) {
+        const float* dr = dp + r * n;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) xr[j] += dr[j];
+      }
+      norm_row(xr, wp, n, static_cast<float>(eps), yp + r * n);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, "x");
-  const int64_t M = x.size(0), n = x.size(1);
-  TORCH_CHECK(w.numel() == n && w.is_contiguous() && w.scalar_type() == at::kFloat, "w: float32 [features]");
-  auto y = at::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * n, wp, n, static_cast<float>(eps), yp + r * n);
-  });
-  return y;
+  at::Tensor rows = x;  // read only: no delta is added
+  return norm_rows(rows, nullptr, w, eps);
 }
 
 // x += delta (in place: the residual stream), then returns rms_norm(x, w, eps).
@@ -57,22 +73,7 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tenso
   check_rows(x, "x");
   check_rows(delta, "delta");
   TORCH_CHECK(delta.sizes() == x.sizes(), "delta must have x's shape");
-  const int64_t M = x.size(0), n = x.size(1);
-  TORCH_CHECK(w.numel() == n && w.is_contiguous() && w.scalar_type() == at::kFloat, "w: float32 [features]");
-  auto y = at::empty_like(x);
-  float* xp = x.data_ptr<float>();
-  const float *dp = delta.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* xr = xp + r * n;
-      const float* dr = dp + r * n;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) xr[j] += dr[j];
-      norm_row(xr, wp, n, static_cast<float>(eps), yp + r * n);
-    }
-  });
-  return y;
+  return norm_rows(x, &delta, w, eps);
 }
 
 // gate_up [M, 2I] (gate then up, as the fused projection writes them) -> silu(gate) * up [M, I].
