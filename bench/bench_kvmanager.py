@@ -18,10 +18,12 @@ carries a step_id (idempotency tracking on), as a gateway's would. Scenarios, ea
 Configurations: the domain core (KVManager.step), KVService over NullStore and over RedisStore (write-through
 to an embedded redis-server), and the real gRPC service (a server on 127.0.0.1 port 0 in this process, a real
 channel, StepPages) over each store; --server-process puts each server in a child process instead (measured: no
-difference). Last, the floor: the same server and servicer over a service that does no bookkeeping but appends
-each call to the Redis call log and answers with results of the right shape, i.e. what a call of that size
-costs before any page is looked at (the transport, the conversions, the log). A reference KVManager generates
-each round's calls, then every
+difference). "Own core" is the call-log server in a child process pinned to one CPU, with the client thread
+pinned to the others while it drives it: the kvmanager's pod requests a CPU of its own, and on a shared 2-core
+machine the client, the server and Redis otherwise preempt one another mid-call. Last, the floor: the same
+server and servicer over a service that does no bookkeeping but appends each call to the Redis call log and
+answers with results of the right shape, i.e. what a call of that size costs before any page is looked at (the
+transport, the conversions, the log). A reference KVManager generates each round's calls, then every
 configuration replays the same calls on its own state, interleaved round by round (a shared 2-core machine is
 noisy), and every answer is checked against the reference. Latency is per call; requests/s is the number of
 distinct requests a call carries divided by the mean call time. The garbage collector stays on: the p99 of the
@@ -33,6 +35,7 @@ Redis, per call kind. Writes JSON and a Markdown table next to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime as dt
 import gc
@@ -94,12 +97,14 @@ SPEC = PoolSpec("w0", 1, NUM_PAGES, PAGE_SIZE, "bench-model-fp", "float32", 2 * 
 ADMIN_TOKEN = "bench-admin-token"
 TARGET_P50_MS = 2.0
 TARGET_SHARE = 0.03
-CONFIGS = ("core", "service", "service+redis", "service+log", "grpc", "grpc+redis", "grpc+log", "grpc+log-echo")
+CONFIGS = ("core", "service", "service+redis", "service+log", "grpc", "grpc+redis", "grpc+log", "grpc+log-own-core",
+           "grpc+log-echo")
 CONFIG_TITLES = {"core": "domain core (KVManager.step)", "service": "KVService, NullStore",
                  "service+redis": "KVService, Redis write-through", "grpc": "gRPC StepPages, NullStore",
                  "grpc+redis": "gRPC StepPages, Redis write-through",
                  "service+log": "KVService, Redis call log (default)",
                  "grpc+log": "gRPC StepPages, Redis call log (default)",
+                 "grpc+log-own-core": "the same, kvmanager process on its own core",
                  "grpc+log-echo": "floor: gRPC + call log, no bookkeeping (echo)"}
 
 
@@ -292,6 +297,7 @@ class Target:
 
     name = ""
     checks_answers = True  # False: its answers only have the reference's shape (the echo floor)
+    client_cpus: set[int] | None = None  # the CPUs the calling thread is pinned to while it drives this target
 
     def register(self) -> None: ...
 
@@ -339,12 +345,16 @@ class GrpcTarget(Target):
     deployed kvmanager is to its gateway), a real channel, StepPages."""
 
     def __init__(self, name: str, redis_url: str | None, prefix: str, separate: bool, log: bool = False,
-                 service: KVService | None = None):
-        """``service``: serve this one (in this process) instead of a KVService over the store the flags name."""
+                 service: KVService | None = None, cpus: tuple[set[int], set[int]] | None = None):
+        """``service``: serve this one (in this process) instead of a KVService over the store the flags name.
+        ``cpus``: (the server's CPUs, the client's CPUs): a child process pinned to the first, the calling thread
+        to the second while it drives this target."""
         self.name, self.child, self.server = name, None, None
+        if cpus is not None:
+            separate, self.client_cpus = True, cpus[1]
         if separate:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--prefix", prefix] + (
-                ["--log"] if log else [])
+                ["--log"] if log else []) + (["--cpus", ",".join(map(str, sorted(cpus[0])))] if cpus else [])
             self.child = subprocess.Popen(cmd + (["--redis-url", redis_url] if redis_url else []),
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             port = int(self.child.stdout.readline())
@@ -419,8 +429,11 @@ def make_store(redis_url: str | None, prefix: str, log: bool):
     return LoggedStore(connect(redis_url), prefix) if log else RedisStore(connect(redis_url), prefix)
 
 
-def serve_child(redis_url: str | None, prefix: str, log: bool = False) -> int:
-    """--serve: a kvmanager server for GrpcTarget(separate=True); prints its port, serves until stdin closes."""
+def serve_child(redis_url: str | None, prefix: str, log: bool = False, cpus: str = "") -> int:
+    """--serve: a kvmanager server for GrpcTarget(separate=True); prints its port, serves until stdin closes.
+    ``cpus``: comma-separated CPUs to pin this process (all its threads) to."""
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     store = make_store(redis_url, prefix, log)
     server = start_kvmanager_server(KVService(KVManager(), store), "127.0.0.1", 0, admin_token=ADMIN_TOKEN)
     print(server.port, flush=True)
@@ -445,13 +458,23 @@ class DirectServicerTarget(Target):
         return self.servicer.StepPages(c.msg, None)
 
 
+def own_core_split() -> tuple[set[int], set[int]] | None:
+    """(one CPU for the kvmanager, the others for the client), as deployed: the kvmanager's pod requests one
+    CPU of its own (k8s/kvmanager-deployment.yaml). None with fewer than two CPUs."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return ({cpus[-1]}, set(cpus[:-1])) if len(cpus) >= 2 else None
+
+
 def make_targets(redis_url: str, scenario: str, separate: bool) -> list[Target]:
     prefix = f"bench-{scenario}"
+    split = own_core_split()
     return [CoreTarget(), ServiceTarget(NullStore(), "service"),
             ServiceTarget(RedisStore(connect(redis_url), prefix=f"{prefix}-svc"), "service+redis"),
             ServiceTarget(LoggedStore(connect(redis_url), prefix=f"{prefix}-svclog"), "service+log"),
             GrpcTarget("grpc", None, prefix, separate), GrpcTarget("grpc+redis", redis_url, f"{prefix}-grpc", separate),
             GrpcTarget("grpc+log", redis_url, f"{prefix}-grpclog", separate, log=True),
+            *([GrpcTarget("grpc+log-own-core", redis_url, f"{prefix}-grpclog-own", separate, log=True, cpus=split)]
+              if split else []),
             EchoTarget(redis_url, f"{prefix}-echo")]
 
 
@@ -459,6 +482,25 @@ def replay(target: Target, calls: list[Call], samples: dict | None) -> None:
     """Runs ``calls`` on ``target``; timed ones append (seconds, extra_ms) to samples[kind]. Checks answers."""
     after = getattr(target, "after", None)
     perf = time.perf_counter
+    with pinned(target.client_cpus):
+        _replay(target, calls, samples, after, perf)
+
+
+@contextlib.contextmanager
+def pinned(cpus: set[int] | None):
+    """Pins the calling thread to ``cpus`` (None: leaves it), then restores its affinity."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)  # pid 0 is the calling thread on Linux
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _replay(target: Target, calls: list[Call], samples: dict | None, after, perf) -> None:
     for c in calls:
         t0 = perf()
         res = target.call(c)
@@ -508,11 +550,12 @@ def worker_step_time(results_dir: Path) -> dict | None:
 
 def verdicts(report: dict) -> dict:
     rows = {(r["scenario"], r["config"]): r for r in report["results"]}
-    out = {"target_p50_ms": TARGET_P50_MS, "config": "grpc+log", "met": {}}
+    out = {"target_p50_ms": TARGET_P50_MS, "config": "grpc+log", "met": {}, "met_own_core": {}}
     for kind in report["scenarios_timed"]:
-        r = rows.get((kind, "grpc+log"))
-        if r is not None:
-            out["met"][kind] = r["p50_ms"] < TARGET_P50_MS
+        for key, cfg in (("met", "grpc+log"), ("met_own_core", "grpc+log-own-core")):
+            r = rows.get((kind, cfg))
+            if r is not None:
+                out[key][kind] = r["p50_ms"] < TARGET_P50_MS
     step = report.get("worker_step")
     decode = rows.get(("decode", "grpc+log"))
     if step and decode:
@@ -539,11 +582,17 @@ def markdown(report: dict) -> str:
               "(StepPagesResponse.handle_ms: request conversion, the service, the store write); for the Redis "
               "service, the store write (KVService.last_store_ms)."]
     v = report["verdict"]
-    met = [k for k, ok in v["met"].items() if ok]
-    missed = [k for k, ok in v["met"].items() if not ok]
+
+    def met_missed(verdict: dict) -> str:
+        met = [k for k, ok in verdict.items() if ok]
+        missed = [k for k, ok in verdict.items() if not ok]
+        return f"met for: {', '.join(met) or 'none'}; not met for: {', '.join(missed) or 'none'}"
+
     lines += ["", f"Target: p50 under {TARGET_P50_MS:g} ms for a 64-request call over gRPC with the default "
-              f"persistence (Redis call log). "
-              f"Met for: {', '.join(met) or 'none'}. Not met for: {', '.join(missed) or 'none'}."]
+              f"persistence (Redis call log). Everything on the shared CPUs: {met_missed(v['met'])}."]
+    if v.get("met_own_core"):
+        lines.append(f"The kvmanager process on its own core (as its pod requests one CPU; the client and Redis "
+                     f"share the others): {met_missed(v['met_own_core'])}.")
     floor = report.get("grpc_floor")
     if floor:
         lines.append("gRPC floor on the same loopback (no ops, no store write): "
@@ -640,6 +689,7 @@ def parse_args(argv=None):
     p.add_argument("--redis-url", default=None, help=argparse.SUPPRESS)
     p.add_argument("--prefix", default="bench", help=argparse.SUPPRESS)
     p.add_argument("--log", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cpus", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -680,7 +730,7 @@ def run_scenario(scenario: str, redis_url: str, client, rounds: int, calls: int,
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.serve:
-        return serve_child(args.redis_url, args.prefix, args.log)
+        return serve_child(args.redis_url, args.prefix, args.log, args.cpus)
     plan = PLAN[args.quick]
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "quick": args.quick,
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpc": grpc.__version__,
@@ -704,7 +754,8 @@ def main(argv=None) -> int:
             for kind in kinds:
                 report["scenarios_timed"].append(kind)
                 for cfg in CONFIGS:
-                    report["results"].append(summarize(kind, cfg, samples[cfg][kind]))
+                    if cfg in samples:
+                        report["results"].append(summarize(kind, cfg, samples[cfg][kind]))
         report["grpc_floor"] = grpc_floor(300 if args.quick else 1000)
         if args.profile:
             report["profile"] = []
