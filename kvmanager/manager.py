@@ -9,6 +9,7 @@ Out of pages is a result (OUT_OF_PAGES with num_pages_short), never an exception
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import repeat
 
 from kvserve.kvmanager.errors import InvalidRequest, StaleEpoch, UnknownRequest, UnknownWorker
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
@@ -213,11 +214,10 @@ class KVManager:
             hashes = req.block_hashes
             prev = hashes[-1] if hashes else req.seed
             new = chain_hashes(prev, op.token_ids, page_size)
-            first, clock, tenant, page_table = len(hashes), self.clock, req.tenant, req.page_table
-            parents = [prev, *new[:-1]]
-            blocks = [Block(h, parents[i], tenant, page_table[first + i], first + i, clock + i + 1)
-                      for i, h in enumerate(new)]
-            self.clock += len(blocks)
+            first, clock, k = len(hashes), self.clock, len(new)
+            blocks = list(map(Block, new, [prev, *new[:-1]], repeat(req.tenant, k), req.page_table[first:first + k],
+                              range(first, first + k), range(clock + 1, clock + k + 1)))
+            self.clock += k
             self._record_blocks(req.worker_id, pool.cache_blocks(blocks))
             hashes.extend(new)
         req.num_committed_tokens += len(op.token_ids)

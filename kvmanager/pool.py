@@ -80,12 +80,16 @@ class PagePool:
     def cache_blocks(self, blocks: list[Block]) -> list[Block]:
         """Indexes blocks computed in their pages; returns those indexed. A block already indexed in another
         page (the same tokens computed twice) is left out: its duplicate stays a plain page."""
-        index, block_of, ref_cnt = self.index, self.block_of, self.ref_cnt
+        index, block_of = self.index, self.block_of
+        if index.keys().isdisjoint([b.block_hash for b in blocks]):  # the usual case: all new, no test per block
+            index.update([(b.block_hash, b) for b in blocks])
+            for block in blocks:
+                block_of[block.page_id] = block
+            return blocks
         added = []
         for block in blocks:
             if block.block_hash in index:
                 continue
-            assert block_of[block.page_id] is None and ref_cnt[block.page_id] > 0
             index[block.block_hash] = block_of[block.page_id] = block
             added.append(block)
         return added
@@ -108,10 +112,13 @@ class PagePool:
         pages = [free.popleft() for _ in range(min(num, len(free)))]
         evicted = []
         if len(pages) < num:
-            popitem, drop_block = self.evictable.popitem, self._drop_block
+            popitem, block_of, index = self.evictable.popitem, self.block_of, self.index
             for _ in range(num - len(pages)):
                 page_id = popitem(last=False)[0]
-                evicted.append(drop_block(page_id))
+                block = block_of[page_id]  # _drop_block, inlined: this loop runs once per evicted page
+                del index[block.block_hash]
+                block_of[page_id] = None
+                evicted.append(block)
                 pages.append(page_id)
             self.num_evicted += len(evicted)
         for page_id in pages:
