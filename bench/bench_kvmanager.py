@@ -58,7 +58,7 @@ from kvserve.kvmanager.convert import step_to_request_proto
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
-from kvserve.kvmanager.server import start_kvmanager_server
+from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.kvmanager.servicer import KVManagerServicer
 from kvserve.kvmanager.store import RedisStore
@@ -435,7 +435,9 @@ def serve_child(redis_url: str | None, prefix: str, log: bool = False, cpus: str
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     store = make_store(redis_url, prefix, log)
-    server = start_kvmanager_server(KVService(KVManager(), store), "127.0.0.1", 0, admin_token=ADMIN_TOKEN)
+    service = KVService(KVManager(), store)
+    tune_gc_for_serving()  # as `kvserve kvmanager` does once its state is loaded
+    server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=ADMIN_TOKEN)
     print(server.port, flush=True)
     sys.stdin.read()
     server.stop(0)

@@ -14,7 +14,6 @@ random token generated at every start and written to ``<data-dir>/admin_token`` 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import secrets
@@ -127,7 +126,7 @@ def _metrics(args, service) -> tuple[tuple, int | None]:
 
 def run_kvmanager(args) -> int:
     from kvserve.kvmanager.manager import KVManager
-    from kvserve.kvmanager.server import start_kvmanager_server
+    from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
     from kvserve.kvmanager.service import KVService
     from kvserve.services.cli import metrics_note
     from kvserve.services.grpc_server import install_stop_signals, serve_until_signal
@@ -149,8 +148,7 @@ def run_kvmanager(args) -> int:
             print(f"kvserve: cannot load the kvmanager state from redis {redis_desc}: {type(e).__name__}: {e}",
                   file=sys.stderr)
             return 1
-        gc.collect()
-        gc.freeze()  # the reloaded state is long-lived: keep it out of every later collection (shorter GC pauses)
+        tune_gc_for_serving()
         token, token_where = _admin_token(args, data_dir)
         setup_tracing("kvserve-kvmanager")
         interceptors, metrics_port = _metrics(args, service)

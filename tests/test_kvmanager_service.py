@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -438,3 +440,15 @@ def test_admin_changes_are_written_through_and_survive_a_restart(redis_url):
     again = _redis_service(redis_url, "admin-restart").manager
     assert (again.requests, again.tenants, [len(p.index) for p in again.pools.values()]) == ({}, {}, [0])
     assert list(again.pools["w0"].free) == list(range(8))
+
+
+def test_a_serving_process_freezes_its_loaded_state_and_collects_rarely():
+    """tune_gc_for_serving changes process-wide settings: checked in a child process, not this one."""
+    code = ("import gc\n"
+            "from kvserve.kvmanager.server import SERVING_GC_THRESHOLDS, tune_gc_for_serving\n"
+            "state = [[i] for i in range(1000)]\n"
+            "tune_gc_for_serving()\n"
+            "assert gc.get_threshold() == SERVING_GC_THRESHOLDS, gc.get_threshold()\n"
+            "assert gc.get_freeze_count() >= len(state), gc.get_freeze_count()\n"
+            "assert SERVING_GC_THRESHOLDS[0] > 700\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
