@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import base64
 import json
+from array import array
 from dataclasses import asdict
 
+import numpy as np
 import redis
 
 from kvserve.kvmanager import admin
-from kvserve.kvmanager.hashing import le_uint32, unpack_uint32
+from kvserve.kvmanager.hashing import UINT32, le_uint32, unpack_uint32
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.state import Changes
 from kvserve.kvmanager.store import RedisStore
@@ -35,8 +37,11 @@ DEFAULT_SNAPSHOT_EVERY = 2000
 
 def encode(record: tuple) -> bytes:
     """One log record: a compact JSON header, a newline, then the token ids of the step's allocations and
-    commits as little-endian uint32 (the header holds their counts). Binary because a call admitting 64
-    prompts of 2000 tokens carries 512 KB of token ids: as JSON text they cost milliseconds to encode and send."""
+    commits in header order (the header holds their counts). Binary because a call admitting 64 prompts of
+    2000 tokens carries 512 KB of token ids: as JSON text they cost milliseconds to encode and send. When every
+    id of the record fits in 16 bits (any vocabulary up to 65536, SmolLM2's 49152 included) they are stored
+    as one little-endian uint16 array ("w": 2): half the bytes for Redis to take in and append to its AOF,
+    which costs it more than the call's other work for big records (512 KB: ~1.4-1.9 ms, 256 KB: ~0.55 ms)."""
     kind = record[0]
     blobs: list[bytes] = []
 
@@ -56,8 +61,23 @@ def encode(record: tuple) -> bytes:
         body = {"spec": asdict(record[1])}
     else:
         body = {"fn": record[1], "args": list(record[2])}
+    narrow = _narrow(blobs)
+    if narrow is not None:
+        body["w"] = 2
     header = json.dumps({"k": kind, **body}, separators=(",", ":")).encode()  # no raw newline: JSON escapes it
+    if narrow is not None:
+        return header + b"\n" + narrow
     return b"\n".join((header, *blobs)) if blobs else header + b"\n"
+
+
+def _narrow(blobs: list[bytes]) -> bytes | None:
+    """The blobs (little-endian uint32 token ids) as one little-endian uint16 array, if every id fits."""
+    if not blobs:
+        return None
+    words = np.frombuffer(b"".join(blobs), dtype="<u4")
+    if words.size == 0 or words.max() > 0xFFFF:
+        return None
+    return words.astype("<u2").tobytes()
 
 
 def _tuples(value):
@@ -65,16 +85,20 @@ def _tuples(value):
 
 
 class _Tokens:
-    """Reads the token blob of a record in header order."""
+    """Reads the token ids of a record in header order."""
 
-    def __init__(self, raw: bytes, start: int):
-        self.raw, self.pos = memoryview(raw), start
+    def __init__(self, raw: bytes, start: int, width: int):
+        self.raw, self.pos, self.width = memoryview(raw), start, width
+        # "w": 2 records hold one contiguous uint16 array; 4-byte records a uint32 blob per op, joined by newlines
+        self.gap = 0 if width == 2 else 1
 
     def __call__(self, count) -> object:
         if isinstance(count, str):  # a record of the earlier all-JSON format: base64 of the same bytes
             return unpack_uint32(base64.b64decode(count))
-        data = self.raw[self.pos:self.pos + 4 * count]
-        self.pos += 4 * count + 1  # and the newline that joins blobs
+        data = self.raw[self.pos:self.pos + self.width * count]
+        self.pos += self.width * count + self.gap
+        if self.width == 2:
+            return array(UINT32, np.frombuffer(data, dtype="<u2").astype(np.uint32).tobytes())  # native order
         return unpack_uint32(data)
 
 
@@ -84,7 +108,7 @@ def apply(mgr: KVManager, raw: str | bytes) -> None:
     newline = raw.find(b"\n")
     d = json.loads(raw if newline < 0 else raw[:newline])
     if d["k"] == "step":
-        tok = _Tokens(raw, newline + 1)
+        tok = _Tokens(raw, newline + 1, d.get("w", 4))
         allocations = tuple(Allocate(r, t, tok(n), w, skip) for r, t, w, skip, n in d["a"])
         commits = tuple(Commit(r, s, tok(n), c) for r, s, n, c in d["c"])
         mgr.step(StepOps(step_id=d["s"], allocations=allocations,

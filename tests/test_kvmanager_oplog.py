@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -10,7 +11,7 @@ from test_kvmanager_store import alloc, build_history, spec
 from kvserve.kvmanager import admin
 from kvserve.kvmanager.errors import InvalidRequest, StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.oplog import LoggedStore
+from kvserve.kvmanager.oplog import LoggedStore, _read_binary
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.types import Commit, Extend, Free, StepOps
@@ -147,3 +148,29 @@ def test_reset_is_a_snapshot_and_empties_the_log(redis_url):
     svc.step(StepOps(20, allocations=(alloc("z", "A", range(5), "w0"),)))
     loaded, store = reload(redis_url)
     assert exact(loaded) == exact(svc.manager) and store.num_logged == 1
+
+
+@pytest.mark.parametrize("top_id", [65535, 65536, 2**32 - 1])
+def test_a_step_record_narrows_token_ids_to_16_bits_only_when_every_id_fits(redis_url, top_id):
+    """Ids up to 65535 are logged as uint16 (half the bytes for Redis to append); one id above that keeps the
+    whole record at uint32. Either way the reload reproduces every page, hit and block."""
+    client = connect(redis_url)
+    svc = KVService(KVManager(), LoggedStore(client))
+    svc.register_worker(spec("w0"))
+    prompt = [7, 300, top_id, 9] * 2 + [5]  # two full pages and one token
+    svc.step(StepOps(1, allocations=(alloc("a", "A", prompt, "w0"), alloc("b", "B", range(60000, 60009), "w0"))))
+    svc.step(StepOps(2, commits=(Commit("a", 0, tuple(prompt[:8]), 9),)))
+    hit = svc.step(StepOps(3, allocations=(alloc("c", "A", prompt[:8] + [1, 2], "w0"),), frees=(Free("a"),)))
+    assert hit.allocations[0].num_cached_tokens == 8
+    raw = _read_binary(client, "kvserve:log")  # the store's client decodes text: the raw records
+    steps = [r for r in raw if r.startswith(b'{"k":"step"')]
+    width = 2 if top_id <= 65535 else 4
+    for record in steps:
+        header, _, body = record.partition(b"\n")
+        header = json.loads(header)
+        num_tokens = sum(a[-1] for a in header["a"]) + sum(c[2] for c in header["c"])
+        assert header.get("w", 4) == width
+        # uint16: one contiguous array; uint32: one blob per op, newline-joined
+        assert len(body) == width * num_tokens + (0 if width == 2 else len(header["a"]) + len(header["c"]) - 1)
+    loaded, _ = reload(redis_url)
+    assert exact(loaded) == exact(svc.manager)
