@@ -1,5 +1,6 @@
 """Write-ahead log persistence: each call that changed state is appended to one Redis list, and every
-``snapshot_every`` records the full state is written and the log emptied, in one MULTI/EXEC.
+``snapshot_every`` records (or ``snapshot_bytes`` of them, whichever comes first) the full state is written and
+the log emptied, in one MULTI/EXEC.
 
 Why: writing the resulting state costs one record per touched block (thousands when a step admits or frees
 long prompts); the call itself is one small append. Recovery loads the snapshot (RedisStore's tenant-namespaced
@@ -7,7 +8,7 @@ layout) and replays the logged calls through the same KVManager code, which is d
 same calls give the same pages, hits and answers (the restart tests check exactly that).
 
     <prefix>:log    list of records, oldest first: a JSON header {"k": "step"|"register"|"admin", ...},
-                    then, for a step, its token ids as little-endian uint32 (see encode)
+                    then, for a step, its token ids as little-endian uint16 or uint32 (see encode)
 
 A step is appended as soon as it is validated, while the manager applies it (send_early); other calls only
 when they changed state. Retried calls (same step_id) replay their answers, so a record logged twice (its
@@ -33,6 +34,9 @@ from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, PoolSpec, St
 
 ADMIN_MUTATIONS = {f.__name__: f for f in (admin.evict_tenant, admin.pin, admin.unpin, admin.reset)}
 DEFAULT_SNAPSHOT_EVERY = 2000
+# ... or sooner, once the log holds this many bytes: records of big calls (64 prompts of 2000 tokens: 256 KB)
+# would otherwise pile up ~0.5 GB in Redis before a snapshot, and a restart would replay them all.
+DEFAULT_SNAPSHOT_BYTES = 64 << 20
 
 
 def encode(record: tuple) -> bytes:
@@ -125,12 +129,15 @@ class LoggedStore:
 
     wants_block_changes = False  # a snapshot writes everything; the log holds calls, not their effects
 
-    def __init__(self, client: redis.Redis, prefix: str = "kvserve", snapshot_every: int = DEFAULT_SNAPSHOT_EVERY):
+    def __init__(self, client: redis.Redis, prefix: str = "kvserve", snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
+                 snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES):
         self.client = client
         self.snapshots = RedisStore(client, prefix)
         self.log_key = f"{prefix}:log"
         self.snapshot_every = snapshot_every
+        self.snapshot_bytes = snapshot_bytes
         self.num_logged = 0
+        self.num_logged_bytes = 0
         self.pending: list[bytes] = []  # records whose append failed, in call order
         self.last_record = b""
         self.in_flight: tuple | None = None  # (connection, number of records) of an RPUSH sent early
@@ -168,8 +175,7 @@ class LoggedStore:
             self.snapshot(mgr)
             return
         self.client.rpush(self.log_key, *self.pending)
-        self.num_logged += len(self.pending)
-        self.pending.clear()
+        self._logged(len(self.pending))
 
     def _queue(self, record: tuple) -> None:
         encoded = encode(record)
@@ -178,7 +184,14 @@ class LoggedStore:
             self.last_record = encoded
 
     def _snapshot_due(self) -> bool:
-        return self.num_logged + len(self.pending) >= self.snapshot_every
+        return (self.num_logged + len(self.pending) >= self.snapshot_every
+                or self.num_logged_bytes + sum(map(len, self.pending)) >= self.snapshot_bytes)
+
+    def _logged(self, count: int) -> None:
+        """The first ``count`` pending records are in the log now."""
+        self.num_logged += count
+        self.num_logged_bytes += sum(map(len, self.pending[:count]))
+        del self.pending[:count]
 
     def _finish_early(self) -> None:
         conn, count = self.in_flight
@@ -191,14 +204,13 @@ class LoggedStore:
             raise
         finally:
             pool.release(conn)
-        self.num_logged += count
-        del self.pending[:count]
+        self._logged(count)
 
     def snapshot(self, mgr: KVManager) -> None:
         """Writes the whole state and empties the log, atomically (RedisStore's reset write deletes every key
         under the prefix, the log included, in the same MULTI/EXEC as the snapshot)."""
         self.snapshots.write(mgr, Changes(reset=True))
-        self.num_logged = 0
+        self.num_logged = self.num_logged_bytes = 0
         self.pending.clear()
 
     def load(self, mgr: KVManager) -> None:
@@ -208,7 +220,7 @@ class LoggedStore:
         for raw in records:
             apply(mgr, raw)
         mgr.take_changes()
-        self.num_logged = len(records)
+        self.num_logged, self.num_logged_bytes = len(records), sum(map(len, records))
         from kvserve.kvmanager.invariants import check_invariants
 
         check_invariants(mgr)

@@ -174,3 +174,17 @@ def test_a_step_record_narrows_token_ids_to_16_bits_only_when_every_id_fits(redi
         assert len(body) == width * num_tokens + (0 if width == 2 else len(header["a"]) + len(header["c"]) - 1)
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)
+
+
+def test_the_log_is_snapshotted_once_it_holds_snapshot_bytes_even_under_snapshot_every_records(redis_url):
+    client = connect(redis_url)
+    svc = KVService(KVManager(), LoggedStore(client, snapshot_every=1000, snapshot_bytes=600))
+    svc.register_worker(spec("w0", num_pages=64))
+    sizes = []
+    for i in range(1, 6):  # records of ~300 bytes (100 token ids as uint16, and the header)
+        svc.step(StepOps(i, allocations=(alloc(f"r{i}", "A", range(100 * i, 100 * i + 100), "w0"),)))
+        sizes.append(sum(map(len, _read_binary(client, "kvserve:log"))))
+    assert all(size < 600 for size in sizes), sizes  # the log never reaches the bound: a snapshot empties it
+    assert min(sizes) < max(sizes) and client.exists("kvserve:pool:w0")  # it filled, then was snapshotted
+    loaded, store = reload(redis_url)
+    assert exact(loaded) == exact(svc.manager) and store.num_logged_bytes == sizes[-1]
