@@ -296,9 +296,8 @@ def page_table(mgr: KVManager, req_id: str) -> PageTable:
         block = pool.block_of[page_id]
         pages.append(PageInfo(page_id, pool.ref_cnt[page_id], hex_hash(block.block_hash) if block else "",
                               bool(block and block.pinned)))
-    last_step_id = max((s for s, _ in req.last_ops.values()), default=0)
     return PageTable(req.req_id, req.tenant, req.worker_id, req.epoch, list(req.page_table), pages,
-                     req.num_committed_tokens, req.num_prompt_tokens, last_step_id, pool.spec.page_size)
+                     req.num_committed_tokens, req.num_prompt_tokens, req.last_step_id, pool.spec.page_size)
 
 
 # -- mutations ----------------------------------------------------------------------------------------------

@@ -60,11 +60,9 @@ def _check_not_stale(mgr: KVManager, req_id: str, kind: str, step_id: int, req: 
     if not step_id:
         return
     req = req or mgr.requests.get(req_id) or mgr.stale.get(req_id)
-    if req is None or not req.last_ops:
-        return
-    last = max([s for s, _ in req.last_ops.values()])
-    if step_id < last:
-        raise StaleStep(f"request {req_id!r}: step_id {step_id} is older than step {last} already applied")
+    if req is not None and step_id < req.last_step_id:
+        raise StaleStep(f"request {req_id!r}: step_id {step_id} is older than step {req.last_step_id} already "
+                        f"applied")
 
 
 def _check_tokens(where: str, token_ids: tuple[int, ...]) -> None:
