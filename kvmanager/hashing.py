@@ -26,17 +26,8 @@ def namespace_seed(tenant: str, model_fingerprint: str, kv_dtype: str, page_size
 
 
 def chain_hashes(prev: bytes, token_ids: list[int] | tuple[int, ...], page_size: int) -> list[bytes]:
-    """Hashes of the full pages of ``token_ids`` continuing the chain after ``prev``; a partial tail is ignored.
-    (iter_chain_hashes' loop without the generator: a big commit hashes thousands of pages.)"""
-    data = le_uint32(token_ids)
-    step = page_size * 4
-    digest = xxhash.xxh3_128_digest
-    out = []
-    append = out.append
-    for start in range(0, len(data) // step * step, step):
-        prev = digest(prev + data[start : start + step])
-        append(prev)
-    return out
+    """Hashes of the full pages of ``token_ids`` continuing the chain after ``prev``; a partial tail is ignored."""
+    return list(iter_chain_hashes(prev, token_ids, page_size))
 
 
 def iter_chain_hashes(prev: bytes, token_ids, page_size: int):
