@@ -122,7 +122,7 @@ class KVManager:
                 self._remember("commit", req_id, sid, result)
         out.commits = [final[c.req_id] if c.req_id in final else
                        self._replay_or(sid, "commit", c.req_id, self._commit, c, touched) for c in ops.commits]
-        out.extensions = self._extend_all(sid, ops.extensions, touched)
+        out.extensions = [self._replay_or(sid, "extend", e.req_id, self._extend, e, touched) for e in ops.extensions]
         out.allocations = [self._replay_or(sid, "allocate", a.req_id, self._allocate, a, touched)
                            for a in ops.allocations]
         out.pools = [PoolSummary(w, p.spec.epoch, p.num_free, p.num_evictable) for w, p in sorted(self.pools.items())]
@@ -146,32 +146,10 @@ class KVManager:
             return result
         req = self.requests.get(req_id) or self.stale.get(req_id)
         if req is not None:
-            req.remember_op(kind, step_id, result)
+            req.last_ops[kind] = (step_id, result)
         else:
             self._remember(kind, req_id, step_id, result)
         return result
-
-    def _extend_all(self, step_id: int, extensions: tuple[Extend, ...], touched: set[str]) -> list[ExtendResult]:
-        """_replay_or over a step's extensions, each live request looked up once (a decode step carries one
-        extension per running request). A live request's extension is never in ``recent``: only ops whose
-        request is gone after them are."""
-        out = []
-        requests = self.requests
-        for e in extensions:
-            req = requests.get(e.req_id)
-            if req is None:  # stale: the general path answers STALE_EPOCH
-                out.append(self._replay_or(step_id, "extend", e.req_id, self._extend, e, touched))
-                continue
-            if step_id:
-                last = req.last_ops.get("extend")
-                if last is not None and last[0] == step_id:
-                    out.append(last[1])
-                    continue
-            result = self._extend(e, touched)
-            if step_id:
-                req.remember_op("extend", step_id, result)
-            out.append(result)
-        return out
 
     def _remember(self, kind: str, req_id: str, step_id: int, result) -> None:
         self.recent[(kind, req_id)] = (step_id, result)

@@ -21,16 +21,11 @@ class Request:
     skip_prefix_cache: bool = False
     # op kind ("allocate", "extend", "commit") -> (step_id, result): replayed for a retried call
     last_ops: dict[str, tuple[int, object]] = field(default_factory=dict)
-    # the newest step_id in last_ops (kept by KVManager.remember_op): a call older than it is refused as stale
-    last_step_id: int = field(default=0, compare=False)
 
-    def __post_init__(self):
-        self.last_step_id = max((s for s, _ in self.last_ops.values()), default=0)
-
-    def remember_op(self, kind: str, step_id: int, result) -> None:
-        self.last_ops[kind] = (step_id, result)
-        if step_id > self.last_step_id:
-            self.last_step_id = step_id
+    @property
+    def last_step_id(self) -> int:
+        """The newest call that applied an op to this request (0: none tracked); an older call is stale."""
+        return max([s for s, _ in self.last_ops.values()], default=0)
 
     def is_replay(self, kind: str, step_id: int) -> bool:
         """Whether an op of this kind was already applied by the call with this step_id."""
