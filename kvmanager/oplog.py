@@ -1,14 +1,15 @@
-"""Write-ahead log persistence: each call that changed state is appended to one Redis list, and every
-``snapshot_every`` records (or ``snapshot_bytes`` of them, whichever comes first) the full state is written and
-the log emptied, in one MULTI/EXEC.
+"""Write-ahead log persistence: each call that changed state is appended to a Redis list, and every
+``snapshot_every`` records (or ``snapshot_bytes`` of them, whichever comes first) the full state is written as
+a new generation and the log it covers deleted (snapshots.py: a forked child writes it, off the call path).
 
 Why: writing the resulting state costs one record per touched block (thousands when a step admits or frees
 long prompts); the call itself is one small append. Recovery loads the snapshot (RedisStore's tenant-namespaced
 layout) and replays the logged calls through the same KVManager code, which is deterministic: same state and
 same calls give the same pages, hits and answers (the restart tests check exactly that).
 
-    <prefix>:log    list of records, oldest first: a JSON header {"k": "step"|"register"|"admin", ...},
-                    then, for a step, its token ids as little-endian uint16 or uint32 (see encode)
+    <prefix>:log:<g>   list of records after snapshot g, oldest first: a JSON header
+                       {"k": "step"|"register"|"admin", ...}, then, for a step, its token ids as little-endian
+                       uint16 or uint32 (see encode). Generation 0 (no snapshot yet) logs to <prefix>:log.
 
 A step is appended as soon as it is validated, while the manager applies it (send_early); other calls only
 when they changed state. Retried calls (same step_id) replay their answers, so a record logged twice (its
@@ -19,19 +20,22 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from array import array
 from dataclasses import asdict
 
 import numpy as np
 import redis
 
-from kvserve.kvmanager import admin
+from kvserve.kvmanager import admin, snapshots
 from kvserve.kvmanager.hashing import UINT32, le_uint32, unpack_uint32
 from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.snapshots import Child, GenerationKeys, claim
 from kvserve.kvmanager.state import Changes
 from kvserve.kvmanager.store import RedisStore
 from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, PoolSpec, StepOps
 
+log = logging.getLogger(__name__)
 ADMIN_MUTATIONS = {f.__name__: f for f in (admin.evict_tenant, admin.pin, admin.unpin, admin.reset)}
 DEFAULT_SNAPSHOT_EVERY = 2000
 # ... or sooner, once the log holds this many bytes: records of big calls (64 prompts of 2000 tokens: 256 KB)
@@ -125,34 +129,50 @@ def apply(mgr: KVManager, raw: str | bytes) -> None:
 
 
 class LoggedStore:
-    """Store (service.py) that logs calls and snapshots state. Thread-unsafe: KVService holds its lock."""
+    """Store (service.py) that logs calls and snapshots state. Thread-unsafe: KVService holds its lock.
+
+    A due snapshot is written by a forked child (snapshots.py) when ``background`` is true, or when it is None
+    and snapshots.forking_is_safe(); otherwise the call that makes it due writes it inline, as an admin reset
+    always does."""
 
     wants_block_changes = False  # a snapshot writes everything; the log holds calls, not their effects
 
     def __init__(self, client: redis.Redis, prefix: str = "kvserve", snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
-                 snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES):
+                 snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES, background: bool | None = None):
         self.client = client
-        self.snapshots = RedisStore(client, prefix)
-        self.log_key = f"{prefix}:log"
+        self.keys = GenerationKeys(prefix)
         self.snapshot_every = snapshot_every
         self.snapshot_bytes = snapshot_bytes
-        self.num_logged = 0
+        self.background = background
+        self.stop_child_before_switch = False  # tests: the snapshot child stops itself before it switches
+        self.owner: int | None = None  # this kvmanager's claim on the prefix (snapshots.claim), on first use
+        self.gen = 0  # the generation a restart loads
+        self.log_gens = [0]  # generations of the logs a restart replays, oldest first; calls go to the last
+        self.child: Child | None = None
+        self.num_logged = 0  # records (and bytes) a restart would replay
         self.num_logged_bytes = 0
+        self.retry_base = (0, 0)  # (num_logged, num_logged_bytes) when the last snapshot child failed
         self.pending: list[bytes] = []  # records whose append failed, in call order
         self.last_record = b""
         self.in_flight: tuple | None = None  # (connection, number of records) of an RPUSH sent early
+
+    @property
+    def log_key(self) -> str:
+        return self.keys.log(self.log_gens[-1])
 
     def send_early(self, record: tuple) -> bool:
         """Sends the RPUSH of a validated step (and of any records still pending) before the manager applies
         it, without waiting: Redis appends while the manager works, and write() reads the reply before the
         call is answered, so an answer is still only given once its call is durable. False (nothing sent)
-        when this call will take a snapshot instead, or the send failed (write() then retries the plain way).
-        A call logged this way may turn out to change nothing: replaying it changes nothing either."""
+        when this call will take an inline snapshot instead, or the send failed (write() then retries the
+        plain way). A call logged this way may turn out to change nothing: replaying it changes nothing
+        either."""
         self._queue(record)
-        if not self.pending or self._snapshot_due():
+        if not self.pending or (not self._forks() and self._snapshot_due()):
             return False
         pool = self.client.connection_pool
         try:
+            self._claim()
             conn = pool.get_connection()  # connects (and may fail) when the pool has no live connection
         except Exception:  # noqa: BLE001 - any failure: fall back to write()'s own attempt, which raises
             return False
@@ -168,14 +188,20 @@ class LoggedStore:
     def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
         if self.in_flight is not None:
             self._finish_early()
-            return
-        if record is not None:
-            self._queue(record)
-        if changes.reset or record is None or self._snapshot_due():
-            self.snapshot(mgr)
-            return
-        self.client.rpush(self.log_key, *self.pending)
-        self._logged(len(self.pending))
+        else:
+            if record is not None:
+                self._queue(record)
+            if changes.reset or record is None or (not self._forks() and self._snapshot_due()):
+                self.snapshot(mgr)
+                return
+            self._claim()
+            self.client.rpush(self.log_key, *self.pending)
+            self._logged(len(self.pending))
+        if self._forks():
+            self._background_snapshot(mgr)
+
+    def _forks(self) -> bool:
+        return snapshots.forking_is_safe() if self.background is None else self.background
 
     def _queue(self, record: tuple) -> None:
         encoded = encode(record)
@@ -184,8 +210,9 @@ class LoggedStore:
             self.last_record = encoded
 
     def _snapshot_due(self) -> bool:
-        return (self.num_logged + len(self.pending) >= self.snapshot_every
-                or self.num_logged_bytes + sum(map(len, self.pending)) >= self.snapshot_bytes)
+        records, num_bytes = self.retry_base
+        return (self.num_logged + len(self.pending) - records >= self.snapshot_every
+                or self.num_logged_bytes + sum(map(len, self.pending)) - num_bytes >= self.snapshot_bytes)
 
     def _logged(self, count: int) -> None:
         """The first ``count`` pending records are in the log now."""
@@ -206,21 +233,86 @@ class LoggedStore:
             pool.release(conn)
         self._logged(count)
 
+    def _claim(self) -> None:
+        if self.owner is None:
+            self.owner, self.gen, self.log_gens = claim(self.client, self.keys)
+
+    # -- snapshots ------------------------------------------------------------------------------------
+    def _background_snapshot(self, mgr: KVManager) -> None:
+        """Notes a finished child; forks one when a snapshot is due and none runs. Called once the call's
+        record is durable; a failure here is logged, not raised (the call itself succeeded)."""
+        try:
+            if self.child is not None:
+                self._reaped(snapshots.reap(self.child))
+            if self.child is None and not self.pending and self._snapshot_due():
+                gen = snapshots.new_generation(self.client, self.keys)
+                pid = snapshots.fork_snapshot(self.client, self.keys, mgr, gen, self.log_gens, self.owner,
+                                              self.stop_child_before_switch)
+                self.child = Child(pid, gen, self.num_logged, self.num_logged_bytes)
+                self.log_gens = [*self.log_gens, gen]
+        except Exception:  # noqa: BLE001 - see above; the next due call tries again
+            log.exception("kvmanager: could not start a call-log snapshot")
+            self.retry_base = (self.num_logged, self.num_logged_bytes)
+
+    def _reaped(self, code: int | None) -> None:
+        if code is None:
+            return
+        child, self.child = self.child, None
+        if code != snapshots.SWITCHED:
+            log.warning("kvmanager: call-log snapshot child %d exited with %d; the log keeps growing until "
+                        "the next attempt", child.pid, code)
+            self.retry_base = (self.num_logged, self.num_logged_bytes)
+            return
+        self.gen = child.gen
+        self.log_gens = [g for g in self.log_gens if g >= child.gen]
+        self.num_logged -= child.num_records
+        self.num_logged_bytes -= child.num_bytes
+        self.retry_base = (0, 0)
+
+    def wait_snapshot(self) -> int | None:
+        """Waits for a running snapshot child; its exit code (None when none ran). Tests and shutdown."""
+        if self.child is None:
+            return None
+        code = snapshots.reap(self.child, block=True)
+        self._reaped(code)
+        return code
+
+    def close(self) -> None:
+        """Stops a running snapshot child (the logs it would have replaced stay; nothing is lost)."""
+        if self.child is not None:
+            self._reaped(snapshots.kill(self.child))
+
     def snapshot(self, mgr: KVManager) -> None:
-        """Writes the whole state and empties the log, atomically (RedisStore's reset write deletes every key
-        under the prefix, the log included, in the same MULTI/EXEC as the snapshot)."""
-        self.snapshots.write(mgr, Changes(reset=True))
+        """Writes the whole state as a new generation and empties the log, in one MULTI/EXEC, inline; then
+        deletes the older generations. A running snapshot child is stopped first."""
+        self._claim()
+        self.close()
+        gen = snapshots.new_generation(self.client, self.keys)
+        switch = snapshots.switch_ops(self.keys, gen, self.log_gens)
+        RedisStore(self.client, self.keys.state_prefix(gen)).write(mgr, Changes(reset=True), also=switch)
+        self.gen, self.log_gens = gen, [gen]
         self.num_logged = self.num_logged_bytes = 0
+        self.retry_base = (0, 0)
         self.pending.clear()
+        try:
+            snapshots.delete_stale(self.client, self.keys, gen)
+        except redis.RedisError:  # garbage, not state: the next snapshot deletes it
+            log.exception("kvmanager: could not delete older call-log generations")
 
     def load(self, mgr: KVManager) -> None:
-        """Loads the snapshot, then replays the log. Raises as RedisStore.load."""
-        self.snapshots.load(mgr)
-        records = _read_binary(self.client, self.log_key)
-        for raw in records:
-            apply(mgr, raw)
+        """Claims the prefix, loads the current generation's snapshot, then replays its log and every newer
+        one. Raises as RedisStore.load."""
+        self.owner = None
+        self._claim()
+        RedisStore(self.client, self.keys.state_prefix(self.gen)).load(mgr)
+        self.num_logged = self.num_logged_bytes = 0
+        for gen in self.log_gens:
+            records = _read_binary(self.client, self.keys.log(gen))
+            for raw in records:
+                apply(mgr, raw)
+            self.num_logged += len(records)
+            self.num_logged_bytes += sum(map(len, records))
         mgr.take_changes()
-        self.num_logged, self.num_logged_bytes = len(records), sum(map(len, records))
         from kvserve.kvmanager.invariants import check_invariants
 
         check_invariants(mgr)

@@ -117,8 +117,9 @@ class RedisStore:
         self._req_tenants: dict[str, set[str]] = {}
 
     # -- write ----------------------------------------------------------------------------------------
-    def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
+    def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None, also=None) -> None:
         """Writes the current values of everything ``changes`` names (absent = deleted), plus the counters.
+        ``also(pipe)``, if given, queues more commands into the same transaction (oplog.py's generation switch).
 
         One MULTI/EXEC of a few multi-key commands (DEL, MSET, SADD): per-command client overhead, not Redis, is
         what a write of thousands of keys costs. On ``changes.reset`` every ``<prefix>:*`` key is deleted and a
@@ -147,6 +148,8 @@ class RedisStore:
                 pipe.hset(key, mapping=dict(items[i:i + BATCH]))
         if batch.tenants:
             pipe.sadd(self.keys.tenants, *sorted(batch.tenants))
+        if also is not None:
+            also(pipe)
         pipe.execute()
         if changes.reset:
             self._req_tenants.clear()
@@ -155,6 +158,14 @@ class RedisStore:
                 self._req_tenants[req_id] = tenants
             else:
                 self._req_tenants.pop(req_id, None)
+
+    def snapshot_items(self, mgr: KVManager) -> tuple[dict[str, str], set[str]]:
+        """The full state as (key -> value, tenant names): what a reset write stores, for a writer that sends
+        it in chunks of its own (snapshots.py, into a key space nobody reads yet)."""
+        batch = _Batch()
+        self._snapshot(batch, mgr)
+        batch.upserts[self.keys.counters] = _dumps(_counters(mgr))
+        return batch.upserts, batch.tenants
 
     def _changed(self, batch: _Batch, mgr: KVManager, changes: Changes) -> dict[str, set[str]]:
         for worker_id in changes.pools:

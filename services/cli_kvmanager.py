@@ -125,6 +125,9 @@ def _metrics(args, service) -> tuple[tuple, int | None]:
 
 
 def run_kvmanager(args) -> int:
+    # Before grpc is imported: the call log's snapshots are written by a forked child, which gRPC's own fork
+    # handlers can crash (kvmanager/snapshots.py). Nothing in the kvmanager relies on them.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
     from kvserve.kvmanager.manager import KVManager
     from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
     from kvserve.kvmanager.service import KVService

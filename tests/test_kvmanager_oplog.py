@@ -36,16 +36,40 @@ def exact(mgr: KVManager) -> dict:
     return snapshot(mgr, clock=True, last_ops=True)
 
 
+CALLS_LOGGED = 13  # the calls below that change state (build_history's, the unpin and the eviction)
+
+
+def live_keys(client, store: LoggedStore) -> dict[str, list]:
+    """The store's keys in Redis by kind: only the loaded generation's state, the logs a restart replays, and
+    the generation counters may be left."""
+    out: dict[str, list] = {"state": [], "log": [], "other": []}
+    for key in client.scan_iter(match="kvserve:*"):
+        kind = store.keys.classify(key)
+        out["other" if kind is None else kind[0]].append(kind[1] if kind else key)
+    return {"state": sorted(set(out["state"])), "log": sorted(out["log"]), "other": sorted(out["other"])}
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["forked", "inline"])
 @pytest.mark.parametrize("snapshot_every", [1000, 3, 1])
-def test_reload_replays_the_log_on_top_of_the_last_snapshot(redis_url, snapshot_every):
+def test_reload_replays_the_log_on_top_of_the_last_snapshot(redis_url, snapshot_every, background):
     client = connect(redis_url)
-    svc = KVService(KVManager(), LoggedStore(client, snapshot_every=snapshot_every))
+    store = LoggedStore(client, snapshot_every=snapshot_every, background=background)
+    svc = KVService(KVManager(), store)
     build_history(svc)  # registrations, steps, an admin pin, a re-registration with a new epoch
     svc.mutate(admin.unpin, "A", tuple(range(100, 108)), "w0")
     svc.mutate(admin.evict_tenant, "B", "", False)
-    assert client.llen("kvserve:log") < snapshot_every
+    store.wait_snapshot()
+    logged = sum(client.llen(store.keys.log(g)) for g in store.log_gens)
+    assert logged == store.num_logged
     if snapshot_every == 1000:
-        assert client.llen("kvserve:log") >= 12 and not client.exists("kvserve:pool:w0")  # all in the log
+        assert store.gen == 0 and logged == CALLS_LOGGED and client.exists("kvserve:pool:w0") == 0  # all logged
+    else:
+        assert store.gen > 0 and client.exists(f"kvserve:s{store.gen}:pool:w0")
+        assert logged < (snapshot_every if not background else CALLS_LOGGED)
+        # the older generations are gone: one snapshot, the logs after it, and the counters
+        live = live_keys(client, store)
+        assert live["state"] == [store.gen] and set(live["log"]) <= set(store.log_gens)  # an empty list is no key
+        assert live["other"] == ["kvserve:gen", "kvserve:gens", "kvserve:owner"]
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)
 
@@ -143,8 +167,10 @@ def test_reset_is_a_snapshot_and_empties_the_log(redis_url):
     client = connect(redis_url)
     svc = KVService(KVManager(), LoggedStore(client))
     build_history(svc)
+    store = svc.store
     svc.mutate(admin.reset)
-    assert client.llen("kvserve:log") == 0 and client.exists("kvserve:pool:w0")
+    assert client.llen(store.log_key) == 0 and client.exists(f"kvserve:s{store.gen}:pool:w0")
+    assert live_keys(client, store)["state"] == [store.gen] and client.exists("kvserve:log") == 0
     svc.step(StepOps(20, allocations=(alloc("z", "A", range(5), "w0"),)))
     loaded, store = reload(redis_url)
     assert exact(loaded) == exact(svc.manager) and store.num_logged == 1
@@ -178,13 +204,15 @@ def test_a_step_record_narrows_token_ids_to_16_bits_only_when_every_id_fits(redi
 
 def test_the_log_is_snapshotted_once_it_holds_snapshot_bytes_even_under_snapshot_every_records(redis_url):
     client = connect(redis_url)
-    svc = KVService(KVManager(), LoggedStore(client, snapshot_every=1000, snapshot_bytes=600))
+    store = LoggedStore(client, snapshot_every=1000, snapshot_bytes=600)
+    svc = KVService(KVManager(), store)
     svc.register_worker(spec("w0", num_pages=64))
     sizes = []
     for i in range(1, 6):  # records of ~300 bytes (100 token ids as uint16, and the header)
         svc.step(StepOps(i, allocations=(alloc(f"r{i}", "A", range(100 * i, 100 * i + 100), "w0"),)))
-        sizes.append(sum(map(len, _read_binary(client, "kvserve:log"))))
+        store.wait_snapshot()
+        sizes.append(sum(len(r) for g in store.log_gens for r in _read_binary(client, store.keys.log(g))))
     assert all(size < 600 for size in sizes), sizes  # the log never reaches the bound: a snapshot empties it
-    assert min(sizes) < max(sizes) and client.exists("kvserve:pool:w0")  # it filled, then was snapshotted
+    assert min(sizes) < max(sizes) and store.gen > 0  # it filled, then was snapshotted
     loaded, store = reload(redis_url)
     assert exact(loaded) == exact(svc.manager) and store.num_logged_bytes == sizes[-1]

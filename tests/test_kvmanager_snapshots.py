@@ -1,0 +1,121 @@
+"""Call-log snapshots written by a forked child: calls made meanwhile are kept, a child outliving a restart
+cannot switch generations, a killed child leaves nothing a reload reads, and forking inside a gRPC handler
+leaves the server serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import grpc
+import pytest
+from test_kvmanager_oplog import exact, live_keys, reload
+from test_kvmanager_store import alloc, build_history, spec
+
+from kvserve.kvmanager import snapshots
+from kvserve.kvmanager.hashing import le_uint32
+from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.oplog import LoggedStore
+from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.server import start_kvmanager_server
+from kvserve.kvmanager.service import KVService
+from kvserve.kvmanager.types import Commit, Free, StepOps
+from kvserve.v1 import kvmanager_pb2 as pb
+from kvserve.v1 import kvmanager_pb2_grpc
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        yield server.url
+
+
+def history_with_a_stopped_child(redis_url: str) -> tuple[KVService, LoggedStore, snapshots.Child]:
+    """build_history with a snapshot due every 4 calls. The 4th call forks a child, which writes the state as
+    generation 1 and stops itself before it switches to it; the later calls go to generation 1's log."""
+    client = connect(redis_url)
+    store = LoggedStore(client, snapshot_every=4)
+    store.stop_child_before_switch = True
+    svc = KVService(KVManager(), store)
+    build_history(svc)
+    child = store.child
+    assert child is not None and child.num_records == 4
+    _, status = os.waitpid(child.pid, os.WUNTRACED)  # returns once the child has stopped itself
+    assert os.WIFSTOPPED(status)
+    assert store.log_gens == [0, child.gen] and client.get("kvserve:gen") is None  # not switched yet
+    assert client.exists(f"kvserve:s{child.gen}:counters") and client.llen(f"kvserve:log:{child.gen}") > 0
+    return svc, store, child
+
+
+def test_calls_made_while_a_child_writes_the_snapshot_are_kept(redis_url):
+    svc, store, child = history_with_a_stopped_child(redis_url)
+    client = store.client
+    after_fork = client.llen(store.log_key)
+    os.kill(child.pid, signal.SIGCONT)
+    assert store.wait_snapshot() == snapshots.SWITCHED
+    assert int(client.get("kvserve:gen")) == child.gen == store.gen and store.log_gens == [child.gen]
+    assert store.num_logged == after_fork  # what a restart replays: only the calls after the fork
+    live = live_keys(client, store)
+    assert live["state"] == [child.gen] and live["log"] == [child.gen]  # generation 0 and its log are gone
+    assert client.exists("kvserve:log") == 0 and client.exists("kvserve:pool:w0") == 0
+    loaded, _ = reload(redis_url)
+    assert exact(loaded) == exact(svc.manager)
+
+
+def test_a_child_outliving_a_restart_cannot_switch_generations(redis_url):
+    svc, store, child = history_with_a_stopped_child(redis_url)
+    loaded, _ = reload(redis_url)  # a restarted kvmanager claims the prefix: snapshot 0, logs 0 and 1
+    assert exact(loaded) == exact(svc.manager)
+    os.kill(child.pid, signal.SIGCONT)
+    assert store.wait_snapshot() == snapshots.SUPERSEDED
+    assert store.client.get("kvserve:gen") is None and store.client.llen("kvserve:log") == 4  # untouched
+    loaded, _ = reload(redis_url)
+    assert exact(loaded) == exact(svc.manager)
+
+
+def test_a_child_killed_mid_snapshot_leaves_garbage_the_next_snapshot_deletes(redis_url):
+    svc, store, child = history_with_a_stopped_child(redis_url)
+    store.stop_child_before_switch = False
+    os.kill(child.pid, signal.SIGKILL)
+    assert store.wait_snapshot() == -signal.SIGKILL
+    # the killed child's snapshot is there, unread: generation 0 (no state keys) is still the one loaded
+    assert live_keys(store.client, store)["state"] == [child.gen] and store.client.get("kvserve:gen") is None
+    # (no reload here: it would claim the prefix, and this store could then no longer switch generations)
+    # The next attempt comes once snapshot_every more calls are logged.
+    for step_id in range(100, 104):
+        assert store.child is None
+        svc.step(StepOps(step_id, allocations=(alloc(f"n{step_id}", "C", range(step_id, step_id + 5), "w0"),)))
+    next_child = store.child
+    assert next_child is not None and next_child.gen > child.gen
+    assert store.wait_snapshot() == snapshots.SWITCHED
+    live = live_keys(store.client, store)
+    assert live["state"] == [next_child.gen] and set(live["log"]) <= {next_child.gen}
+    loaded, _ = reload(redis_url)
+    assert exact(loaded) == exact(svc.manager)
+
+
+def test_a_snapshot_forked_inside_a_grpc_handler_leaves_the_server_serving(redis_url):
+    store = LoggedStore(connect(redis_url), snapshot_every=2)
+    service = KVService(KVManager(), store)
+    server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token="t")
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        stub = kvmanager_pb2_grpc.KVManagerServiceStub(channel)
+        s = spec("w0", num_pages=64)
+        stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=s.worker_id, epoch=s.epoch, num_pages=s.num_pages,
+                                                     page_size=s.page_size, model_fingerprint=s.model_fingerprint,
+                                                     kv_dtype=s.kv_dtype, bytes_per_token=s.bytes_per_token),
+                            timeout=10)
+        for step_id in range(1, 6):
+            op = pb.PageAllocation(req_id=f"r{step_id}", tenant="A", packed_token_ids=le_uint32(range(9)))
+            reply = stub.StepPages(pb.StepPagesRequest(step_id=step_id, allocations=[op]), timeout=10)
+            assert reply.allocation_results[0].status == pb.PAGE_OP_STATUS_OK
+            if store.child is not None:
+                assert store.wait_snapshot() == snapshots.SWITCHED  # the child closed its copies of the sockets
+        assert store.gen > 0
+        service.step(StepOps(6, commits=(Commit("r1", 0, tuple(range(8)), 9),), frees=(Free("r2"),)))
+        loaded, _ = reload(redis_url)
+        assert exact(loaded) == exact(service.manager)
+    finally:
+        channel.close()
+        server.stop(0)
