@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-ab clean
+.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -60,6 +60,10 @@ bench-worker: model kernels
 
 bench-kvmanager: install
 	$(PY) bench/bench_kvmanager.py
+
+# The call that makes a call-log snapshot due: written inline vs by a forked child, side by side (~20 s).
+bench-snapshots: install
+	$(PY) bench/bench_snapshots.py
 
 # The report's mixed burst, kvserve and HF's continuous batching alternated over rounds (~6 min).
 bench-ab: model kernels

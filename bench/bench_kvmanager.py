@@ -51,8 +51,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # as `kvserve kvmanager` does (kvmanager/snapshots.py)
+
+import grpc  # noqa: E402
 import numpy as np
+from results_io import write_results
 
 from kvserve.kvmanager.convert import step_to_request_proto
 from kvserve.kvmanager.manager import KVManager
@@ -769,11 +772,7 @@ def main(argv=None) -> int:
     report["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     report["worker_step"] = worker_step_time(results_dir)
     report["verdict"] = verdicts(report)
-    out = args.out or results_dir / f"kvmanager-{dt.date.today().isoformat()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    out = write_results(report, "kvmanager", markdown(report), args.out)
     for prof in report.get("profile", []):
         print(f"\nprofile, {prof['scenario']} ({prof['calls_profiled']} calls, in-thread servicer + Redis, "
               f"{prof['ms_per_call_under_profiler']} ms/call under the profiler), top by own time:")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import statistics
@@ -21,6 +20,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from results_io import write_results
 
 from kvserve.services.model_store import prepare_default_model
 from kvserve.worker.batch import SamplingParams, StepBatch, StepItem
@@ -261,11 +261,7 @@ def main(argv=None) -> int:
     report["prefill"] = bench_prefill(runner, [[512], [256, 128, 96, 32]], repeats)
     print(f"KV cache vs none, {gen_tokens} tokens ...", file=sys.stderr, flush=True)
     report["kv_cache"] = bench_kv_cache(runner, hf, gen_tokens)
-    out = args.out or Path(__file__).parent / "results" / f"worker-{dt.date.today().isoformat()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    out = write_results(report, "worker", markdown(report), args.out)
     print(f"wrote {out} and {out.with_suffix('.md')}", file=sys.stderr)
     return 0
 
