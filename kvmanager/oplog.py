@@ -278,7 +278,12 @@ class LoggedStore:
         return code
 
     def close(self) -> None:
-        """Stops a running snapshot child (the logs it would have replaced stay; nothing is lost)."""
+        """A graceful stop: lets a running snapshot child finish, so a restart replays a short log (each of
+        the child's Redis commands is bounded by the client's socket timeout)."""
+        self.wait_snapshot()
+
+    def _stop_child(self) -> None:
+        """Kills a running snapshot child (the logs it would have replaced stay; nothing is lost)."""
         if self.child is not None:
             self._reaped(snapshots.kill(self.child))
 
@@ -286,7 +291,7 @@ class LoggedStore:
         """Writes the whole state as a new generation and empties the log, in one MULTI/EXEC, inline; then
         deletes the older generations. A running snapshot child is stopped first."""
         self._claim()
-        self.close()
+        self._stop_child()
         gen = snapshots.new_generation(self.client, self.keys)
         switch = snapshots.switch_ops(self.keys, gen, self.log_gens)
         RedisStore(self.client, self.keys.state_prefix(gen)).write(mgr, Changes(reset=True), also=switch)

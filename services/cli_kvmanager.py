@@ -39,7 +39,7 @@ def default_data_dir() -> Path:
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli import add_observability_flags
+    from kvserve.services.cli import add_observability_flags, positive_int
 
     k = sub.add_parser("kvmanager", help="run the kvmanager: page tables, prefix index, admin RPCs")
     k.add_argument("--host", default=_env("host", "127.0.0.1"))
@@ -52,6 +52,10 @@ def add_commands(sub) -> None:
     k.add_argument("--persistence", choices=("log", "state"), default=_env("persistence", "log"),
                    help="log: append each call to a Redis list, snapshot every 2000 calls (default); "
                         "state: write every changed request and block record on each call")
+    k.add_argument("--snapshot-every", type=positive_int, default=_env("snapshot_every", "2000"),
+                   help="--persistence log: snapshot the state once the log holds this many calls (default 2000)")
+    k.add_argument("--snapshot-mb", type=positive_int, default=_env("snapshot_mb", "64"),
+                   help="--persistence log: ... or this many MB of calls, whichever comes first (default 64)")
     k.add_argument("--admin-token", default=_env("admin_token"),
                    help="token of the admin RPCs (default: a random one written to <data-dir>/admin_token)")
     k.add_argument("--model", default=_env("model"), help="model folder whose tokenizer.json serves text probes")
@@ -108,8 +112,10 @@ def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
     url = args.redis_url
     if not url:
         url = stack.enter_context(EmbeddedRedis(data_dir / "redis")).url
-    store_type = LoggedStore if args.persistence == "log" else RedisStore
-    return store_type(connect(url), args.redis_prefix), url
+    if args.persistence == "log":
+        return LoggedStore(connect(url), args.redis_prefix, snapshot_every=args.snapshot_every,
+                           snapshot_bytes=args.snapshot_mb << 20), url
+    return RedisStore(connect(url), args.redis_prefix), url
 
 
 def _metrics(args, service) -> tuple[tuple, int | None]:
@@ -161,5 +167,8 @@ def run_kvmanager(args) -> int:
         print(f"kvserve kvmanager ready on {args.host}:{server.port} (redis: {redis_desc}{note}) admin token: "
               f"{token_where}", flush=True)
         serve_until_signal(server, stop, "kvmanager")
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()  # lets a snapshot child that is writing finish, while Redis is still up
         shutdown_tracing()
     return 0

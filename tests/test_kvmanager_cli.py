@@ -145,9 +145,36 @@ def test_kvmanager_with_embedded_redis_persists_and_stops_its_redis(tmp_path):
         stop_cleanly(proc)
 
 
+def test_kvmanager_snapshots_in_a_forked_child_and_restarts_from_it(tmp_path, monkeypatch):
+    """With a snapshot due every 2 calls, the real process forks inside its gRPC handlers. It sets
+    GRPC_ENABLE_FORK_SUPPORT=0 itself (removed from the environment here), so no child crashes; a graceful
+    stop lets a writing child finish, and the restart loads the child's generation."""
+    from kvserve.kvmanager.redis_server import connect
+
+    monkeypatch.delenv("GRPC_ENABLE_FORK_SUPPORT", raising=False)  # conftest's: the kvmanager must set it
+    data_dir = tmp_path / "data"
+    args = ("--data-dir", str(data_dir), "--snapshot-every", "2")
+    with kvmanager_process(tmp_path, *args) as (proc, m):
+        populate(int(m.group(1)))  # a registration and 3 steps: snapshots are due at the 2nd and 4th calls
+        stop_cleanly(proc)
+    stderr = (tmp_path / "kvmanager.stderr").read_text()
+    assert "snapshot child" not in stderr and "Fatal Python error" not in stderr, stderr
+    with kvmanager_process(tmp_path, *args) as (proc, m):
+        client = connect(m.group(2))
+        gen = int(client.get("kvserve:gen"))
+        assert gen > 0 and client.exists(f"kvserve:s{gen}:pool:w0") and not client.exists("kvserve:log")
+        out = run_cli(tmp_path, "admin", "stats", "--json", "--kvmanager", f"127.0.0.1:{m.group(1)}",
+                      "--data-dir", str(data_dir))
+        assert out.returncode == 0, out.stderr
+        (pool,) = json.loads(out.stdout)["pools"]
+        assert (pool["num_used_pages"], pool["num_cached_pages"], pool["num_free_pages"]) == (2, 3, 3)
+        stop_cleanly(proc)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "/nonexistent"], "no tokenizer.json"),
     (["--port", "many"], "argument --port: invalid int value"),
+    (["--snapshot-every", "0"], "argument --snapshot-every: must be positive, got 0"),
 ])
 def test_bad_kvmanager_flags_exit_2(tmp_path, args, message):
     out = run_cli(tmp_path, "kvmanager", "--no-persistence", "--admin-token", "T", "--port", "0", *args)
