@@ -18,10 +18,13 @@ and seconds for a GPU-sized pool. The call that makes one due therefore forks in
 BGSAVE, and pays only for the fork (about 2 ms at 90 MB). From that moment the kvmanager appends calls to
 the new generation's log. The child holds a copy-on-write image of the state as it was at the fork, and:
 
-1. writes it as the new generation's snapshot, in chunks, under keys nobody reads yet;
+1. deletes what earlier failed attempts left, then writes the state as the new generation's snapshot, in
+   chunks, under keys nobody reads yet;
 2. sets ``gen`` and deletes the older logs, in one MULTI/EXEC that fails if another kvmanager has claimed
    the prefix since its parent did (a child outliving a killed parent can never switch under a restarted one);
-3. deletes the older snapshots and anything a failed attempt left.
+3. deletes the older snapshots and logs.
+
+A child only ever deletes generations older than its own.
 
 A kill -9 at any point leaves Redis holding a loadable generation and every call after it. The child never
 touches gRPC. It closes the descriptors it inherited, talks to Redis on a connection of its own, and leaves
@@ -156,14 +159,17 @@ def switch_ops(keys: GenerationKeys, gen: int, old_log_gens: list[int]):
     return queue
 
 
-def delete_stale(client: redis.Redis, keys: GenerationKeys, gen: int) -> int:
-    """Deletes the snapshots of other generations and the logs older than ``gen``, the generation a restart
-    now loads. Returns the number of keys deleted."""
+def delete_stale(client: redis.Redis, keys: GenerationKeys, loaded: int, below: int | None = None) -> int:
+    """Deletes the logs older than ``loaded``, the generation a restart loads, and the snapshots of the
+    generations older than ``below`` (default: ``loaded``) other than ``loaded``. Returns the number of keys
+    deleted. Never a newer generation: a child that outlived its parent must not delete the snapshot that a
+    restarted kvmanager's child is writing (generation numbers only grow)."""
+    below = loaded if below is None else below
     stale = []
     for key in client.scan_iter(match=keys.all_pattern(), count=BATCH):
         key = _text(key)
         kind = keys.classify(key)
-        if kind is not None and (kind[1] < gen if kind[0] == "log" else kind[1] != gen):
+        if kind is not None and (kind[1] < loaded if kind[0] == "log" else kind[1] < below and kind[1] != loaded):
             stale.append(key)
     for i in range(0, len(stale), BATCH):
         client.unlink(*stale[i:i + BATCH])
@@ -195,6 +201,10 @@ def fork_snapshot(client: redis.Redis, keys: GenerationKeys, mgr: KVManager, gen
     try:
         _detach(parent)
         own = redis.Redis(connection_pool=redis.ConnectionPool(**connection))
+        # Partial snapshots of failed attempts first: with Redis near its memory limit, each failed attempt
+        # would otherwise leave another one behind, and make the next one likelier to fail. The generation
+        # to keep is read here, not taken from the parent: a child it killed may have switched just before.
+        delete_stale(own, keys, int(own.get(keys.gen) or 0), below=gen)
         write_state(own, keys, gen, mgr)
         if stop_before_switch:
             os.kill(os.getpid(), signal.SIGSTOP)

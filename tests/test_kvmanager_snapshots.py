@@ -119,3 +119,27 @@ def test_a_snapshot_forked_inside_a_grpc_handler_leaves_the_server_serving(redis
     finally:
         channel.close()
         server.stop(0)
+
+
+def test_cleanup_never_deletes_the_loaded_generation_a_live_log_or_a_newer_generation(redis_url):
+    """A child deletes before it writes (keeping the loaded generation and every log a restart replays) and
+    after it switched; neither touches a generation newer than its own, which can only be a restarted
+    kvmanager's child writing its snapshot."""
+    client = connect(redis_url)
+    keys = snapshots.GenerationKeys("kvserve")
+    client.mset({"kvserve:pool:w0": "{}", "kvserve:counters": "{}",  # generation 0: the layout before generations
+                 **{f"kvserve:s{g}:pool:w0": "{}" for g in (2, 3, 5, 7)}})
+    client.rpush("kvserve:log", "r")
+    for g in (1, 2, 5, 7):
+        client.rpush(f"kvserve:log:{g}", "r")
+
+    def left():
+        kinds = [keys.classify(k) for k in client.scan_iter(match="kvserve:*")]
+        return sorted({k for k in kinds if k[0] == "state"}), sorted(k[1] for k in kinds if k[0] == "log")
+
+    # child of generation 5, before writing; generation 2 is loaded: 0 and 3 are dead snapshots, log 0 and 1
+    # are covered by snapshot 2
+    assert snapshots.delete_stale(client, keys, loaded=2, below=5) == 5
+    assert left() == ([("state", 2), ("state", 5), ("state", 7)], [2, 5, 7])
+    assert snapshots.delete_stale(client, keys, loaded=5) == 2  # after its switch to 5
+    assert left() == ([("state", 5), ("state", 7)], [5, 7])
