@@ -15,6 +15,9 @@ round's other calls follow; the modes take turns going first. Timed:
                       service's same calls (no snapshot running): copy-on-write faults after the fork, Redis
                       taking the child's writes between the parent's appends, and the CPU the child uses.
     child             fork to switch, measured in separate rounds with no calls meanwhile.
+    alone             the forked due call again, in a child process holding one manager's state, as a
+                      kvmanager does (this process holds three: both services and the workload's reference,
+                      and a fork's cost grows with the process).
 
 Writes JSON and a Markdown table next to it.
 """
@@ -23,8 +26,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
+import json
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,9 +55,9 @@ MODES = ("inline", "forked")
 PLAN = {False: {"rounds": 12, "calls": 300, "child_rounds": 8}, True: {"rounds": 3, "calls": 100, "child_rounds": 2}}
 
 
-def build(redis_url: str, mode: str, setup_calls) -> KVService:
-    store = LoggedStore(connect(redis_url), f"bench-snap-{mode}", snapshot_every=NEVER, snapshot_bytes=NEVER,
-                        background=mode == "forked")
+def build(redis_url: str, name: str, setup_calls, forked: bool) -> KVService:
+    store = LoggedStore(connect(redis_url), f"bench-snap-{name}", snapshot_every=NEVER, snapshot_bytes=NEVER,
+                        background=forked)
     svc = KVService(KVManager(), store)
     svc.register_worker(SPEC)
     for call in setup_calls:
@@ -73,7 +80,7 @@ def run(redis_url: str, rounds: int, calls_per_round: int, child_rounds: int, se
     wl = Workload("steady", seed)
     wl.setup()
     setup_calls = list(wl.calls)
-    services = {mode: build(redis_url, mode, setup_calls) for mode in MODES}
+    services = {mode: build(redis_url, mode, setup_calls, mode == "forked") for mode in MODES}
     tune_gc_for_serving()  # as `kvserve kvmanager` does once its state is loaded
     pool = services["forked"].manager.pools[SPEC.worker_id]
     due = {mode: [] for mode in MODES}
@@ -132,6 +139,29 @@ def run(redis_url: str, rounds: int, calls_per_round: int, child_rounds: int, se
     }
 
 
+def alone(redis_url: str, rounds: int, seed: int) -> dict:
+    """--alone: the forked mode's due call in a process that holds one manager's state."""
+    wl = Workload("steady", seed)
+    wl.setup()
+    setup_calls = list(wl.calls)
+    calls = wl.round(2 * rounds)
+    del wl  # and with it the reference manager
+    svc = build(redis_url, "alone", setup_calls, forked=True)
+    del setup_calls
+    gc.collect()
+    tune_gc_for_serving()
+    store = svc.store
+    due = []
+    for i in range(rounds):
+        svc.step(calls[2 * i].ops)
+        due_now(store)
+        due.append(timed(svc, calls[2 * i + 1].ops))
+        store.snapshot_every = NEVER
+        code = store.wait_snapshot()
+        assert code == SWITCHED, f"the snapshot child exited with {code}"
+    return {"due_call_ms": stats(due), "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+
+
 def stats(xs: list[float]) -> dict:
     return {"n": len(xs), "p50": round(statistics.median(xs), 3), "p90": round(percentile(xs, 90), 3),
             "p99": round(percentile(xs, 99), 3), "max": round(max(xs), 3)}
@@ -150,6 +180,9 @@ def markdown(report: dict) -> str:
         f"| child, fork to switch (no calls meanwhile) | {r['child_fork_to_switch_ms']['n']} "
         f"| {r['child_fork_to_switch_ms']['p50']} | {r['child_fork_to_switch_ms']['p90']} "
         f"| {r['child_fork_to_switch_ms']['p99']} | {r['child_fork_to_switch_ms']['max']} |",
+        f"| due call, forked, in a process holding one manager ({r['alone']['max_rss_mb']} MB) "
+        f"| {r['alone']['due_call_ms']['n']} | {r['alone']['due_call_ms']['p50']} | {r['alone']['due_call_ms']['p90']} "
+        f"| {r['alone']['due_call_ms']['p99']} | {r['alone']['due_call_ms']['max']} |",
     ]
     s = r["state"]
     return (f"# Call-log snapshots, inline vs forked ({report['date']})\n\n"
@@ -164,11 +197,17 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer rounds (under a minute)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--alone", default=None, help=argparse.SUPPRESS)  # REDIS_URL: the child of the alone figure
     args = p.parse_args(argv)
     plan = PLAN[args.quick]
+    if args.alone:
+        print(json.dumps(alone(args.alone, plan["child_rounds"], args.seed)))
+        return 0
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-redis-") as tmp, EmbeddedRedis(Path(tmp)) as rs:
         results = run(rs.url, plan["rounds"], plan["calls"], plan["child_rounds"], args.seed)
+        cmd = [sys.executable, __file__, "--alone", rs.url, "--seed", str(args.seed), *(["--quick"] * args.quick)]
+        results["alone"] = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout)
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "quick": args.quick,
               "cpus": os.cpu_count(), "plan": plan, "results": results,
               "elapsed_s": round(time.perf_counter() - t0, 1)}
