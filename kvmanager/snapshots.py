@@ -39,7 +39,6 @@ says whether a process can fork.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import os
 import re
@@ -51,15 +50,11 @@ from dataclasses import dataclass
 import redis
 
 from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.redis_server import die_with_parent
 from kvserve.kvmanager.store import BATCH, Keys, RedisStore, glob_escape
 
-PR_SET_PDEATHSIG = 1
 GRPC_FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
 FALSE = {"0", "false", "f", "no", "n", "off"}
-try:  # resolved here: the child should not take the dynamic loader's lock
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _PRCTL = None
 SWITCHED, SUPERSEDED, FAILED = 0, 3, 1  # the child's exit codes
 
 
@@ -242,8 +237,7 @@ def _detach(parent: int) -> None:
     gc.disable()
     with contextlib.suppress(OSError):
         os.nice(10)
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(FAILED)
 
