@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import time
 from array import array
 from dataclasses import asdict
 
@@ -152,6 +153,8 @@ class LoggedStore:
         self.num_logged = 0  # records (and bytes) a restart would replay
         self.num_logged_bytes = 0
         self.retry_base = (0, 0)  # (num_logged, num_logged_bytes) when the last snapshot child failed
+        self.num_snapshots = {"forked": 0, "inline": 0, "failed": 0}  # metrics: written how, or failed
+        self.last_snapshot_s = 0.0  # fork to reaped, or the inline write
         self.pending: list[bytes] = []  # records whose append failed, in call order
         self.last_record = b""
         self.in_flight: tuple | None = None  # (connection, number of records) of an RPUSH sent early
@@ -248,7 +251,7 @@ class LoggedStore:
                 gen = snapshots.new_generation(self.client, self.keys)
                 pid = snapshots.fork_snapshot(self.client, self.keys, mgr, gen, self.log_gens, self.owner,
                                               self.stop_child_before_switch)
-                self.child = Child(pid, gen, self.num_logged, self.num_logged_bytes)
+                self.child = Child(pid, gen, self.num_logged, self.num_logged_bytes, time.monotonic())
                 self.log_gens = [*self.log_gens, gen]
         except Exception:  # noqa: BLE001 - see above; the next due call tries again
             log.exception("kvmanager: could not start a call-log snapshot")
@@ -262,7 +265,10 @@ class LoggedStore:
             log.warning("kvmanager: call-log snapshot child %d exited with %d; the log keeps growing until "
                         "the next attempt", child.pid, code)
             self.retry_base = (self.num_logged, self.num_logged_bytes)
+            self.num_snapshots["failed"] += 1
             return
+        self.num_snapshots["forked"] += 1
+        self.last_snapshot_s = time.monotonic() - child.started
         self.gen = child.gen
         self.log_gens = [g for g in self.log_gens if g >= child.gen]
         self.num_logged -= child.num_records
@@ -292,9 +298,12 @@ class LoggedStore:
         deletes the older generations. A running snapshot child is stopped first."""
         self._claim()
         self._stop_child()
+        t0 = time.monotonic()
         gen = snapshots.new_generation(self.client, self.keys)
         switch = snapshots.switch_ops(self.keys, gen, self.log_gens)
         RedisStore(self.client, self.keys.state_prefix(gen)).write(mgr, Changes(reset=True), also=switch)
+        self.num_snapshots["inline"] += 1
+        self.last_snapshot_s = time.monotonic() - t0
         self.gen, self.log_gens = gen, [gen]
         self.num_logged = self.num_logged_bytes = 0
         self.retry_base = (0, 0)

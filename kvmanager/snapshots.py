@@ -180,6 +180,7 @@ class Child:
     gen: int
     num_records: int
     num_bytes: int
+    started: float  # time.monotonic() at the fork
 
 
 def fork_snapshot(client: redis.Redis, keys: GenerationKeys, mgr: KVManager, gen: int, old_log_gens: list[int],

@@ -125,7 +125,8 @@ def _metrics(args, service) -> tuple[tuple, int | None]:
     from kvserve.kvmanager import admin
     from kvserve.services.metrics import KVManagerMetrics, RpcTimer, serve_metrics
 
-    metrics = KVManagerMetrics(lambda: service.read(admin.stats))
+    call_log = service.store if hasattr(service.store, "num_snapshots") else None  # --persistence log
+    metrics = KVManagerMetrics(lambda: service.read(admin.stats), call_log)
     service.on_store_write = metrics.redis_write.observe
     return (RpcTimer(metrics.rpc),), serve_metrics(metrics.registry, args.host, int(args.metrics_port))
 

@@ -79,13 +79,15 @@ class WorkerMetrics:
 class KVManagerMetrics:
     """RPC and Redis latencies, plus a collector over the manager's own state (read under its lock)."""
 
-    def __init__(self, read_stats: Callable[[], object]) -> None:
+    def __init__(self, read_stats: Callable[[], object], call_log: object | None = None) -> None:
         r = self.registry = CollectorRegistry()
         self.rpc = Histogram("kvserve:kvmanager_rpc_seconds", "Server-side time of a kvmanager RPC.", ["method"],
                              buckets=RPC_BUCKETS_S, registry=r)
         self.redis_write = Histogram("kvserve:redis_write_seconds", "One write-through to Redis.",
                                      buckets=RPC_BUCKETS_S, registry=r)
         r.register(_StateCollector(read_stats))
+        if call_log is not None:
+            r.register(_CallLogCollector(call_log))
 
 
 class _StateCollector:
@@ -116,6 +118,34 @@ class _StateCollector:
         evicted = CounterMetricFamily("kvserve:evicted_blocks", "Cached blocks evicted to make room.")
         evicted.add_metric([], stats.num_evicted_blocks)
         yield from (usage, cached, queries, hits, evicted)
+
+
+class _CallLogCollector:
+    """The Redis call log (kvmanager/oplog.py LoggedStore) at scrape time: how much a restart would replay, and
+    its snapshots. A growing log with failed snapshots is the thing to alert on. Plain attribute reads, no lock."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.store
+        for name, doc, value in (
+                ("records", "Calls in the Redis call log, all a restart would replay.", s.num_logged),
+                ("bytes", "Bytes of those calls.", s.num_logged_bytes),
+                ("generation", "The snapshot generation a restart loads.", s.gen),
+                ("last_snapshot_seconds", "The last snapshot: fork to the child reaped, or the inline write.",
+                 s.last_snapshot_s)):
+            gauge = GaugeMetricFamily(f"kvserve:call_log_{name}", doc)
+            gauge.add_metric([], value)
+            yield gauge
+        snapshots = CounterMetricFamily("kvserve:call_log_snapshots", "Snapshots of the state, by how they were "
+                                        "written (forked, inline) or that a child failed.", labels=["result"])
+        for result, count in s.num_snapshots.items():
+            snapshots.add_metric([result], count)
+        yield snapshots
 
 
 class RpcTimer(grpc.ServerInterceptor):

@@ -143,3 +143,33 @@ def test_cleanup_never_deletes_the_loaded_generation_a_live_log_or_a_newer_gener
     assert left() == ([("state", 2), ("state", 5), ("state", 7)], [2, 5, 7])
     assert snapshots.delete_stale(client, keys, loaded=5) == 2  # after its switch to 5
     assert left() == ([("state", 5), ("state", 7)], [5, 7])
+
+
+def test_call_log_metrics_show_what_a_restart_replays_and_how_snapshots_went(redis_url):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvserve.kvmanager import admin
+    from kvserve.services.metrics import KVManagerMetrics
+
+    svc, store, child = history_with_a_stopped_child(redis_url)
+    metrics = KVManagerMetrics(lambda: svc.read(admin.stats), call_log=store)
+
+    def scrape() -> dict:
+        text = generate_latest(metrics.registry).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name.startswith("kvserve:call_log")}
+
+    os.kill(child.pid, signal.SIGKILL)
+    store.wait_snapshot()
+    got = scrape()
+    in_redis = sum(store.client.llen(store.keys.log(g)) for g in store.log_gens)
+    assert got[("kvserve:call_log_records", ())] == in_redis == 12  # all of build_history's: no snapshot took
+    assert got[("kvserve:call_log_snapshots_total", (("result", "failed"),))] == 1
+    assert got[("kvserve:call_log_generation", ())] == 0
+    svc.mutate(admin.reset)  # an inline snapshot
+    got = scrape()
+    assert got[("kvserve:call_log_snapshots_total", (("result", "inline"),))] == 1
+    assert got[("kvserve:call_log_generation", ())] == store.gen > child.gen
+    assert got[("kvserve:call_log_records", ())] == 0 and got[("kvserve:call_log_last_snapshot_seconds", ())] > 0

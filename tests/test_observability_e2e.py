@@ -114,6 +114,7 @@ def test_metrics_move_with_traffic(stack):
     assert value(kv, "kvserve:kv_cache_usage_perc", worker="worker-0") == 0.0  # everything freed
     assert value(kv, "kvserve:kvmanager_rpc_seconds_count", method="StepPages") > 0
     assert value(kv, "kvserve:redis_write_seconds_count") > 0
+    assert value(kv, "kvserve:call_log_records") > 0  # the default store: calls since the last snapshot
     assert value(gw, "kvserve:num_requests_running", worker="worker-0") == 0
     assert value(gw, "kvserve:num_requests_waiting", worker="worker-0") == 0
     assert value(gw, "kvserve:time_to_first_token_seconds_count") >= 4
