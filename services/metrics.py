@@ -28,7 +28,8 @@ GATEWAY_METRICS = (
 KVMANAGER_METRICS = (
     "kvserve:kv_cache_usage_perc", "kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
     "kvserve:evicted_blocks_total", "kvserve:kvmanager_rpc_seconds", "kvserve:redis_write_seconds",
-    "kvserve:num_cached_blocks",
+    "kvserve:num_cached_blocks", "kvserve:call_log_records", "kvserve:call_log_bytes", "kvserve:call_log_generation",
+    "kvserve:call_log_snapshots_total", "kvserve:call_log_last_snapshot_seconds",
 )
 WORKER_METRICS = ("kvserve:worker_step_seconds", "kvserve:worker_batch_size", "kvserve:worker_batch_tokens")
 

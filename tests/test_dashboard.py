@@ -32,6 +32,12 @@ def _read_stats() -> SimpleNamespace:
     return SimpleNamespace(pools=[pool], tenants=[tenant], num_evicted_blocks=1)
 
 
+def _call_log() -> SimpleNamespace:
+    """A stand-in for kvmanager.oplog.LoggedStore, the default store, whose call log the kvmanager exports."""
+    return SimpleNamespace(num_logged=5, num_logged_bytes=900, gen=2, last_snapshot_s=0.2,
+                           num_snapshots={"forked": 1, "inline": 0, "failed": 0})
+
+
 def _with_children(metrics: object) -> object:
     """Creates one child of every labelled metric: prometheus_client exports no sample for a bare parent."""
     for metric in vars(metrics).values():
@@ -44,7 +50,7 @@ def _with_children(metrics: object) -> object:
 def exported() -> set[str]:
     """Every series name the three services' registries expose, from generate_latest of the real classes."""
     names: set[str] = set()
-    for metrics in (GatewayMetrics(), WorkerMetrics(), KVManagerMetrics(_read_stats)):
+    for metrics in (GatewayMetrics(), WorkerMetrics(), KVManagerMetrics(_read_stats, _call_log())):
         text = generate_latest(_with_children(metrics).registry).decode()
         for line in text.splitlines():
             if line and not line.startswith("#"):
