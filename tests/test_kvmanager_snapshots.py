@@ -173,3 +173,15 @@ def test_call_log_metrics_show_what_a_restart_replays_and_how_snapshots_went(red
     assert got[("kvserve:call_log_snapshots_total", (("result", "inline"),))] == 1
     assert got[("kvserve:call_log_generation", ())] == store.gen > child.gen
     assert got[("kvserve:call_log_records", ())] == 0 and got[("kvserve:call_log_last_snapshot_seconds", ())] > 0
+
+
+@pytest.mark.parametrize(("setting", "forks"), [("0", True), ("false", True), ("1", False), (None, False)])
+def test_a_process_with_grpc_forks_only_when_grpcs_fork_handlers_are_off(monkeypatch, setting, forks):
+    """grpc is imported here (and the setting was read when it was, so only the decision is tested): with its
+    fork handlers on, or not known to be off, the default store snapshots inline."""
+    if setting is None:
+        monkeypatch.delenv("GRPC_ENABLE_FORK_SUPPORT", raising=False)
+    else:
+        monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", setting)
+    assert snapshots.forking_is_safe() is forks
+    assert LoggedStore(None)._forks() is forks and LoggedStore(None, background=True)._forks()
