@@ -18,6 +18,8 @@ round's other calls follow; the modes take turns going first. Timed:
     alone             the forked due call again, in a child process holding one manager's state, as a
                       kvmanager does (this process holds three: both services and the workload's reference,
                       and a fork's cost grows with the process).
+    restart           that child then logs a full log's worth of calls (snapshot_every, 2000 by default) and a
+                      fresh process loads the state as a restarted kvmanager does: the snapshot, then the replay.
 
 Writes JSON and a Markdown table next to it.
 """
@@ -44,7 +46,7 @@ from bench_kvmanager import SPEC, Workload, percentile  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 from kvserve.kvmanager.manager import KVManager  # noqa: E402
-from kvserve.kvmanager.oplog import LoggedStore  # noqa: E402
+from kvserve.kvmanager.oplog import DEFAULT_SNAPSHOT_EVERY, LoggedStore  # noqa: E402
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect  # noqa: E402
 from kvserve.kvmanager.server import tune_gc_for_serving  # noqa: E402
 from kvserve.kvmanager.service import KVService  # noqa: E402
@@ -52,7 +54,8 @@ from kvserve.kvmanager.snapshots import SWITCHED  # noqa: E402
 
 NEVER = 1 << 62
 MODES = ("inline", "forked")
-PLAN = {False: {"rounds": 12, "calls": 300, "child_rounds": 8}, True: {"rounds": 3, "calls": 100, "child_rounds": 2}}
+PLAN = {False: {"rounds": 12, "calls": 300, "child_rounds": 8, "log_calls": DEFAULT_SNAPSHOT_EVERY},
+        True: {"rounds": 3, "calls": 100, "child_rounds": 2, "log_calls": 200}}
 
 
 def build(redis_url: str, name: str, setup_calls, forked: bool) -> KVService:
@@ -139,8 +142,9 @@ def run(redis_url: str, rounds: int, calls_per_round: int, child_rounds: int, se
     }
 
 
-def alone(redis_url: str, rounds: int, seed: int) -> dict:
-    """--alone: the forked mode's due call in a process that holds one manager's state."""
+def alone(redis_url: str, rounds: int, log_calls: int, seed: int) -> dict:
+    """--alone: the forked mode's due call in a process that holds one manager's state; then ``log_calls``
+    calls are logged, for the restart figure."""
     wl = Workload("steady", seed)
     wl.setup()
     setup_calls = list(wl.calls)
@@ -159,7 +163,22 @@ def alone(redis_url: str, rounds: int, seed: int) -> dict:
         store.snapshot_every = NEVER
         code = store.wait_snapshot()
         assert code == SWITCHED, f"the snapshot child exited with {code}"
-    return {"due_call_ms": stats(due), "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    wl = Workload("steady", seed)  # the same seed again: its reference reaches the service's state
+    wl.setup()
+    wl.round(2 * rounds)
+    for call in wl.round(log_calls):
+        svc.step(call.ops)
+    return {"due_call_ms": stats(due), "max_rss_mb": rss_mb, "logged_calls": store.num_logged}
+
+
+def restart(redis_url: str) -> dict:
+    """--restart: what `kvserve kvmanager` does before it serves, timed: claim, load the snapshot, replay."""
+    t0 = time.perf_counter()
+    svc = KVService(KVManager(), LoggedStore(connect(redis_url), "bench-snap-alone"))
+    svc.load()
+    return {"load_ms": round((time.perf_counter() - t0) * 1000), "replayed_calls": svc.store.num_logged,
+            "cached_blocks": svc.manager.pools[SPEC.worker_id].num_cached}
 
 
 def stats(xs: list[float]) -> dict:
@@ -189,7 +208,9 @@ def markdown(report: dict) -> str:
             f"State: {s['cached_blocks']} cached blocks of {s['pages']} pages, {s['requests']} running requests. "
             f"Steady calls (63 decodes + 1 admit/commit/free).\n\n" + "\n".join(rows) + "\n\n"
             f"Due call, inline / forked (medians): **{r['due_call_ratio_inline_over_forked']}x**. "
-            f"A child overlapped a median of {c['calls_per_child_median']} calls.\n")
+            f"A child overlapped a median of {c['calls_per_child_median']} calls.\n\n"
+            f"Restart: a fresh process loaded the snapshot ({r['restart']['cached_blocks']} cached blocks) and "
+            f"replayed {r['restart']['replayed_calls']} logged calls in **{r['restart']['load_ms']} ms**.\n")
 
 
 def main(argv=None) -> int:
@@ -198,16 +219,22 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--alone", default=None, help=argparse.SUPPRESS)  # REDIS_URL: the child of the alone figure
+    p.add_argument("--restart", default=None, help=argparse.SUPPRESS)  # REDIS_URL: the child of the restart one
     args = p.parse_args(argv)
     plan = PLAN[args.quick]
     if args.alone:
-        print(json.dumps(alone(args.alone, plan["child_rounds"], args.seed)))
+        print(json.dumps(alone(args.alone, plan["child_rounds"], plan["log_calls"], args.seed)))
+        return 0
+    if args.restart:
+        print(json.dumps(restart(args.restart)))
         return 0
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-redis-") as tmp, EmbeddedRedis(Path(tmp)) as rs:
         results = run(rs.url, plan["rounds"], plan["calls"], plan["child_rounds"], args.seed)
         cmd = [sys.executable, __file__, "--alone", rs.url, "--seed", str(args.seed), *(["--quick"] * args.quick)]
         results["alone"] = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout)
+        cmd = [sys.executable, __file__, "--restart", rs.url]
+        results["restart"] = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout)
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "quick": args.quick,
               "cpus": os.cpu_count(), "plan": plan, "results": results,
               "elapsed_s": round(time.perf_counter() - t0, 1)}
