@@ -300,7 +300,7 @@ class LoggedStore:
         self._stop_child()
         t0 = time.monotonic()
         gen = snapshots.new_generation(self.client, self.keys)
-        switch = snapshots.switch_ops(self.keys, gen, self.log_gens)
+        switch = snapshots.switch_ops(self.keys, gen, self.log_gens, mgr)
         RedisStore(self.client, self.keys.state_prefix(gen)).write(mgr, Changes(reset=True), also=switch)
         self.num_snapshots["inline"] += 1
         self.last_snapshot_s = time.monotonic() - t0
@@ -319,6 +319,7 @@ class LoggedStore:
         self.owner = None
         self._claim()
         RedisStore(self.client, self.keys.state_prefix(self.gen)).load(mgr)
+        snapshots.restore_order(self.client, self.keys, self.gen, mgr)
         self.num_logged = self.num_logged_bytes = 0
         for gen in self.log_gens:
             records = _read_binary(self.client, self.keys.log(gen))

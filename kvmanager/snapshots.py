@@ -10,7 +10,8 @@ oldest first::
     <prefix>:gens       the counter that numbers new generations (a number is never reused)
     <prefix>:owner      the counter a kvmanager increments when it claims the prefix; a snapshot child
                         switches generations only while its parent's claim is the latest
-    <prefix>:s<g>:...   the snapshot of generation g
+    <prefix>:s<g>:...   the snapshot of generation g; <prefix>:s<g>:order:<worker> holds each pool's free
+                        list and LRU in their exact order, which replaying the log depends on (order_items)
     <prefix>:log:<g>    the calls after snapshot g, oldest first
 
 Writing a snapshot means encoding and storing every block and request: for a pool of 16K blocks, 120-240 ms,
@@ -40,18 +41,20 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import re
 import signal
 import sys
 import traceback
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import redis
 
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.redis_server import die_with_parent
-from kvserve.kvmanager.store import BATCH, Keys, RedisStore, glob_escape
+from kvserve.kvmanager.store import BATCH, Keys, RedisStore, glob_escape, key_segment
 
 GRPC_FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
 FALSE = {"0", "false", "f", "no", "n", "off"}
@@ -82,6 +85,10 @@ class GenerationKeys:
 
     def log(self, gen: int) -> str:
         return f"{self.prefix}:log" if gen == 0 else f"{self.prefix}:log:{gen}"
+
+    def order(self, gen: int, worker_id: str) -> str:
+        """A pool's free list and LRU order in generation ``gen``'s snapshot (order_items)."""
+        return f"{self.state_prefix(gen)}:order:{key_segment(worker_id)}"
 
     def all_pattern(self) -> str:
         return glob_escape(self.prefix) + ":*"
@@ -122,11 +129,39 @@ def write_state(client: redis.Redis, keys: GenerationKeys, gen: int, mgr: KVMana
     in between)."""
     store = RedisStore(client, keys.state_prefix(gen))
     upserts, tenants = store.snapshot_items(mgr)
-    items = list(upserts.items())
+    items = [*upserts.items(), *order_items(keys, gen, mgr).items()]
     for i in range(0, len(items), BATCH):
         client.mset(dict(items[i:i + BATCH]))
     if tenants:
         client.sadd(store.keys.tenants, *sorted(tenants))
+
+
+def order_items(keys: GenerationKeys, gen: int, mgr: KVManager) -> dict[str, str]:
+    """Each pool's free list and LRU in their exact in-memory order, for generation ``gen``'s snapshot.
+
+    RedisStore does not store them: recovery derives both (free pages ascending, the LRU by last use), which is
+    right for a store that writes every call's effect. A call log is different: the calls after the snapshot
+    are replayed, and an allocation takes the free list's first page. Replayed on a derived order, it could
+    take other pages than the live kvmanager answered, pages that the worker is using for another request."""
+    return {keys.order(gen, worker_id): json.dumps({"free": list(pool.free), "lru": list(pool.evictable)},
+                                                   separators=(",", ":"))
+            for worker_id, pool in mgr.pools.items()}
+
+
+def restore_order(client: redis.Redis, keys: GenerationKeys, gen: int, mgr: KVManager) -> None:
+    """Puts each pool's free list and LRU back in the order order_items() stored, over the derived one. Raises
+    AssertionError when a stored order is not the same pages as the loaded state's (never serve from a state
+    that could hand out a page twice). A generation without them (0: written before generations) keeps the
+    derived order."""
+    for worker_id, pool in mgr.pools.items():
+        stored = client.get(keys.order(gen, worker_id)) if gen else None
+        if stored is None:
+            continue
+        order = json.loads(stored)
+        assert sorted(order["free"]) == sorted(pool.free), f"pool {worker_id}: stored free list != loaded state"
+        assert sorted(order["lru"]) == sorted(pool.evictable), f"pool {worker_id}: stored LRU != loaded state"
+        pool.free = deque(order["free"])
+        pool.evictable = OrderedDict.fromkeys(order["lru"])
 
 
 def switch(client: redis.Redis, keys: GenerationKeys, gen: int, old_log_gens: list[int], owner: int) -> bool:
@@ -146,9 +181,12 @@ def switch(client: redis.Redis, keys: GenerationKeys, gen: int, old_log_gens: li
     return True
 
 
-def switch_ops(keys: GenerationKeys, gen: int, old_log_gens: list[int]):
-    """switch()'s writes, for a caller that adds them to a transaction of its own (an inline snapshot)."""
+def switch_ops(keys: GenerationKeys, gen: int, old_log_gens: list[int], mgr: KVManager):
+    """switch()'s writes, plus the pools' order (order_items), for a caller that adds them to a transaction of
+    its own (an inline snapshot)."""
     def queue(pipe) -> None:
+        if mgr.pools:
+            pipe.mset(order_items(keys, gen, mgr))
         pipe.set(keys.gen, gen)
         pipe.delete(*(keys.log(g) for g in old_log_gens))
     return queue

@@ -185,3 +185,27 @@ def test_a_process_with_grpc_forks_only_when_grpcs_fork_handlers_are_off(monkeyp
         monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", setting)
     assert snapshots.forking_is_safe() is forks
     assert LoggedStore(None)._forks() is forks and LoggedStore(None, background=True)._forks()
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["forked", "inline"])
+def test_a_restart_replays_allocations_onto_the_free_list_and_lru_in_their_live_order(redis_url, background):
+    """Recovery derives the free list ascending and the LRU by last use; the live ones drift from that (a freed
+    page goes to the free list's end). A replayed allocation takes the free list's first pages, so a snapshot
+    stores both orders: without them the reload gave a request pages [4, 5] where the live kvmanager had
+    answered [7, 8], pages a worker then writes for two requests."""
+    store = LoggedStore(connect(redis_url), background=background)
+    svc = KVService(KVManager(), store)
+    build_history(svc)
+    live = svc.manager.pools["w0"]
+    assert list(live.free) != sorted(live.free)  # not the order recovery derives
+    store.snapshot_every = store.num_logged + 1  # this call makes a snapshot due; the next one is replayed
+    svc.step(StepOps(9, allocations=(alloc("y", "C", range(800, 805), "w0"),)))
+    store.snapshot_every = 1 << 30
+    assert store.wait_snapshot() in (None, snapshots.SWITCHED) and store.gen > 0
+    z = svc.step(StepOps(10, allocations=(alloc("z", "C", range(900, 905), "w0"),))).allocations[0].page_table
+    loaded, _ = reload(redis_url)
+    assert loaded.requests["z"].page_table == z
+    for worker_id, pool in svc.manager.pools.items():
+        assert list(loaded.pools[worker_id].free) == list(pool.free)
+        assert list(loaded.pools[worker_id].evictable) == list(pool.evictable)
+    assert exact(loaded) == exact(svc.manager)
