@@ -42,6 +42,10 @@ DEFAULT_SNAPSHOT_EVERY = 2000
 # ... or sooner, once the log holds this many bytes: records of big calls (64 prompts of 2000 tokens: 256 KB)
 # would otherwise pile up ~0.5 GB in Redis before a snapshot, and a restart would replay them all.
 DEFAULT_SNAPSHOT_BYTES = 64 << 20
+# A log this many times over either bound is snapshotted inline, whatever a forked child is doing: children that
+# keep failing (a crash, the cgroup's OOM killer) or never finish (SCHED_IDLE on a CPU that is never idle) must
+# not let the log, and a restart's replay, grow without bound.
+OVERDUE = 4
 
 
 def encode(record: tuple) -> bytes:
@@ -171,7 +175,7 @@ class LoggedStore:
         plain way). A call logged this way may turn out to change nothing: replaying it changes nothing
         either."""
         self._queue(record)
-        if not self.pending or (not self._forks() and self._snapshot_due()):
+        if not self.pending or self._inline_due():
             return False
         pool = self.client.connection_pool
         try:
@@ -194,7 +198,7 @@ class LoggedStore:
         else:
             if record is not None:
                 self._queue(record)
-            if changes.reset or record is None or (not self._forks() and self._snapshot_due()):
+            if changes.reset or record is None or self._inline_due():
                 self.snapshot(mgr)
                 return
             self._claim()
@@ -205,6 +209,14 @@ class LoggedStore:
 
     def _forks(self) -> bool:
         return snapshots.forking_is_safe() if self.background is None else self.background
+
+    def _inline_due(self) -> bool:
+        """This call writes a snapshot itself: one is due and this process does not fork, or the log is
+        OVERDUE times over a bound (a running child is then killed)."""
+        if not self._forks():
+            return self._snapshot_due()
+        return (self.num_logged + len(self.pending) > OVERDUE * self.snapshot_every
+                or self.num_logged_bytes + sum(map(len, self.pending)) > OVERDUE * self.snapshot_bytes)
 
     def _queue(self, record: tuple) -> None:
         encoded = encode(record)

@@ -187,6 +187,29 @@ def test_a_process_with_grpc_forks_only_when_grpcs_fork_handlers_are_off(monkeyp
     assert LoggedStore(None)._forks() is forks and LoggedStore(None, background=True)._forks()
 
 
+def test_a_log_four_times_over_its_bound_is_snapshotted_inline_whatever_the_child_does(redis_url):
+    """A child that never finishes (here: stopped before its switch) cannot let the log grow without bound:
+    past 4 x snapshot_every calls, a call kills it and writes the snapshot itself."""
+    store = LoggedStore(connect(redis_url), snapshot_every=2)
+    store.stop_child_before_switch = True
+    svc = KVService(KVManager(), store)
+    svc.register_worker(spec("w0", num_pages=64))
+    svc.step(StepOps(1, allocations=(alloc("r1", "A", range(9), "w0"),)))  # the 2nd call: forks
+    child = store.child
+    assert child is not None and os.WIFSTOPPED(os.waitpid(child.pid, os.WUNTRACED)[1])
+    step_id = 1
+    while store.num_snapshots["inline"] == 0:
+        assert store.num_logged <= 4 * 2
+        step_id += 1
+        svc.step(StepOps(step_id, allocations=(alloc(f"r{step_id}", "A", range(step_id, step_id + 9), "w0"),)))
+    assert step_id == 8  # the 9th logged call is over 4 x 2
+    assert store.child is None and store.num_snapshots == {"forked": 0, "inline": 1, "failed": 1}
+    assert store.num_logged == 0 and store.gen > child.gen
+    assert store.client.exists(f"kvserve:s{child.gen}:counters") == 0  # the killed child's keys are deleted
+    loaded, _ = reload(redis_url)
+    assert exact(loaded) == exact(svc.manager)
+
+
 @pytest.mark.parametrize("background", [True, False], ids=["forked", "inline"])
 def test_a_restart_replays_allocations_onto_the_free_list_and_lru_in_their_live_order(redis_url, background):
     """Recovery derives the free list ascending and the LRU by last use; the live ones drift from that (a freed
