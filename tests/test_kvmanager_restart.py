@@ -66,14 +66,16 @@ def test_kill_9_mid_traffic_then_reload_recovers_every_page(tmp_path, kind):
         # Redis holds the state after step last_done, or after last_done + 1 if the child was killed between
         # that step's EXEC and its print: never anything in between (one MULTI/EXEC per step).
         mgr, soak = replay(last_done)
-        candidates = [(snapshot(mgr), copy.deepcopy(soak), mgr)]
+        candidates = [(snapshot(mgr), copy.deepcopy(soak), copy.deepcopy(mgr))]
         ops = soak.next_ops(last_done + 1)
         soak.observe(ops, mgr.step(ops))
         candidates.append((snapshot(mgr), copy.deepcopy(soak), mgr))
         got = snapshot(reloaded, clock=False, last_ops=False)
         matches = [i for i, (snap, _, _) in enumerate(candidates) if _without(snap) == got]
         assert matches, f"reloaded state matches neither step {last_done} nor {last_done + 1}"
-        want, soak, _ = candidates[matches[0]]
+        want, soak, live = candidates[matches[0]]
+        if kind == "log":  # the calls after the snapshot are replayed: onto the live free list and LRU order
+            assert_same_order(reloaded, live)
         assert reloaded.clock <= want["clock"]  # a step that changed nothing writes nothing, its clock tick too
         for req_id, req in want["requests"].items():
             assert_last_ops_persisted(req, reloaded.requests[req_id])
@@ -90,6 +92,14 @@ def test_kill_9_mid_traffic_then_reload_recovers_every_page(tmp_path, kind):
         again = KVManager()
         make_store(kind, server.url, PREFIX).load(again)
         assert snapshot(again, clock=False, last_ops=False) == snapshot(reloaded, clock=False, last_ops=False)
+        if kind == "log":
+            assert_same_order(again, reloaded)
+
+
+def assert_same_order(got: KVManager, want: KVManager) -> None:
+    for worker_id, pool in want.pools.items():
+        assert list(got.pools[worker_id].free) == list(pool.free), worker_id
+        assert list(got.pools[worker_id].evictable) == list(pool.evictable), worker_id
 
 
 def _without(snap: dict) -> dict:
