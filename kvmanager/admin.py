@@ -310,7 +310,9 @@ def evict_tenant(mgr: KVManager, tenant: str, worker_id: str = "", include_pinne
     check_tenant(tenant)
     evicted = kept = 0
     for pool in _pools_in_scope(mgr, worker_id):
-        for block in [b for b in pool.index.values() if b.tenant == tenant]:
+        # In page order, not the index's: pages join the free list (and unpinned blocks the LRU) in this order,
+        # which later allocations see, and the index's insertion order is not the same after a restart.
+        for block in sorted((b for b in pool.index.values() if b.tenant == tenant), key=lambda b: b.page_id):
             if include_pinned and block.pinned:
                 pool.set_pinned(block, False)
                 _record(mgr, pool, block)

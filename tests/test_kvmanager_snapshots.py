@@ -12,7 +12,7 @@ import pytest
 from test_kvmanager_oplog import exact, live_keys, reload
 from test_kvmanager_store import alloc, build_history, spec
 
-from kvserve.kvmanager import snapshots
+from kvserve.kvmanager import admin, snapshots
 from kvserve.kvmanager.hashing import le_uint32
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
@@ -232,3 +232,23 @@ def test_a_restart_replays_allocations_onto_the_free_list_and_lru_in_their_live_
         assert list(loaded.pools[worker_id].free) == list(pool.free)
         assert list(loaded.pools[worker_id].evictable) == list(pool.evictable)
     assert exact(loaded) == exact(svc.manager)
+
+
+def test_a_replayed_tenant_eviction_frees_pages_in_the_live_order(redis_url):
+    """evict_tenant frees pages in an order that a later allocation sees. Walking the index in insertion order
+    (commit order live, page order after a reload) freed them differently after a restart."""
+    store = LoggedStore(connect(redis_url), background=False)
+    svc = KVService(KVManager(), store)
+    build_history(svc)
+    assert list(svc.manager.pools["w0"].free) == [7, 8, 9, 10, 11, 5, 4]
+    d = tuple(range(1000, 1025))  # 6 full pages and a token: the 7 free pages, in the order above
+    assert svc.step(StepOps(9, allocations=(alloc("d", "D", d, "w0"),))).allocations[0].page_table == [
+        7, 8, 9, 10, 11, 5, 4]
+    svc.step(StepOps(10, commits=(Commit("d", 0, d[:24], 25),)))  # blocks indexed on pages 7..11, then 5
+    svc.step(StepOps(11, frees=(Free("d"),)))
+    store.snapshot(svc.manager)  # a reload indexes them by page: 5 first
+    svc.mutate(admin.evict_tenant, "D", "", False)
+    z = svc.step(StepOps(12, allocations=(alloc("z", "C", range(900, 909), "w0"),))).allocations[0].page_table
+    loaded, _ = reload(redis_url)
+    assert loaded.requests["z"].page_table == z
+    assert list(loaded.pools["w0"].free) == list(svc.manager.pools["w0"].free)
