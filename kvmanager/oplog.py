@@ -331,7 +331,7 @@ class LoggedStore:
         self.owner = None
         self._claim()
         RedisStore(self.client, self.keys.state_prefix(self.gen)).load(mgr)
-        snapshots.restore_order(self.client, self.keys, self.gen, mgr)
+        snapshots.restore_replay_state(self.client, self.keys, self.gen, mgr)
         self.num_logged = self.num_logged_bytes = 0
         for gen in self.log_gens:
             records = _read_binary(self.client, self.keys.log(gen))

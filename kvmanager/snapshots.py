@@ -10,8 +10,9 @@ oldest first::
     <prefix>:gens       the counter that numbers new generations (a number is never reused)
     <prefix>:owner      the counter a kvmanager increments when it claims the prefix; a snapshot child
                         switches generations only while its parent's claim is the latest
-    <prefix>:s<g>:...   the snapshot of generation g; <prefix>:s<g>:order:<worker> holds each pool's free
-                        list and LRU in their exact order, which replaying the log depends on (order_items)
+    <prefix>:s<g>:...   the snapshot of generation g; <prefix>:s<g>:order:<worker> (each pool's free list
+                        and LRU in their exact order) and <prefix>:s<g>:recent (remembered answers) hold
+                        what replaying the log depends on beyond RedisStore's records (replay_items)
     <prefix>:log:<g>    the calls after snapshot g, oldest first
 
 Writing a snapshot means encoding and storing every block and request: for a pool of 16K blocks, 120-240 ms,
@@ -54,7 +55,15 @@ import redis
 
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.redis_server import die_with_parent
-from kvserve.kvmanager.store import BATCH, Keys, RedisStore, glob_escape, key_segment
+from kvserve.kvmanager.store import (
+    BATCH,
+    Keys,
+    RedisStore,
+    glob_escape,
+    key_segment,
+    result_dict,
+    result_from_dict,
+)
 
 GRPC_FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
 FALSE = {"0", "false", "f", "no", "n", "off"}
@@ -87,8 +96,12 @@ class GenerationKeys:
         return f"{self.prefix}:log" if gen == 0 else f"{self.prefix}:log:{gen}"
 
     def order(self, gen: int, worker_id: str) -> str:
-        """A pool's free list and LRU order in generation ``gen``'s snapshot (order_items)."""
+        """A pool's free list and LRU order in generation ``gen``'s snapshot (replay_items)."""
         return f"{self.state_prefix(gen)}:order:{key_segment(worker_id)}"
+
+    def recent(self, gen: int) -> str:
+        """The manager's remembered answers in generation ``gen``'s snapshot (replay_items)."""
+        return f"{self.state_prefix(gen)}:recent"
 
     def all_pattern(self) -> str:
         return glob_escape(self.prefix) + ":*"
@@ -129,39 +142,48 @@ def write_state(client: redis.Redis, keys: GenerationKeys, gen: int, mgr: KVMana
     in between)."""
     store = RedisStore(client, keys.state_prefix(gen))
     upserts, tenants = store.snapshot_items(mgr)
-    items = [*upserts.items(), *order_items(keys, gen, mgr).items()]
+    items = [*upserts.items(), *replay_items(keys, gen, mgr).items()]
     for i in range(0, len(items), BATCH):
         client.mset(dict(items[i:i + BATCH]))
     if tenants:
         client.sadd(store.keys.tenants, *sorted(tenants))
 
 
-def order_items(keys: GenerationKeys, gen: int, mgr: KVManager) -> dict[str, str]:
-    """Each pool's free list and LRU in their exact in-memory order, for generation ``gen``'s snapshot.
+def replay_items(keys: GenerationKeys, gen: int, mgr: KVManager) -> dict[str, str]:
+    """What replaying the log after generation ``gen``'s snapshot depends on, beyond RedisStore's records,
+    which are enough for a store that writes every call's effect. A call log replays the calls, on:
 
-    RedisStore does not store them: recovery derives both (free pages ascending, the LRU by last use), which is
-    right for a store that writes every call's effect. A call log is different: the calls after the snapshot
-    are replayed, and an allocation takes the free list's first page. Replayed on a derived order, it could
-    take other pages than the live kvmanager answered, pages that the worker is using for another request."""
-    return {keys.order(gen, worker_id): json.dumps({"free": list(pool.free), "lru": list(pool.evictable)},
-                                                   separators=(",", ":"))
-            for worker_id, pool in mgr.pools.items()}
+    - each pool's free list and LRU in their exact order. Recovery derives them (free pages ascending, the
+      LRU by last use), but the live ones drift from that, and an allocation takes the free list's first
+      pages. Replayed on a derived order, it could take other pages than the live kvmanager answered, pages
+      that a worker then writes for two requests.
+    - the manager's remembered answers (KVManager.recent). A retried call whose first attempt came before the
+      snapshot is answered from them; without them its replay fails validation, and the restart with it."""
+    items = {keys.order(gen, worker_id): _dumps({"free": list(pool.free), "lru": list(pool.evictable)})
+             for worker_id, pool in mgr.pools.items()}
+    items[keys.recent(gen)] = _dumps([[kind, req_id, step_id, result_dict(result)]
+                                      for (kind, req_id), (step_id, result) in mgr.recent.items()])
+    return items
 
 
-def restore_order(client: redis.Redis, keys: GenerationKeys, gen: int, mgr: KVManager) -> None:
-    """Puts each pool's free list and LRU back in the order order_items() stored, over the derived one. Raises
-    AssertionError when a stored order is not the same pages as the loaded state's (never serve from a state
-    that could hand out a page twice). A generation without them (0: written before generations) keeps the
-    derived order."""
+def restore_replay_state(client: redis.Redis, keys: GenerationKeys, gen: int, mgr: KVManager) -> None:
+    """Puts back what replay_items() stored, over the freshly loaded state. Raises AssertionError when a stored
+    order is not the same pages as the loaded state's (never serve from a state that could hand out a page
+    twice). Generation 0 (no snapshot: the log replays from nothing) has none."""
+    if not gen:
+        return
     for worker_id, pool in mgr.pools.items():
-        stored = client.get(keys.order(gen, worker_id)) if gen else None
-        if stored is None:
-            continue
-        order = json.loads(stored)
+        order = json.loads(client.get(keys.order(gen, worker_id)))
         assert sorted(order["free"]) == sorted(pool.free), f"pool {worker_id}: stored free list != loaded state"
         assert sorted(order["lru"]) == sorted(pool.evictable), f"pool {worker_id}: stored LRU != loaded state"
         pool.free = deque(order["free"])
         pool.evictable = OrderedDict.fromkeys(order["lru"])
+    mgr.recent = OrderedDict(((kind, req_id), (step_id, result_from_dict(kind, result)))
+                             for kind, req_id, step_id, result in json.loads(client.get(keys.recent(gen))))
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"))
 
 
 def switch(client: redis.Redis, keys: GenerationKeys, gen: int, old_log_gens: list[int], owner: int) -> bool:
@@ -182,11 +204,10 @@ def switch(client: redis.Redis, keys: GenerationKeys, gen: int, old_log_gens: li
 
 
 def switch_ops(keys: GenerationKeys, gen: int, old_log_gens: list[int], mgr: KVManager):
-    """switch()'s writes, plus the pools' order (order_items), for a caller that adds them to a transaction of
-    its own (an inline snapshot)."""
+    """switch()'s writes, plus replay_items(), for a caller that adds them to a transaction of its own (an
+    inline snapshot)."""
     def queue(pipe) -> None:
-        if mgr.pools:
-            pipe.mset(order_items(keys, gen, mgr))
+        pipe.mset(replay_items(keys, gen, mgr))
         pipe.set(keys.gen, gen)
         pipe.delete(*(keys.log(g) for g in old_log_gens))
     return queue

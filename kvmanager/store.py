@@ -297,10 +297,11 @@ def _request_dict(req: Request) -> dict:
             "page_table": req.page_table, "seed": req.seed.hex(), "block_hashes": [h.hex() for h in req.block_hashes],
             "num_prompt_tokens": req.num_prompt_tokens, "num_committed_tokens": req.num_committed_tokens,
             "skip_prefix_cache": req.skip_prefix_cache,
-            "last_ops": {kind: [step_id, _result_dict(result)] for kind, (step_id, result) in req.last_ops.items()}}
+            "last_ops": {kind: [step_id, result_dict(result)] for kind, (step_id, result) in req.last_ops.items()}}
 
 
-def _result_dict(result) -> dict:
+def result_dict(result) -> dict:
+    """An op's result (types.AllocateResult, ...) as JSON-ready fields; result_from_dict reads it back."""
     out = {f.name: getattr(result, f.name) for f in fields(result)}
     out["status"] = result.status.value
     return out
@@ -321,10 +322,14 @@ def _decode_into(state: StoredState, kind: str, d: dict) -> None:
         (state.requests if kind == "req" else state.stale).append(_decode_request(d))
 
 
+def result_from_dict(kind: str, d: dict):
+    return RESULT_TYPES[kind](**{**d, "status": OpStatus(d["status"])})
+
+
 def _decode_request(d: dict) -> Request:
     last_ops = {}
     for kind, (step_id, result) in d["last_ops"].items():
-        last_ops[kind] = (step_id, RESULT_TYPES[kind](**{**result, "status": OpStatus(result["status"])}))
+        last_ops[kind] = (step_id, result_from_dict(kind, result))
     return Request(d["req_id"], d["tenant"], d["worker_id"], d["epoch"], d["page_table"], bytes.fromhex(d["seed"]),
                    [bytes.fromhex(h) for h in d["block_hashes"]], d["num_prompt_tokens"],
                    d["num_committed_tokens"], d["skip_prefix_cache"], last_ops)

@@ -252,3 +252,26 @@ def test_a_replayed_tenant_eviction_frees_pages_in_the_live_order(redis_url):
     loaded, _ = reload(redis_url)
     assert loaded.requests["z"].page_table == z
     assert list(loaded.pools["w0"].free) == list(svc.manager.pools["w0"].free)
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["forked", "inline"])
+def test_a_retry_answered_from_memory_across_a_snapshot_replays_after_a_restart(redis_url, background):
+    """A call that commits a request's last pages and frees it, retried after other calls: the retry is
+    validated and answered from the manager's remembered answers (KVManager.recent), and logged again. With a
+    snapshot between the two attempts, the replay needs those answers too: without them the reload raised
+    UnknownRequest, and the kvmanager could not start."""
+    store = LoggedStore(connect(redis_url), background=background)
+    svc = KVService(KVManager(), store)
+    svc.register_worker(spec("w0"))
+    svc.step(StepOps(1, allocations=(alloc("a", "A", range(9), "w0"),)))
+    last = StepOps(2, commits=(Commit("a", 0, tuple(range(8)), 9),), frees=(Free("a"),))
+    store.snapshot_every = store.num_logged + 1  # the first attempt makes a snapshot due
+    first = svc.step(last)
+    store.snapshot_every = 1 << 30
+    assert store.wait_snapshot() in (None, snapshots.SWITCHED) and store.gen > 0
+    svc.step(StepOps(3, allocations=(alloc("b", "B", range(5), "w0"),)))
+    again = svc.step(last)
+    assert (again.commits, again.frees) == (first.commits, first.frees)
+    assert store.num_logged == 2  # step 3, then the retry: logged again
+    loaded, _ = reload(redis_url)
+    assert exact(loaded) == exact(svc.manager) and loaded.recent == svc.manager.recent
