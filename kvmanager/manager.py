@@ -119,7 +119,10 @@ class KVManager:
         out.frees = [self._replay_or(sid, "free", f.req_id, self._free, f, touched) for f in ops.frees]
         if sid:
             for req_id, result in final.items():  # its request is gone now: a retry finds the answer here
-                self._remember("commit", req_id, sid, result)
+                # A retry that found it leaves it in place: such a retry changes nothing, so it is not logged,
+                # and a restart's replay must end with the same remembered answers in the same order.
+                if self.recent.get(("commit", req_id), (None,))[0] != sid:
+                    self._remember("commit", req_id, sid, result)
         out.commits = [final[c.req_id] if c.req_id in final else
                        self._replay_or(sid, "commit", c.req_id, self._commit, c, touched) for c in ops.commits]
         out.extensions = [self._replay_or(sid, "extend", e.req_id, self._extend, e, touched) for e in ops.extensions]
