@@ -202,8 +202,9 @@ class LoggedStore:
                 self.snapshot(mgr)
                 return
             self._claim()
-            self.client.rpush(self.log_key, *self.pending)
-            self._logged(len(self.pending))
+            if self.pending:
+                self.client.rpush(self.log_key, *self.pending)
+                self._logged(len(self.pending))
         if self._forks():
             self._background_snapshot(mgr)
 
@@ -220,9 +221,13 @@ class LoggedStore:
 
     def _queue(self, record: tuple) -> None:
         encoded = encode(record)
-        if encoded != self.last_record:  # a retried call after a failed write: logged once
-            self.pending.append(encoded)
-            self.last_record = encoded
+        # A step with a step_id sent again right after is a retry (after a failed write, or a lost answer): it
+        # applies nothing, so it is logged once. A step without one is not idempotent, and register and admin
+        # calls are cheap to log twice: those are always logged.
+        if encoded == self.last_record and record[0] == "step" and record[1].step_id:
+            return
+        self.pending.append(encoded)
+        self.last_record = encoded
 
     def _snapshot_due(self) -> bool:
         records, num_bytes = self.retry_base

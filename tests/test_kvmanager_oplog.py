@@ -14,7 +14,7 @@ from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore, _read_binary
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
 from kvserve.kvmanager.service import KVService
-from kvserve.kvmanager.types import Commit, Extend, Free, StepOps
+from kvserve.kvmanager.types import Commit, Extend, Free, OpStatus, StepOps
 
 from kvmanager_soak import snapshot  # isort: skip
 
@@ -216,3 +216,17 @@ def test_the_log_is_snapshotted_once_it_holds_snapshot_bytes_even_under_snapshot
     assert min(sizes) < max(sizes) and store.gen > 0  # it filled, then was snapshotted
     loaded, store = reload(redis_url)
     assert exact(loaded) == exact(svc.manager) and store.num_logged_bytes == sizes[-1]
+
+
+def test_the_same_call_without_a_step_id_twice_in_a_row_is_logged_twice(redis_url):
+    """Only a step with a step_id is a retry when sent again: one without is applied again, so it is logged
+    again. The second call used to be taken for a retry: nothing to append, and the call was refused."""
+    client = connect(redis_url)
+    svc = KVService(KVManager(), LoggedStore(client))
+    svc.register_worker(spec("w0"))
+    svc.step(StepOps(0, allocations=(alloc("a", "A", range(9), "w0"),)))
+    for _ in range(2):
+        assert svc.step(StepOps(0, commits=(Commit("a", 0, (), 9),))).commits[0].status is OpStatus.OK
+    assert client.llen("kvserve:log") == 4
+    loaded, _ = reload(redis_url)
+    assert exact(loaded) == exact(svc.manager)
