@@ -1,11 +1,12 @@
 """Restart determinism, property-based. KVManagerMachine's random calls (test_kvmanager_properties.py) go
 through a KVService over the real call-log store (kvmanager/oplog.py) and a real Redis. Rules add snapshots
-at random points and retries of earlier calls after others. After every step a reload (the snapshot, then
-the logged calls replayed) must equal the live manager: page tables, blocks, counters, the clock, the
-remembered answers, and the free lists and LRUs in their exact order (which later allocations depend on).
+at random points, retries of earlier calls after others, and an operator's pin and unpin. After every step a
+reload (the snapshot, then the logged calls replayed) must equal the live manager: page tables, blocks,
+counters, the clock, the remembered answers, and the free lists and LRUs in their exact order (which later
+allocations depend on).
 
-The three replay bugs fixed with snapshots.replay_items (free list order, tenant eviction order, remembered
-answers) each broke this equality."""
+The replay bugs fixed with snapshots.replay_items (free list order, tenant eviction order, remembered answers)
+each broke this equality."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 from test_kvmanager_properties import KVManagerMachine, snapshot
 
+from kvserve.kvmanager import admin
 from kvserve.kvmanager.errors import KVManagerError
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
@@ -84,6 +86,18 @@ class ReplayMachine(KVManagerMachine):
         except KVManagerError:
             pass
         assert snapshot(self.mgr, volatile=False) == before
+
+    @rule(data=st.data())
+    def pin_then_unpin(self, data):
+        """An operator pins a prefix and unpins it later (admin RPCs, logged), maybe with a snapshot between:
+        the blocks come back used now, at the LRU's most recent end."""
+        tenant = data.draw(st.sampled_from(props.TENANTS))
+        tokens = tuple(data.draw(st.sampled_from(props.PREFIXES + tuple(self.histories[-6:]))))
+        self.mgr.service.mutate(admin.pin, tenant, tokens, "")
+        if data.draw(st.booleans()):
+            self.snapshot_now()
+        self.mgr.service.mutate(admin.unpin, tenant, tokens, "")
+        self.last = None  # the last call's retry would see the LRU moved
 
     @precondition(lambda self: props.evict_tenant is not None)
     @rule(tenant=st.sampled_from(props.TENANTS))
