@@ -119,10 +119,7 @@ class KVManager:
         out.frees = [self._replay_or(sid, "free", f.req_id, self._free, f, touched) for f in ops.frees]
         if sid:
             for req_id, result in final.items():  # its request is gone now: a retry finds the answer here
-                # A retry that found it leaves it in place: such a retry changes nothing, so it is not logged,
-                # and a restart's replay must end with the same remembered answers in the same order.
-                if self.recent.get(("commit", req_id), (None,))[0] != sid:
-                    self._remember("commit", req_id, sid, result)
+                self._remember("commit", req_id, sid, result)
         out.commits = [final[c.req_id] if c.req_id in final else
                        self._replay_or(sid, "commit", c.req_id, self._commit, c, touched) for c in ops.commits]
         out.extensions = [self._replay_or(sid, "extend", e.req_id, self._extend, e, touched) for e in ops.extensions]
@@ -155,8 +152,14 @@ class KVManager:
         return result
 
     def _remember(self, kind: str, req_id: str, step_id: int, result) -> None:
-        self.recent[(kind, req_id)] = (step_id, result)
-        self.recent.move_to_end((kind, req_id))
+        """Remembers an answer as the newest; one already remembered for this call (a retry found it) stays
+        where it is: a retry changes nothing, so it is not logged, and a restart's replay must end with the
+        same answers in the same order."""
+        key = (kind, req_id)
+        if self.recent.get(key, (None,))[0] == step_id:
+            return
+        self.recent[key] = (step_id, result)
+        self.recent.move_to_end(key)
         if len(self.recent) > RECENT_RESULTS:
             self.recent.popitem(last=False)
 
