@@ -137,8 +137,8 @@ class LoggedStore:
     """Store (service.py) that logs calls and snapshots state. Thread-unsafe: KVService holds its lock.
 
     A due snapshot is written by a forked child (snapshots.py) when ``background`` is true, or when it is None
-    and snapshots.forking_is_safe(); otherwise the call that makes it due writes it inline, as an admin reset
-    always does."""
+    and snapshots.forking_is_safe() when the store is made; otherwise the call that makes it due writes it
+    inline, as an admin reset always does."""
 
     wants_block_changes = False  # a snapshot writes everything; the log holds calls, not their effects
 
@@ -148,7 +148,7 @@ class LoggedStore:
         self.keys = GenerationKeys(prefix)
         self.snapshot_every = snapshot_every
         self.snapshot_bytes = snapshot_bytes
-        self.background = background
+        self.background = snapshots.forking_is_safe() if background is None else background
         self.stop_child_before_switch = False  # tests: the snapshot child stops itself before it switches
         self.owner: int | None = None  # this kvmanager's claim on the prefix (snapshots.claim), on first use
         self.gen = 0  # the generation a restart loads
@@ -205,19 +205,20 @@ class LoggedStore:
             if self.pending:
                 self.client.rpush(self.log_key, *self.pending)
                 self._logged(len(self.pending))
-        if self._forks():
+        if self.background:
             self._background_snapshot(mgr)
-
-    def _forks(self) -> bool:
-        return snapshots.forking_is_safe() if self.background is None else self.background
 
     def _inline_due(self) -> bool:
         """This call writes a snapshot itself: one is due and this process does not fork, or the log is
         OVERDUE times over a bound (a running child is then killed)."""
-        if not self._forks():
+        if not self.background:
             return self._snapshot_due()
-        return (self.num_logged + len(self.pending) > OVERDUE * self.snapshot_every
-                or self.num_logged_bytes + sum(map(len, self.pending)) > OVERDUE * self.snapshot_bytes)
+        records, num_bytes = self._log_size()
+        return records > OVERDUE * self.snapshot_every or num_bytes > OVERDUE * self.snapshot_bytes
+
+    def _log_size(self) -> tuple[int, int]:
+        """Records and bytes a restart would replay, the pending ones included."""
+        return self.num_logged + len(self.pending), self.num_logged_bytes + sum(map(len, self.pending))
 
     def _queue(self, record: tuple) -> None:
         encoded = encode(record)
@@ -230,9 +231,9 @@ class LoggedStore:
         self.last_record = encoded
 
     def _snapshot_due(self) -> bool:
-        records, num_bytes = self.retry_base
-        return (self.num_logged + len(self.pending) - records >= self.snapshot_every
-                or self.num_logged_bytes + sum(map(len, self.pending)) - num_bytes >= self.snapshot_bytes)
+        records, num_bytes = self._log_size()
+        base_records, base_bytes = self.retry_base
+        return records - base_records >= self.snapshot_every or num_bytes - base_bytes >= self.snapshot_bytes
 
     def _logged(self, count: int) -> None:
         """The first ``count`` pending records are in the log now."""

@@ -184,7 +184,7 @@ def test_a_process_with_grpc_forks_only_when_grpcs_fork_handlers_are_off(monkeyp
     else:
         monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", setting)
     assert snapshots.forking_is_safe() is forks
-    assert LoggedStore(None)._forks() is forks and LoggedStore(None, background=True)._forks()
+    assert LoggedStore(None).background is forks and LoggedStore(None, background=True).background
 
 
 def test_a_log_four_times_over_its_bound_is_snapshotted_inline_whatever_the_child_does(redis_url):
