@@ -59,6 +59,7 @@ from kvserve.kvmanager.store import (
     BATCH,
     Keys,
     RedisStore,
+    dumps,
     glob_escape,
     key_segment,
     result_dict,
@@ -159,9 +160,9 @@ def replay_items(keys: GenerationKeys, gen: int, mgr: KVManager) -> dict[str, st
       that a worker then writes for two requests.
     - the manager's remembered answers (KVManager.recent). A retried call whose first attempt came before the
       snapshot is answered from them; without them its replay fails validation, and the restart with it."""
-    items = {keys.order(gen, worker_id): _dumps({"free": list(pool.free), "lru": list(pool.evictable)})
+    items = {keys.order(gen, worker_id): dumps({"free": list(pool.free), "lru": list(pool.evictable)})
              for worker_id, pool in mgr.pools.items()}
-    items[keys.recent(gen)] = _dumps([[kind, req_id, step_id, result_dict(result)]
+    items[keys.recent(gen)] = dumps([[kind, req_id, step_id, result_dict(result)]
                                       for (kind, req_id), (step_id, result) in mgr.recent.items()])
     return items
 
@@ -180,10 +181,6 @@ def restore_replay_state(client: redis.Redis, keys: GenerationKeys, gen: int, mg
         pool.evictable = OrderedDict.fromkeys(order["lru"])
     mgr.recent = OrderedDict(((kind, req_id), (step_id, result_from_dict(kind, result)))
                              for kind, req_id, step_id, result in json.loads(client.get(keys.recent(gen))))
-
-
-def _dumps(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"))
 
 
 def switch(client: redis.Redis, keys: GenerationKeys, gen: int, old_log_gens: list[int], owner: int) -> bool:

@@ -132,7 +132,7 @@ class RedisStore:
             written = self._snapshot(batch, mgr)
         else:
             written = self._changed(batch, mgr, changes)
-        batch.upserts[self.keys.counters] = _dumps(_counters(mgr))
+        batch.upserts[self.keys.counters] = dumps(_counters(mgr))
         pipe = self.client.pipeline(transaction=True)
         for i in range(0, len(batch.deletes), BATCH):  # deletes first: a key also upserted ends up present
             pipe.delete(*batch.deletes[i:i + BATCH])
@@ -164,14 +164,14 @@ class RedisStore:
         it in chunks of its own (snapshots.py, into a key space nobody reads yet)."""
         batch = _Batch()
         self._snapshot(batch, mgr)
-        batch.upserts[self.keys.counters] = _dumps(_counters(mgr))
+        batch.upserts[self.keys.counters] = dumps(_counters(mgr))
         return batch.upserts, batch.tenants
 
     def _changed(self, batch: _Batch, mgr: KVManager, changes: Changes) -> dict[str, set[str]]:
         for worker_id in changes.pools:
             pool = mgr.pools.get(worker_id)
             if pool is not None:
-                batch.upserts[self.keys.pool(worker_id)] = _dumps(asdict(pool.spec))
+                batch.upserts[self.keys.pool(worker_id)] = dumps(asdict(pool.spec))
             else:
                 batch.deletes.append(self.keys.pool(worker_id))
         for (worker_id, block_hash), tenant in changes.blocks.items():
@@ -201,7 +201,7 @@ class RedisStore:
         now = set()
         for req, key_of in ((mgr.requests.get(req_id), self.keys.request), (mgr.stale.get(req_id), self.keys.stale)):
             if req is not None:
-                batch.upserts[key_of(req.tenant, req_id)] = _dumps(_request_dict(req))
+                batch.upserts[key_of(req.tenant, req_id)] = dumps(_request_dict(req))
                 now.add(req.tenant)
             batch.deletes += [key_of(t, req_id) for t in known_tenants - ({req.tenant} if req is not None else set())]
         batch.tenants |= now
@@ -210,14 +210,14 @@ class RedisStore:
     def _snapshot(self, batch: _Batch, mgr: KVManager) -> dict[str, set[str]]:
         batch.tenants |= set(mgr.tenants)
         for worker_id, pool in mgr.pools.items():
-            batch.upserts[self.keys.pool(worker_id)] = _dumps(asdict(pool.spec))
+            batch.upserts[self.keys.pool(worker_id)] = dumps(asdict(pool.spec))
             for h, block in pool.index.items():
                 batch.upserts[self.keys.block(block.tenant, worker_id, h)] = _block_json(block, pool.spec)
                 batch.tenants.add(block.tenant)
         written: dict[str, set[str]] = {}
         for reqs, key_of in ((mgr.requests, self.keys.request), (mgr.stale, self.keys.stale)):
             for req_id, req in reqs.items():
-                batch.upserts[key_of(req.tenant, req_id)] = _dumps(_request_dict(req))
+                batch.upserts[key_of(req.tenant, req_id)] = dumps(_request_dict(req))
                 written.setdefault(req_id, set()).add(req.tenant)
                 batch.tenants.add(req.tenant)
         return written
@@ -265,7 +265,8 @@ class RedisStore:
 
 
 # -- encoding -------------------------------------------------------------------------------------------
-def _dumps(obj) -> str:
+def dumps(obj) -> str:
+    """The compact JSON of every value the store writes."""
     return json.dumps(obj, separators=(",", ":"))
 
 
@@ -285,7 +286,7 @@ def _json_str(text: str) -> str:
 
 
 def _block_json(block: Block, spec: PoolSpec) -> str:
-    """The hot path of a big commit (one per new block): formatted directly, the same JSON as _dumps."""
+    """The hot path of a big commit (one per new block): formatted directly, the same JSON as dumps."""
     return (f'{{"tenant":{_json_str(block.tenant)},"worker_id":{_json_str(spec.worker_id)},"epoch":{spec.epoch},'
             f'"block_hash":"{block.block_hash.hex()}","parent_hash":"{block.parent_hash.hex()}",'
             f'"page_id":{block.page_id},"block_index":{block.block_index},"last_used":{block.last_used},'
