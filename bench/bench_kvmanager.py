@@ -14,6 +14,14 @@ carries a step_id (idempotency tracking on), as a gateway's would. Scenarios, ea
              new page) plus the ~4 commits of pages that just filled.
     mixed    a scheduler step with 4 requests finishing (frees), 4 admitted (allocations), the 4 admitted last
              step committing their prompts, and 60 decoding (extensions).
+    steady   the same with 1 request finishing and 1 admitted per call (requests of 64 new tokens).
+    steady-sparse  the same, with an extension only for a request that needs a new page.
+    gateway  the calls the gateway itself makes: its Scheduler (services/gateway/scheduler.py, default budget of
+             64 running requests and 512 tokens a step, chunked prefill, a page of headroom) runs a stream of
+             these prompts, each generating 256 tokens (so that 64 run at once), with a stand-in worker that
+             samples a token for every request due one. A step calls the kvmanager only when it must (to admit,
+             free, extend past the headroom, or commit prompt pages); calls that admit and calls that do not are
+             timed apart.
 
 Configurations: the domain core (KVManager.step), KVService over NullStore and over RedisStore (write-through
 to an embedded redis-server), and the real gRPC service (a server on 127.0.0.1 port 0 in this process, a real
@@ -37,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import datetime as dt
 import gc
 import json
@@ -80,8 +89,11 @@ from kvserve.kvmanager.types import (
     StepOps,
     StepResults,
 )
+from kvserve.services.gateway.request import Request, RequestParams
+from kvserve.services.gateway.scheduler import Scheduler, SchedulerConfig
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
+from kvserve.worker.batch import SampledToken
 
 PAGE_SIZE = 16
 NUM_PAGES = 16384  # 64 running x (125 prompt + decode) pages, plus room for a cache that outlives one batch
@@ -97,6 +109,11 @@ CHURN = {"mixed": MIXED_CHURN, "steady": 1, "steady-sparse": 1}
 # "steady-sparse": the same stream, but the gateway sends an extension only for a request that needs a new page
 # (its copy of the page table tells it), as vLLM's scheduler allocates slots only when a block fills
 SPEC = PoolSpec("w0", 1, NUM_PAGES, PAGE_SIZE, "bench-model-fp", "float32", 2 * 30 * 9 * 64 * 4)
+# "gateway": tokens each request generates. The scheduler prefills ~450 prompt tokens a step next to 64 decodes,
+# one new request every ~3.3 steps (1,488 prompt tokens to compute on average): 256 generated tokens keep 64
+# running (64 would keep ~20).
+GATEWAY_GEN_TOKENS = 256
+GATEWAY_QUEUE = 4  # "gateway": requests kept waiting, so that a finished request's slot is refilled at once
 ADMIN_TOKEN = "bench-admin-token"
 TARGET_P50_MS = 2.0
 TARGET_SHARE = 0.03
@@ -164,14 +181,23 @@ class Workload:
         self.prefixes = [(t, self._tokens(PREFIX_TOKENS)) for t in TENANTS for _ in range(PREFIXES_PER_TENANT)]
         self.running: dict[str, Running] = {}
         self.calls: list[Call] = []
+        # "gateway": the gateway's scheduler, and how many of its steps (timed ones) made a call
+        self.sched = Scheduler(SchedulerConfig("w0", PAGE_SIZE, NUM_PAGES, max_model_len=4096))
+        self.gateway_steps = {"steps": 0, "calls": 0, "running": []}
 
     def _tokens(self, n: int) -> tuple[int, ...]:
         return tuple(self.rng.integers(100, 32000, n).tolist())
 
     def _apply(self, kind: str | None, **lists) -> StepResults:
+        return self._call(kind, StepOps(**lists))
+
+    def _call(self, kind: str | None, ops: StepOps) -> StepResults:
+        """Applies ``ops`` (renumbered with this workload's step_id) to the reference and records the call."""
         self.step_id += 1
         self.num_calls += 1
-        ops = StepOps(step_id=self.step_id, **lists)
+        ops = dataclasses.replace(ops, step_id=self.step_id)
+        lists = {"allocations": ops.allocations, "extensions": ops.extensions, "commits": ops.commits,
+                 "frees": ops.frees}
         res = self.ref.step(ops)
         self.ref.take_changes()
         expect = fingerprint(res)
@@ -255,12 +281,22 @@ class Workload:
         elif self.scenario in CHURN:
             while self.ref.pools["w0"].num_free > 0 or len(self.running) < BATCH:
                 self._mixed_call(None)
+        elif self.scenario == "gateway":
+            for _ in range(100_000):
+                if self.ref.pools["w0"].num_free == 0 and len(self.sched.running) == BATCH:
+                    break
+                self._gateway_step(None)
+            else:
+                raise AssertionError("gateway: the scheduler never reached 64 running requests and a full cache")
 
     def round(self, num_calls: int) -> list[Call]:
         self.calls = []
         for _ in range(num_calls):
             if self.scenario == "admit":
                 self._admit_cycle("admit")
+            elif self.scenario == "gateway":
+                while not self._gateway_step("gateway"):
+                    pass
             elif self.scenario == "decode":
                 runs = list(self.running.values())
                 exts, commits = self._decode_ops(runs)
@@ -277,6 +313,30 @@ class Workload:
         runs = self._admit(kind, self._new_requests(BATCH))
         self._apply(kind and "admit: prefill-commit", commits=tuple(self._prompt_commit(r) for r in runs))
         self._free(kind and "admit: free", [r.req_id for r in runs])
+
+    def _gateway_step(self, kind: str | None) -> bool:
+        """One step of the gateway's scheduler, with a stand-in worker; True when the step called the
+        kvmanager (a timed call under ``kind``, "gateway: admits" when it carries an allocation)."""
+        sched = self.sched
+        while len(sched.waiting) < GATEWAY_QUEUE:
+            a, _ = self._new_requests(1, offset=self.num_req)[0]  # every other request hits a shared prefix
+            sched.add(Request(a.req_id, a.tenant, list(a.token_ids),
+                              RequestParams(max_tokens=GATEWAY_GEN_TOKENS, ignore_eos=True)))
+        out = sched.schedule()
+        if out.ops is None:
+            results = StepResults()
+        else:
+            results = self._call(kind and ("gateway: admits" if out.ops.allocations else kind), out.ops)
+        batch = sched.assign(out, results)
+        assert not sched.preempted and not batch.failed, "the gateway scenario ran out of pages"
+        sched.update(batch, [SampledToken(c.req.req_id, int(self.rng.integers(100, 32000)), 0.0)
+                             for c in batch.chunks if c.start_pos + c.num_tokens == c.req.num_tokens])
+        if kind is not None:
+            g = self.gateway_steps
+            g["steps"] += 1
+            g["calls"] += out.ops is not None
+            g["running"].append(len(batch.chunks))
+        return out.ops is not None
 
     def _mixed_call(self, kind: str | None) -> None:
         churn = CHURN[self.scenario]
@@ -567,6 +627,14 @@ def verdicts(report: dict) -> dict:
         share = decode["p50_ms"] / step["step_ms"]
         out["decode_share_of_worker_step"] = round(share, 5)
         out["decode_share_target_met"] = share < TARGET_SHARE
+    g = report.get("gateway_steps")
+    if step and g:  # the gateway's mean wait per step (calls included or not) over the worker's decode step
+        calls = [rows[(k, "grpc+log")] for k in ("gateway", "gateway: admits") if (k, "grpc+log") in rows]
+        per_step_ms = sum(r["calls"] * r["mean_ms"] for r in calls) / sum(r["calls"] for r in calls) \
+            * g["calls_per_step"]
+        out["gateway_ms_per_step"] = round(per_step_ms, 4)
+        out["gateway_share_of_worker_step"] = round(per_step_ms / step["step_ms"], 5)
+        out["gateway_share_target_met"] = per_step_ms / step["step_ms"] < TARGET_SHARE
     return out
 
 
@@ -603,12 +671,23 @@ def markdown(report: dict) -> str:
         lines.append("gRPC floor on the same loopback (no ops, no store write): "
                      + ", ".join(f"{k} p50 {f['p50_ms']:.3f} ms (p99 {f['p99_ms']:.3f})" for k, f in floor.items())
                      + ".")
+    g = report.get("gateway_steps")
+    if g:
+        lines.append(f"Gateway scenario: a call is one step of the gateway's scheduler and carries only the ops "
+                     f"that step needs; {g['steps']} timed steps, {g['running_p50']:g} requests running at the "
+                     f"median (at least {g['running_min']}), {g['calls_per_step'] * 100:.0f}% of the steps called "
+                     f"the kvmanager.")
     step = report.get("worker_step")
     if step and "decode_share_of_worker_step" in v:
         lines.append(f"Share of a decode step: decode-scenario gRPC + Redis call log p50 / worker decode step "
                      f"({step['step_ms']:.1f} ms = 32 / {step['kvserve_tok_s']} tok/s, batch 32, context "
                      f"{step['context']}, {step['file']}) = {v['decode_share_of_worker_step'] * 100:.2f}% "
                      f"(target under {TARGET_SHARE * 100:g}%: {'met' if v['decode_share_target_met'] else 'not met'}).")
+    if step and "gateway_share_of_worker_step" in v:
+        lines.append(f"Share of a decode step, gateway scenario: mean call time x calls per step = "
+                     f"{v['gateway_ms_per_step']:.2f} ms per step, {v['gateway_share_of_worker_step'] * 100:.2f}% "
+                     f"of the same worker step (target under {TARGET_SHARE * 100:g}%: "
+                     f"{'met' if v['gateway_share_target_met'] else 'not met'}).")
     return "\n".join(lines) + "\n"
 
 
@@ -684,8 +763,7 @@ def profile(redis_url: str, scenario: str, rounds: int, calls: int, seed: int, t
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
-    p.add_argument("--scenarios", nargs="+", default=["admit", "decode", "mixed", "steady", "steady-sparse"],
-                   choices=["admit", "decode", "mixed", "steady", "steady-sparse"])
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--profile", action="store_true", help="also cProfile the servicer with Redis, per scenario")
     p.add_argument("--server-process", action="store_true",
                    help="run each gRPC server in a child process instead of this one")
@@ -702,12 +780,14 @@ def parse_args(argv=None):
 # rounds x calls per round, per scenario (an admit "call" is an admit + prefill-commit + free cycle). Decode is
 # bounded by the pool: every request grows by one token per call, 64 x (126 + calls / 16) pages.
 PLAN = {False: {"admit": (12, 8), "decode": (10, 150), "mixed": (10, 200), "steady": (10, 200),
-               "steady-sparse": (10, 200)},
-        True: {"admit": (3, 4), "decode": (4, 60), "mixed": (4, 60), "steady": (4, 60), "steady-sparse": (4, 60)}}
+               "steady-sparse": (10, 200), "gateway": (10, 200)},
+        True: {"admit": (3, 4), "decode": (4, 60), "mixed": (4, 60), "steady": (4, 60), "steady-sparse": (4, 60),
+               "gateway": (4, 60)}}
+SCENARIOS = tuple(PLAN[False])
 
 
 def run_scenario(scenario: str, redis_url: str, client, rounds: int, calls: int, seed: int,
-                 separate: bool) -> dict[str, dict]:
+                 separate: bool) -> tuple[dict[str, dict], Workload]:
     wl = Workload(scenario, seed)
     wl.setup()
     setup = wl.calls
@@ -729,7 +809,7 @@ def run_scenario(scenario: str, redis_url: str, client, rounds: int, calls: int,
         for t in targets:
             t.close()
         client.flushdb()
-    return samples
+    return samples, wl
 
 
 def main(argv=None) -> int:
@@ -754,7 +834,13 @@ def main(argv=None) -> int:
         for scenario in args.scenarios:
             rounds, calls = plan[scenario]
             print(f"{scenario}: {rounds} rounds x {calls} ...", file=sys.stderr, flush=True)
-            samples = run_scenario(scenario, rs.url, client, rounds, calls, args.seed, args.server_process)
+            samples, wl = run_scenario(scenario, rs.url, client, rounds, calls, args.seed, args.server_process)
+            if scenario == "gateway":
+                g = wl.gateway_steps
+                report["gateway_steps"] = {"steps": g["steps"], "calls": g["calls"],
+                                           "calls_per_step": round(g["calls"] / g["steps"], 4),
+                                           "running_p50": statistics.median(g["running"]),
+                                           "running_min": min(g["running"])}
             kinds = list(dict.fromkeys(k for per in samples.values() for k in per))
             for kind in kinds:
                 report["scenarios_timed"].append(kind)
