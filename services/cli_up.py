@@ -125,6 +125,7 @@ def _gateway_argv(args, kvmanager: Child, workers: list[Child]) -> list[str]:
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--default-max-tokens", str(args.default_max_tokens), "--max-tokens-limit", str(args.max_tokens_limit)]
     argv += ["--no-prefix-caching"] if args.no_prefix_caching else []
+    argv += ["--no-overlap-page-ops"] if args.no_overlap_page_ops else []
     argv += ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []
     return argv + _model_argv(args)
 

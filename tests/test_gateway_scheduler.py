@@ -26,20 +26,26 @@ def request(req_id, prompt, max_tokens=3, tenant="t"):
     return Request(req_id, tenant, list(prompt), RequestParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def run_step(mgr, sched):
-    """One step with a fake model whose next token is 100 + the position it is sampled at."""
+def run_step(mgr, sched, overlap=False):
+    """One step with a fake model whose next token is 100 + the position it is sampled at. ``overlap``: as the
+    engine runs a step whose call can overlap compute (the batch first, the answer applied before update)."""
     out = sched.schedule()
-    batch = sched.assign(out, mgr.step(out.ops) if out.ops is not None else StepResults())
-    step = batch.to_step(epoch=1)
+    if overlap and out.can_overlap:
+        batch = sched.assign(out, StepResults())
+        step = batch.to_step(epoch=1)
+        sched.apply_late(out, mgr.step(out.ops))
+    else:
+        batch = sched.assign(out, mgr.step(out.ops) if out.ops is not None else StepResults())
+        step = batch.to_step(epoch=1)
     sampled = [SampledToken(i.req_id, 100 + i.end_pos, 0.0) for i in step.items if i.sample]
     sched.update(batch, sampled)
     return out, step
 
 
-def drain(mgr, sched, max_steps=100):
+def drain(mgr, sched, max_steps=100, overlap=False):
     steps = []
     while sched.has_work() and len(steps) < max_steps:
-        steps.append(run_step(mgr, sched))
+        steps.append(run_step(mgr, sched, overlap))
         check_invariants(mgr)
     assert not sched.has_work()
     return steps
@@ -226,3 +232,45 @@ def test_headroom_never_asks_past_the_pool():
     sched.num_available_pages = 100  # a stale count: headroom looks free (the half-the-spare rule stops it else)
     out, _ = run_step(mgr, sched)  # position 28 needs the 8th page; a page of headroom would be a 9th, and the
     assert [(e.req_id, e.num_tokens) for e in out.ops.extensions] == [("a", 29)]  # kvmanager refuses such a call
+
+
+def test_only_a_call_that_commits_and_tops_up_headroom_can_overlap_compute():
+    mgr, sched = setup(num_pages=32, budget=4)
+    sched.add(request("a", range(1, 11), max_tokens=6))  # 10 prompt tokens in chunks of 4, then 5 decodes
+    steps = drain(mgr, sched, overlap=True)
+    calls = [out for out, _ in steps if out.ops is not None]
+    kinds = [("alloc" if out.ops.allocations else "free" if out.ops.frees else "commit", out.can_overlap)
+             for out in calls]
+    assert kinds == [("alloc", False), ("commit", True), ("commit", True), ("commit", True), ("free", False)]
+    out, _ = steps[2]  # the last prompt chunk's call also tops up a page of headroom, for the decodes after it
+    assert out.headroom_only == {"a"} and [len(i.page_table) for i in steps[3][1].items] == [4]
+    assert mgr.pools["w0"].num_used == 0 and len(mgr.pools["w0"].index) == 3
+
+    mgr, sched = setup(num_pages=32)  # a request that runs out of slots waits for its page: no overlap
+    sched.add(request("b", range(1, 5), max_tokens=30))
+    steps = drain(mgr, sched, overlap=True)
+    needed = [out for out, _ in steps
+              if out.ops is not None and {e.req_id for e in out.ops.extensions} - out.headroom_only]
+    assert len(needed) == 4 and not any(out.can_overlap for out in needed)
+
+
+def test_overlapped_calls_compute_the_same_steps_as_calls_waited_for():
+    """Prefix hits, chunked prefill, headroom and requests finishing at different steps, run twice: waiting
+    for every answer, and applying commit-only answers after the batch is built. The same tokens are computed
+    at the same positions in the same pages, every page comes back, and the same blocks are cached."""
+    runs = []
+    for overlap in (False, True):
+        mgr, sched = setup(num_pages=40, budget=6, max_num_seqs=3)
+        shared = list(range(1, 9))  # two pages every prompt starts with
+        for i, n in enumerate((11, 7, 14, 9, 5)):
+            sched.add(request(f"r{i}", shared + list(range(20 + 10 * i, 20 + 10 * i + n)), max_tokens=3 + 2 * i))
+        steps = drain(mgr, sched, overlap=overlap)
+        items = [[(i.req_id, i.start_pos, i.token_ids, i.sample, i.page_table[:-(-i.end_pos // PS)])
+                  for i in step.items] for _, step in steps]
+        overlapped = sum(out.can_overlap for out, _ in steps)
+        runs.append((items, {r: list(req.output_token_ids) for r, req in sched.requests.items()},
+                     sorted(mgr.pools["w0"].index), mgr.tenants["t"].prefix_hit_tokens, overlapped))
+        assert mgr.pools["w0"].num_used == 0
+    (items, outputs, index, hits, _), (items_o, outputs_o, index_o, hits_o, overlapped) = runs
+    assert overlapped >= 5 and hits > 0
+    assert items_o == items and outputs_o == outputs and index_o == index and hits_o == hits

@@ -1,8 +1,13 @@
 """One engine loop per worker: a thread that runs scheduler steps (schedule -> kvmanager page ops -> worker Step
 -> update) while there is work, and sleeps on a condition variable when there is none.
 
+A step whose batch waits for no page (its call only commits pages and tops up headroom: out.can_overlap) sends
+its call from a helper thread while the worker computes, and applies the answer before the step's tokens: the
+kvmanager's latency hides behind the forward pass (ARCHITECTURE.md: "page ops and compute should overlap").
+
 gRPC handler threads talk to it through ``submit`` and ``abort`` only; everything else (the scheduler, the
-requests' state, the text streams) is touched by the loop thread alone, so none of it needs a lock.
+requests' state, the text streams) is touched by the loop thread alone, so none of it needs a lock. The helper
+thread only makes the kvmanager call.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -23,7 +29,7 @@ from kvserve.services.gateway.observe import Observer
 from kvserve.services.gateway.request import FinishReason, Request, RequestStatus
 from kvserve.services.gateway.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.services.gateway.textstream import TextStream
-from kvserve.worker.batch import SampledToken, WorkerInfo
+from kvserve.worker.batch import SampledToken, StepOutput, WorkerInfo
 from kvserve.worker.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.gateway")
@@ -66,6 +72,7 @@ class RequestHandle:
 class EngineStats:
     num_steps: int = 0
     num_kv_calls: int = 0  # steps that needed a kvmanager round trip
+    num_kv_calls_overlapped: int = 0  # of which: made while the worker computed (out.can_overlap)
     step_s: float = 0.0  # wall time of whole steps
     kv_wait_s: float = 0.0  # of which: waiting on the kvmanager's StepPages
     compute_s: float = 0.0  # of which: the worker's forward pass and sampling (its compute_ms)
@@ -82,8 +89,10 @@ class EngineStats:
 class EngineLoop:
     def __init__(self, worker: WorkerClient, info: WorkerInfo, kv: KVManagerClient, tokenizer: Tokenizer, *,
                  max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
-                 observer: Observer | None = None):
+                 overlap_page_ops: bool = True, observer: Observer | None = None):
         self.worker, self.info, self.kv, self.tokenizer = worker, info, kv, tokenizer
+        self.overlap_page_ops = overlap_page_ops
+        self._kv_thread = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{info.worker_id}")  # overlapped calls
         self.observe = observer or Observer()
         self.scheduler = Scheduler(SchedulerConfig(
             info.worker_id, info.page_size, info.num_pages, info.max_model_len, info.eos_token_ids,
@@ -125,6 +134,7 @@ class EngineLoop:
             self._stopping = True
             self._cv.notify()
         self.thread.join()
+        self._kv_thread.shutdown()  # idle: every step waits for its own call
 
     @property
     def num_queued(self) -> int:
@@ -147,9 +157,9 @@ class EngineLoop:
                     self.idle.set()
         s = self.stats
         log.info("engine %s stopped after %d steps; kvmanager wait %.1f%% of step time (%.2f ms per step, "
-                 "a call in %d steps), worker compute %.1f%%", self.info.worker_id, s.num_steps,
-                 100 * s.kv_wait_share, 1000 * s.kv_wait_s / max(s.num_steps, 1), s.num_kv_calls,
-                 100 * s.compute_share)
+                 "a call in %d steps, %d of them overlapped with compute), worker compute %.1f%%",
+                 self.info.worker_id, s.num_steps, 100 * s.kv_wait_share, 1000 * s.kv_wait_s / max(s.num_steps, 1),
+                 s.num_kv_calls, s.num_kv_calls_overlapped, 100 * s.compute_share)
 
     def _next_work(self) -> bool:
         """Waits for work; takes new requests and aborts in. False once stopping and everything is freed."""
@@ -195,6 +205,9 @@ class EngineLoop:
     def _step(self) -> None:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        if self.overlap_page_ops and out.can_overlap:
+            self._overlapped_step(out, t0)
+            return
         results = self._step_pages(out)
         t1 = time.perf_counter()
         if out.ops is not None:
@@ -204,18 +217,44 @@ class EngineLoop:
         for req in batch.failed:
             self._complete(self.handles.pop(req.req_id))
         if batch.chunks:
-            self._compute(batch)
-        t2 = time.perf_counter()
+            self._apply_output(batch, self._compute(batch))
+        self._account(t0, t1 - t0)
+
+    def _overlapped_step(self, out: SchedulerOutput, t0: float) -> None:
+        """The call (commits and headroom only) runs on the helper thread while the worker computes; its
+        answer is applied before the step's tokens, and before a restarted worker's re-registration."""
+        call = self._kv_thread.submit(self.kv.step_pages, out.ops, dict(self.traceparents))
+        batch = self.scheduler.assign(out, StepResults())  # every running chunk: none waits for a page
+        t1 = time.perf_counter()
+        output = None
+        try:
+            output = self._compute(batch) if batch.chunks else None
+        finally:
+            t2 = time.perf_counter()
+            results = self._answer(out, call.result)
+            t3 = time.perf_counter()
+            self.stats.num_kv_calls_overlapped += 1
+            self.scheduler.apply_late(out, results)
+        self._apply_output(batch, output)
+        self._account(t0, (t1 - t0) + (t3 - t2))
+
+    def _account(self, t0: float, kv_wait_s: float) -> None:
+        t = time.perf_counter()
         s = self.stats
-        s.num_steps, s.step_s, s.kv_wait_s = s.num_steps + 1, s.step_s + t2 - t0, s.kv_wait_s + t1 - t0
-        self.observe.step(self.info.worker_id, t2 - t0, s.kv_wait_share, len(self.scheduler.running),
+        s.num_steps, s.step_s, s.kv_wait_s = s.num_steps + 1, s.step_s + t - t0, s.kv_wait_s + kv_wait_s
+        self.observe.step(self.info.worker_id, t - t0, s.kv_wait_share, len(self.scheduler.running),
                           len(self.scheduler.waiting))
 
     def _step_pages(self, out: SchedulerOutput) -> StepResults:
         if out.ops is None:
             return StepResults()  # nothing to allocate, extend, commit or free: no round trip
+        return self._answer(out, lambda: self.kv.step_pages(out.ops, self.traceparents))
+
+    def _answer(self, out: SchedulerOutput, get: Callable[[], StepResults]) -> StepResults:
+        """The answer to out.ops (``get`` makes or awaits the call); when the call fails, its frees go out again
+        with the next one, and the error is raised."""
         try:
-            results = self.kv.step_pages(out.ops, self.traceparents)
+            results = get()
         except grpc.RpcError:
             self.scheduler.resend_frees(out)
             raise
@@ -232,13 +271,19 @@ class EngineLoop:
             for req in self.scheduler.preempted:
                 self.observe.preempted(req)
 
-    def _compute(self, batch: ScheduledBatch) -> None:
+    def _compute(self, batch: ScheduledBatch) -> StepOutput | None:
+        """The worker's Step; None when the worker restarted (it answers FAILED_PRECONDITION)."""
         try:
-            output = self.worker.step(batch.to_step(self.info.epoch), self.traceparents)
+            return self.worker.step(batch.to_step(self.info.epoch), self.traceparents)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
-            self._reregister()  # the worker restarted: its pages are gone, recompute what ran
+            return None
+
+    def _apply_output(self, batch: ScheduledBatch, output: StepOutput | None) -> None:
+        if output is None:
+            if batch.chunks:
+                self._reregister()  # the worker restarted: its pages are gone, recompute what ran
             return
         self.stats.compute_s += output.compute_ms / 1000
         for req, sampled in self.scheduler.update(batch, output.sampled):

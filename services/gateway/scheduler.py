@@ -19,6 +19,10 @@ this step, or to commit prompt pages (so that a request arriving next finds them
 along with the next call, and every call tops up each running request that has less than a page of headroom
 with one more page (while the pool has spare pages), so that decoding sequences cross page boundaries without
 a round trip. A decode-only step mostly has nothing to ask: out.ops is None, and the engine skips the call.
+
+A call that only commits and tops up headroom (out.can_overlap) changes nothing this step computes: the engine
+sends it while the worker computes, builds the batch with assign(out, StepResults()), and applies the answer
+with apply_late(out, results) before update().
 """
 
 from __future__ import annotations
@@ -68,6 +72,15 @@ class SchedulerOutput:
     running: list[Chunk]  # already running; those with an extension wait for its answer
     admitted: list[Chunk]  # waiting requests asking for an allocation; num_tokens is the budget reserved
     headroom_only: frozenset[str] = frozenset()  # extensions this step could do without (out of pages: no-op)
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether the worker can compute this step before the kvmanager answers: the call admits nobody,
+        extends nobody past their pages (headroom only) and frees nothing (a finished request's last delta
+        goes out once its pages are freed, so frees are answered first)."""
+        ops = self.ops
+        return (ops is not None and not ops.allocations and not ops.frees
+                and all(e.req_id in self.headroom_only for e in ops.extensions))
 
 
 @dataclass(slots=True)
@@ -222,6 +235,26 @@ class Scheduler:
     def assign(self, out: SchedulerOutput, results: StepResults) -> ScheduledBatch:
         """Applies the kvmanager's answer to ``out.ops`` and returns what the worker computes this step."""
         self.preempted = []
+        self._apply_pools_and_commits(out, results)
+        skipped = self._apply_extensions(results, out.headroom_only)
+        chunks = [c for c in out.running if c.req.status is RequestStatus.RUNNING and c.req.req_id not in skipped]
+        batch = ScheduledBatch(chunks)
+        self._apply_allocations(out.admitted, results, batch)
+        return batch
+
+    def apply_late(self, out: SchedulerOutput, results: StepResults) -> None:
+        """The answer to a call that ran while the worker computed (out.can_overlap; the batch came from
+        assign(out, StepResults())), applied before update(): commits and headroom pages. A headroom page the
+        pool could not give is no loss; a stale epoch fails the worker's step as well, and the engine then
+        re-registers and recomputes."""
+        assert out.can_overlap, "apply_late is for calls that admit, extend past pages and free nothing"
+        self._apply_pools_and_commits(out, results)
+        for e in results.extensions:
+            req = self.requests.get(e.req_id)
+            if e.status is OpStatus.OK and req is not None and req.status is RequestStatus.RUNNING:
+                req.page_table.extend(e.new_page_ids)
+
+    def _apply_pools_and_commits(self, out: SchedulerOutput, results: StepResults) -> None:
         for pool in results.pools:
             if pool.worker_id == self.cfg.worker_id:
                 self.num_available_pages = pool.num_free_pages + pool.num_evictable_pages
@@ -229,11 +262,6 @@ class Scheduler:
         for c in results.commits:
             if c.status is OpStatus.OK and c.req_id not in freed:
                 self.requests[c.req_id].num_committed_tokens = c.num_committed_tokens
-        skipped = self._apply_extensions(results, out.headroom_only)
-        chunks = [c for c in out.running if c.req.status is RequestStatus.RUNNING and c.req.req_id not in skipped]
-        batch = ScheduledBatch(chunks)
-        self._apply_allocations(out.admitted, results, batch)
-        return batch
 
     def _apply_extensions(self, results: StepResults, headroom_only: frozenset[str]) -> set[str]:
         """Appends new pages; on out of pages preempts the newest running request (unless the request only
