@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab clean
+.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -68,6 +68,10 @@ bench-snapshots: install
 # The report's mixed burst, kvserve and HF's continuous batching alternated over rounds (~6 min).
 bench-ab: model kernels
 	$(PY) bench/throughput_ab.py
+
+# The gateway's page ops overlapped with compute vs waited for, alternated (~10 min).
+bench-overlap: model kernels
+	$(PY) bench/overlap_ab.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

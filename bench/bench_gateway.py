@@ -30,6 +30,7 @@ READY = re.compile(r"^kvserve up ready: gateway on (?P<gateway>\S+) ")
 KV_WAIT = re.compile(r"kvmanager wait ([0-9.]+)% of step time")
 COMPUTE = re.compile(r"worker compute ([0-9.]+)%")
 CALLS = re.compile(r"stopped after ([0-9]+) steps;.* a call in ([0-9]+) steps")
+OVERLAPPED = re.compile(r"a call in ([0-9]+) steps, ([0-9]+) of them overlapped")
 PAGE_SIZE = 16
 
 
@@ -59,6 +60,10 @@ def stack(*args: str, env: dict[str, str] | None = None):
             counts = [(int(steps), int(calls)) for steps, calls in CALLS.findall(log)]
             num_steps = sum(steps for steps, _ in counts)
             stats["kv_call_share_pct"] = 100 * sum(calls for _, calls in counts) / num_steps if num_steps else None
+            overlapped = [(int(calls), int(over)) for calls, over in OVERLAPPED.findall(log)]
+            num_calls = sum(calls for calls, _ in overlapped)
+            stats["kv_calls_overlapped_pct"] = (100 * sum(over for _, over in overlapped) / num_calls
+                                                if num_calls else None)
 
 
 def stream_one(client: Client, text: str, max_tokens: int) -> dict:
