@@ -274,3 +274,28 @@ def test_overlapped_calls_compute_the_same_steps_as_calls_waited_for():
     (items, outputs, index, hits, _), (items_o, outputs_o, index_o, hits_o, overlapped) = runs
     assert overlapped >= 5 and hits > 0
     assert items_o == items and outputs_o == outputs and index_o == index and hits_o == hits
+
+
+def test_a_worker_restart_in_an_overlapped_step_leaks_no_page_and_recomputes_identically():
+    """The engine applies the late answer, then re-registers: every running request is preempted (its pages,
+    headroom included, are freed by the next call) and recomputed to the same tokens."""
+    expected = None
+    for fail in (False, True):
+        mgr, sched = setup(num_pages=32, budget=4)
+        a = request("a", range(1, 11), max_tokens=6)
+        sched.add(a)
+        run_step(mgr, sched)  # admission
+        out = sched.schedule()  # commits the prompt's first page: a call that can overlap
+        assert out.can_overlap
+        batch = sched.assign(out, StepResults())
+        sched.apply_late(out, mgr.step(out.ops))
+        if fail:  # the worker answered FAILED_PRECONDITION: nothing of this step was computed
+            for req in list(sched.running):
+                sched.preempt(req)
+        else:
+            step = batch.to_step(epoch=1)
+            sched.update(batch, [SampledToken(i.req_id, 100 + i.end_pos, 0.0) for i in step.items if i.sample])
+        drain(mgr, sched, overlap=True)
+        assert mgr.pools["w0"].num_used == 0
+        expected = expected or a.output_token_ids
+        assert a.output_token_ids == expected == [100 + p for p in range(10, 16)]
