@@ -247,7 +247,7 @@ class Scheduler:
         assign(out, StepResults())), applied before update(): commits and headroom pages. A headroom page the
         pool could not give is no loss; a stale epoch fails the worker's step as well, and the engine then
         re-registers and recomputes."""
-        assert out.can_overlap, "apply_late is for calls that admit, extend past pages and free nothing"
+        assert out.can_overlap, "apply_late is for calls that only commit and top up headroom"
         self._apply_pools_and_commits(out, results)
         for e in results.extensions:
             req = self.requests.get(e.req_id)
