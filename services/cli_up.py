@@ -97,8 +97,9 @@ def stop_child(child: Child) -> None:
             child.proc.wait()
 
 
-def _kvmanager_argv(args) -> list[str]:
-    argv = ["kvmanager", "--host", args.host, "--port", str(args.kvmanager_port)]
+def _kvmanager_argv(args, model_dir: Path) -> list[str]:
+    """The kvmanager gets the workers' model folder: its tokenizer serves `kvserve admin probe --text`."""
+    argv = ["kvmanager", "--host", args.host, "--port", str(args.kvmanager_port), "--model", str(model_dir)]
     if args.data_dir:
         argv += ["--data-dir", str(args.data_dir)]
     if args.redis_url:
@@ -143,7 +144,9 @@ def _watch(children: list[Child], stop: threading.Event, died: list[str]) -> Non
 
 
 def _start_stack(args, children: list[Child]) -> None:
-    children.append(start_child("kvmanager", _kvmanager_argv(args)))
+    from kvserve.services.model_store import resolve_model
+
+    children.append(start_child("kvmanager", _kvmanager_argv(args, resolve_model(args.model, args.cache_dir))))
     for i in range(args.workers):
         children.append(start_child(f"worker-{i}", _worker_argv(args, i)))
     children.append(start_child("gateway", _gateway_argv(args, children[0], children[1:])))
@@ -152,6 +155,7 @@ def _start_stack(args, children: list[Child]) -> None:
 def run_up(args) -> int:
     from kvserve.services.cli_kvmanager import ADMIN_TOKEN_FILE, default_data_dir
     from kvserve.services.grpc_server import install_stop_signals
+    from kvserve.services.model_store import ModelNotFound
 
     stop = install_stop_signals()
     children: list[Child] = []
@@ -165,7 +169,7 @@ def run_up(args) -> int:
         print(f"kvserve up ready: gateway on {gateway.address} (kvmanager {kvmanager.address}, {details}; "
               f"admin token in {token}, where kvserve admin finds it)", flush=True)
         stop.wait()
-    except RuntimeError as e:
+    except (RuntimeError, ModelNotFound) as e:
         print(f"kvserve: {e}", file=sys.stderr)
         died.append("start-up")
     finally:

@@ -111,6 +111,20 @@ def test_another_tenant_never_hits_a_tenants_cache(keys_stack):
     assert list(other.token_ids) == list(again.token_ids)
 
 
+def test_admin_probes_text_on_the_stack_kvserve_up_starts(keys_stack, tokenizer):
+    """`kvserve up` gives the kvmanager the workers' model, so `kvserve admin probe --text` tokenises as the
+    gateway does and finds what a request cached."""
+    prompt = "A short note about probing the prefix cache by text. " * 6 + "End of note."
+    done = complete_all(keys_stack.gateway, "key-b", [(prompt, 2)])[0]
+    num_tokens = len(tokenizer.encode(prompt))
+    out = run_cli("admin", "probe", "tenant-b", "--text", prompt, "--json", "--kvmanager", keys_stack.kvmanager,
+                  "--data-dir", str(keys_stack.data_dir))
+    assert out.returncode == 0, out.stderr
+    probe = json.loads(out.stdout)
+    assert done.usage.prompt_tokens == num_tokens == probe["num_query_tokens"]
+    assert probe["num_hit_tokens"] == (num_tokens - 1) // PAGE_SIZE * PAGE_SIZE > 0
+
+
 def test_cancelling_a_stream_frees_its_pages(keys_stack):
     with Client(keys_stack.gateway, api_key="key-a", timeout_s=120) as client:
         stream = client.generate(prompt="Count to one thousand:", max_tokens=400, ignore_eos=True)
