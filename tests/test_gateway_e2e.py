@@ -183,10 +183,9 @@ def test_no_prefix_caching_dev_mode_cli_and_graceful_stop(tmp_path, tokenizer):
     with running_stack(tmp_path, cli_env(), "--no-prefix-caching") as stack:
         assert "dev mode: no API key needed" in stack.ready_line and "prefix caching off" in stack.ready_line
         first_token_s(stack.gateway, None, "warm up")
-        ttft_1, usage_1 = first_token_s(stack.gateway, None, LONG_PROMPT)
-        ttft_2, usage_2 = first_token_s(stack.gateway, None, LONG_PROMPT)
-        assert usage_1.cached_tokens == usage_2.cached_tokens == 0
-        assert ttft_2 > 0.5 * ttft_1, (ttft_1, ttft_2)  # no drop without the cache
+        _, usage_1 = first_token_s(stack.gateway, None, LONG_PROMPT)
+        _, usage_2 = first_token_s(stack.gateway, None, LONG_PROMPT)
+        assert usage_1.cached_tokens == usage_2.cached_tokens == 0  # the repeat computes its whole prompt again
         out = run_cli("generate", "--gateway", stack.gateway, "--prompt", "The capital of France is",
                       "--max-tokens", "4")
         assert out.returncode == 0 and out.stdout.strip(), out.stderr
