@@ -78,7 +78,9 @@ class KVManagerClient(_ServiceClient):
         def on_retry(e, backoff_s):
             log.warning("kvmanager unavailable (%s); retrying in %.2fs", e.details(), backoff_s)
 
-        reply = call_with_retries(lambda: method(request, timeout=self.timeout_s, wait_for_ready=True),
+        # While serving, a call waits for a kvmanager that is restarting; once stopping, it fails at once.
+        reply = call_with_retries(lambda: method(request, timeout=self.timeout_s,
+                                                 wait_for_ready=not self.stopping.is_set()),
                                   retry_on=(grpc.StatusCode.UNAVAILABLE,), retry_for_s=self.retry_for_s,
                                   first_backoff_s=0.05, stopping=self.stopping, on_retry=on_retry)
         return convert(reply)

@@ -152,6 +152,10 @@ class EngineLoop:
                 self._step()
             except grpc.RpcError as e:
                 self._fail_all(f"{e.code().name}: {e.details()}")
+                with self._cv:
+                    stopping = self._stopping
+                if stopping:
+                    self._abandon_frees()
             with self._cv:
                 if not self.handles and not self._inbox and not self.finishing:
                     self.idle.set()
@@ -313,6 +317,15 @@ class EngineLoop:
                     result.previous_epoch, self.info.epoch, len(self.scheduler.running))
         for req in list(self.scheduler.running):
             self.scheduler.preempt(req)
+
+    def _abandon_frees(self) -> None:
+        """Stopping, and a call failed: the frees would be retried forever, so the loop lets them go. Their pages
+        stay allocated in the kvmanager until the worker registers a new epoch or an admin resets."""
+        sched = self.scheduler
+        if sched.pending_frees:
+            log.warning("engine %s: stopping with the kvmanager unreachable; the pages of %d requests stay "
+                        "allocated there", self.info.worker_id, len(sched.pending_frees))
+        sched.pending_frees, sched.final_commits = [], []
 
     def _fail_all(self, error: str) -> None:
         log.error("engine %s: step failed: %s; failing its %d requests", self.info.worker_id, error,

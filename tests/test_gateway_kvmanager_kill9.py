@@ -1,0 +1,128 @@
+"""The kvmanager killed with SIGKILL while the gateway streams a request, then restarted on the same port and
+Redis (as its Kubernetes Deployment would restart it): the gateway's page ops wait for it (UNAVAILABLE is
+retried with the same step_id), the request keeps its pages and finishes with the tokens of an uninterrupted
+run, its blocks stay cached, and every page comes back.
+
+Redis is the test's own, so it outlives the kvmanager's SIGKILL as a managed Redis would. The gateway and the
+worker run in this process; the kvmanager is a real `kvserve kvmanager` process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import grpc
+from test_kvmanager_cli import kvmanager_process, stop_cleanly
+
+from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.redis_server import EmbeddedRedis
+from kvserve.kvmanager.server import start_kvmanager_server
+from kvserve.kvmanager.service import KVService, NullStore
+from kvserve.services.gateway.app import Gateway, GatewayConfig
+from kvserve.services.gateway.auth import ApiKeys
+from kvserve.services.gateway.validate import GenerateInput
+from kvserve.v1 import kvmanager_pb2 as pb
+from kvserve.v1 import kvmanager_pb2_grpc
+from kvserve.worker.batch import SamplingParams
+
+TOKEN = "admin-token"
+PROMPT = ("The history of the railway in Europe began in the early nineteenth century, when the first steam "
+          "locomotives pulled coal wagons between mines and ports, and")  # 28 tokens: one full page to cache
+MAX_TOKENS = 40  # decoding crosses page boundaries (16 tokens a page), so the gateway must call the kvmanager
+
+
+def request() -> GenerateInput:
+    return GenerateInput(prompt=PROMPT, messages=None, sampling=SamplingParams(), max_tokens=MAX_TOKENS,
+                         ignore_eos=True)
+
+
+def stream(gateway: Gateway, on_token=None) -> tuple[list[int], object]:
+    """The request's token ids and its usage (prompt_tokens, cached_tokens, completion_tokens); on_token(n)
+    after the n-th token arrives."""
+    out, usage = [], None
+    for delta in gateway.submit(request(), "default")[0]:
+        out += delta.token_ids
+        usage = delta.usage or usage
+        if on_token and delta.token_ids:
+            on_token(len(out))
+    return out, usage
+
+
+def admin_stats(port: int) -> pb.StatsResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return kvmanager_pb2_grpc.KVAdminServiceStub(channel).Stats(
+            pb.StatsRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)
+
+
+def test_kvmanager_kill9_mid_stream_then_restart_the_request_finishes_identically(tmp_path, model_dir,
+                                                                                  worker_server, monkeypatch):
+    with EmbeddedRedis(tmp_path / "redis") as redis, contextlib.ExitStack() as kvmanagers:
+        args = ("--redis-url", redis.url, "--admin-token", TOKEN, "--data-dir", str(tmp_path / "data"))
+        first, ready = kvmanagers.enter_context(kvmanager_process(tmp_path, *args))
+        port = int(ready.group(1))
+        gateway = Gateway(GatewayConfig(f"127.0.0.1:{port}", (f"127.0.0.1:{worker_server.port}",), model_dir),
+                          ApiKeys())
+        try:
+            expected, _ = stream(gateway)  # uninterrupted; it also caches the prompt's full page
+            calls = watch_calls(gateway, monkeypatch)
+            restarted = []
+
+            def kill_and_restart_after_5(num_tokens: int) -> None:
+                if num_tokens == 5:
+                    first.kill()
+                    first.wait(timeout=10)
+                    with calls:  # the engine has a page op to make (or is making one): it waits for the kvmanager
+                        assert calls.wait_for(lambda: calls.pending > 0, timeout=60)
+                    restarted.append(kvmanagers.enter_context(
+                        kvmanager_process(tmp_path, *args, "--port", str(port))))
+
+            got, usage = stream(gateway, kill_and_restart_after_5)
+            assert restarted and got == expected and len(got) == MAX_TOKENS
+            assert usage[1] > 0  # cached_tokens: the second run hit what the first cached
+            pool = admin_stats(port).pools[0]  # the restarted kvmanager: the request freed, its blocks cached
+            assert pool.num_used_pages == 0 and pool.num_requests == 0 and pool.num_cached_pages > 0
+            _, again = stream(gateway)
+            assert again[1] == usage[1]  # the index survived the kill
+        finally:
+            gateway.close(drain_s=1.0)
+        stop_cleanly(restarted[0][0])
+
+
+def watch_calls(gateway: Gateway, monkeypatch) -> threading.Condition:
+    """A condition whose ``pending`` counts the gateway's StepPages calls not answered yet."""
+    calls = threading.Condition()
+    calls.pending = 0
+    step_pages = gateway.kv.step_pages
+
+    def watched(*a, **kw):
+        with calls:
+            calls.pending += 1
+            calls.notify_all()
+        try:
+            return step_pages(*a, **kw)
+        finally:
+            with calls:
+                calls.pending -= 1
+
+    monkeypatch.setattr(gateway.kv, "step_pages", watched)
+    return calls
+
+
+def test_the_gateway_stops_while_the_kvmanager_is_down(model_dir, worker_server, caplog):
+    """Its frees cannot go out: it says so and stops, instead of retrying them forever."""
+    server = start_kvmanager_server(KVService(KVManager(), NullStore()), "127.0.0.1", 0, admin_token=TOKEN)
+    gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",), model_dir),
+                      ApiKeys())
+    handle = gateway.submit(request(), "default")[0]
+    deltas = iter(handle)
+    while not next(deltas).token_ids:  # running: it holds pages
+        pass
+    server.stop(0)
+    closing = threading.Thread(target=gateway.close, kwargs={"drain_s": 0.0})
+    closing.start()
+    closing.join(timeout=120)
+    assert not closing.is_alive()
+    last = list(deltas)[-1]
+    assert last.finish_reason is not None
+    assert "stopping with the kvmanager unreachable; the pages of 1 requests stay allocated there" in caplog.text
