@@ -1,7 +1,8 @@
 """The kvmanager killed with SIGKILL while the gateway streams a request, then restarted on the same port and
 Redis (as its Kubernetes Deployment would restart it): the gateway's page ops wait for it (UNAVAILABLE is
 retried with the same step_id), the request keeps its pages and finishes with the tokens of an uninterrupted
-run, its blocks stay cached, and every page comes back.
+run, its blocks stay cached, and every page comes back; also when the outage outlasts a call's timeout (the
+call is sent again, idempotent by its step_id).
 
 Redis is the test's own, so it outlives the kvmanager's SIGKILL as a managed Redis would. The gateway and the
 worker run in this process; the kvmanager is a real `kvserve kvmanager` process.
@@ -10,9 +11,11 @@ worker run in this process; the kvmanager is a real `kvserve kvmanager` process.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 import grpc
+import pytest
 from test_kvmanager_cli import kvmanager_process, stop_cleanly
 
 from kvserve.kvmanager.manager import KVManager
@@ -55,17 +58,35 @@ def admin_stats(port: int) -> pb.StatsResponse:
             pb.StatsRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)
 
 
+class LogSeen(logging.Handler):
+    """Sets ``event`` once a record of the gateway's logger contains ``text``."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text, self.event = text, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+@pytest.mark.parametrize("outage", ["restart", "longer than a call's timeout"])
 def test_kvmanager_kill9_mid_stream_then_restart_the_request_finishes_identically(tmp_path, model_dir,
-                                                                                  worker_server, monkeypatch):
+                                                                                  worker_server, monkeypatch,
+                                                                                  outage):
     with EmbeddedRedis(tmp_path / "redis") as redis, contextlib.ExitStack() as kvmanagers:
         args = ("--redis-url", redis.url, "--admin-token", TOKEN, "--data-dir", str(tmp_path / "data"))
         first, ready = kvmanagers.enter_context(kvmanager_process(tmp_path, *args))
         port = int(ready.group(1))
         gateway = Gateway(GatewayConfig(f"127.0.0.1:{port}", (f"127.0.0.1:{worker_server.port}",), model_dir),
                           ApiKeys())
+        timed_out = LogSeen("kvmanager unavailable (DEADLINE_EXCEEDED")
+        logging.getLogger("kvserve.gateway").addHandler(timed_out)
         try:
             expected, _ = stream(gateway)  # uninterrupted; it also caches the prompt's full page
             calls = watch_calls(gateway, monkeypatch)
+            if outage != "restart":
+                gateway.kv.timeout_s = 1.0  # a call waits 1 s for the kvmanager, then is sent again
             restarted = []
 
             def kill_and_restart_after_5(num_tokens: int) -> None:
@@ -74,6 +95,8 @@ def test_kvmanager_kill9_mid_stream_then_restart_the_request_finishes_identicall
                     first.wait(timeout=10)
                     with calls:  # the engine has a page op to make (or is making one): it waits for the kvmanager
                         assert calls.wait_for(lambda: calls.pending > 0, timeout=60)
+                    if outage != "restart":
+                        assert timed_out.event.wait(60)  # a try ran out of time: it is retried, not failed
                     restarted.append(kvmanagers.enter_context(
                         kvmanager_process(tmp_path, *args, "--port", str(port))))
 
@@ -85,6 +108,7 @@ def test_kvmanager_kill9_mid_stream_then_restart_the_request_finishes_identicall
             _, again = stream(gateway)
             assert again[1] == usage[1]  # the index survived the kill
         finally:
+            logging.getLogger("kvserve.gateway").removeHandler(timed_out)
             gateway.close(drain_s=1.0)
         stop_cleanly(restarted[0][0])
 

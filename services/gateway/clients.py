@@ -20,6 +20,7 @@ from kvserve.worker.batch import StepBatch, StepOutput, WorkerInfo
 log = logging.getLogger("kvserve.gateway")
 MAX_BACKOFF_S = 2.0
 RETRY_STEP = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the worker went away mid-step
+KV_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # Redis down; kvmanager restarting
 
 
 def call_with_retries(call, *, retry_on, retry_for_s: float, first_backoff_s: float, stopping: threading.Event,
@@ -56,7 +57,9 @@ class _ServiceClient:
 
 
 class KVManagerClient(_ServiceClient):
-    """Retries UNAVAILABLE (kvmanager restarting, Redis briefly down) with capped backoff."""
+    """Retries UNAVAILABLE (Redis briefly down) and DEADLINE_EXCEEDED (a call that waited timeout_s for a
+    restarting kvmanager) with capped backoff, for up to retry_for_s. Every call is safe to repeat: StepPages is
+    idempotent per step_id, RegisterWorker per epoch, and Place has no side effect."""
 
     def __init__(self, address: str, timeout_s: float = 10.0, retry_for_s: float = 60.0,
                  stopping: threading.Event | None = None):
@@ -76,12 +79,12 @@ class KVManagerClient(_ServiceClient):
 
     def _call(self, method, request, convert):
         def on_retry(e, backoff_s):
-            log.warning("kvmanager unavailable (%s); retrying in %.2fs", e.details(), backoff_s)
+            log.warning("kvmanager unavailable (%s: %s); retrying in %.2fs", e.code().name, e.details(), backoff_s)
 
         # While serving, a call waits for a kvmanager that is restarting; once stopping, it fails at once.
         reply = call_with_retries(lambda: method(request, timeout=self.timeout_s,
                                                  wait_for_ready=not self.stopping.is_set()),
-                                  retry_on=(grpc.StatusCode.UNAVAILABLE,), retry_for_s=self.retry_for_s,
+                                  retry_on=KV_RETRY, retry_for_s=self.retry_for_s,
                                   first_backoff_s=0.05, stopping=self.stopping, on_retry=on_retry)
         return convert(reply)
 
