@@ -51,7 +51,8 @@ def spec_from_proto(r: pb.RegisterWorkerRequest) -> PoolSpec:
 
 
 def register_to_proto(r: RegisterResult) -> pb.RegisterWorkerResponse:
-    return pb.RegisterWorkerResponse(ok=True, previous_epoch=r.previous_epoch, dropped_req_ids=r.dropped_req_ids)
+    return pb.RegisterWorkerResponse(ok=True, previous_epoch=r.previous_epoch, dropped_req_ids=r.dropped_req_ids,
+                                     released_req_ids=r.released_req_ids)
 
 
 def unpack_token_ids(where: str, packed: bytes):
@@ -118,12 +119,15 @@ def step_to_proto(r: StepResults, handle_ms: float) -> pb.StepPagesResponse:
 STATUS_OF = {v: k for k, v in OP_STATUS.items()}
 
 
-def spec_to_proto(s: PoolSpec) -> pb.RegisterWorkerRequest:
-    return _copy(s, pb.RegisterWorkerRequest)
+def spec_to_proto(s: PoolSpec, release_requests: bool = False) -> pb.RegisterWorkerRequest:
+    msg = _copy(s, pb.RegisterWorkerRequest)
+    msg.release_requests = release_requests
+    return msg
 
 
 def register_from_proto(r: pb.RegisterWorkerResponse) -> RegisterResult:
-    return RegisterResult(previous_epoch=r.previous_epoch, dropped_req_ids=tuple(r.dropped_req_ids))
+    return RegisterResult(previous_epoch=r.previous_epoch, dropped_req_ids=tuple(r.dropped_req_ids),
+                          released_req_ids=tuple(r.released_req_ids))
 
 
 def step_to_request_proto(ops: StepOps, traceparents: Mapping[str, str] = EMPTY) -> pb.StepPagesRequest:

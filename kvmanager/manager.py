@@ -56,8 +56,11 @@ class KVManager:
         self.recent: OrderedDict[tuple[str, str], tuple[int, object]] = OrderedDict()
 
     # -- registration ---------------------------------------------------------------------------------
-    def register_worker(self, spec: PoolSpec) -> RegisterResult:
-        """Registers a pool; a higher epoch replaces the old pool and voids its requests and blocks.
+    def register_worker(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
+        """Registers a pool; a higher epoch replaces the old pool and voids its requests and blocks. The same
+        epoch again changes nothing, unless ``release_requests``: the worker's scheduler has just started and
+        holds no request there, so each request the pool holds (left by a scheduler that died) is freed as a
+        free would (its committed blocks stay cached) and listed in released_req_ids.
 
         Raises InvalidRequest (bad sizes), StaleEpoch (older epoch, or a changed pool under the same epoch).
         """
@@ -71,11 +74,19 @@ class KVManager:
                 if spec != old.spec:
                     raise StaleEpoch(f"worker {spec.worker_id!r} epoch {spec.epoch} is already registered with "
                                      f"a different pool")
-                return RegisterResult(previous_epoch=spec.epoch, dropped_req_ids=())
+                released = self._release_requests(spec.worker_id) if release_requests else ()
+                return RegisterResult(previous_epoch=spec.epoch, dropped_req_ids=(), released_req_ids=released)
         dropped = self._drop_pool(old) if old is not None else ()
         self.pools[spec.worker_id] = PagePool(spec)
         self.changes.pools.add(spec.worker_id)
         return RegisterResult(previous_epoch=old.spec.epoch if old else 0, dropped_req_ids=dropped)
+
+    def _release_requests(self, worker_id: str) -> tuple[str, ...]:
+        released = tuple(sorted(r.req_id for r in self.requests.values() if r.worker_id == worker_id))
+        touched: set[str] = set()
+        for req_id in released:
+            self._free(Free(req_id), touched)
+        return released
 
     def _drop_pool(self, pool: PagePool) -> tuple[str, ...]:
         dropped = tuple(sorted(r.req_id for r in self.requests.values() if r.worker_id == pool.spec.worker_id))

@@ -72,6 +72,8 @@ def encode(record: tuple) -> bytes:
                 "f": [f.req_id for f in ops.frees]}
     elif kind == "register":
         body = {"spec": asdict(record[1])}
+        if record[2:] and record[2]:
+            body["release"] = True  # absent in records older than release_requests
     else:
         body = {"fn": record[1], "args": list(record[2])}
     narrow = _narrow(blobs)
@@ -128,7 +130,7 @@ def apply(mgr: KVManager, raw: str | bytes) -> None:
                          extensions=tuple(Extend(r, n) for r, n in d["e"]), commits=commits,
                          frees=tuple(Free(r) for r in d["f"])))
     elif d["k"] == "register":
-        mgr.register_worker(PoolSpec(**d["spec"]))
+        mgr.register_worker(PoolSpec(**d["spec"]), d.get("release", False))
     else:
         ADMIN_MUTATIONS[d["fn"]](mgr, *_tuples(d["args"]))
 

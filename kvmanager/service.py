@@ -30,8 +30,8 @@ class Store(Protocol):
 
     def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
         """Persists a call's effect, atomically: ``changes`` names what changed (a state store writes its current
-        values), ``record`` is the call itself (("step", StepOps), ("register", PoolSpec) or ("admin", name,
-        args)) for a store that logs calls. Raises on failure.
+        values), ``record`` is the call itself (("step", StepOps), ("register", PoolSpec, release_requests) or
+        ("admin", name, args)) for a store that logs calls. Raises on failure.
 
         A store may also have ``send_early(record) -> bool``: called with a validated step before it is applied;
         True means the record is on its way and the next write() completes it (it is then called even if the
@@ -71,10 +71,10 @@ class KVService:
         with self.lock:
             self.store.load(self.manager)
 
-    def register_worker(self, spec: PoolSpec) -> RegisterResult:
+    def register_worker(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
         with self.lock:
-            result = self.manager.register_worker(spec)
-            self._write_through(("register", spec))
+            result = self.manager.register_worker(spec, release_requests)
+            self._write_through(("register", spec, release_requests))
             return result
 
     def step(self, ops: StepOps) -> StepResults:

@@ -73,7 +73,8 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
 
     @_mapped
     def RegisterWorker(self, request, context):
-        return cv.register_to_proto(self.service.register_worker(cv.spec_from_proto(request)))
+        return cv.register_to_proto(self.service.register_worker(cv.spec_from_proto(request),
+                                                                 request.release_requests))
 
     @_mapped
     def StepPages(self, request, context):

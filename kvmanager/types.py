@@ -118,4 +118,5 @@ class StepResults:
 @dataclass(frozen=True, slots=True)
 class RegisterResult:
     previous_epoch: int
-    dropped_req_ids: tuple[str, ...]
+    dropped_req_ids: tuple[str, ...]  # requests of the old epoch, voided
+    released_req_ids: tuple[str, ...] = ()  # requests freed by release_requests

@@ -207,6 +207,25 @@ def test_reregistration_with_new_epoch_drops_old_pages_and_index():
     assert m.register_worker(spec(epoch=2)).dropped_req_ids == ()  # idempotent
 
 
+def test_a_starting_scheduler_releases_what_a_dead_one_left_and_the_cache_stays():
+    m = mgr_with(spec("w0"), spec("w1"))
+    prompt = list(range(9))
+    assert alloc(m, "a", prompt, worker="w0").page_table == [0, 1, 2]
+    commit(m, "a", 0, prompt[:8])
+    assert alloc(m, "b", range(50, 55), worker="w0").page_table == [3, 4]
+    assert alloc(m, "c", range(60, 63), worker="w1").page_table == [0]
+    assert m.register_worker(spec("w0")).released_req_ids == ()  # without the flag: nothing changes
+    res = m.register_worker(spec("w0"), release_requests=True)
+    assert res.released_req_ids == ("a", "b") and res.dropped_req_ids == () and res.previous_epoch == 1
+    pool = m.pools["w0"]
+    assert pool.num_requests == 0 and ref_cnts(m)[:5] == [0] * 5
+    assert list(pool.evictable) == [1, 0] and list(pool.free)[-3:] == [2, 4, 3]  # as frees: tail first
+    assert set(m.requests) == {"c"} and m.pools["w1"].num_requests == 1  # another worker's request stays
+    assert free(m, "a").status == OpStatus.OK  # the dead scheduler's late free is harmless
+    assert alloc(m, "a2", prompt, worker="w0").num_cached_tokens == 8  # the cache survived
+    assert m.register_worker(spec("w0"), release_requests=True).released_req_ids == ("a2",)
+
+
 def test_placement_prefers_the_longest_hit_balanced_against_load():
     m = mgr_with(spec("w0"), spec("w1"))
     prompt = list(range(13))

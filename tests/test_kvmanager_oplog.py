@@ -230,3 +230,17 @@ def test_the_same_call_without_a_step_id_twice_in_a_row_is_logged_twice(redis_ur
     assert client.llen("kvserve:log") == 4
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)
+
+
+def test_a_release_on_registration_is_logged_and_replays_exactly(redis_url):
+    client = connect(redis_url)
+    store = LoggedStore(client, snapshot_every=1000)
+    svc = KVService(KVManager(), store)
+    build_history(svc)
+    assert svc.register_worker(spec("w0"), release_requests=True).released_req_ids == ("f",)
+    registers = [json.loads(r.partition(b"\n")[0]) for r in _read_binary(client, store.log_key)
+                 if r.startswith(b'{"k":"register"')]
+    # build_history's three registrations say nothing of releases, as records written before the flag
+    assert [r.get("release") for r in registers] == [None, None, None, True]
+    loaded, _ = reload(redis_url)
+    assert set(loaded.requests) == {"e"} and exact(loaded) == exact(svc.manager)

@@ -470,9 +470,19 @@ class KVManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def reregister(self, data):
         w = data.draw(st.sampled_from(WORKERS))
-        kind = data.draw(st.sampled_from(("newer", "same", "older", "same")))
+        kind = data.draw(st.sampled_from(("newer", "same", "older", "same", "release")))
         if kind == "newer":
             self.register(w, self.epoch[w] + data.draw(st.integers(1, 2)), data.draw(st.integers(6, 12)))
+            return
+        if kind == "release":  # its scheduler restarted: every request the dead one left is freed, as a free
+            res = self.mgr.register_worker(spec_for(w, self.epoch[w], self.num_pages[w]), release_requests=True)
+            released = sorted(rid for rid, m in self.live.items() if m.worker == w)
+            assert res.released_req_ids == tuple(released) and res.dropped_req_ids == ()
+            for rid in released:
+                del self.live[rid]
+                self.gone.add(rid)
+            self.last = None
+            self.check_all()
             return
         before = snapshot(self.mgr)
         if kind == "same":  # idempotent: nothing dropped, nothing changed

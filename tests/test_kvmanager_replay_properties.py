@@ -49,11 +49,11 @@ class LoggedManager(KVManager):
     def step(self, ops):
         return self.service.step(ops)  # which calls check and apply_checked, not step
 
-    def register_worker(self, spec):
-        result = super().register_worker(spec)  # KVService.register_worker would call back here
+    def register_worker(self, spec, release_requests=False):
+        result = super().register_worker(spec, release_requests)  # KVService.register_worker would call back here
         changes = self.take_changes()
         if not changes.empty():
-            self.service.store.write(self, changes, ("register", spec))
+            self.service.store.write(self, changes, ("register", spec, release_requests))
         return result
 
 

@@ -252,3 +252,15 @@ def test_blocks_of_a_dead_epoch_are_not_loaded_and_are_deleted(client):
     assert loaded.pools["w0"].index == {} and loaded.pools["w0"].block_of[3] is None
     assert client.get(f"kvserve:t:A:blk:w0:{'ab' * 16}") is None
     assert snapshot(loaded) == snapshot(svc.manager)
+
+
+def test_a_release_on_registration_is_written_and_reloads(redis_server, client):
+    """A starting gateway's release_requests frees what a dead one left; the state store writes it like frees."""
+    svc = new_service(client)
+    build_history(svc)
+    assert set(svc.manager.requests) == {"e", "f"}
+    assert svc.register_worker(spec("w0"), release_requests=True).released_req_ids == ("f",)
+    loaded = reload(connect(redis_server.url))
+    check_invariants(loaded)
+    assert set(loaded.requests) == {"e"} and loaded.pools["w0"].num_requests == 0
+    assert snapshot(loaded, last_ops=False) == snapshot(svc.manager, last_ops=False)

@@ -63,7 +63,10 @@ class Gateway:
         """Asks the worker for its Info and registers its pool with the kvmanager."""
         worker = WorkerClient(address, stopping=self._stopping)
         info = worker.info(wait_s=self.cfg.connect_timeout_s)
-        self.kv.register(pool_spec(info))
+        released = self.kv.register(pool_spec(info), release_requests=True).released_req_ids
+        if released:  # a gateway before this one died with requests running: their pages come back
+            log.warning("worker %s: freed the pages of %d requests a previous gateway left running", info.worker_id,
+                        len(released))
         log.info("worker %s at %s: %d pages x %d tokens, epoch %d", info.worker_id, address, info.num_pages,
                  info.page_size, info.epoch)
         return EngineLoop(worker, info, self.kv, self.tokenizer, max_num_seqs=self.cfg.max_num_seqs,

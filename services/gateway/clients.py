@@ -65,8 +65,11 @@ class KVManagerClient(_ServiceClient):
                  stopping: threading.Event | None = None):
         super().__init__(address, kvmanager_pb2_grpc.KVManagerServiceStub, timeout_s, retry_for_s, stopping)
 
-    def register(self, spec: PoolSpec) -> RegisterResult:
-        return self._call(self.stub.RegisterWorker, kv_convert.spec_to_proto(spec), kv_convert.register_from_proto)
+    def register(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
+        """``release_requests``: this gateway has just started, so any request held on the worker is an orphan
+        of one that died; the kvmanager frees them (RegisterWorkerRequest.release_requests)."""
+        return self._call(self.stub.RegisterWorker, kv_convert.spec_to_proto(spec, release_requests),
+                          kv_convert.register_from_proto)
 
     def step_pages(self, ops: StepOps, traceparents: Mapping[str, str] = kv_convert.EMPTY) -> StepResults:
         return self._call(self.stub.StepPages, kv_convert.step_to_request_proto(ops, traceparents),

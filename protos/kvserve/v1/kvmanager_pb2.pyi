@@ -21,7 +21,7 @@ PAGE_OP_STATUS_STALE_EPOCH: PageOpStatus
 PAGE_OP_STATUS_UNKNOWN_REQUEST: PageOpStatus
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token")
+    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class RegisterWorkerRequest(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     num_pages: int
@@ -36,17 +37,20 @@ class RegisterWorkerRequest(_message.Message):
     model_fingerprint: str
     kv_dtype: str
     bytes_per_token: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
+    release_requests: bool
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
-    __slots__ = ("ok", "previous_epoch", "dropped_req_ids")
+    __slots__ = ("ok", "previous_epoch", "dropped_req_ids", "released_req_ids")
     OK_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     DROPPED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     previous_epoch: int
     dropped_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ok: _Optional[bool] = ..., previous_epoch: _Optional[int] = ..., dropped_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    released_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ok: _Optional[bool] = ..., previous_epoch: _Optional[int] = ..., dropped_req_ids: _Optional[_Iterable[str]] = ..., released_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PageAllocation(_message.Message):
     __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent")

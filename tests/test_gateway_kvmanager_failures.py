@@ -1,11 +1,15 @@
-"""The kvmanager killed with SIGKILL while the gateway streams a request, then restarted on the same port and
-Redis (as its Kubernetes Deployment would restart it): the gateway's page ops wait for it (UNAVAILABLE is
-retried with the same step_id), the request keeps its pages and finishes with the tokens of an uninterrupted
-run, its blocks stay cached, and every page comes back; also when the outage outlasts a call's timeout (the
-call is sent again, idempotent by its step_id).
+"""The gateway against kvmanager failures.
+
+- The kvmanager killed with SIGKILL while the gateway streams a request, then restarted on the same port and
+  Redis (as its Kubernetes Deployment would restart it): the gateway's page ops wait for it (UNAVAILABLE is
+  retried with the same step_id), the request keeps its pages and finishes with the tokens of an uninterrupted
+  run, its blocks stay cached, and every page comes back; also when the outage outlasts a call's timeout (the
+  call is sent again, idempotent by its step_id).
+- The gateway stopping while the kvmanager is down: it stops, and says which pages stay allocated.
+- A gateway that died with requests running: the next one frees their pages when it registers the worker.
 
 Redis is the test's own, so it outlives the kvmanager's SIGKILL as a managed Redis would. The gateway and the
-worker run in this process; the kvmanager is a real `kvserve kvmanager` process.
+worker run in this process; the killed kvmanager is a real `kvserve kvmanager` process.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.redis_server import EmbeddedRedis
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
+from kvserve.kvmanager.types import Allocate, Commit, StepOps
 from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys
+from kvserve.services.gateway.clients import pool_spec
 from kvserve.services.gateway.validate import GenerateInput
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
@@ -138,6 +144,7 @@ def test_the_gateway_stops_while_the_kvmanager_is_down(model_dir, worker_server,
     server = start_kvmanager_server(KVService(KVManager(), NullStore()), "127.0.0.1", 0, admin_token=TOKEN)
     gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",), model_dir),
                       ApiKeys())
+    gateway.kv.timeout_s = 1.0  # a page op already waiting for the kvmanager gives up after 1 s, not 10
     handle = gateway.submit(request(), "default")[0]
     deltas = iter(handle)
     while not next(deltas).token_ids:  # running: it holds pages
@@ -150,3 +157,27 @@ def test_the_gateway_stops_while_the_kvmanager_is_down(model_dir, worker_server,
     last = list(deltas)[-1]
     assert last.finish_reason is not None
     assert "stopping with the kvmanager unreachable; the pages of 1 requests stay allocated there" in caplog.text
+
+
+def test_a_starting_gateway_frees_what_a_dead_one_left_running(model_dir, worker_server, runner, caplog):
+    """A gateway killed with requests running never freed them. The next one registers the worker with
+    release_requests: their pages come back, their cached blocks stay, and it serves as usual."""
+    service = KVService(KVManager(), NullStore())
+    server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=TOKEN)
+    spec = pool_spec(runner.info)  # registered by the gateway that died, which then admitted a request
+    service.register_worker(spec)
+    orphan = Allocate("orphan", "default", tuple(range(100, 140)), spec.worker_id)
+    service.step(StepOps(1, allocations=(orphan,), commits=()))
+    service.step(StepOps(2, commits=(Commit("orphan", 0, orphan.token_ids[:32], 40),)))
+    pool = service.manager.pools[spec.worker_id]
+    assert pool.num_used == 3 and pool.num_requests == 1
+    gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",), model_dir),
+                      ApiKeys())
+    try:
+        assert pool.num_used == 0 and pool.num_requests == 0 and pool.num_cached == 2
+        assert "freed the pages of 1 requests a previous gateway left running" in caplog.text
+        got, _ = stream(gateway)
+        assert len(got) == MAX_TOKENS and pool.num_used == 0
+    finally:
+        gateway.close(drain_s=1.0)
+        server.stop(0)
