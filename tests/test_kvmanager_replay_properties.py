@@ -67,6 +67,12 @@ class ReplayMachine(KVManagerMachine):
 
     def call(self, ops: StepOps):
         res = super().call(ops)
+        if not ops.step_id and ops.allocations:
+            # A req_id allocated again without a step_id leaves nothing to refuse an older call of its earlier
+            # request by (step_id 0 opts out of idempotency): no such call is retried. The gateway never does
+            # either (fresh req_ids, a step_id on every call).
+            again = {a.req_id for a in ops.allocations}
+            self.settled = [s for s in self.settled if not again & {o.req_id for o in (*s.commits, *s.frees)}]
         if ops.step_id and not (ops.allocations or ops.extensions):
             self.settled.append(ops)
         return res
