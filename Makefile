@@ -69,7 +69,7 @@ bench-snapshots: install
 bench-ab: model kernels
 	$(PY) bench/throughput_ab.py
 
-# The gateway's page ops overlapped with compute vs waited for, alternated (~10 min).
+# The gateway's page ops overlapped with compute vs waited for, alternated over 8 rounds (~5 min).
 bench-overlap: model kernels
 	$(PY) bench/overlap_ab.py
 

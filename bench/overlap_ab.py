@@ -1,6 +1,6 @@
 """Page ops overlapped with compute, on against off, alternated round by round.
 
-    python bench/overlap_ab.py [--rounds 3] [--out bench/results/overlap-ab-DATE.json]
+    python bench/overlap_ab.py [--rounds 8] [--out bench/results/overlap-ab-DATE.json]
 
 Each round runs the report's mixed burst (24 requests, prompts of 32-512 corpus tokens, 16-128 new tokens) through
 a `kvserve up` stack twice: as it ships (a kvmanager call that only commits pages and tops up headroom is made
@@ -38,7 +38,7 @@ def run_side(flags: tuple[str, ...], texts) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     _, (texts, _) = workload()
