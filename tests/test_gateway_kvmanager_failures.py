@@ -7,6 +7,8 @@
   call is sent again, idempotent by its step_id).
 - The gateway stopping while the kvmanager is down: it stops, and says which pages stay allocated.
 - A gateway that died with requests running: the next one frees their pages when it registers the worker.
+- Redis restarted while the gateway streams: the kvmanager answers UNAVAILABLE (nothing it answers is lost), the
+  gateway retries with the same step_id, and the request finishes with the same tokens.
 
 Redis is the test's own, so it outlives the kvmanager's SIGKILL as a managed Redis would. The gateway and the
 worker run in this process; the killed kvmanager is a real `kvserve kvmanager` process.
@@ -23,7 +25,8 @@ import pytest
 from test_kvmanager_cli import kvmanager_process, stop_cleanly
 
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.redis_server import EmbeddedRedis
+from kvserve.kvmanager.oplog import LoggedStore
+from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.kvmanager.types import Allocate, Commit, StepOps
@@ -181,3 +184,41 @@ def test_a_starting_gateway_frees_what_a_dead_one_left_running(model_dir, worker
     finally:
         gateway.close(drain_s=1.0)
         server.stop(0)
+
+
+def test_a_redis_restart_mid_stream_is_retried_through(tmp_path, model_dir, worker_server, monkeypatch):
+    with EmbeddedRedis(tmp_path / "redis") as redis:
+        service = KVService(KVManager(), LoggedStore(connect(redis.url)))
+        server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=TOKEN)
+        gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",),
+                                        model_dir), ApiKeys())
+        refused = LogSeen("kvmanager unavailable (UNAVAILABLE")
+        logging.getLogger("kvserve.gateway").addHandler(refused)
+        try:
+            expected, _ = stream(gateway)
+            calls = watch_calls(gateway, monkeypatch)
+
+            def restart_redis_after_5(num_tokens: int) -> None:
+                if num_tokens == 5:
+                    redis.stop()
+                    with calls:
+                        assert calls.wait_for(lambda: calls.pending > 0, timeout=60)
+                    assert refused.event.wait(60)  # the kvmanager could not make a call durable: refused
+                    redis.start()
+
+            got, _ = stream(gateway, restart_redis_after_5)
+            assert got == expected and service.store_ok
+            pool = service.manager.pools[runner_worker_id(gateway)]
+            assert pool.num_used == 0 and pool.num_requests == 0
+            reloaded = KVManager()
+            LoggedStore(connect(redis.url)).load(reloaded)  # what a restart would load: everything answered
+            assert reloaded.pools[pool.spec.worker_id].num_cached == pool.num_cached > 0
+            assert not reloaded.requests
+        finally:
+            logging.getLogger("kvserve.gateway").removeHandler(refused)
+            gateway.close(drain_s=1.0)
+            server.stop(0)
+
+
+def runner_worker_id(gateway: Gateway) -> str:
+    return gateway.engines[0].info.worker_id
