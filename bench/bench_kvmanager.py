@@ -196,13 +196,11 @@ class Workload:
         self.step_id += 1
         self.num_calls += 1
         ops = dataclasses.replace(ops, step_id=self.step_id)
-        lists = {"allocations": ops.allocations, "extensions": ops.extensions, "commits": ops.commits,
-                 "frees": ops.frees}
         res = self.ref.step(ops)
         self.ref.take_changes()
         expect = fingerprint(res)
         assert expect[0] == 0, f"{self.scenario}: the workload ran out of pages or hit a stale op: {res}"
-        ids = {o.req_id for group in lists.values() for o in group}
+        ids = {o.req_id for group in (ops.allocations, ops.extensions, ops.commits, ops.frees) for o in group}
         self.calls.append(Call(kind, ops, expect, len(ids)))
         return res
 
