@@ -7,6 +7,8 @@
   call is sent again, idempotent by its step_id).
 - The gateway stopping while the kvmanager is down: it stops, and says which pages stay allocated.
 - A gateway that died with requests running: the next one frees their pages when it registers the worker.
+- New requests while the kvmanager is down (two workers): placed on the least queued worker at once, they wait
+  for the kvmanager in their first page op and finish once it is back.
 - Redis restarted while the gateway streams: the kvmanager answers UNAVAILABLE (nothing it answers is lost), the
   gateway retries with the same step_id, and the request finishes with the same tokens.
 
@@ -22,6 +24,7 @@ import threading
 
 import grpc
 import pytest
+from conftest import TEST_NUM_PAGES, TEST_PAGE_SIZE
 from test_kvmanager_cli import kvmanager_process, stop_cleanly
 
 from kvserve.kvmanager.manager import KVManager
@@ -37,6 +40,8 @@ from kvserve.services.gateway.validate import GenerateInput
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 from kvserve.worker.batch import SamplingParams
+from kvserve.worker.runner import ModelRunner, RunnerConfig
+from kvserve.worker.server import start_worker_server
 
 TOKEN = "admin-token"
 PROMPT = ("The history of the railway in Europe began in the early nineteenth century, when the first steam "
@@ -222,3 +227,48 @@ def test_a_redis_restart_mid_stream_is_retried_through(tmp_path, model_dir, work
 
 def runner_worker_id(gateway: Gateway) -> str:
     return gateway.engines[0].info.worker_id
+
+
+@pytest.fixture
+def second_worker(model_dir):
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=TEST_NUM_PAGES, page_size=TEST_PAGE_SIZE,
+                                      device="cpu", dtype="float32", worker_id="worker-1"))
+    server = start_worker_server(runner, "127.0.0.1", 0)
+    yield server
+    server.stop(1.0)
+
+
+def test_while_the_kvmanager_is_down_new_requests_are_placed_by_load_and_wait_for_it(model_dir, worker_server,
+                                                                                   second_worker, monkeypatch,
+                                                                                   caplog):
+    """Placement is a hint: with the kvmanager down, submit() does not wait out the outage (holding every other
+    submission behind it) but queues the request on the least queued worker, whose page ops wait for the
+    kvmanager as running requests' do. Once it is back, every request finishes, and placement is its again."""
+    caplog.set_level(logging.INFO, logger="kvserve.gateway")
+    service = KVService(KVManager(), NullStore())
+    server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=TOKEN)
+    workers = (f"127.0.0.1:{worker_server.port}", f"127.0.0.1:{second_worker.port}")
+    gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", workers, model_dir), ApiKeys())
+    try:
+        expected, _ = stream(gateway)
+        calls = watch_calls(gateway, monkeypatch)
+        server.stop(0)
+        a, engine_a = gateway.submit(request(), "default")
+        with calls:  # A's first page op waits for the kvmanager, and its engine's loop with it
+            assert calls.wait_for(lambda: calls.pending > 0, timeout=60)
+        b, engine_b = gateway.submit(request(), "default")  # both engines have nothing queued: the first
+        c, engine_c = gateway.submit(request(), "default")  # B sits in the first engine's inbox: the other
+        assert [engine_a, engine_b, engine_c] == [gateway.engines[0], gateway.engines[0], gateway.engines[1]]
+        assert caplog.text.count("placing new requests on the least queued worker") == 1
+        server = start_kvmanager_server(service, "127.0.0.1", server.port, admin_token=TOKEN)
+        assert [tokens_of(h) for h in (a, b, c)] == [expected] * 3
+        stream(gateway)
+        assert "kvmanager placement answers again" in caplog.text
+        assert all(pool.num_used == 0 and pool.num_requests == 0 for pool in service.manager.pools.values())
+    finally:
+        gateway.close(drain_s=1.0)
+        server.stop(0)
+
+
+def tokens_of(handle) -> list[int]:
+    return [t for delta in handle for t in delta.token_ids]

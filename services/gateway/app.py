@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 
 from kvserve.services.gateway.auth import ApiKeys
-from kvserve.services.gateway.clients import KVManagerClient, WorkerClient, pool_spec
+from kvserve.services.gateway.clients import KV_RETRY, KVManagerClient, WorkerClient, pool_spec
 from kvserve.services.gateway.engine import EngineLoop, RequestHandle
 from kvserve.services.gateway.errors import BackendFailure, ShuttingDown
 from kvserve.services.gateway.observe import Observer
@@ -55,6 +55,7 @@ class Gateway:
                              max_pool_tokens=min(e.info.num_pages * e.info.page_size for e in self.engines),
                              default_max_tokens=cfg.default_max_tokens, max_tokens_limit=cfg.max_tokens_limit)
         self._lock = threading.Lock()
+        self._placing_by_load = False  # the kvmanager did not answer the last placement (guarded by _lock)
         self.closing = False
         for engine in self.engines:
             engine.start()
@@ -87,15 +88,33 @@ class Gateway:
 
     def place(self, req: Request) -> EngineLoop:
         """The worker the kvmanager's cache-aware placement chooses (longest prefix hit balanced against
-        load, counting the requests this gateway has queued per worker); the only one when there is one."""
+        load, counting the requests this gateway has queued per worker); the only one when there is one.
+
+        While the kvmanager is unreachable, the worker with the fewest queued requests: the request then waits
+        for the kvmanager in its first page op, as running ones do, instead of holding up every submission
+        behind a placement that waits out the outage."""
         if len(self.engines) == 1:
             return self.engines[0]
+        num_queued = {e.info.worker_id: e.num_queued for e in self.engines}
         try:
-            worker_id = self.kv.place(req.tenant, req.prompt_token_ids,
-                                      {e.info.worker_id: e.num_queued for e in self.engines})
+            worker_id = self.kv.place(req.tenant, req.prompt_token_ids, num_queued)
         except grpc.RpcError as e:
-            raise BackendFailure(f"kvmanager placement failed: {e.code().name}: {e.details()}") from e
+            if e.code() not in KV_RETRY:
+                raise BackendFailure(f"kvmanager placement failed: {e.code().name}: {e.details()}") from e
+            worker_id = min(num_queued, key=num_queued.get)  # the first of the least queued
+            self._placement_degraded(f"{e.code().name}: {e.details()}")
+        else:
+            self._placement_degraded(None)
         return next((e for e in self.engines if e.info.worker_id == worker_id), self.engines[0])
+
+    def _placement_degraded(self, why: str | None) -> None:
+        """Logs when placement starts (``why``) and stops (None) falling back to the least queued worker."""
+        if why is not None and not self._placing_by_load:
+            log.warning("kvmanager placement unavailable (%s); placing new requests on the least queued worker "
+                        "until it answers again", why)
+        elif why is None and self._placing_by_load:
+            log.info("kvmanager placement answers again")
+        self._placing_by_load = why is not None
 
     def close(self, drain_s: float = 5.0) -> None:
         """Graceful stop: admit nothing new, let in-flight requests finish for up to drain_s, cancel the rest,

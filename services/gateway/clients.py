@@ -59,11 +59,12 @@ class _ServiceClient:
 class KVManagerClient(_ServiceClient):
     """Retries UNAVAILABLE (Redis briefly down) and DEADLINE_EXCEEDED (a call that waited timeout_s for a
     restarting kvmanager) with capped backoff, for up to retry_for_s. Every call is safe to repeat: StepPages is
-    idempotent per step_id, RegisterWorker per epoch, and Place has no side effect."""
+    idempotent per step_id and RegisterWorker per epoch. Place is tried once (see place)."""
 
     def __init__(self, address: str, timeout_s: float = 10.0, retry_for_s: float = 60.0,
-                 stopping: threading.Event | None = None):
+                 stopping: threading.Event | None = None, place_timeout_s: float = 2.0):
         super().__init__(address, kvmanager_pb2_grpc.KVManagerServiceStub, timeout_s, retry_for_s, stopping)
+        self.place_timeout_s = place_timeout_s
 
     def register(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
         """``release_requests``: this gateway has just started, so any request held on the worker is an orphan
@@ -76,9 +77,12 @@ class KVManagerClient(_ServiceClient):
                           kv_convert.step_results_from_proto)
 
     def place(self, tenant: str, token_ids: list[int], num_queued: dict[str, int]) -> str:
-        """The worker_id cache-aware placement chooses for a new request (no side effect)."""
-        return self._call(self.stub.Place, kv_convert.place_to_proto(tenant, token_ids, num_queued),
-                          lambda r: r.worker_id)
+        """The worker_id cache-aware placement chooses for a new request (no side effect). One try, within
+        place_timeout_s and without waiting for a kvmanager that is down: placement is a hint the caller can do
+        without, and it is asked while new requests queue behind it."""
+        reply = self.stub.Place(kv_convert.place_to_proto(tenant, token_ids, num_queued),
+                                timeout=self.place_timeout_s, wait_for_ready=False)
+        return reply.worker_id
 
     def _call(self, method, request, convert):
         def on_retry(e, backoff_s):
