@@ -139,6 +139,28 @@ def test_abort_of_a_running_request_frees_its_pages_next_step():
     assert mgr.pools["w0"].num_used == 0 and not sched.has_work()
 
 
+def test_finish_says_whether_the_request_still_has_pages_to_free():
+    """The engine sends a finished request's last delta once its pages are freed; one that holds none (queued,
+    or preempted with its free already sent) must not wait for a free that never comes."""
+    for free_sent in (False, True):
+        mgr, sched = setup(num_pages=5, budget=16)
+        a, b, queued = (request("a", range(1, 9), max_tokens=5), request("b", range(11, 19), max_tokens=5),
+                        request("q", range(21, 25)))
+        for req in (a, b, queued):
+            sched.add(req)
+        while not b.num_preemptions:
+            run_step(mgr, sched)
+        assert queued.status is RequestStatus.WAITING and sched.finish(queued, FinishReason.CANCELLED) is False
+        assert b.status is RequestStatus.WAITING and "b" in sched.pending_frees  # preempted: its free goes next
+        if free_sent:
+            run_step(mgr, sched)
+            assert b.status is RequestStatus.WAITING and "b" not in sched.pending_frees
+        assert sched.finish(b, FinishReason.CANCELLED) is (not free_sent)
+        assert a.status is RequestStatus.RUNNING and sched.finish(a, FinishReason.CANCELLED) is True
+        drain(mgr, sched)
+        assert mgr.pools["w0"].num_used == 0 and not mgr.requests
+
+
 def test_a_request_that_can_never_fit_fails_instead_of_waiting_forever():
     mgr, sched = setup(num_pages=4)
     mgr.step(StepOps(allocations=(Allocate("elsewhere", "t", tuple(range(50, 58)), "w0"),)))  # holds 2 pages

@@ -189,8 +189,10 @@ class EngineLoop:
         handle = self.handles.pop(req_id, None)
         if handle is None:
             return  # finished already
-        self.scheduler.finish(handle.req, reason, error)
-        self.finishing[req_id] = (handle, "")
+        if self.scheduler.finish(handle.req, reason, error):
+            self.finishing[req_id] = (handle, "")  # its last delta waits for the free
+        else:
+            self._complete(handle)  # it holds no pages: nothing to wait for
 
     def _deliver_freed(self, freed_req_ids) -> None:
         """The last delta of a finished request goes out once the kvmanager has freed its pages, so a client

@@ -118,10 +118,12 @@ class Scheduler:
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
-    def finish(self, req: Request, reason: FinishReason, error: Exception | None = None) -> None:
-        """Ends a request wherever it is; a running one's pages are freed by the next step."""
+    def finish(self, req: Request, reason: FinishReason, error: Exception | None = None) -> bool:
+        """Ends a request wherever it is; a running one's pages are freed by the next step. Returns whether a
+        free of its pages is queued: False for a request that holds none (queued, never admitted or preempted
+        with its free already sent), whose end needs no page op to wait for."""
         if req.status is RequestStatus.FINISHED:
-            return
+            return req.req_id in self.pending_frees
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._queue_free(req)
@@ -131,6 +133,7 @@ class Scheduler:
             self.pending_frees.append(req.req_id)
         self.requests.pop(req.req_id, None)
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
+        return req.req_id in self.pending_frees
 
     def _queue_free(self, req: Request) -> None:
         """Its pages go back with the next call, after the commit of those it filled since its last one."""

@@ -1,0 +1,74 @@
+"""Requests that end before they ever ran, in a gateway in this process with a real worker and kvmanager.
+
+With one seat (max_num_seqs=1), a second request queues behind the first. Cancelled there, or left queued
+when the gateway stops, it holds no pages, so its stream must end at once instead of waiting for a free that
+never comes (a stream that never ends holds a gateway handler thread for good).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.server import start_kvmanager_server
+from kvserve.kvmanager.service import KVService, NullStore
+from kvserve.services.gateway.app import Gateway, GatewayConfig
+from kvserve.services.gateway.auth import ApiKeys
+from kvserve.services.gateway.request import FinishReason
+from kvserve.services.gateway.validate import GenerateInput
+from kvserve.worker.batch import SamplingParams
+
+PROMPT = "The history of the railway in Europe began"
+END_WITHIN_S = 60  # a guard, not a measure: without the fix the stream never ends
+
+
+def request(max_tokens: int) -> GenerateInput:
+    return GenerateInput(prompt=PROMPT, messages=None, sampling=SamplingParams(), max_tokens=max_tokens,
+                         ignore_eos=True)
+
+
+@pytest.fixture
+def gateway(model_dir, worker_server):
+    service = KVService(KVManager(), NullStore())
+    server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token="t")
+    gw = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",), model_dir,
+                               max_num_seqs=1), ApiKeys())
+    gw.pool = next(iter(service.manager.pools.values()))
+    yield gw
+    gw.close(drain_s=1.0)
+    server.stop(0)
+
+
+def start_two(gateway: Gateway):
+    """The first request running (it has streamed a token) and the second queued behind it."""
+    running, engine = gateway.submit(request(max_tokens=20), "default")
+    queued, _ = gateway.submit(request(max_tokens=5), "default")
+    deltas = iter(running)
+    while not next(deltas).token_ids:
+        pass
+    return engine, deltas, queued
+
+
+def last_delta(handle):
+    delta = handle.deltas.get(timeout=END_WITHIN_S)
+    assert delta.finish_reason is not None
+    return delta
+
+
+def test_cancelling_a_queued_request_ends_its_stream_and_the_running_one_goes_on(gateway):
+    engine, running, queued = start_two(gateway)
+    engine.abort(queued.req.req_id)
+    end = last_delta(queued)
+    assert end.finish_reason is FinishReason.CANCELLED and not end.token_ids and end.usage[2] == 0
+    rest = list(running)
+    assert rest[-1].finish_reason is FinishReason.LENGTH and sum(len(d.token_ids) for d in rest) == 19
+    assert engine.idle.wait(END_WITHIN_S)
+    assert gateway.pool.num_used == 0 and gateway.pool.num_requests == 0
+
+
+def test_stopping_ends_the_queued_requests_stream_too(gateway):
+    engine, running, queued = start_two(gateway)
+    gateway.close(drain_s=0.0)
+    assert last_delta(queued).finish_reason is FinishReason.CANCELLED
+    assert list(running)[-1].finish_reason is FinishReason.CANCELLED
+    assert gateway.pool.num_used == 0 and gateway.pool.num_requests == 0
