@@ -1,9 +1,13 @@
 """A worker that restarts mid-request (a new process would have a new epoch and an empty pool): the gateway
 re-sends the step once the worker is back, learns its new epoch, re-registers the pool with the kvmanager
-(which drops the old epoch's pages) and recomputes the request. The client sees the same tokens."""
+(which drops the old epoch's pages) and recomputes the request. The client sees the same tokens. And when the
+kvmanager cannot register the new pool at that moment, the engine keeps the old epoch until it can."""
 
 from __future__ import annotations
 
+import threading
+
+import grpc
 import pytest
 
 from kvserve.kvmanager.manager import KVManager
@@ -33,10 +37,36 @@ def tokens(handle, on_token=None) -> list[int]:
     return out
 
 
+class RefuseRegistration(grpc.ServerInterceptor):
+    """While ``refusing`` is set, RegisterWorker answers UNAVAILABLE, as the kvmanager does when it cannot
+    reach Redis; every other call is served."""
+
+    def __init__(self):
+        self.refusing = threading.Event()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if not details.method.endswith("/RegisterWorker"):
+            return handler
+
+        def register(request, context):
+            if self.refusing.is_set():
+                context.abort(grpc.StatusCode.UNAVAILABLE, "Redis unreachable (the test refuses it)")
+            return handler.unary_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(register, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
 @pytest.fixture
-def kvmanager():
+def refusal():
+    return RefuseRegistration()
+
+
+@pytest.fixture
+def kvmanager(refusal):
     service = KVService(KVManager(), NullStore())
-    server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token="t")
+    server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token="t", interceptors=(refusal,))
     yield service, f"127.0.0.1:{server.port}"
     server.stop(0)
 
@@ -63,6 +93,44 @@ def test_a_worker_restart_mid_request_recomputes_with_identical_output(model_dir
         assert len(servers) == 2 and restarted.info.epoch != runner.info.epoch
         pool = service.manager.pools["worker-0"]
         assert pool.spec.epoch == restarted.info.epoch  # re-registered: the old epoch's pages are gone
+        assert gateway.engines[0].info.epoch == restarted.info.epoch
+    finally:
+        gateway.close(drain_s=1.0)
+        servers[-1].stop(0)
+
+
+def test_a_restarted_worker_whose_registration_failed_is_never_served_the_old_epochs_cache(model_dir, kvmanager,
+                                                                                          refusal):
+    """The worker restarts while the kvmanager cannot register its new pool. The requests fail, and the
+    engine must stay on the old epoch: had it taken the new one, the kvmanager (still on the old epoch) would
+    hand the next request prefix hits on pages the restarted worker never wrote. Instead its first step is
+    refused by the worker, the engine registers again, and the request is computed from scratch."""
+    service, kv_address = kvmanager
+    first = start_worker_server(new_runner(model_dir), "127.0.0.1", 0)
+    port = first.port
+    gateway = Gateway(GatewayConfig(kv_address, (f"127.0.0.1:{port}",), model_dir), ApiKeys())
+    gateway.kv.retry_for_s = 0.5  # a refused registration fails the step after 0.5 s instead of 60
+    request = GenerateInput(prompt=PROMPT * 4, messages=None, sampling=SamplingParams(), max_tokens=12,
+                            ignore_eos=True)
+    servers = [first]
+    try:
+        expected = tokens(gateway.submit(request, "default")[0])  # caches the prompt's full pages
+        restarted = new_runner(model_dir)
+
+        def restart_after_3(num_tokens: int) -> None:
+            if num_tokens == 3:
+                refusal.refusing.set()
+                servers[0].stop(0)
+                servers.append(start_worker_server(restarted, "127.0.0.1", port))
+
+        handle = gateway.submit(request, "default")[0]
+        tokens(handle, restart_after_3)
+        assert handle.req.finish_reason.name == "ERROR"  # its re-registration was refused
+        assert gateway.engines[0].info.epoch != restarted.info.epoch
+        refusal.refusing.clear()
+        again = gateway.submit(request, "default")[0]
+        assert tokens(again) == expected  # not computed over the zeroed pages of the restarted worker
+        assert service.manager.pools["worker-0"].spec.epoch == restarted.info.epoch
         assert gateway.engines[0].info.epoch == restarted.info.epoch
     finally:
         gateway.close(drain_s=1.0)

@@ -312,9 +312,12 @@ class EngineLoop:
 
     def _reregister(self) -> None:
         """After a worker restart: register its new pool (the kvmanager drops the old epoch's pages) and
-        queue every running request for recompute."""
-        self.info = self.worker.info()
-        result = self.kv.register(pool_spec(self.info))
+        queue every running request for recompute. The engine takes the new epoch only once the kvmanager has
+        it: if registering fails, the worker refuses the next step (old epoch) and this runs again, whereas a
+        new epoch over the kvmanager's old pool would be served prefix hits on pages the worker never wrote."""
+        info = self.worker.info()
+        result = self.kv.register(pool_spec(info))
+        self.info = info
         log.warning("worker %s restarted (epoch %d -> %d): recomputing %d requests", self.info.worker_id,
                     result.previous_epoch, self.info.epoch, len(self.scheduler.running))
         for req in list(self.scheduler.running):
