@@ -9,6 +9,8 @@
 - A gateway that died with requests running: the next one frees their pages when it registers the worker.
 - New requests while the kvmanager is down (two workers): placed on the least queued worker at once, they wait
   for the kvmanager in their first page op and finish once it is back.
+- A call the kvmanager applied but whose answer never came: its requests fail, and the next call (their frees
+  and a new request's admission) goes through.
 - Redis restarted while the gateway streams: the kvmanager answers UNAVAILABLE (nothing it answers is lost), the
   gateway retries with the same step_id, and the request finishes with the same tokens.
 
@@ -36,6 +38,7 @@ from kvserve.kvmanager.types import Allocate, Commit, StepOps
 from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.clients import pool_spec
+from kvserve.services.gateway.request import FinishReason
 from kvserve.services.gateway.validate import GenerateInput
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
@@ -272,3 +275,56 @@ def test_while_the_kvmanager_is_down_new_requests_are_placed_by_load_and_wait_fo
 
 def tokens_of(handle) -> list[int]:
     return [t for delta in handle for t in delta.token_ids]
+
+
+class LoseRepliesToFirstCommit(grpc.ServerInterceptor):
+    """Applies every attempt of the first StepPages call that commits, but loses its reply (UNAVAILABLE, as
+    when the connection drops after the kvmanager answered), once ``go`` is set; ``seen`` is set at the first
+    attempt. Every other call is served."""
+
+    def __init__(self):
+        self.seen, self.go = threading.Event(), threading.Event()
+        self.step_id = None
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if not details.method.endswith("/StepPages"):
+            return handler
+
+        def step_pages(request, context):
+            if self.step_id is None and request.commits:
+                self.step_id = request.step_id
+            reply = handler.unary_unary(request, context)
+            if request.step_id == self.step_id:
+                self.seen.set()
+                self.go.wait(60)
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the reply was lost (the test loses it)")
+            return reply
+
+        return grpc.unary_unary_rpc_method_handler(step_pages, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
+def test_a_call_applied_but_never_answered_fails_only_its_own_requests(model_dir, worker_server):
+    """The gateway gave up on a call the kvmanager had applied (its commits included), and failed its requests.
+    Their frees go out with the next call; commits computed before the lost answer must not (they would be
+    refused as out of order, and the whole call with them): the request admitted in that call runs."""
+    service = KVService(KVManager(), NullStore())
+    loser = LoseRepliesToFirstCommit()
+    server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=TOKEN, interceptors=(loser,))
+    gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",), model_dir,
+                                    max_num_batched_tokens=16), ApiKeys())  # 16-token chunks: a commit a step
+    gateway.kv.retry_for_s = 0.5  # the lost call fails after 0.5 s of retries instead of 60
+    try:
+        first = gateway.submit(request(), "default")[0]
+        assert loser.seen.wait(60)  # the engine's loop is in the call: what is submitted now waits in its inbox
+        second = gateway.submit(request(), "default")[0]
+        loser.go.set()
+        assert list(first)[-1].finish_reason is FinishReason.ERROR
+        got = [t for delta in second for t in delta.token_ids]
+        assert second.req.finish_reason is FinishReason.LENGTH and len(got) == MAX_TOKENS
+        pool = service.manager.pools[runner_worker_id(gateway)]
+        assert pool.num_used == 0 and pool.num_requests == 0
+    finally:
+        gateway.close(drain_s=1.0)
+        server.stop(0)

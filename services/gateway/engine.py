@@ -337,4 +337,8 @@ class EngineLoop:
                   len(self.handles))
         for req_id in list(self.handles):
             self._finish(req_id, FinishReason.ERROR, BackendFailure(error))
+        # Their frees go out with the next call, but not the commits of what they filled last: a failed call
+        # may have been applied without its answer arriving, and a commit computed before that answer would be
+        # refused as out of order, failing the whole call and the requests it admits. Only cache entries lost.
+        self.scheduler.final_commits = []
         self._deliver_freed(list(self.finishing))  # the kvmanager is unreachable: do not make clients wait
