@@ -328,3 +328,28 @@ def test_a_call_applied_but_never_answered_fails_only_its_own_requests(model_dir
     finally:
         gateway.close(drain_s=1.0)
         server.stop(0)
+
+
+def test_the_gateway_stops_at_once_with_its_worker_gone_and_frees_the_pages(model_dir, second_worker):
+    """The worker dies mid-stream and the gateway is stopped. The step waiting for the worker is cancelled (it
+    would otherwise wait out its 120 s timeout), and the request's pages are freed: the kvmanager is there."""
+    service = KVService(KVManager(), NullStore())
+    server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=TOKEN)
+    gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{second_worker.port}",), model_dir),
+                      ApiKeys())
+    gateway.engines[0].worker.timeout_s = 600.0  # were the step waited for, the test would hit its own limit
+    try:
+        handle = gateway.submit(request(), "default")[0]
+        deltas = iter(handle)
+        while not next(deltas).token_ids:
+            pass
+        second_worker.stop(0)
+        closing = threading.Thread(target=gateway.close, kwargs={"drain_s": 0.0})
+        closing.start()
+        closing.join(timeout=120)
+        assert not closing.is_alive()
+        assert list(deltas)[-1].finish_reason is not None
+        pool = service.manager.pools["worker-1"]
+        assert pool.num_used == 0 and pool.num_requests == 0
+    finally:
+        server.stop(0)

@@ -33,7 +33,7 @@ def call_with_retries(call, *, retry_on, retry_for_s: float, first_backoff_s: fl
         try:
             return call()
         except grpc.RpcError as e:
-            if e.code() not in retry_on or time.monotonic() + backoff_s > deadline:
+            if e.code() not in retry_on or time.monotonic() + backoff_s > deadline or stopping.is_set():
                 raise
             on_retry(e, backoff_s)
             if stopping.wait(backoff_s):
@@ -104,6 +104,8 @@ class WorkerClient(_ServiceClient):
     def __init__(self, address: str, timeout_s: float = 120.0, retry_for_s: float = 60.0,
                  stopping: threading.Event | None = None):
         super().__init__(address, worker_pb2_grpc.WorkerServiceStub, timeout_s, retry_for_s, stopping)
+        self._lock = threading.Lock()
+        self._step_call: grpc.Future | None = None  # the Step in flight
 
     def info(self, wait_s: float = 60.0) -> WorkerInfo:
         """The worker's Info, waiting up to wait_s for it to come up."""
@@ -118,10 +120,33 @@ class WorkerClient(_ServiceClient):
                         self.address, e.code().name)
 
         # No backoff: wait_for_ready holds the next try until the worker is reachable again.
-        reply = call_with_retries(lambda: self.stub.Step(request, timeout=self.timeout_s, wait_for_ready=True),
-                                  retry_on=RETRY_STEP, retry_for_s=self.retry_for_s, first_backoff_s=0.0,
-                                  stopping=self.stopping, on_retry=on_retry)
+        reply = call_with_retries(lambda: self._step_once(request), retry_on=RETRY_STEP,
+                                  retry_for_s=self.retry_for_s, first_backoff_s=0.0, stopping=self.stopping,
+                                  on_retry=on_retry)
         return worker_convert.output_from_proto(reply)
+
+    def _step_once(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        """One try of a Step, which ends CANCELLED once stopping is set and cancel_step() is called: a try
+        waiting for a worker that is gone would otherwise hold the gateway's stop for timeout_s."""
+        call = self.stub.Step.future(request, timeout=self.timeout_s, wait_for_ready=True)
+        with self._lock:
+            self._step_call = call
+        if self.stopping.is_set():
+            call.cancel()
+        try:
+            return call.result()
+        except grpc.FutureCancelledError:
+            raise call from None  # the call is an RpcError too: CANCELLED
+        finally:
+            with self._lock:
+                self._step_call = None
+
+    def cancel_step(self) -> None:
+        """Cancels the Step in flight, if any (the caller set stopping first, so that no later try waits)."""
+        with self._lock:
+            call = self._step_call
+        if call is not None:
+            call.cancel()
 
 
 def pool_spec(info: WorkerInfo) -> PoolSpec:

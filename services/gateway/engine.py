@@ -106,6 +106,7 @@ class EngineLoop:
         self._inbox: list[RequestHandle] = []
         self._aborts: list[str] = []
         self._stopping = False
+        self._kv_failed = False  # the last kvmanager call failed (loop thread only)
         self.idle = threading.Event()  # set while no request is in flight (for a graceful drain)
         self.idle.set()
         self.thread = threading.Thread(target=self._run, name=f"engine-{info.worker_id}", daemon=True)
@@ -133,6 +134,7 @@ class EngineLoop:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+        self.worker.cancel_step()  # a step still in flight is not waited for (its worker may be gone)
         self.thread.join()
         self._kv_thread.shutdown()  # idle: every step waits for its own call
 
@@ -151,11 +153,11 @@ class EngineLoop:
             try:
                 self._step()
             except grpc.RpcError as e:
-                self._fail_all(f"{e.code().name}: {e.details()}")
                 with self._cv:
                     stopping = self._stopping
-                if stopping:
-                    self._abandon_frees()
+                self._fail_all(f"{e.code().name}: {e.details()}", stopping=stopping)
+                if stopping and self._kv_failed:
+                    self._abandon_frees()  # else (the worker failed) the next step frees them
             with self._cv:
                 if not self.handles and not self._inbox and not self.finishing:
                     self.idle.set()
@@ -263,7 +265,9 @@ class EngineLoop:
             results = get()
         except grpc.RpcError:
             self.scheduler.resend_frees(out)
+            self._kv_failed = True
             raise
+        self._kv_failed = False
         self.stats.num_kv_calls += 1
         return results
 
@@ -316,7 +320,11 @@ class EngineLoop:
         it: if registering fails, the worker refuses the next step (old epoch) and this runs again, whereas a
         new epoch over the kvmanager's old pool would be served prefix hits on pages the worker never wrote."""
         info = self.worker.info()
-        result = self.kv.register(pool_spec(info))
+        try:
+            result = self.kv.register(pool_spec(info))
+        except grpc.RpcError:
+            self._kv_failed = True
+            raise
         self.info = info
         log.warning("worker %s restarted (epoch %d -> %d): recomputing %d requests", self.info.worker_id,
                     result.previous_epoch, self.info.epoch, len(self.scheduler.running))
@@ -324,19 +332,29 @@ class EngineLoop:
             self.scheduler.preempt(req)
 
     def _abandon_frees(self) -> None:
-        """Stopping, and a call failed: the frees would be retried forever, so the loop lets them go. Their pages
-        stay allocated in the kvmanager until the worker registers a new epoch or an admin resets."""
+        """Stopping, and a kvmanager call failed: the frees would be retried forever, so the loop lets them go.
+        Their pages stay allocated in the kvmanager until the next gateway registers the worker (it releases
+        them), the worker registers a new epoch, or an admin resets."""
         sched = self.scheduler
         if sched.pending_frees:
             log.warning("engine %s: stopping with the kvmanager unreachable; the pages of %d requests stay "
                         "allocated there", self.info.worker_id, len(sched.pending_frees))
         sched.pending_frees, sched.final_commits = [], []
 
-    def _fail_all(self, error: str) -> None:
-        log.error("engine %s: step failed: %s; failing its %d requests", self.info.worker_id, error,
-                  len(self.handles))
+    def _fail_all(self, error: str, stopping: bool = False) -> None:
+        """Ends every request after a failed step: as failed, or, when the engine is stopping (its step may have
+        been cancelled for it), as cancelled, which is what stopping does to the requests still in flight."""
+        if stopping:
+            log.info("engine %s: stopping mid-step (%s); cancelling its %d requests", self.info.worker_id, error,
+                     len(self.handles))
+        else:
+            log.error("engine %s: step failed: %s; failing its %d requests", self.info.worker_id, error,
+                      len(self.handles))
         for req_id in list(self.handles):
-            self._finish(req_id, FinishReason.ERROR, BackendFailure(error))
+            if stopping:
+                self._finish(req_id, FinishReason.CANCELLED)
+            else:
+                self._finish(req_id, FinishReason.ERROR, BackendFailure(error))
         # Their frees go out with the next call, but not the commits of what they filled last: a failed call
         # may have been applied without its answer arriving, and a commit computed before that answer would be
         # refused as out of order, failing the whole call and the requests it admits. Only cache entries lost.
