@@ -98,7 +98,12 @@ def run_gateway(args) -> int:
     except grpc.RpcError as e:
         print(f"kvserve: cannot reach the kvmanager or a worker: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    server = start_gateway_server(gateway, args.host, args.port)
+    try:
+        server = start_gateway_server(gateway, args.host, args.port)
+    except OSError as e:
+        gateway.close(drain_s=0.0)
+        print(f"kvserve: {e}", file=sys.stderr)
+        return 1
     metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None
     print(f"kvserve gateway ready on {args.host}:{server.port} ({len(workers)} workers, "
           f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {describe_keys(keys)}"

@@ -85,6 +85,33 @@ def _admin_token(args, data_dir: Path) -> tuple[str, str]:
     return path.read_text().strip(), str(path)
 
 
+def lock_data_dir(data_dir: Path, stack: contextlib.ExitStack) -> None:
+    """Holds an exclusive lock on <data_dir>/kvmanager.lock until ``stack`` closes. Raises ValueError when
+    another kvmanager holds it: two on one data dir would run two Redis servers on one file and overwrite
+    each other's admin token."""
+    import fcntl
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lock = stack.enter_context(open(data_dir / "kvmanager.lock", "a+"))  # held until the stack closes
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        raise ValueError(f"the data directory {data_dir} is in use by another kvmanager (pid {holder}); stop it "
+                         "or give this one another --data-dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+
+
+def _uses_data_dir(args) -> bool:
+    """Whether the kvmanager keeps anything in its data dir: the embedded Redis or a generated admin token."""
+    embedded_redis = not args.no_persistence and not args.redis_url
+    return embedded_redis or not args.admin_token
+
+
 def _tokenizer(model: str | None):
     if not model:
         return None
@@ -147,9 +174,14 @@ def run_kvmanager(args) -> int:
     with contextlib.ExitStack() as stack:
         try:
             tokenizer = _tokenizer(args.model)
+            if _uses_data_dir(args):
+                lock_data_dir(data_dir, stack)
             store, redis_desc = _open_store(args, data_dir, stack)
         except (ValueError, RuntimeError, FileNotFoundError) as e:
             print(f"kvserve: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:  # e.g. --data-dir names a file
+            print(f"kvserve: --data-dir {data_dir}: {e.strerror or e}", file=sys.stderr)
             return 2
         service = KVService(KVManager(), store)
         try:
@@ -162,8 +194,12 @@ def run_kvmanager(args) -> int:
         token, token_where = _admin_token(args, data_dir)
         setup_tracing("kvserve-kvmanager")
         interceptors, metrics_port = _metrics(args, service)
-        server = start_kvmanager_server(service, args.host, args.port, admin_token=token, tokenizer=tokenizer,
-                                        interceptors=interceptors)
+        try:
+            server = start_kvmanager_server(service, args.host, args.port, admin_token=token, tokenizer=tokenizer,
+                                            interceptors=interceptors)
+        except OSError as e:
+            print(f"kvserve: {e}", file=sys.stderr)
+            return 1
         note = metrics_note(args.host, metrics_port)
         print(f"kvserve kvmanager ready on {args.host}:{server.port} (redis: {redis_desc}{note}) admin token: "
               f"{token_where}", flush=True)

@@ -114,7 +114,11 @@ def run_worker(args) -> int:
     setup_tracing("kvserve-worker")
     metrics = WorkerMetrics() if args.metrics_port is not None else None
     metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None
-    ws = start_worker_server(runner, args.host, args.port, metrics=metrics)
+    try:
+        ws = start_worker_server(runner, args.host, args.port, metrics=metrics)
+    except OSError as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return 1
     from kvserve.worker.model import describe_weights
 
     i = runner.info

@@ -39,16 +39,20 @@ def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.Server
     returns once the port is bound. A call larger than max_receive_bytes is refused with RESOURCE_EXHAUSTED.
     Raises OSError when it cannot be bound."""
     options = [("grpc.max_receive_message_length", max_receive_bytes),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.so_reuseport", 0)]  # gRPC's default on Linux lets a second server share a port in use
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads), options=options,
                          interceptors=list(interceptors))
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:  # how grpcio says it, for a port in use among others
+        raise OSError(f"could not bind {host}:{port} (in use?): {e}") from e
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise OSError(f"could not bind {host}:{port} (in use?)")
     server.start()
     for name in ("", *service_names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -145,6 +145,25 @@ def test_kvmanager_with_embedded_redis_persists_and_stops_its_redis(tmp_path):
         stop_cleanly(proc)
 
 
+def test_a_second_kvmanager_on_the_same_data_dir_or_port_exits_and_leaves_the_first_alone(tmp_path):
+    """It would start a second Redis on the same files and overwrite the admin token the first one checks."""
+    data_dir = tmp_path / "data"
+    with kvmanager_process(tmp_path, "--data-dir", str(data_dir)) as (proc, m):
+        port, token = m.group(1), (data_dir / "admin_token").read_text()
+        redis_pids = _children(proc.pid)
+        same_dir = run_cli(tmp_path, "kvmanager", "--data-dir", str(data_dir), "--port", "0")
+        assert same_dir.returncode == 2 and "ready" not in same_dir.stdout
+        assert (f"the data directory {data_dir} is in use by another kvmanager (pid {proc.pid})"
+                in same_dir.stderr)
+        same_port = run_cli(tmp_path, "kvmanager", "--no-persistence", "--admin-token", "T", "--port", port)
+        assert same_port.returncode == 1 and "ready" not in same_port.stdout
+        assert f"could not bind 127.0.0.1:{port}" in same_port.stderr and "Traceback" not in same_port.stderr
+        assert (data_dir / "admin_token").read_text() == token and _children(proc.pid) == redis_pids
+        out = run_cli(tmp_path, "admin", "stats", "--kvmanager", f"127.0.0.1:{port}", "--data-dir", str(data_dir))
+        assert out.returncode == 0, out.stderr
+        stop_cleanly(proc)
+
+
 def test_kvmanager_snapshots_in_a_forked_child_and_restarts_from_it(tmp_path, monkeypatch):
     """With a snapshot due every 2 calls, the real process forks inside its gRPC handlers. It sets
     GRPC_ENABLE_FORK_SUPPORT=0 itself (removed from the environment here), so no child crashes; a graceful
