@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.kvmanager.errors import InvalidRequest, KVManagerError, StaleEpoch, UnknownTenant
+from kvserve.kvmanager.errors import InvalidRequest, KVManagerError, RequestsRunning, StaleEpoch, UnknownTenant
 from kvserve.kvmanager.hashing import hex_hash, iter_chain_hashes
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import Block, PagePool
@@ -365,8 +365,19 @@ def unpin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: st
     return _set_pinned(mgr, tenant, token_ids, worker_id, False)[1]
 
 
-def reset(mgr: KVManager) -> ResetResult:
-    """Drops every request (live and stale), block and counter. Pools stay registered with every page free."""
+def reset(mgr: KVManager, force: bool = False) -> ResetResult:
+    """Drops every request (live and stale), block and counter. Pools stay registered with every page free.
+
+    Refused (RequestsRunning) while requests are live, unless ``force``: a gateway may still be computing them
+    on their pages, which the reset would hand to new requests (their K/V overwritten mid-decode). ``force``
+    is for requests no gateway serves any more."""
+    if mgr.requests and not force:
+        workers = sorted({r.worker_id for r in mgr.requests.values()})
+        raise RequestsRunning(
+            f"{len(mgr.requests)} requests are running (on {', '.join(workers)}): a reset would hand their pages "
+            "to new requests while a worker may still write them. Stop the gateway first (it frees them), drop "
+            "cached blocks with evict, or, if no gateway serves them any more, reset with force "
+            "(kvserve admin reset --yes --force)")
     result = ResetResult(len(mgr.requests), sum(len(p.index) for p in mgr.pools.values()))
     mgr.requests.clear()
     mgr.stale.clear()

@@ -32,6 +32,11 @@ class StaleEpoch(KVManagerError):
     """A registration for an epoch older than the registered one, or a changed pool under the same epoch."""
 
 
+class RequestsRunning(KVManagerError):
+    """An operation that would take pages from live requests, refused while there are some; nothing was
+    applied."""
+
+
 class StoreUnavailable(KVManagerError):
     """The write-through to Redis failed. The change is kept in memory and written by the next call that
     succeeds; retry the same call (same step_id) to get its answer."""

@@ -13,6 +13,7 @@ from kvserve.kvmanager import admin, placement
 from kvserve.kvmanager import convert as cv
 from kvserve.kvmanager.errors import (
     InvalidRequest,
+    RequestsRunning,
     StaleEpoch,
     StaleStep,
     StoreUnavailable,
@@ -33,6 +34,7 @@ ERROR_STATUS: dict[type[Exception], grpc.StatusCode] = {
     UnknownTenant: grpc.StatusCode.NOT_FOUND,
     StaleStep: grpc.StatusCode.FAILED_PRECONDITION,
     StaleEpoch: grpc.StatusCode.FAILED_PRECONDITION,
+    RequestsRunning: grpc.StatusCode.FAILED_PRECONDITION,
     admin.TextUnsupported: grpc.StatusCode.FAILED_PRECONDITION,
     StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
@@ -151,7 +153,7 @@ class KVAdminServicer(kvmanager_pb2_grpc.KVAdminServiceServicer):
     @_mapped
     def Reset(self, request, context):
         if not request.confirm:
-            raise InvalidRequest("reset drops every request and cached block: set confirm (kvserve admin reset --yes)")
-        result = self.service.mutate(admin.reset)
+            raise InvalidRequest("reset drops every cached block and counter: set confirm (kvserve admin reset --yes)")
+        result = self.service.mutate(admin.reset, request.force)
         return pb.ResetResponse(num_dropped_requests=result.num_dropped_requests,
                                 num_dropped_blocks=result.num_dropped_blocks)

@@ -77,8 +77,11 @@ def add_commands(sub) -> None:
     _add_prefix_input(cmd("pin", "pin the cached blocks of a prefix (never evicted until unpinned)"))
     _add_prefix_input(cmd("unpin", "unpin the blocks of a prefix"))
     cmd("page-table", "a request's pages with ref_cnts and block hashes").add_argument("req_id")
-    cmd("reset", "drop every request, cached block and counter").add_argument(
-        "--yes", action="store_true", help="confirm the reset")
+    reset = cmd("reset", "drop every cached block and counter (refused while requests run, unless --force)")
+    reset.add_argument("--yes", action="store_true", help="confirm the reset")
+    reset.add_argument("--force", action="store_true",
+                       help="drop live requests too: only for requests no gateway serves any more (their pages "
+                            "go to new requests while a worker may still write them)")
 
 
 # -- requests ----------------------------------------------------------------------------------------------
@@ -107,7 +110,7 @@ def _request(args):
     if c == "page-table":
         return "GetPageTable", pb.GetPageTableRequest(req_id=args.req_id)
     if c == "reset":
-        return "Reset", pb.ResetRequest(confirm=True)
+        return "Reset", pb.ResetRequest(confirm=True, force=args.force)
     rpc, message = {"probe": ("Probe", pb.ProbeRequest), "pin": ("Pin", pb.PinRequest),
                     "unpin": ("Unpin", pb.UnpinRequest)}[c]
     return rpc, message(**_prefix_fields(args))
@@ -130,7 +133,7 @@ def run_admin(args) -> int:
     from kvserve.v1 import kvmanager_pb2_grpc
 
     if args.admin_command == "reset" and not args.yes:
-        print("kvserve: reset drops every request, cached block and counter; confirm with --yes", file=sys.stderr)
+        print("kvserve: reset drops every cached block and counter; confirm with --yes", file=sys.stderr)
         return 2
     rpc, request = _request(args)
     token = _client_token(args)

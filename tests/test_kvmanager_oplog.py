@@ -168,7 +168,7 @@ def test_reset_is_a_snapshot_and_empties_the_log(redis_url):
     svc = KVService(KVManager(), LoggedStore(client))
     build_history(svc)
     store = svc.store
-    svc.mutate(admin.reset)
+    svc.mutate(admin.reset, True)  # force: requests are live
     assert client.llen(store.log_key) == 0 and client.exists(f"kvserve:s{store.gen}:pool:w0")
     assert live_keys(client, store)["state"] == [store.gen] and client.exists("kvserve:log") == 0
     svc.step(StepOps(20, allocations=(alloc("z", "A", range(5), "w0"),)))

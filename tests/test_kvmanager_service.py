@@ -358,13 +358,18 @@ def test_page_table_dumps_pages_with_ref_cnt_and_block_hash(kv):
     assert err.code() == grpc.StatusCode.NOT_FOUND and "'nope' is not live" in err.details()
 
 
-def test_reset_drops_everything_but_the_pools(kv):
+def test_reset_refuses_while_requests_run_unless_forced_then_drops_everything_but_the_pools(kv):
     kv.register()
     cached_prompt(kv)
     kv.alloc("r", range(6))
     err = rpc_error(kv.admin.Reset, pb.ResetRequest())
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "--yes" in err.details()
-    r = kv.admin.Reset(pb.ResetRequest(confirm=True))
+    before = kv.stats()
+    err = rpc_error(kv.admin.Reset, pb.ResetRequest(confirm=True))  # r's pages would go to new requests
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "1 requests are running (on w0)" in err.details() and "--force" in err.details()
+    assert kv.stats() == before
+    r = kv.admin.Reset(pb.ResetRequest(confirm=True, force=True))
     assert (r.num_dropped_requests, r.num_dropped_blocks) == (1, 3)
     s = kv.stats()
     assert [(p.num_free_pages, p.num_used_pages, p.num_requests) for p in s.pools] == [(8, 0, 0)]
@@ -373,6 +378,9 @@ def test_reset_drops_everything_but_the_pools(kv):
     assert err.code() == grpc.StatusCode.NOT_FOUND
     assert kv.free("r").status == OK
     assert list(kv.alloc("s", P1).page_table) == [0, 1, 2] and kv.alloc("s2", P1).num_cached_tokens == 0
+    for req_id in ("s", "s2"):
+        kv.free(req_id)
+    assert kv.admin.Reset(pb.ResetRequest(confirm=True)).num_dropped_blocks == 0  # nothing running: no force
 
 
 # -- auth, health ---------------------------------------------------------------------------------------------

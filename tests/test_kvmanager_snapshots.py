@@ -168,7 +168,7 @@ def test_call_log_metrics_show_what_a_restart_replays_and_how_snapshots_went(red
     assert got[("kvserve:call_log_records", ())] == in_redis == 12  # all of build_history's: no snapshot took
     assert got[("kvserve:call_log_snapshots_total", (("result", "failed"),))] == 1
     assert got[("kvserve:call_log_generation", ())] == 0
-    svc.mutate(admin.reset)  # an inline snapshot
+    svc.mutate(admin.reset, True)  # an inline snapshot (force: requests are live)
     got = scrape()
     assert got[("kvserve:call_log_snapshots_total", (("result", "inline"),))] == 1
     assert got[("kvserve:call_log_generation", ())] == store.gen > child.gen

@@ -488,10 +488,12 @@ class GetPageTableResponse(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[_Union[PageInfo, _Mapping]]] = ..., num_committed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., last_step_id: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("confirm",)
+    __slots__ = ("confirm", "force")
     CONFIRM_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     confirm: bool
-    def __init__(self, confirm: _Optional[bool] = ...) -> None: ...
+    force: bool
+    def __init__(self, confirm: _Optional[bool] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
     __slots__ = ("num_dropped_requests", "num_dropped_blocks")
