@@ -38,6 +38,16 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -47,7 +47,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli import add_observability_flags
+    from kvserve.services.cli import add_observability_flags, positive_float
 
     w = sub.add_parser("worker", help="run a worker: model weights + KV page pool, serving Step and Info")
     _add_engine_flags(w)
@@ -72,7 +72,7 @@ def add_commands(sub) -> None:
     g.add_argument("--local", action="store_true", help="run the worker engine in this process (no services)")
     g.add_argument("--gateway", default=_env("gateway", "127.0.0.1:50050"), help="gateway host:port")
     g.add_argument("--api-key", default=_env("api_key"), help="API key (not needed in dev mode)")
-    g.add_argument("--timeout", type=float, default=300.0, help="deadline of the call in seconds")
+    g.add_argument("--timeout", type=positive_float, default=300.0, help="deadline of the call in seconds")
     _add_engine_flags(g)
     g.set_defaults(func=run_generate)
 
@@ -164,6 +164,12 @@ def run_generate(args) -> int:
     except KVServeError as e:
         print(f"\nkvserve: gateway {args.gateway}: {e.code.name}: {e.details}", file=sys.stderr)
         return 2 if e.code.name == "INVALID_ARGUMENT" else 1
+    except ValueError as e:  # a flag's value that does not fit the request (build_request names it)
+        print(f"kvserve: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the stream is cancelled on the way out, which frees its pages
+        print(file=sys.stderr)
+        return 130
     print()
     return 0
 

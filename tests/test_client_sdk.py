@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import socket
 import threading
 import time
@@ -182,6 +183,16 @@ def test_build_request_fields():
     assert [(m.role, m.content) for m in chat.messages.messages] == [("system", "be brief"), ("user", "hi")]
     assert chat.sampling.HasField("top_p") and chat.sampling.top_p == 0.5
     assert not chat.sampling.HasField("seed")
+
+
+def test_build_request_takes_one_stop_string_and_names_a_value_that_does_not_fit():
+    assert list(build_request("hi", stop="today").stop) == ["today"]  # one string, not five characters
+    for kwargs, message in (({"seed": -1}, "seed=-1 does not fit"),
+                            ({"max_tokens": 2**40}, f"max_tokens={2**40} does not fit"),
+                            ({"temperature": "hot"}, "temperature='hot' does not fit"),
+                            ({"stop": [1]}, "stop=[1]: give a string or a list of strings")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            build_request("hi", **kwargs)
 
 
 # --- errors ----------------------------------------------------------------------------------------------------

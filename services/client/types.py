@@ -87,9 +87,19 @@ class Completion:
     usage: Usage
 
 
+def _set(message, **fields) -> None:
+    """Sets fields of a message; a value that does not fit its field (range, type) is a ValueError that names
+    the argument, not protobuf's bare "Value out of range"."""
+    for name, value in fields.items():
+        try:
+            setattr(message, name, value)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{name}={value!r} does not fit the request's field: {e}") from None
+
+
 def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str]] | None = None, *,
                   max_tokens: int = 0, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                  seed: int | None = None, stop: Iterable[str] = (), logprobs: bool = False,
+                  seed: int | None = None, stop: str | Iterable[str] = (), logprobs: bool = False,
                   top_logprobs: int = 0, ignore_eos: bool = False) -> gateway_pb2.GenerateRequest:
     """Builds a GenerateRequest. Values are sent as given: the gateway validates ranges.
 
@@ -101,7 +111,7 @@ def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str
         top_p: nucleus mass; 1.0 disables the filter (and leaves the field unset).
         top_k: keep only the k most likely tokens; 0 disables the filter.
         seed: per-request seed for reproducible sampling; None is nondeterministic.
-        stop: strings that end the completion when generated (not returned in text).
+        stop: a string, or strings, that end the completion when generated (not returned in text).
         logprobs: whether to return each generated token's logprob.
         top_logprobs: number of alternatives returned with each token's logprob.
         ignore_eos: keep generating past end-of-sequence tokens until max_tokens.
@@ -110,18 +120,24 @@ def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str
         The request message.
 
     Raises:
-        ValueError: not exactly one of ``prompt`` and ``messages`` is given, or a message lacks
-            ``"role"`` or ``"content"``.
+        ValueError: not exactly one of ``prompt`` and ``messages`` is given, a message lacks ``"role"`` or
+            ``"content"``, or a value does not fit its field (``seed=-1``, ``max_tokens=2**40``); the message
+            names the argument.
     """
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt and messages")
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_logprobs=top_logprobs)
+    sampling, request = common_pb2.SamplingParams(), gateway_pb2.GenerateRequest()
+    _set(sampling, temperature=temperature, top_k=top_k, top_logprobs=top_logprobs)
     if top_p != 1.0:
-        sampling.top_p = top_p
+        _set(sampling, top_p=top_p)
     if seed is not None:
-        sampling.seed = seed
-    request = gateway_pb2.GenerateRequest(sampling=sampling, max_tokens=max_tokens, stop=list(stop),
-                                          logprobs=logprobs, ignore_eos=ignore_eos)
+        _set(sampling, seed=seed)
+    _set(request, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=ignore_eos)
+    request.sampling.CopyFrom(sampling)
+    try:
+        request.stop.extend([stop] if isinstance(stop, str) else stop)
+    except TypeError as e:
+        raise ValueError(f"stop={stop!r}: give a string or a list of strings ({e})") from None
     if prompt is not None:
         request.prompt = prompt
     else:
