@@ -444,7 +444,7 @@ def test_admin_changes_are_written_through_and_survive_a_restart(redis_url):
     assert _durable_view(reloaded.manager) == view
     assert [b.pinned for b in view[1].blocks if b.block_index == 2] == [True]
     with serving(reloaded) as kv:
-        assert kv.admin.Reset(pb.ResetRequest(confirm=True)).num_dropped_blocks == 5
+        assert kv.admin.Reset(pb.ResetRequest(confirm=True, force=True)).num_dropped_blocks == 5
     again = _redis_service(redis_url, "admin-restart").manager
     assert (again.requests, again.tenants, [len(p.index) for p in again.pools.values()]) == ({}, {}, [0])
     assert list(again.pools["w0"].free) == list(range(8))
