@@ -83,6 +83,9 @@ def _check_allocate(mgr: KVManager, a: Allocate, step_id: int) -> None:
         raise InvalidRequest(f"{where}: token_ids must not be empty")
     _check_tokens(where, a.token_ids)
     _check_not_stale(mgr, a.req_id, "allocate", step_id)
+    freed = mgr.recent.get(("free", a.req_id)) if step_id else None
+    if freed is not None and step_id < freed[0]:  # a late attempt of a call the caller gave up on
+        raise StaleStep(f"request {a.req_id!r}: step_id {step_id} is older than step {freed[0]}, which freed it")
     live = mgr.requests.get(a.req_id)
     if live is not None and not live.is_replay("allocate", step_id):
         raise InvalidRequest(f"{where}: req_id is already live")

@@ -173,6 +173,19 @@ def test_retried_call_with_same_step_id_is_not_applied_twice():
         m.step(StepOps(7, extensions=(Extend("a", 16),)))
 
 
+def test_an_allocation_older_than_the_call_that_freed_its_request_is_stale_not_a_new_request():
+    """A gateway gave up on call 7 (admitting "a") and freed "a" in call 8; an attempt of call 7 still queued
+    in the kvmanager must not allocate "a" again: nobody would ever free it."""
+    m = mgr_with()
+    admit = StepOps(7, allocations=(Allocate("a", "t", tuple(range(6))),))
+    m.step(admit)
+    m.step(StepOps(8, frees=(Free("a"),)))
+    with pytest.raises(StaleStep, match="older than step 8, which freed it"):
+        m.step(admit)
+    assert "a" not in m.requests and ref_cnts(m)[:3] == [0, 0, 0]
+    again = m.step(StepOps(9, allocations=(Allocate("a", "t", tuple(range(6))),)))  # a newer call may reuse it
+    assert again.allocations[0].status is OpStatus.OK and "a" in m.requests
+
 
 def test_a_request_commits_its_last_pages_in_the_call_that_frees_it_and_a_retry_gets_the_same_answers():
     m = mgr_with()
