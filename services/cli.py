@@ -86,7 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except BrokenPipeError:  # `kvserve admin stats | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # as a shell reports a process killed by SIGPIPE
 
 
 if __name__ == "__main__":

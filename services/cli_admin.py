@@ -29,6 +29,9 @@ def token_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
     if not ids:
         raise argparse.ArgumentTypeError("no token ids given")
+    bad = next((t for t in ids if not 0 <= t < 2**32), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"token id {bad} is not a uint32")
     return ids
 
 

@@ -103,10 +103,20 @@ def test_kvmanager_serves_admin_commands_then_exits_cleanly(tmp_path):
                                      "kvserve: PERMISSION_DENIED: wrong admin token"),
                                     (("inspect", "nobody", *admin), 1, "kvserve: NOT_FOUND: tenant 'nobody'"),
                                     (("reset", *admin), 2, "confirm with --yes"),
-                                    (("probe", "A", "--tokens", "1,x", *admin), 2, "not a comma-separated list")):
+                                    (("probe", "A", "--tokens", "1,x", *admin), 2, "not a comma-separated list"),
+                                    (("probe", "A", "--tokens", "99999999999", *admin), 2,
+                                     "token id 99999999999 is not a uint32")):
             out = run_cli(tmp_path, "admin", *args)
             assert (out.returncode, out.stdout) == (code, ""), out.stderr
             assert message in out.stderr and "Traceback" not in out.stderr
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # `kvserve admin stats | head` after head has left: stdout is a pipe nobody reads
+        try:
+            out = subprocess.run([KVSERVE, "admin", "stats", *admin], stdout=write_end, stderr=subprocess.PIPE,
+                                 text=True, env=cli_env(tmp_path), timeout=60, stdin=subprocess.DEVNULL)
+        finally:
+            os.close(write_end)
+        assert out.returncode == 141 and "Traceback" not in out.stderr, out.stderr
         stop_cleanly(proc)
 
 
