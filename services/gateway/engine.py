@@ -158,6 +158,9 @@ class EngineLoop:
                 self._fail_all(f"{e.code().name}: {e.details()}", stopping=stopping)
                 if stopping and self._kv_failed:
                     self._abandon_frees()  # else (the worker failed) the next step frees them
+            except Exception as e:  # a bug: fail what runs, rather than end the loop with every stream open
+                log.exception("engine %s: a step raised", self.info.worker_id)
+                self._fail_all(f"internal error in the gateway: {type(e).__name__}: {e}")
             with self._cv:
                 if not self.handles and not self._inbox and not self.finishing:
                     self.idle.set()
@@ -263,7 +266,7 @@ class EngineLoop:
         with the next one, and the error is raised."""
         try:
             results = get()
-        except grpc.RpcError:
+        except Exception:
             self.scheduler.resend_frees(out)
             self._kv_failed = True
             raise

@@ -1,8 +1,11 @@
-"""Requests that end before they ever ran, in a gateway in this process with a real worker and kvmanager.
+"""Requests whose stream must end although they never finished normally, in a gateway in this process with a
+real worker and kvmanager.
 
-With one seat (max_num_seqs=1), a second request queues behind the first. Cancelled there, or left queued
-when the gateway stops, it holds no pages, so its stream must end at once instead of waiting for a free that
-never comes (a stream that never ends holds a gateway handler thread for good).
+- With one seat (max_num_seqs=1), a second request queues behind the first. Cancelled there, or left queued
+  when the gateway stops, it holds no pages, so its stream must end at once instead of waiting for a free
+  that never comes (a stream that never ends holds a gateway handler thread for good).
+- A step that raises an unexpected error (a bug) fails the requests it ran, frees their pages, and the engine
+  goes on serving: its loop must not die with every stream open.
 """
 
 from __future__ import annotations
@@ -71,4 +74,26 @@ def test_stopping_ends_the_queued_requests_stream_too(gateway):
     gateway.close(drain_s=0.0)
     assert last_delta(queued).finish_reason is FinishReason.CANCELLED
     assert list(running)[-1].finish_reason is FinishReason.CANCELLED
+    assert gateway.pool.num_used == 0 and gateway.pool.num_requests == 0
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(gateway, monkeypatch):
+    engine = gateway.engines[0]
+    update = engine.scheduler.update
+    raised = []
+
+    def update_once_broken(batch, sampled):
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("a bug")
+        return update(batch, sampled)
+
+    monkeypatch.setattr(engine.scheduler, "update", update_once_broken)
+    broken = gateway.submit(request(max_tokens=5), "default")[0]
+    end = last_delta(broken)
+    assert end.finish_reason is FinishReason.ERROR and "internal error in the gateway: RuntimeError: a bug" in str(
+        end.error)
+    ok = gateway.submit(request(max_tokens=5), "default")[0]
+    assert sum(len(d.token_ids) for d in ok) == 5 and ok.req.finish_reason is FinishReason.LENGTH
+    assert engine.idle.wait(END_WITHIN_S)
     assert gateway.pool.num_used == 0 and gateway.pool.num_requests == 0
