@@ -97,3 +97,25 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(gateway,
     assert sum(len(d.token_ids) for d in ok) == 5 and ok.req.finish_reason is FinishReason.LENGTH
     assert engine.idle.wait(END_WITHIN_S)
     assert gateway.pool.num_used == 0 and gateway.pool.num_requests == 0
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(gateway):
+    """The token that reaches max_tokens also completes a stop string: the request stopped on the string (its
+    text is cut there), so it ends STOP, not LENGTH."""
+    def run(max_tokens: int, stop: tuple[str, ...] = ()):
+        handle = gateway.submit(GenerateInput(prompt=PROMPT, messages=None, sampling=SamplingParams(),
+                                              max_tokens=max_tokens, stop=stop, ignore_eos=True), "default")[0]
+        deltas = list(handle)
+        return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), deltas[-1]
+
+    tokens, _, _ = run(12)
+    for n in range(4, 13):  # the first length whose last token adds text seen nowhere before it
+        before, through = (gateway.tokenizer.decode(tokens[:k]) for k in (n - 1, n))
+        last = through[len(before):].strip()
+        if last and through.startswith(before) and last not in before:
+            break
+    else:
+        pytest.fail(f"no usable last token in {tokens}")
+    got, text, end = run(n, (last,))
+    assert got == tokens[:n] and last not in text
+    assert end.finish_reason is FinishReason.STOP

@@ -313,6 +313,7 @@ class EngineLoop:
         handle.deltas.put(Delta(text=text, token_ids=[sampled.token_id], logprobs=logprobs))
         if stopped:
             self.scheduler.finish(req, FinishReason.STOP)
+            req.finish_reason = FinishReason.STOP  # also when this token was the last one max_tokens allowed
         if req.status is RequestStatus.FINISHED:
             del self.handles[req.req_id]
             self.finishing[req.req_id] = (handle, "" if stopped else handle.text.flush())
