@@ -129,6 +129,18 @@ def _client_token(args) -> str | None:
         return None  # the server answers UNAUTHENTICATED, with a hint
 
 
+def _token_hint(args, code) -> str:
+    """Where a refused token came from, when kvserve admin read it from a data dir: a kvmanager started with
+    another --data-dir (kvserve up --data-dir D) wrote its token there, not here."""
+    import grpc
+
+    if args.admin_token or code not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+        return ""
+    path = (args.data_dir or default_data_dir()).expanduser() / ADMIN_TOKEN_FILE
+    where = f"the token was read from {path}" if path.is_file() else f"no token file at {path}"
+    return f" ({where}; for a kvmanager started with another --data-dir, pass that --data-dir, or --admin-token)"
+
+
 def run_admin(args) -> int:
     import grpc
     from google.protobuf import json_format
@@ -146,7 +158,7 @@ def run_admin(args) -> int:
             stub = kvmanager_pb2_grpc.KVAdminServiceStub(channel)
             response = getattr(stub, rpc)(request, metadata=metadata, timeout=args.timeout)
         except grpc.RpcError as e:
-            print(f"kvserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(f"kvserve: {e.code().name}: {e.details()}{_token_hint(args, e.code())}", file=sys.stderr)
             return 1
     if args.json:
         print(json_format.MessageToJson(response, preserving_proto_field_name=True,

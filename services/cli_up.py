@@ -152,11 +152,28 @@ def _start_stack(args, children: list[Child]) -> None:
     children.append(start_child("gateway", _gateway_argv(args, children[0], children[1:])))
 
 
+def _admin_hint(args, kvmanager_address: str) -> str:
+    """The kvserve admin command line that reaches this stack's kvmanager with its token."""
+    from kvserve.services.cli_kvmanager import DEFAULT_KVMANAGER_PORT
+
+    flags = "" if kvmanager_address == f"127.0.0.1:{DEFAULT_KVMANAGER_PORT}" else f" --kvmanager {kvmanager_address}"
+    flags += f" --data-dir {args.data_dir}" if args.data_dir else ""
+    return f"kvserve admin stats{flags}"
+
+
 def run_up(args) -> int:
     from kvserve.services.cli_kvmanager import ADMIN_TOKEN_FILE, default_data_dir
     from kvserve.services.grpc_server import install_stop_signals
     from kvserve.services.model_store import ModelNotFound
 
+    if args.api_keys_file:  # checked before anything starts, not by the gateway a minute later
+        from kvserve.services.gateway.auth import load_keys
+
+        try:
+            load_keys(args.api_keys_file, None)
+        except (OSError, ValueError) as e:
+            print(f"kvserve: --api-keys-file {args.api_keys_file}: {e}", file=sys.stderr)
+            return 2
     stop = install_stop_signals()
     children: list[Child] = []
     died: list[str] = []
@@ -167,7 +184,7 @@ def run_up(args) -> int:
         token = (args.data_dir or default_data_dir()).expanduser() / ADMIN_TOKEN_FILE
         details = gateway.ready_line.split("(", 1)[1].rstrip(")")  # "N workers, prefix caching .., keys"
         print(f"kvserve up ready: gateway on {gateway.address} (kvmanager {kvmanager.address}, {details}; "
-              f"admin token in {token}, where kvserve admin finds it)", flush=True)
+              f"admin token in {token}: {_admin_hint(args, kvmanager.address)})", flush=True)
         stop.wait()
     except (RuntimeError, ModelNotFound) as e:
         print(f"kvserve: {e}", file=sys.stderr)

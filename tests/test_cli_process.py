@@ -149,6 +149,12 @@ def test_bad_generate_flags_exit_2_with_a_message(args, message):
     assert out.stdout.strip() == ""
 
 
+def test_up_with_a_missing_api_keys_file_exits_2_before_starting_anything(tmp_path):
+    out = run_cli("up", "--data-dir", str(tmp_path / "data"), "--api-keys-file", str(tmp_path / "nope.json"))
+    assert out.returncode == 2 and f"--api-keys-file {tmp_path / 'nope.json'}" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "data").exists()  # no kvmanager ever ran
+
+
 def test_generate_without_a_gateway_says_which_address_it_tried_and_exits_1():
     out = run_cli("generate", "--prompt", "hi", "--gateway", "127.0.0.1:1", "--timeout", "2")
     assert out.returncode == 1, out.stderr
