@@ -145,6 +145,12 @@ class ResetResult:
     num_dropped_blocks: int
 
 
+@dataclass(slots=True)
+class ForgetResult:
+    num_dropped_requests: int
+    num_dropped_blocks: int
+
+
 # -- reads --------------------------------------------------------------------------------------------------
 def _pool_stats(pool: PagePool) -> PoolStats:
     s = pool.spec
@@ -388,3 +394,18 @@ def reset(mgr: KVManager, force: bool = False) -> ResetResult:
     mgr.changes.pools |= set(mgr.pools)
     mgr.changes.counters = True
     return result
+
+
+def forget_worker(mgr: KVManager, worker_id: str, force: bool = False) -> ForgetResult:
+    """Removes a worker's pool and its blocks, for a worker gone for good. Refused (RequestsRunning) while
+    requests are live on it, unless ``force``: they become stale, as when their worker's epoch is dropped.
+
+    Raises UnknownWorker, RequestsRunning.
+    """
+    pool = mgr.pool(worker_id)
+    live = sum(1 for r in mgr.requests.values() if r.worker_id == worker_id)
+    if live and not force:
+        raise RequestsRunning(f"{live} requests are running on worker {worker_id!r}: is it still serving? Stop "
+                              "its gateway first, or forget it with force if it is gone for good")
+    num_blocks = len(pool.index)
+    return ForgetResult(len(mgr.forget_pool(worker_id)), num_blocks)

@@ -102,6 +102,14 @@ class KVManager:
             self.changes.blocks[(pool.spec.worker_id, block.block_hash)] = block.tenant
         return dropped
 
+    def forget_pool(self, worker_id: str) -> tuple[str, ...]:
+        """Removes a registered pool with its blocks; its live requests become stale. Returns their req_ids."""
+        pool = self.pool(worker_id)
+        dropped = self._drop_pool(pool)
+        del self.pools[worker_id]
+        self.changes.pools.add(worker_id)
+        return dropped
+
     def pool(self, worker_id: str) -> PagePool:
         if worker_id not in self.pools:
             raise UnknownWorker(f"no pool is registered for worker {worker_id!r}")

@@ -37,7 +37,8 @@ from kvserve.kvmanager.store import RedisStore
 from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, PoolSpec, StepOps
 
 log = logging.getLogger(__name__)
-ADMIN_MUTATIONS = {f.__name__: f for f in (admin.evict_tenant, admin.pin, admin.unpin, admin.reset)}
+ADMIN_MUTATIONS = {f.__name__: f for f in (admin.evict_tenant, admin.pin, admin.unpin, admin.reset,
+                                            admin.forget_worker)}
 DEFAULT_SNAPSHOT_EVERY = 2000
 # ... or sooner, once the log holds this many bytes: records of big calls (64 prompts of 2000 tokens: 256 KB)
 # would otherwise pile up ~0.5 GB in Redis before a snapshot, and a restart would replay them all.

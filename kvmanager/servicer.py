@@ -157,3 +157,9 @@ class KVAdminServicer(kvmanager_pb2_grpc.KVAdminServiceServicer):
         result = self.service.mutate(admin.reset, request.force)
         return pb.ResetResponse(num_dropped_requests=result.num_dropped_requests,
                                 num_dropped_blocks=result.num_dropped_blocks)
+
+    @_mapped
+    def ForgetWorker(self, request, context):
+        result = self.service.mutate(admin.forget_worker, request.worker_id, request.force)
+        return pb.ForgetWorkerResponse(num_dropped_requests=result.num_dropped_requests,
+                                       num_dropped_blocks=result.num_dropped_blocks)

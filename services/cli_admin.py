@@ -1,4 +1,5 @@
-"""``kvserve admin stats|tenants|inspect|probe|evict|pin|unpin|page-table|reset``: the kvmanager's admin RPCs.
+"""``kvserve admin stats|tenants|inspect|probe|evict|pin|unpin|page-table|reset|forget-worker``: the kvmanager's
+admin RPCs.
 
 Readable tables by default; ``--json`` prints the answer as proto3 JSON with snake_case field names (int64
 values as strings, per the proto3 JSON mapping). The admin token comes from ``--admin-token``, else
@@ -85,6 +86,9 @@ def add_commands(sub) -> None:
     reset.add_argument("--force", action="store_true",
                        help="drop live requests too: only for requests no gateway serves any more (their pages "
                             "go to new requests while a worker may still write them)")
+    forget = cmd("forget-worker", "remove the pool of a worker that is gone for good (scaled down)")
+    forget.add_argument("worker_id")
+    forget.add_argument("--force", action="store_true", help="even with requests live on it (they become stale)")
 
 
 # -- requests ----------------------------------------------------------------------------------------------
@@ -114,6 +118,8 @@ def _request(args):
         return "GetPageTable", pb.GetPageTableRequest(req_id=args.req_id)
     if c == "reset":
         return "Reset", pb.ResetRequest(confirm=True, force=args.force)
+    if c == "forget-worker":
+        return "ForgetWorker", pb.ForgetWorkerRequest(worker_id=args.worker_id, force=args.force)
     rpc, message = {"probe": ("Probe", pb.ProbeRequest), "pin": ("Pin", pb.PinRequest),
                     "unpin": ("Unpin", pb.UnpinRequest)}[c]
     return rpc, message(**_prefix_fields(args))
@@ -244,4 +250,6 @@ RENDER = {
     "page-table": _render_page_table,
     "reset": lambda r, args: (f"reset: dropped {r.num_dropped_requests} requests and {r.num_dropped_blocks} "
                               f"cached blocks"),
+    "forget-worker": lambda r, args: (f"forgot worker {args.worker_id}: dropped its pool, "
+                                      f"{r.num_dropped_requests} requests and {r.num_dropped_blocks} cached blocks"),
 }

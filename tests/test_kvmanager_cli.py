@@ -117,6 +117,14 @@ def test_kvmanager_serves_admin_commands_then_exits_cleanly(tmp_path):
         finally:
             os.close(write_end)
         assert out.returncode == 141 and "Traceback" not in out.stderr, out.stderr
+
+        out = run_cli(tmp_path, "admin", "forget-worker", "w0", *admin)
+        assert out.returncode == 1 and "FAILED_PRECONDITION: 1 requests are running on worker 'w0'" in out.stderr
+        out = run_cli(tmp_path, "admin", "forget-worker", "w0", "--force", *admin)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "forgot worker w0: dropped its pool, 1 requests and 3 cached blocks"
+        out = run_cli(tmp_path, "admin", "stats", "--json", *admin)
+        assert json.loads(out.stdout)["pools"] == []
         stop_cleanly(proc)
 
 

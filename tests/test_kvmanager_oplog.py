@@ -176,6 +176,16 @@ def test_reset_is_a_snapshot_and_empties_the_log(redis_url):
     assert exact(loaded) == exact(svc.manager) and store.num_logged == 1
 
 
+def test_a_forgotten_worker_stays_forgotten_after_a_replay(redis_url):
+    svc = KVService(KVManager(), LoggedStore(connect(redis_url)))
+    build_history(svc)  # w1 holds live request e and cached blocks
+    assert svc.mutate(admin.forget_worker, "w1", True).num_dropped_requests == 1
+    svc.step(StepOps(30, allocations=(alloc("g", "A", range(5), "w0"),)))
+    loaded, store = reload(redis_url)
+    assert exact(loaded) == exact(svc.manager) and "w1" not in loaded.pools and "e" in loaded.stale
+    assert store.num_logged > 0  # replayed from the log, not read from a snapshot
+
+
 @pytest.mark.parametrize("top_id", [65535, 65536, 2**32 - 1])
 def test_a_step_record_narrows_token_ids_to_16_bits_only_when_every_id_fits(redis_url, top_id):
     """Ids up to 65535 are logged as uint16 (half the bytes for Redis to append); one id above that keeps the

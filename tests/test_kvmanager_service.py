@@ -429,6 +429,27 @@ def _durable_view(mgr: KVManager):
     return admin.stats(mgr), admin.inspect_tenant(mgr, "A"), pools
 
 
+def test_forget_worker_removes_a_gone_workers_pool_refusing_while_it_runs_requests(kv):
+    kv.register("w0")
+    kv.register("w1")
+    cached_prompt(kv, worker="w1")
+    kv.alloc("live", [7] * 5, worker="w1", step_id=3)
+    err = rpc_error(kv.admin.ForgetWorker, pb.ForgetWorkerRequest(worker_id="w1"))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "1 requests are running on worker 'w1'" in (
+        err.details())
+    assert [p.worker_id for p in kv.stats().pools] == ["w0", "w1"]  # nothing changed
+    err = rpc_error(kv.admin.ForgetWorker, pb.ForgetWorkerRequest(worker_id="nobody"))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    r = kv.admin.ForgetWorker(pb.ForgetWorkerRequest(worker_id="w1", force=True))
+    assert (r.num_dropped_requests, r.num_dropped_blocks) == (1, 3)
+    assert [p.worker_id for p in kv.stats().pools] == ["w0"]
+    probe = kv.admin.Probe(pb.ProbeRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1 + [1])))
+    assert probe.num_hit_tokens == 0 and [h.worker_id for h in probe.hits] == ["w0"]  # no hit on a gone pool
+    assert kv.free("live", step_id=4).status == STALE  # its gateway learns it was dropped
+    kv.register("w1")  # back again: a fresh pool
+    assert [(p.worker_id, p.num_free_pages) for p in kv.stats().pools] == [("w0", 8), ("w1", 8)]
+
+
 def test_admin_changes_are_written_through_and_survive_a_restart(redis_url):
     with serving(_redis_service(redis_url, "admin-restart")) as kv:
         kv.register()
@@ -445,9 +466,12 @@ def test_admin_changes_are_written_through_and_survive_a_restart(redis_url):
     assert [b.pinned for b in view[1].blocks if b.block_index == 2] == [True]
     with serving(reloaded) as kv:
         assert kv.admin.Reset(pb.ResetRequest(confirm=True, force=True)).num_dropped_blocks == 5
+        kv.register("gone")
+        cached_prompt(kv, "g", worker="gone")
+        assert kv.admin.ForgetWorker(pb.ForgetWorkerRequest(worker_id="gone")).num_dropped_blocks == 3
     again = _redis_service(redis_url, "admin-restart").manager
-    assert (again.requests, again.tenants, [len(p.index) for p in again.pools.values()]) == ({}, {}, [0])
-    assert list(again.pools["w0"].free) == list(range(8))
+    assert (again.requests, again.tenants.keys(), [len(p.index) for p in again.pools.values()]) == ({}, {"A"}, [0])
+    assert list(again.pools["w0"].free) == list(range(8)) and "gone" not in again.pools
 
 
 def test_a_serving_process_freezes_its_loaded_state_and_collects_rarely():

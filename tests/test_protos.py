@@ -34,6 +34,7 @@ SERVICES = {
             "Unpin",
             "GetPageTable",
             "Reset",
+            "ForgetWorker",
         },
     ),
     "GatewayService": ("gateway", {"Generate", "Complete"}),

@@ -495,6 +495,22 @@ class ResetRequest(_message.Message):
     force: bool
     def __init__(self, confirm: _Optional[bool] = ..., force: _Optional[bool] = ...) -> None: ...
 
+class ForgetWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "force")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    force: bool
+    def __init__(self, worker_id: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class ForgetWorkerResponse(_message.Message):
+    __slots__ = ("num_dropped_requests", "num_dropped_blocks")
+    NUM_DROPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_dropped_requests: int
+    num_dropped_blocks: int
+    def __init__(self, num_dropped_requests: _Optional[int] = ..., num_dropped_blocks: _Optional[int] = ...) -> None: ...
+
 class ResetResponse(_message.Message):
     __slots__ = ("num_dropped_requests", "num_dropped_blocks")
     NUM_DROPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]

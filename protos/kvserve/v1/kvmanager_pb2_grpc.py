@@ -257,6 +257,11 @@ class KVAdminServiceStub:
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ResetRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.ForgetWorker = channel.unary_unary(
+                '/kvserve.v1.KVAdminService/ForgetWorker',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ForgetWorkerRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ForgetWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class KVAdminServiceServicer:
@@ -328,8 +333,19 @@ class KVAdminServiceServicer:
 
     def Reset(self, request, context):
         """Drops every request (live or stale), page table and index entry (in memory and in Redis) and resets the
-        counters. Registered pools stay registered, with every page free. Requests in flight are forgotten: a
-        later extension or commit of one is NOT_FOUND, a free of one is OK.
+        counters. Registered pools stay registered, with every page free. FAILED_PRECONDITION while requests are
+        live, unless force: then they are forgotten (a later extension or commit of one is NOT_FOUND, a free of
+        one is OK), and a gateway still computing them would see their pages handed to new requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForgetWorker(self, request, context):
+        """Removes a worker's pool with its index entries (in memory and in Redis), for a worker that is gone for
+        good (scaled down), whose pool would otherwise stay in stats, probes and placement. NOT_FOUND for a worker
+        with no pool; FAILED_PRECONDITION while requests are live on it, unless force (they are dropped as by a
+        new epoch: a later op of one answers STALE_EPOCH). The worker registering again gets a fresh pool.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -382,6 +398,11 @@ def add_KVAdminServiceServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ResetRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ResetResponse.SerializeToString,
+            ),
+            'ForgetWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetWorker,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ForgetWorkerRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ForgetWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -629,6 +650,33 @@ class KVAdminService:
             '/kvserve.v1.KVAdminService/Reset',
             kvserve_dot_v1_dot_kvmanager__pb2.ResetRequest.SerializeToString,
             kvserve_dot_v1_dot_kvmanager__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVAdminService/ForgetWorker',
+            kvserve_dot_v1_dot_kvmanager__pb2.ForgetWorkerRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.ForgetWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,
