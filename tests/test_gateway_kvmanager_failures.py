@@ -69,6 +69,22 @@ def stream(gateway: Gateway, on_token=None) -> tuple[list[int], object]:
     return out, usage
 
 
+def running(gateway: Gateway):
+    """The deltas still to come of a request that has streamed a token (so it holds pages)."""
+    deltas = iter(gateway.submit(request(), "default")[0])
+    while not next(deltas).token_ids:
+        pass
+    return deltas
+
+
+def close_within_120_s(gateway: Gateway) -> None:
+    """Stops the gateway at once (no drain); fails if that takes longer than 120 s (it waited on something)."""
+    closing = threading.Thread(target=gateway.close, kwargs={"drain_s": 0.0})
+    closing.start()
+    closing.join(timeout=120)
+    assert not closing.is_alive()
+
+
 def admin_stats(port: int) -> pb.StatsResponse:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         return kvmanager_pb2_grpc.KVAdminServiceStub(channel).Stats(
@@ -156,15 +172,9 @@ def test_the_gateway_stops_while_the_kvmanager_is_down(model_dir, worker_server,
     gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",), model_dir),
                       ApiKeys())
     gateway.kv.timeout_s = 1.0  # a page op already waiting for the kvmanager gives up after 1 s, not 10
-    handle = gateway.submit(request(), "default")[0]
-    deltas = iter(handle)
-    while not next(deltas).token_ids:  # running: it holds pages
-        pass
+    deltas = running(gateway)
     server.stop(0)
-    closing = threading.Thread(target=gateway.close, kwargs={"drain_s": 0.0})
-    closing.start()
-    closing.join(timeout=120)
-    assert not closing.is_alive()
+    close_within_120_s(gateway)
     last = list(deltas)[-1]
     assert last.finish_reason is not None
     assert "stopping with the kvmanager unreachable; the pages of 1 requests stay allocated there" in caplog.text
@@ -339,15 +349,9 @@ def test_the_gateway_stops_at_once_with_its_worker_gone_and_frees_the_pages(mode
                       ApiKeys())
     gateway.engines[0].worker.timeout_s = 600.0  # were the step waited for, the test would hit its own limit
     try:
-        handle = gateway.submit(request(), "default")[0]
-        deltas = iter(handle)
-        while not next(deltas).token_ids:
-            pass
+        deltas = running(gateway)
         second_worker.stop(0)
-        closing = threading.Thread(target=gateway.close, kwargs={"drain_s": 0.0})
-        closing.start()
-        closing.join(timeout=120)
-        assert not closing.is_alive()
+        close_within_120_s(gateway)
         assert list(deltas)[-1].finish_reason is not None
         pool = service.manager.pools["worker-1"]
         assert pool.num_used == 0 and pool.num_requests == 0
