@@ -15,6 +15,7 @@ from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys
+from kvserve.services.gateway.errors import BackendFailure
 from kvserve.services.gateway.validate import GenerateInput
 from kvserve.worker.batch import SamplingParams
 from kvserve.worker.runner import ModelRunner, RunnerConfig
@@ -23,8 +24,8 @@ from kvserve.worker.server import start_worker_server
 PROMPT = "The history of the railway in Europe began"
 
 
-def new_runner(model_dir) -> ModelRunner:
-    return ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=64, page_size=16, device="cpu",
+def new_runner(model_dir, num_pages: int = 64, page_size: int = 16) -> ModelRunner:
+    return ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=num_pages, page_size=page_size, device="cpu",
                                     dtype="float32", worker_id="worker-0"))
 
 
@@ -132,6 +133,43 @@ def test_a_restarted_worker_whose_registration_failed_is_never_served_the_old_ep
         assert tokens(again) == expected  # not computed over the zeroed pages of the restarted worker
         assert service.manager.pools["worker-0"].spec.epoch == restarted.info.epoch
         assert gateway.engines[0].info.epoch == restarted.info.epoch
+    finally:
+        gateway.close(drain_s=1.0)
+        servers[-1].stop(0)
+
+
+@pytest.mark.parametrize("change", ["a resized pool", "another page size"])
+def test_a_worker_restarted_with_another_config_is_followed_or_refused(model_dir, kvmanager, change):
+    """A resized pool is followed (the request recomputes, identical). Another page size is not: the gateway's
+    page tables and chunking were made for the old one, so its requests fail with a message that says so, and
+    so does every later submission, instead of computing garbage."""
+    service, kv_address = kvmanager
+    first = start_worker_server(new_runner(model_dir), "127.0.0.1", 0)
+    port = first.port
+    gateway = Gateway(GatewayConfig(kv_address, (f"127.0.0.1:{port}",), model_dir), ApiKeys())
+    request = GenerateInput(prompt=PROMPT, messages=None, sampling=SamplingParams(), max_tokens=12, ignore_eos=True)
+    servers = [first]
+    try:
+        expected = tokens(gateway.submit(request, "default")[0])
+        restarted = new_runner(model_dir, num_pages=48) if change == "a resized pool" else new_runner(
+            model_dir, page_size=32)
+
+        def restart_after_3(num_tokens: int) -> None:
+            if num_tokens == 3:
+                servers[0].stop(0)
+                servers.append(start_worker_server(restarted, "127.0.0.1", port))
+
+        handle = gateway.submit(request, "default")[0]
+        got = tokens(handle, restart_after_3)
+        engine = gateway.engines[0]
+        if change == "a resized pool":
+            assert got == expected and engine.scheduler.cfg.num_pages == 48
+            assert service.manager.pools["worker-0"].spec.num_pages == 48
+            return
+        assert handle.req.finish_reason.name == "ERROR" and "page size 16 -> 32" in str(handle.req.error)
+        with pytest.raises(BackendFailure, match="restarted with page size 16 -> 32; .* restart the gateway"):
+            gateway.submit(request, "default")
+        assert service.manager.pools["worker-0"].spec.page_size == 16  # never registered under this gateway
     finally:
         gateway.close(drain_s=1.0)
         servers[-1].stop(0)

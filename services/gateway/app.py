@@ -83,6 +83,7 @@ class Gateway:
             if self.closing:
                 raise ShuttingDown("the gateway is shutting down and admits no new requests")
             engine = self.place(req)
+            engine.check_serving()
             self.observe.started(req, trace_parent)
             return engine.submit(req), engine
 

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -107,6 +107,7 @@ class EngineLoop:
         self._aborts: list[str] = []
         self._stopping = False
         self._kv_failed = False  # the last kvmanager call failed (loop thread only)
+        self.incompatible = ""  # why the restarted worker cannot be served through this engine, if it cannot
         self.idle = threading.Event()  # set while no request is in flight (for a graceful drain)
         self.idle.set()
         self.thread = threading.Thread(target=self._run, name=f"engine-{info.worker_id}", daemon=True)
@@ -114,6 +115,12 @@ class EngineLoop:
     # -- handler threads --------------------------------------------------------------------------------
     def start(self) -> None:
         self.thread.start()
+
+    def check_serving(self) -> None:
+        """Raises BackendFailure when the worker restarted as one this engine cannot serve (another model,
+        page size or context length)."""
+        if self.incompatible:
+            raise BackendFailure(self.incompatible)
 
     def submit(self, req: Request) -> RequestHandle:
         handle = RequestHandle(req, TextStream(self.tokenizer, req.params.stop))
@@ -158,6 +165,8 @@ class EngineLoop:
                 self._fail_all(f"{e.code().name}: {e.details()}", stopping=stopping)
                 if stopping and self._kv_failed:
                     self._abandon_frees()  # else (the worker failed) the next step frees them
+            except BackendFailure as e:  # the worker came back as one this engine cannot serve through
+                self._fail_all(str(e))
             except Exception as e:  # a bug: fail what runs, rather than end the loop with every stream open
                 log.exception("engine %s: a step raised", self.info.worker_id)
                 self._fail_all(f"internal error in the gateway: {type(e).__name__}: {e}")
@@ -324,12 +333,18 @@ class EngineLoop:
         it: if registering fails, the worker refuses the next step (old epoch) and this runs again, whereas a
         new epoch over the kvmanager's old pool would be served prefix hits on pages the worker never wrote."""
         info = self.worker.info()
+        changed = _incompatible(self.info, info)
+        if changed:
+            self.incompatible = (f"worker {info.worker_id} restarted with {changed}; this gateway serves what it "
+                                 "started with: restart the gateway")
+            raise BackendFailure(self.incompatible)
         try:
             result = self.kv.register(pool_spec(info))
         except grpc.RpcError:
             self._kv_failed = True
             raise
         self.info = info
+        self.scheduler.cfg = replace(self.scheduler.cfg, num_pages=info.num_pages)  # it may be resized
         log.warning("worker %s restarted (epoch %d -> %d): recomputing %d requests", self.info.worker_id,
                     result.previous_epoch, self.info.epoch, len(self.scheduler.running))
         for req in list(self.scheduler.running):
@@ -364,3 +379,12 @@ class EngineLoop:
         # refused as out of order, failing the whole call and the requests it admits. Only cache entries lost.
         self.scheduler.final_commits = []
         self._deliver_freed(list(self.finishing))  # the kvmanager is unreachable: do not make clients wait
+
+
+def _incompatible(old: WorkerInfo, new: WorkerInfo) -> str:
+    """What a restarted worker changed that an engine cannot follow ("" for nothing): its tokenizer, page
+    tables and request limits were made for the worker it started with. A resized pool it can follow."""
+    changes = [f"{name} {a} -> {b}" for name, a, b in (
+        ("model", old.model_fingerprint, new.model_fingerprint), ("page size", old.page_size, new.page_size),
+        ("max_model_len", old.max_model_len, new.max_model_len)) if a != b]
+    return ", ".join(changes)
