@@ -245,7 +245,9 @@ RENDER = {
     "evict": lambda r, args: (f"evicted {r.num_evicted_blocks} blocks of tenant {args.tenant}; kept "
                               f"{r.num_kept_blocks} (held by requests or pinned)"),
     "pin": lambda r, args: (f"pinned {r.num_pinned_blocks} blocks of tenant {args.tenant} "
-                            f"({r.num_pinned_tokens} tokens on the best pool)"),
+                            f"({r.num_pinned_tokens} tokens on the best pool)"
+                            + ("" if r.num_pinned_blocks else "; nothing of this prefix is cached yet: a pin "
+                               "applies to cached blocks, so pin it after a request has cached it")),
     "unpin": lambda r, args: f"unpinned {r.num_unpinned_blocks} blocks of tenant {args.tenant}",
     "page-table": _render_page_table,
     "reset": lambda r, args: (f"reset: dropped {r.num_dropped_requests} requests and {r.num_dropped_blocks} "

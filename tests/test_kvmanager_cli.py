@@ -95,6 +95,13 @@ def test_kvmanager_serves_admin_commands_then_exits_cleanly(tmp_path):
         assert out.returncode == 0, out.stderr
         assert out.stdout.splitlines()[0] == "tenant A: 12 of 13 tokens hit (best: w0)"
         assert out.stdout.splitlines()[2].split() == ["w0", "1", "12"]
+        out = run_cli(tmp_path, "admin", "pin", "A", "--tokens", ",".join(map(str, P1)), *admin)
+        assert out.stdout.strip() == "pinned 3 blocks of tenant A (12 tokens on the best pool)", out.stderr
+        out = run_cli(tmp_path, "admin", "pin", "A", "--tokens", "1,2,3,4", *admin)  # nothing cached
+        assert out.returncode == 0 and "pinned 0 blocks" in out.stdout and "pin it after a request has cached it" in (
+            out.stdout)
+        assert run_cli(tmp_path, "admin", "unpin", "A", "--tokens", ",".join(map(str, P1)), *admin).stdout.strip() == (
+            "unpinned 3 blocks of tenant A")
         out = run_cli(tmp_path, "admin", "probe", "A", "--text", "the cat sat on", "--json", *admin)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["num_query_tokens"] == 4  # tokenised by the kvmanager's --model
