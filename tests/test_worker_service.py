@@ -56,6 +56,12 @@ BAD_STEPS = [
     ("too many logprobs", [item(top_logprobs=50)], "top_logprobs must lie in [0, 20]"),
     ("duplicate req_id", [item(page_table=(0,)), item(page_table=(1,))], "duplicate req_id 'r'"),
     ("shared page", [item("a", page_table=(4,)), item("b", page_table=(4,))], "both write page 4"),
+    ("a page one item reads and another writes",  # r reads page 4 (its prefix) while w writes into it
+     [item("r", token_ids=(7,), start_pos=16, page_table=(4, 5)), item("w", page_table=(4,))],
+     "item 'r' reads page 4, which item 'w' writes in the same step"),
+    ("a page twice in one table", [item(token_ids=(7,), start_pos=16, page_table=(4, 4))],
+     "page 4 appears twice in its page_table"),
+    ("a page twice past the positions", [item(page_table=(4,) + (5,) * 1000)], "page 5 appears twice"),
     ("empty req_id", [item(req_id="")], "empty req_id"),
 ]
 
@@ -71,6 +77,13 @@ def test_bad_step_is_invalid_argument_and_writes_nothing(worker_stub, runner, it
     # the worker keeps serving the next valid request
     ok = worker_stub.Step(worker_pb2.StepRequest(items=[item(page_table=(3,))]), timeout=30)
     assert len(ok.results) == 1 and 0 <= ok.results[0].token_id < 49152 and ok.num_tokens == 3
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily(worker_stub):
+    """logits / 1e-38 overflows to inf and softmax to NaN: below 1e-5 the temperature means greedy."""
+    greedy = worker_stub.Step(worker_pb2.StepRequest(items=[item(page_table=(3,))]), timeout=30)
+    tiny = worker_stub.Step(worker_pb2.StepRequest(items=[item(page_table=(3,), temperature=1e-38)]), timeout=30)
+    assert tiny.results[0].token_id == greedy.results[0].token_id
 
 
 def test_stale_epoch_is_failed_precondition(worker_stub, runner):

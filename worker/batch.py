@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM's sampling epsilon: below it, sampling is greedy
+
 
 class InvalidRequest(ValueError):
     """The step is malformed; the message says which item and what is wrong. Nothing was computed."""
@@ -23,7 +25,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """0, or a temperature too small to divide logits by (they would overflow to inf, softmax to NaN)."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,10 @@ def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int,
     bad = [p for p in item.page_table if not 0 <= p < num_pages]
     if bad:
         raise InvalidRequest(f"{where}: page id {bad[0]} is out of range [0, {num_pages})")
+    if len(set(item.page_table)) != len(item.page_table):  # also bounds a table's length by the pool's
+        seen: set[int] = set()
+        twice = next(p for p in item.page_table if p in seen or seen.add(p))
+        raise InvalidRequest(f"{where}: page {twice} appears twice in its page_table")
     if item.sample:
         validate_sampling(where, item.sampling)
 
@@ -66,11 +70,19 @@ def validate_sampling(where: str, p: SamplingParams) -> None:
 
 
 def _check_no_shared_slots(items: tuple[StepItem, ...], page_size: int) -> None:
-    """Two items writing the same page in one step would corrupt each other's K/V."""
+    """A page one item writes in a step must be nobody else's in it: two writers would corrupt each other's
+    K/V, and an item reading it would attend over K/V written in the same step (every layer writes before it
+    attends), and would keep the damage in its cached prefix."""
     owner: dict[int, str] = {}
     for item in items:
         first, last = item.start_pos // page_size, (item.end_pos - 1) // page_size
-        for page_id in set(item.page_table[first : last + 1]):
+        for page_id in item.page_table[first : last + 1]:  # no page twice in a table: checked per item
             other = owner.setdefault(page_id, item.req_id)
             if other != item.req_id:
                 raise InvalidRequest(f"items {other!r} and {item.req_id!r} both write page {page_id} in one step")
+    for item in items:
+        read = item.page_table[: -(-item.end_pos // page_size)]
+        for page_id in owner.keys() & read:  # C-level: the pages it reads that someone writes (its own, usually)
+            if owner[page_id] != item.req_id:
+                raise InvalidRequest(f"item {item.req_id!r} reads page {page_id}, which item {owner[page_id]!r} "
+                                     "writes in the same step")
