@@ -76,8 +76,9 @@ class KVManager:
                                      f"a different pool")
                 released = self._release_requests(spec.worker_id) if release_requests else ()
                 return RegisterResult(previous_epoch=spec.epoch, dropped_req_ids=(), released_req_ids=released)
+        pool = PagePool(spec)  # first: if building it fails, the old pool is still whole
         dropped = self._drop_pool(old) if old is not None else ()
-        self.pools[spec.worker_id] = PagePool(spec)
+        self.pools[spec.worker_id] = pool
         self.changes.pools.add(spec.worker_id)
         return RegisterResult(previous_epoch=old.spec.epoch if old else 0, dropped_req_ids=dropped)
 
@@ -103,9 +104,12 @@ class KVManager:
         return dropped
 
     def forget_pool(self, worker_id: str) -> tuple[str, ...]:
-        """Removes a registered pool with its blocks; its live requests become stale. Returns their req_ids."""
+        """Removes a registered pool with its blocks and every request on it, live or stale (the worker may
+        register again under any epoch: no record of it may outlive the pool). Returns the live req_ids."""
         pool = self.pool(worker_id)
-        dropped = self._drop_pool(pool)
+        dropped = self._drop_pool(pool)  # live requests become stale, blocks are recorded as dropped
+        for req_id in [r for r, req in self.stale.items() if req.worker_id == worker_id]:
+            self.changes.requests[req_id] = self.stale.pop(req_id).tenant
         del self.pools[worker_id]
         self.changes.pools.add(worker_id)
         return dropped
@@ -309,12 +313,22 @@ class KVManager:
         self.changes = changes
 
 
+MAX_POOL_PAGES = 1 << 24  # ~0.9 GB of bookkeeping here; an H200 of SmolLM2 K/V holds ~0.4M pages of 16 tokens
+MAX_PAGE_SIZE = 1 << 16
+
+
 def _check_spec(spec: PoolSpec) -> None:
     if not spec.worker_id:
         raise InvalidRequest("worker_id must not be empty")
     for name in ("epoch", "num_pages", "page_size", "bytes_per_token"):
         if getattr(spec, name) <= 0:
             raise InvalidRequest(f"{name} must be > 0, got {getattr(spec, name)}")
+    if spec.num_pages > MAX_POOL_PAGES or spec.page_size > MAX_PAGE_SIZE:
+        raise InvalidRequest(f"a pool of {spec.num_pages} pages of {spec.page_size} tokens is past what the "
+                             f"kvmanager tracks ({MAX_POOL_PAGES} pages of at most {MAX_PAGE_SIZE} tokens)")
+    if spec.bytes_per_token * spec.page_size * spec.num_pages >= 1 << 63:
+        raise InvalidRequest(f"the pool's size in bytes ({spec.bytes_per_token} bytes per token) does not fit "
+                             "in an int64")
     if not spec.model_fingerprint or not spec.kv_dtype:
         raise InvalidRequest("model_fingerprint and kv_dtype must not be empty")
 

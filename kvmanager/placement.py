@@ -71,13 +71,17 @@ def place(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], num_queued: d
     """Where a new request should be queued now: the rule above over every pool, with the caller's queued
     requests counted as load and no fit required (it is allocated later, when pages are free). No side effect.
 
-    Raises InvalidRequest (empty tenant or tokens, a token id that is not a uint32), UnknownWorker (no pool).
+    Raises InvalidRequest (empty tenant or tokens, a token id that is not a uint32, a negative queue length),
+    UnknownWorker (no pool).
     """
     from kvserve.kvmanager.admin import check_tenant, check_tokens
-    from kvserve.kvmanager.errors import UnknownWorker
+    from kvserve.kvmanager.errors import InvalidRequest, UnknownWorker
 
     check_tenant(tenant)
     check_tokens(token_ids)
+    negative = sorted(w for w, n in num_queued.items() if n < 0)
+    if negative:
+        raise InvalidRequest(f"num_queued[{negative[0]!r}] is {num_queued[negative[0]]}: a queue length is >= 0")
     if not mgr.pools:
         raise UnknownWorker("no worker is registered: nowhere to place a request")
     best, best_key = None, None

@@ -37,7 +37,8 @@ def _check_unique(ops: StepOps) -> None:
              "commits": [c.req_id for c in ops.commits], "frees": [f.req_id for f in ops.frees]}
     for name, ids in lists.items():
         if len(set(ids)) != len(ids):
-            dup = next(i for i in ids if ids.count(i) > 1)
+            seen: set[str] = set()
+            dup = next(i for i in ids if i in seen or seen.add(i))  # linear: a call may carry thousands
             raise InvalidRequest(f"req_id {dup!r} appears twice in {name}")
     # A request may commit its last full pages in the call that frees it (applied commit first); an extension
     # of a request being freed, or an allocation sharing a req_id with any other op, makes no sense.

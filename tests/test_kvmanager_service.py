@@ -219,7 +219,17 @@ def test_bad_registration_is_invalid_argument(kv):
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.details()
     err = rpc_error(kv.register, "", 1, 8)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "worker_id must not be empty" in err.details()
+    err = rpc_error(kv.register, "w0", 1, 2**31 - 1)  # would take ~100 GB of bookkeeping, under the lock
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "past what the kvmanager tracks" in err.details()
+    huge = pb.RegisterWorkerRequest(worker_id="w0", epoch=1, num_pages=8, page_size=PS, model_fingerprint="fp",
+                                    kv_dtype="float32", bytes_per_token=2**61)  # Stats could not say its bytes
+    err = rpc_error(kv.stub.RegisterWorker, huge)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not fit in an int64" in err.details()
     assert list(kv.stats().pools) == []
+    kv.register("w0")
+    err = rpc_error(kv.stub.Place, pb.PlaceRequest(tenant="A", packed_token_ids=le_uint32(P1),
+                                                   num_queued={"w0": -1000}))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_queued['w0'] is -1000" in err.details()
 
 
 # -- KVAdminService ---------------------------------------------------------------------------------------------
@@ -445,9 +455,12 @@ def test_forget_worker_removes_a_gone_workers_pool_refusing_while_it_runs_reques
     assert [p.worker_id for p in kv.stats().pools] == ["w0"]
     probe = kv.admin.Probe(pb.ProbeRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1 + [1])))
     assert probe.num_hit_tokens == 0 and [h.worker_id for h in probe.hits] == ["w0"]  # no hit on a gone pool
-    assert kv.free("live", step_id=4).status == STALE  # its gateway learns it was dropped
-    kv.register("w1")  # back again: a fresh pool
+    assert kv.free("live", step_id=4).status == OK  # forgotten with its pool: a free finds nothing
+    err = rpc_error(kv.step, 5, (), [pb.PageExtension(req_id="live", num_tokens=9)])
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    kv.register("w1")  # back again, even under the same epoch: a fresh pool, and no record of the old one
     assert [(p.worker_id, p.num_free_pages) for p in kv.stats().pools] == [("w0", 8), ("w1", 8)]
+    assert not kv.mgr.requests and not kv.mgr.stale
 
 
 def test_admin_changes_are_written_through_and_survive_a_restart(redis_url):
@@ -468,10 +481,13 @@ def test_admin_changes_are_written_through_and_survive_a_restart(redis_url):
         assert kv.admin.Reset(pb.ResetRequest(confirm=True, force=True)).num_dropped_blocks == 5
         kv.register("gone")
         cached_prompt(kv, "g", worker="gone")
-        assert kv.admin.ForgetWorker(pb.ForgetWorkerRequest(worker_id="gone")).num_dropped_blocks == 3
+        kv.alloc("held-on-gone", [8] * 5, worker="gone", step_id=9)
+        assert kv.admin.ForgetWorker(pb.ForgetWorkerRequest(worker_id="gone", force=True)).num_dropped_blocks == 3
+        kv.register("gone")  # the same epoch again: nothing of the forgotten pool may conflict with it
     again = _redis_service(redis_url, "admin-restart").manager
-    assert (again.requests, again.tenants.keys(), [len(p.index) for p in again.pools.values()]) == ({}, {"A"}, [0])
-    assert list(again.pools["w0"].free) == list(range(8)) and "gone" not in again.pools
+    assert (again.requests, again.stale, again.tenants.keys()) == ({}, {}, {"A"})  # the restart loads, too
+    assert [(w, len(p.index), p.num_free) for w, p in sorted(again.pools.items())] == [("gone", 0, 8), ("w0", 0, 8)]
+    assert list(again.pools["w0"].free) == list(range(8))
 
 
 def test_a_serving_process_freezes_its_loaded_state_and_collects_rarely():

@@ -344,8 +344,9 @@ class KVAdminServiceServicer:
     def ForgetWorker(self, request, context):
         """Removes a worker's pool with its index entries (in memory and in Redis), for a worker that is gone for
         good (scaled down), whose pool would otherwise stay in stats, probes and placement. NOT_FOUND for a worker
-        with no pool; FAILED_PRECONDITION while requests are live on it, unless force (they are dropped as by a
-        new epoch: a later op of one answers STALE_EPOCH). The worker registering again gets a fresh pool.
+        with no pool; FAILED_PRECONDITION while requests are live on it, unless force (they are forgotten with
+        it: a later extension or commit of one is NOT_FOUND, a free of one is OK). The worker registering again,
+        under any epoch, gets a fresh pool.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
