@@ -20,6 +20,44 @@ CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
 
 
+class _Undecodable:
+    """What a request that is not a valid message deserializes to, so that its handler can answer for it."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class UndecodableIsInvalidArgument(grpc.ServerInterceptor):
+    """A request that does not parse as its message (bad wire format, a string field that is not UTF-8) is
+    INVALID_ARGUMENT with protobuf's reason, where grpc answers INTERNAL "Exception deserializing request!"."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None or handler.request_streaming:
+            return handler
+        deserialize = handler.request_deserializer
+
+        def safe_deserialize(data: bytes):
+            try:
+                return deserialize(data)
+            except Exception as e:  # protobuf's DecodeError, or a RuntimeError from upb
+                return _Undecodable(e)
+
+        def guarded(behaviour):
+            def answer(request, context):
+                if isinstance(request, _Undecodable):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"{details.method}: the request is not a valid message: {request.error}")
+                return behaviour(request, context)
+            return answer
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(guarded(handler.unary_unary), safe_deserialize,
+                                                       handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(guarded(handler.unary_stream), safe_deserialize,
+                                                    handler.response_serializer)
+
+
 @dataclass(slots=True)
 class GrpcServer:
     server: grpc.Server
@@ -42,7 +80,7 @@ def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.Server
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.so_reuseport", 0)]  # gRPC's default on Linux lets a second server share a port in use
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads), options=options,
-                         interceptors=list(interceptors))
+                         interceptors=[UndecodableIsInvalidArgument(), *interceptors])
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import grpc
 import pytest
 import torch
 from gateway_stack import running_stack
@@ -162,6 +163,18 @@ def test_bad_input_gets_a_clear_status_and_leaves_no_pages(keys_stack, kwargs, e
     with Client(keys_stack.gateway, api_key="key-a", timeout_s=60) as client, pytest.raises(error) as info:
         client.complete(**kwargs)
     assert message in info.value.details
+    assert keys_stack.used_pages() == 0 and keys_stack.live_requests() == 0
+
+
+def test_a_request_that_is_not_a_valid_message_is_invalid_argument(keys_stack):
+    """A prompt that is not UTF-8 (string field 1 of GenerateRequest holding the bytes ff fe) fails to parse:
+    INVALID_ARGUMENT saying so, not grpc's INTERNAL "Exception deserializing request!"."""
+    with grpc.insecure_channel(keys_stack.gateway) as channel:
+        generate = channel.unary_stream("/kvserve.v1.GatewayService/Generate")
+        with pytest.raises(grpc.RpcError) as info:
+            list(generate(b"\x0a\x02\xff\xfe", metadata=(("authorization", "Bearer key-a"),), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "String field had bad UTF-8" in info.value.details()
     assert keys_stack.used_pages() == 0 and keys_stack.live_requests() == 0
 
 

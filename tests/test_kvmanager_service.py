@@ -213,6 +213,15 @@ def test_bad_step_is_rejected_with_a_clear_message_and_changes_nothing(kv, ops, 
     assert set(kv.mgr.requests) == {"live"}
 
 
+@pytest.mark.parametrize(("payload", "reason"), [(b"\x0a\x02\xff\xfe", "String field had bad UTF-8"),
+                                                 (b"\xff\xff\xff", "Wire format was corrupt")])
+def test_a_request_that_is_not_a_valid_message_is_invalid_argument(kv, payload, reason):
+    before = kv.stats()
+    err = rpc_error(kv.channel.unary_unary("/kvserve.v1.KVManagerService/RegisterWorker"), payload)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.details()
+    assert kv.stats() == before
+
+
 def test_bad_registration_is_invalid_argument(kv):
     for num_pages, message in ((0, "num_pages must be > 0, got 0"), (-3, "num_pages must be > 0, got -3")):
         err = rpc_error(kv.register, "w0", 1, num_pages)
