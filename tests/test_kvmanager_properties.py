@@ -31,9 +31,9 @@ try:
 except ImportError:
     check_invariants = None
 try:
-    from kvserve.kvmanager.admin import evict_tenant
+    from kvserve.kvmanager.admin import evict_tenant, forget_worker
 except ImportError:
-    evict_tenant = None
+    evict_tenant = forget_worker = None
 
 PS = 4  # page size
 WORKERS = ("w0", "w1")
@@ -557,6 +557,32 @@ class KVManagerMachine(RuleBasedStateMachine):
         for pool in self.mgr.pools.values():
             for page_id, b in enumerate(pool.block_of):
                 assert b is None or b.tenant != tenant or pool.ref_cnt[page_id] or b.pinned, "cached block kept"
+
+
+    def forget(self, w: str):
+        """The admin RPC's domain call; the replay machine sends it through the logged service instead."""
+        return forget_worker(self.mgr, w, True)
+
+    @precondition(lambda self: forget_worker is not None)
+    @rule(data=st.data())
+    def forget_a_worker_and_register_it_again(self, data):
+        """An operator forgets a worker with force, whatever runs on it; the worker registers again, under the
+        same epoch or a newer one: a fresh pool, and no request or block of the old one left anywhere."""
+        w = data.draw(st.sampled_from(WORKERS))
+        num_blocks = len(self.mgr.pools[w].index)
+        on_w = sorted(rid for rid, m in self.live.items() if m.worker == w)
+        res = self.forget(w)
+        assert (res.num_dropped_requests, res.num_dropped_blocks) == (len(on_w), num_blocks)
+        assert w not in self.mgr.pools
+        for rid in on_w + [rid for rid, m in self.stale.items() if m.worker == w]:
+            (self.live if rid in self.live else self.stale).pop(rid)
+            self.gone.add(rid)  # forgotten: a free of it is OK, as for any unknown id
+        for model in (self.committed, self.content):
+            for key in [k for k in model if k[0] == w]:
+                del model[key]
+        epoch = self.epoch.pop(w) + data.draw(st.integers(0, 1))
+        self.register(w, epoch, data.draw(st.integers(6, 12)))
+        assert not [r for r in (*self.mgr.requests.values(), *self.mgr.stale.values()) if r.worker_id == w]
 
 
 KVManagerMachine.TestCase.settings = settings(

@@ -126,6 +126,9 @@ class ReplayMachine(KVManagerMachine):
         finally:
             props.evict_tenant = real
 
+    def forget(self, w: str):
+        return self.mgr.service.mutate(admin.forget_worker, w, True)  # logged, as the admin RPC is
+
     @invariant()
     def a_restart_reloads_the_live_state(self):
         loaded = KVManager()
