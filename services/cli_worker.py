@@ -47,7 +47,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli import add_observability_flags, positive_float
+    from kvserve.services.cli import add_observability_flags, positive_float, positive_int
 
     w = sub.add_parser("worker", help="run a worker: model weights + KV page pool, serving Step and Info")
     _add_engine_flags(w)
@@ -64,7 +64,7 @@ def add_commands(sub) -> None:
     g = sub.add_parser("generate", help="stream a completion from a running gateway (or --local)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -183,8 +183,6 @@ def run_generate_local(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     try:
         validate_sampling("sampling flags", sampling)
-        if args.max_tokens <= 0:
-            raise InvalidRequest(f"--max-tokens must be positive, got {args.max_tokens}")
         runner = _make_runner(args)
         if runner is None:
             return 2

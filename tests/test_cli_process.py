@@ -134,7 +134,8 @@ def test_bad_worker_settings_exit_2_with_a_message_and_serve_nothing(args, env, 
 
 BAD_GENERATE_FLAGS = [
     ("negative temperature", ["--local", "--temperature", "-1"], "temperature must be finite and >= 0"),
-    ("zero max tokens", ["--local", "--max-tokens", "0"], "--max-tokens must be positive, got 0"),
+    ("zero max tokens", ["--local", "--max-tokens", "0"], "argument --max-tokens: must be positive, got 0"),
+    ("zero max tokens from a gateway", ["--max-tokens", "0"], "argument --max-tokens: must be positive, got 0"),
     ("zero timeout", ["--timeout", "0"], "argument --timeout: must be positive, got 0"),
     ("negative seed", ["--seed", "-3", "--gateway", "127.0.0.1:1"], "seed=-3 does not fit"),
 ]
