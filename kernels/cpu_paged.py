@@ -18,6 +18,7 @@ When it cannot be built, ``get_backend("auto", cpu)`` falls back to the referenc
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -73,12 +74,33 @@ def load_extension():
         pass
     sources = [str(s) for s in SOURCES]
     try:
-        return load(_build_name(CFLAGS + OPENMP), sources, extra_cflags=CFLAGS + OPENMP, extra_ldflags=OPENMP,
-                    verbose=False)
+        return _load_guarded(load, _build_name(CFLAGS + OPENMP), sources, extra_cflags=CFLAGS + OPENMP,
+                             extra_ldflags=OPENMP)
     except Exception as e:  # noqa: BLE001 - a compiler without OpenMP (Apple clang): build without it
         log.warning("cpu kernels: the build with OpenMP failed (%s); trying without OpenMP, where they run on "
                     "one thread", str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
-    return load(_build_name(CFLAGS), sources, extra_cflags=CFLAGS, verbose=False)
+    return _load_guarded(load, _build_name(CFLAGS), sources, extra_cflags=CFLAGS)
+
+
+def _load_guarded(load, name: str, sources: list[str], **flags):
+    """torch's ``load`` under an flock of our own on its build directory. torch marks a build in progress with
+    a ``lock`` file that only the builder removes: a process killed mid-build (a worker stopped during its first
+    start, a test's timeout) leaves it, and every later load then waits for it forever. The flock is released
+    by the kernel when its holder dies, so whoever holds it and still finds ``lock`` knows it is stale."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "kvserve.flock", "a") as guard:
+        fcntl.flock(guard.fileno(), fcntl.LOCK_EX)  # waits while another kvserve process loads or builds it
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("cpu kernels: removing %s, left by a build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        # copies: torch appends its own flags to the lists it is given (OPENMP grew torch's -L/-l flags, and with
+        # them the names _build_name gave afterwards)
+        return load(name, sources, build_directory=str(build_dir), verbose=False,
+                    **{key: list(value) for key, value in flags.items()})
 
 
 def unavailable_reason() -> str | None:

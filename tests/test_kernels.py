@@ -4,6 +4,9 @@ causal attention."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -274,7 +277,7 @@ def test_a_compiler_without_openmp_gets_the_kernels_built_without_it(monkeypatch
 
     builds = []
 
-    def fake_load(name, sources, extra_cflags=(), extra_ldflags=(), verbose=False):
+    def fake_load(name, sources, extra_cflags=(), extra_ldflags=(), verbose=False, build_directory=None):
         builds.append((name, list(extra_cflags), list(extra_ldflags)))
         if "-fopenmp" in extra_cflags:
             raise RuntimeError("clang: error: unsupported option '-fopenmp'")
@@ -427,3 +430,24 @@ def test_the_cpu_backends_argmax_and_logsumexp_match_torch_and_take_the_first_of
     ids, lse = CPUPagedBackend().argmax_logsumexp(logits)
     assert ids.tolist() == logits.argmax(-1).tolist() and ids[2] == 100
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-5)
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():
+    """torch marks a build in progress with a `lock` file that only the builder removes; a worker killed during
+    its first start's build left one, and every later start waited for it forever (seen: a test's timeout
+    killed a building worker, and each worker after it hung without a word)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from kvserve.kernels.cpu_paged import CFLAGS, OPENMP, _build_name, load_extension
+
+    load_extension()  # built, or loaded, here first
+    lock = Path(_get_build_directory(_build_name(CFLAGS + OPENMP), verbose=False)) / "lock"
+    lock.touch()  # what a killed build leaves
+    code = "from kvserve.kernels.cpu_paged import load_extension; load_extension(); print('loaded')"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    finally:
+        left = lock.exists()
+        lock.unlink(missing_ok=True)  # never leave it for the tests after this one
+    assert out.returncode == 0 and out.stdout.strip() == "loaded", out.stderr
+    assert not left and "left by a build that was killed" in out.stderr, (lock, out.stderr)
