@@ -29,6 +29,18 @@ def new_runner(model_dir, num_pages: int = 64, page_size: int = 16) -> ModelRunn
                                     dtype="float32", worker_id="worker-0"))
 
 
+def restart_at(n: int, servers: list, restarted: ModelRunner, port: int, first=None):
+    """An on_token callback: at the n-th token, (first() then) the worker's server stops and ``restarted`` is
+    served on its port, as a restarted worker process would be; the new server is appended to ``servers``."""
+    def on_token(num_tokens: int) -> None:
+        if num_tokens == n:
+            if first is not None:
+                first()
+            servers[0].stop(0)
+            servers.append(start_worker_server(restarted, "127.0.0.1", port))
+    return on_token
+
+
 def tokens(handle, on_token=None) -> list[int]:
     out = []
     for delta in handle:
@@ -84,12 +96,7 @@ def test_a_worker_restart_mid_request_recomputes_with_identical_output(model_dir
         expected = tokens(gateway.submit(request, "default")[0])
         restarted = new_runner(model_dir)  # loaded before the restart, so the gap stays short
 
-        def restart_after_5(num_tokens: int) -> None:
-            if num_tokens == 5:
-                servers[0].stop(0)
-                servers.append(start_worker_server(restarted, "127.0.0.1", port))
-
-        got = tokens(gateway.submit(request, "default")[0], restart_after_5)
+        got = tokens(gateway.submit(request, "default")[0], restart_at(5, servers, restarted, port))
         assert got == expected
         assert len(servers) == 2 and restarted.info.epoch != runner.info.epoch
         pool = service.manager.pools["worker-0"]
@@ -118,14 +125,9 @@ def test_a_restarted_worker_whose_registration_failed_is_never_served_the_old_ep
         expected = tokens(gateway.submit(request, "default")[0])  # caches the prompt's full pages
         restarted = new_runner(model_dir)
 
-        def restart_after_3(num_tokens: int) -> None:
-            if num_tokens == 3:
-                refusal.refusing.set()
-                servers[0].stop(0)
-                servers.append(start_worker_server(restarted, "127.0.0.1", port))
 
         handle = gateway.submit(request, "default")[0]
-        tokens(handle, restart_after_3)
+        tokens(handle, restart_at(3, servers, restarted, port, first=refusal.refusing.set))
         assert handle.req.finish_reason.name == "ERROR"  # its re-registration was refused
         assert gateway.engines[0].info.epoch != restarted.info.epoch
         refusal.refusing.clear()
@@ -154,13 +156,8 @@ def test_a_worker_restarted_with_another_config_is_followed_or_refused(model_dir
         restarted = new_runner(model_dir, num_pages=48) if change == "a resized pool" else new_runner(
             model_dir, page_size=32)
 
-        def restart_after_3(num_tokens: int) -> None:
-            if num_tokens == 3:
-                servers[0].stop(0)
-                servers.append(start_worker_server(restarted, "127.0.0.1", port))
-
         handle = gateway.submit(request, "default")[0]
-        got = tokens(handle, restart_after_3)
+        got = tokens(handle, restart_at(3, servers, restarted, port))
         engine = gateway.engines[0]
         if change == "a resized pool":
             assert got == expected and engine.scheduler.cfg.num_pages == 48
