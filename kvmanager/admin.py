@@ -398,12 +398,12 @@ def reset(mgr: KVManager, force: bool = False) -> ResetResult:
 
 def forget_worker(mgr: KVManager, worker_id: str, force: bool = False) -> ForgetResult:
     """Removes a worker's pool and its blocks, for a worker gone for good. Refused (RequestsRunning) while
-    requests are live on it, unless ``force``: they become stale, as when their worker's epoch is dropped.
+    requests are live on it, unless ``force``: they are forgotten with it (KVManager.forget_pool).
 
     Raises UnknownWorker, RequestsRunning.
     """
     pool = mgr.pool(worker_id)
-    live = sum(1 for r in mgr.requests.values() if r.worker_id == worker_id)
+    live = len(mgr.req_ids_on(worker_id))
     if live and not force:
         raise RequestsRunning(f"{live} requests are running on worker {worker_id!r}: is it still serving? Stop "
                               "its gateway first, or forget it with force if it is gone for good")

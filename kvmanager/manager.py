@@ -82,19 +82,19 @@ class KVManager:
         self.changes.pools.add(spec.worker_id)
         return RegisterResult(previous_epoch=old.spec.epoch if old else 0, dropped_req_ids=dropped)
 
-    def _req_ids_on(self, worker_id: str) -> tuple[str, ...]:
+    def req_ids_on(self, worker_id: str) -> tuple[str, ...]:
         """The live requests on a worker's pool, sorted (the order they are dropped or released in)."""
         return tuple(sorted(r.req_id for r in self.requests.values() if r.worker_id == worker_id))
 
     def _release_requests(self, worker_id: str) -> tuple[str, ...]:
-        released = self._req_ids_on(worker_id)
+        released = self.req_ids_on(worker_id)
         touched: set[str] = set()
         for req_id in released:
             self._free(Free(req_id), touched)
         return released
 
     def _drop_pool(self, pool: PagePool) -> tuple[str, ...]:
-        dropped = self._req_ids_on(pool.spec.worker_id)
+        dropped = self.req_ids_on(pool.spec.worker_id)
         for req_id in dropped:
             req = self.requests.pop(req_id)
             self.stale[req_id] = req

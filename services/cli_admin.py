@@ -88,7 +88,7 @@ def add_commands(sub) -> None:
                             "go to new requests while a worker may still write them)")
     forget = cmd("forget-worker", "remove the pool of a worker that is gone for good (scaled down)")
     forget.add_argument("worker_id")
-    forget.add_argument("--force", action="store_true", help="even with requests live on it (they become stale)")
+    forget.add_argument("--force", action="store_true", help="even with requests live on it (forgotten with it)")
 
 
 # -- requests ----------------------------------------------------------------------------------------------
@@ -125,25 +125,28 @@ def _request(args):
     return rpc, message(**_prefix_fields(args))
 
 
+def _token_file(args) -> Path:
+    return (args.data_dir or default_data_dir()).expanduser() / ADMIN_TOKEN_FILE
+
+
 def _client_token(args) -> str | None:
     if args.admin_token:
         return args.admin_token
-    path = (args.data_dir or default_data_dir()).expanduser() / ADMIN_TOKEN_FILE
     try:
-        return path.read_text().strip() or None
+        return _token_file(args).read_text().strip() or None
     except OSError:
         return None  # the server answers UNAUTHENTICATED, with a hint
 
 
-def _token_hint(args, code) -> str:
+def _token_hint(args, code, token: str | None) -> str:
     """Where a refused token came from, when kvserve admin read it from a data dir: a kvmanager started with
     another --data-dir (kvserve up --data-dir D) wrote its token there, not here."""
     import grpc
 
     if args.admin_token or code not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
         return ""
-    path = (args.data_dir or default_data_dir()).expanduser() / ADMIN_TOKEN_FILE
-    where = f"the token was read from {path}" if path.is_file() else f"no token file at {path}"
+    path = _token_file(args)
+    where = f"the token was read from {path}" if token else f"no token file at {path}"
     return f" ({where}; for a kvmanager started with another --data-dir, pass that --data-dir, or --admin-token)"
 
 
@@ -164,7 +167,7 @@ def run_admin(args) -> int:
             stub = kvmanager_pb2_grpc.KVAdminServiceStub(channel)
             response = getattr(stub, rpc)(request, metadata=metadata, timeout=args.timeout)
         except grpc.RpcError as e:
-            print(f"kvserve: {e.code().name}: {e.details()}{_token_hint(args, e.code())}", file=sys.stderr)
+            print(f"kvserve: {e.code().name}: {e.details()}{_token_hint(args, e.code(), token)}", file=sys.stderr)
             return 1
     if args.json:
         print(json_format.MessageToJson(response, preserving_proto_field_name=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvserve.v1 import common_pb2, gateway_pb2
+from kvserve.v1 import gateway_pb2
 
 _FINISH_REASONS = {
     gateway_pb2.FINISH_REASON_EOS: "eos",
@@ -126,14 +126,14 @@ def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str
     """
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt and messages")
-    sampling, request = common_pb2.SamplingParams(), gateway_pb2.GenerateRequest()
+    request = gateway_pb2.GenerateRequest()
+    sampling = request.sampling
     _set(sampling, temperature=temperature, top_k=top_k, top_logprobs=top_logprobs)
     if top_p != 1.0:
         _set(sampling, top_p=top_p)
     if seed is not None:
         _set(sampling, seed=seed)
     _set(request, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=ignore_eos)
-    request.sampling.CopyFrom(sampling)
     try:
         request.stop.extend([stop] if isinstance(stop, str) else stop)
     except TypeError as e:

@@ -369,11 +369,9 @@ class EngineLoop:
         else:
             log.error("engine %s: step failed: %s; failing its %d requests", self.info.worker_id, error,
                       len(self.handles))
+        reason = FinishReason.CANCELLED if stopping else FinishReason.ERROR
         for req_id in list(self.handles):
-            if stopping:
-                self._finish(req_id, FinishReason.CANCELLED)
-            else:
-                self._finish(req_id, FinishReason.ERROR, BackendFailure(error))
+            self._finish(req_id, reason, None if stopping else BackendFailure(error))
         # Their frees go out with the next call, but not the commits of what they filled last: a failed call
         # may have been applied without its answer arriving, and a commit computed before that answer would be
         # refused as out of order, failing the whole call and the requests it admits. Only cache entries lost.
