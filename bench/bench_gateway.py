@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent / "tests"))  # otlp_collector: the tests' OTLP sink
 import hf_reference as hf  # noqa: E402
 
+from kvserve.common.tokenizer import Tokenizer  # noqa: E402
+from kvserve.common.wire.worker import StepBatch, StepItem  # noqa: E402
 from kvserve.services.client import Client  # noqa: E402
-from kvserve.worker.batch import StepBatch, StepItem  # noqa: E402
 from kvserve.worker.runner import ModelRunner, RunnerConfig  # noqa: E402
-from kvserve.worker.tokenizer import Tokenizer  # noqa: E402
 
 READY = re.compile(r"^kvserve up ready: gateway on (?P<gateway>\S+) ")
 KV_WAIT = re.compile(r"kvmanager wait ([0-9.]+)% of step time")

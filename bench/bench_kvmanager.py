@@ -66,15 +66,7 @@ import grpc  # noqa: E402
 import numpy as np
 from results_io import write_results
 
-from kvserve.kvmanager.convert import step_to_request_proto
-from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.oplog import LoggedStore
-from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
-from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
-from kvserve.kvmanager.service import KVService, NullStore
-from kvserve.kvmanager.servicer import KVManagerServicer
-from kvserve.kvmanager.store import RedisStore
-from kvserve.kvmanager.types import (
+from kvserve.common.wire.pages import (
     Allocate,
     AllocateResult,
     Commit,
@@ -89,11 +81,19 @@ from kvserve.kvmanager.types import (
     StepOps,
     StepResults,
 )
+from kvserve.common.wire.worker import SampledToken
+from kvserve.kvmanager.convert import step_to_request_proto
+from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.oplog import LoggedStore
+from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
+from kvserve.kvmanager.service import KVService, NullStore
+from kvserve.kvmanager.servicer import KVManagerServicer
+from kvserve.kvmanager.store import RedisStore
 from kvserve.services.gateway.request import Request, RequestParams
 from kvserve.services.gateway.scheduler import Scheduler, SchedulerConfig
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
-from kvserve.worker.batch import SampledToken
 
 PAGE_SIZE = 16
 NUM_PAGES = 16384  # 64 running x (125 prompt + decode) pages, plus room for a cache that outlives one batch

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from results_io import write_results
 
+from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
 from kvserve.services.model_store import prepare_default_model
-from kvserve.worker.batch import SamplingParams, StepBatch, StepItem
 from kvserve.worker.local_engine import GenerateParams, generate
 from kvserve.worker.runner import ModelRunner, RunnerConfig
 

@@ -42,9 +42,9 @@ import bench_worker as bw  # noqa: E402
 import hf_reference as hf  # noqa: E402
 import report_output  # noqa: E402
 
+from kvserve.common.tokenizer import Tokenizer  # noqa: E402
 from kvserve.services.client import Client  # noqa: E402
 from kvserve.services.model_store import prepare_default_model  # noqa: E402
-from kvserve.worker.tokenizer import Tokenizer  # noqa: E402
 
 PAGE_SIZE = 16
 CLIENT_COUNTS = (1, 4, 16)
@@ -144,7 +144,7 @@ def page_utilisation(work: list[hf.Workitem]) -> dict:
 
 
 def memory(runner, work: list[hf.Workitem]) -> dict:
-    from kvserve.services.kvmem import get_dtype, load_hf_config, per_token
+    from kvserve.common.kvmem import get_dtype, load_hf_config, per_token
 
     info = runner.info
     calc_per_token = per_token(load_hf_config(runner.cfg.model_dir / "config.json"), get_dtype(info.kv_dtype)).bytes

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_gateway as bg  # noqa: E402
 import hf_reference as hf  # noqa: E402
 
+from kvserve.common.tokenizer import Tokenizer  # noqa: E402
 from kvserve.services.model_store import prepare_default_model  # noqa: E402
-from kvserve.worker.tokenizer import Tokenizer  # noqa: E402
 
 
 def workload():

@@ -16,13 +16,10 @@ The metadata is built once per step and shared by every layer.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -151,25 +148,3 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     flat = kv_cache.view(2, num_pages * page_size, num_kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
-
-
-def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> PagedAttentionBackend:
-    """Returns the backend called ``name``: "reference", "cpu" (the in-place decode kernel, float32 on CPU), or
-    "auto": "cpu" where it applies and builds, else "reference"."""
-    from kvserve.kernels.reference import ReferenceBackend
-
-    if name == "reference":
-        return ReferenceBackend()
-    if name in ("cpu", "auto"):
-        from kvserve.kernels import cpu_paged
-
-        applies = device.type == "cpu" and dtype == torch.float32
-        reason = cpu_paged.unavailable_reason() if applies else f"it runs float32 on CPU, not {dtype} on {device}"
-        if reason is None:
-            return cpu_paged.CPUPagedBackend()
-        if name == "cpu":
-            raise ValueError(f"the cpu attention backend is not available: {reason}")
-        if applies:
-            log.warning("attention backend: the cpu kernel is not available (%s); using the reference", reason)
-        return ReferenceBackend()
-    raise ValueError(f"unknown attention backend {name!r}; known: reference, cpu, auto")

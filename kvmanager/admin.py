@@ -10,19 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.kvmanager.errors import InvalidRequest, KVManagerError, RequestsRunning, StaleEpoch, UnknownTenant
+from kvserve.common.errors import InvalidRequest, StaleEpoch
+from kvserve.common.tokens import check_token_ids
+from kvserve.kvmanager.errors import RequestsRunning, UnknownTenant
 from kvserve.kvmanager.hashing import hex_hash, iter_chain_hashes
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import TenantCounters
-from kvserve.kvmanager.step_validate import MAX_TOKEN_ID
+from kvserve.kvmanager.step_validate import check_tenant
 
 DEFAULT_MAX_BLOCKS = 100
 DEFAULT_MAX_PREFIXES = 10
 
-
-class TextUnsupported(KVManagerError):
-    """Text input, but the kvmanager was started without a tokenizer (``--model``)."""
 
 
 @dataclass(slots=True)
@@ -248,19 +247,6 @@ def inspect_tenant(mgr: KVManager, tenant: str, max_blocks: int = 0, max_prefixe
                         prefixes[: max_prefixes or DEFAULT_MAX_PREFIXES])
 
 
-def check_tenant(tenant: str) -> None:
-    if not tenant:
-        raise InvalidRequest("tenant must not be empty")
-
-
-def check_tokens(token_ids: tuple[int, ...]) -> None:
-    if not token_ids:
-        raise InvalidRequest("token_ids must not be empty")
-    bad = next((t for t in token_ids if not 0 <= t <= MAX_TOKEN_ID), None)
-    if bad is not None:
-        raise InvalidRequest(f"token id {bad} is not a uint32")
-
-
 def _pools_in_scope(mgr: KVManager, worker_id: str) -> list[PagePool]:
     return [mgr.pool(worker_id)] if worker_id else [mgr.pools[w] for w in sorted(mgr.pools)]
 
@@ -277,7 +263,7 @@ def probe(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: st
     Raises InvalidRequest (empty tenant or tokens, token id not a uint32), UnknownWorker.
     """
     check_tenant(tenant)
-    check_tokens(token_ids)
+    check_token_ids("", token_ids)
     hits = [ProbeHit(p.spec.worker_id, p.spec.epoch, len(_prefix_blocks(mgr, p, tenant, token_ids)) * p.spec.page_size)
             for p in _pools_in_scope(mgr, worker_id)]
     best = max(hits, key=lambda h: h.num_hit_tokens, default=None)  # max keeps the first of equals
@@ -339,7 +325,7 @@ def _set_pinned(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_
                 pinned: bool) -> tuple[int, int, int]:
     """(blocks of the prefix reached, blocks whose flag changed, most tokens reached on one pool)."""
     check_tenant(tenant)
-    check_tokens(token_ids)
+    check_token_ids("", token_ids)
     reached = changed = best_tokens = 0
     for pool in _pools_in_scope(mgr, worker_id):
         blocks = _prefix_blocks(mgr, pool, tenant, token_ids)

@@ -1,38 +1,12 @@
-"""Protobuf <-> the kvmanager's dataclasses, in one place. No logic beyond renaming and copying."""
+"""The kvmanager's admin answers -> protobuf, in one place (the page ops' converters are common's:
+common/convert/pages.py). No logic beyond renaming and copying."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import fields
-from types import MappingProxyType
 
 from kvserve.kvmanager import admin
-from kvserve.kvmanager.errors import InvalidRequest
-from kvserve.kvmanager.hashing import le_uint32, unpack_uint32
-from kvserve.kvmanager.types import (
-    Allocate,
-    AllocateResult,
-    Commit,
-    CommitResult,
-    Extend,
-    ExtendResult,
-    Free,
-    FreeResult,
-    OpStatus,
-    PoolSpec,
-    PoolSummary,
-    RegisterResult,
-    StepOps,
-    StepResults,
-)
 from kvserve.v1 import kvmanager_pb2 as pb
-
-EMPTY: Mapping[str, str] = MappingProxyType({})
-OP_STATUS = {
-    OpStatus.OK: pb.PAGE_OP_STATUS_OK,
-    OpStatus.OUT_OF_PAGES: pb.PAGE_OP_STATUS_OUT_OF_PAGES,
-    OpStatus.STALE_EPOCH: pb.PAGE_OP_STATUS_STALE_EPOCH,
-}
 
 
 def _fields(obj) -> dict:
@@ -42,126 +16,6 @@ def _fields(obj) -> dict:
 def _copy(obj, message_type):
     """A message with the scalar and repeated-scalar fields of a dataclass of the same field names."""
     return message_type(**_fields(obj))
-
-
-# -- KVManagerService ---------------------------------------------------------------------------------------
-def spec_from_proto(r: pb.RegisterWorkerRequest) -> PoolSpec:
-    return PoolSpec(r.worker_id, r.epoch, r.num_pages, r.page_size, r.model_fingerprint, r.kv_dtype,
-                    r.bytes_per_token)
-
-
-def register_to_proto(r: RegisterResult) -> pb.RegisterWorkerResponse:
-    return pb.RegisterWorkerResponse(ok=True, previous_epoch=r.previous_epoch, dropped_req_ids=r.dropped_req_ids,
-                                     released_req_ids=r.released_req_ids)
-
-
-def unpack_token_ids(where: str, packed: bytes):
-    """A ``packed_token_ids`` field as a sequence of ints (an array of uint32); InvalidRequest when torn."""
-    try:
-        return unpack_uint32(packed)
-    except ValueError as e:
-        raise InvalidRequest(f"{where}: packed_token_ids: {e}") from None
-
-
-def step_from_proto(r: pb.StepPagesRequest) -> StepOps:
-    return StepOps(
-        step_id=r.step_id,
-        allocations=tuple(Allocate(a.req_id, a.tenant, unpack_token_ids(f"allocation {a.req_id!r}", a.packed_token_ids),
-                                   a.worker_id, a.skip_prefix_cache) for a in r.allocations),
-        extensions=tuple(Extend(e.req_id, e.num_tokens) for e in r.extensions),
-        commits=tuple(Commit(c.req_id, c.start_pos, unpack_token_ids(f"commit {c.req_id!r}", c.packed_token_ids),
-                             c.num_computed_tokens) for c in r.commits),
-        frees=tuple(Free(f.req_id) for f in r.frees),
-    )
-
-
-# The results are added in place (``repeated.add``), not built and then copied into the response, and an
-# extension's default fields are left unset: a 64-request call's answer in about half the time.
-OK = pb.PAGE_OP_STATUS_OK
-
-
-def _add_allocation(add, a: AllocateResult) -> None:
-    add(req_id=a.req_id, status=OP_STATUS[a.status], worker_id=a.worker_id, epoch=a.epoch, page_table=a.page_table,
-        num_cached_tokens=a.num_cached_tokens, num_pages_short=a.num_pages_short)
-
-
-def _add_extension(add, e: ExtendResult) -> None:
-    if e.status is OpStatus.OK and not e.new_page_ids:  # most of a decode step's extensions
-        add(req_id=e.req_id, status=OK, num_pages=e.num_pages)
-    else:
-        add(req_id=e.req_id, status=OP_STATUS[e.status], new_page_ids=e.new_page_ids, num_pages=e.num_pages,
-            num_pages_short=e.num_pages_short)
-
-
-def _add_commit(add, c: CommitResult) -> None:
-    add(req_id=c.req_id, status=OP_STATUS[c.status], num_committed_tokens=c.num_committed_tokens)
-
-
-def _add_free(add, f: FreeResult) -> None:
-    add(req_id=f.req_id, status=OP_STATUS[f.status])
-
-
-def step_to_proto(r: StepResults, handle_ms: float) -> pb.StepPagesResponse:
-    out = pb.StepPagesResponse(handle_ms=handle_ms)
-    for results, repeated, add_one in ((r.allocations, out.allocation_results, _add_allocation),
-                                       (r.extensions, out.extension_results, _add_extension),
-                                       (r.commits, out.commit_results, _add_commit),
-                                       (r.frees, out.free_results, _add_free)):
-        add = repeated.add
-        for result in results:
-            add_one(add, result)
-    for p in r.pools:
-        out.pools.add(**_fields(p))
-    return out
-
-
-# -- the client side (the gateway) ---------------------------------------------------------------------------
-STATUS_OF = {v: k for k, v in OP_STATUS.items()}
-
-
-def spec_to_proto(s: PoolSpec, release_requests: bool = False) -> pb.RegisterWorkerRequest:
-    msg = _copy(s, pb.RegisterWorkerRequest)
-    msg.release_requests = release_requests
-    return msg
-
-
-def register_from_proto(r: pb.RegisterWorkerResponse) -> RegisterResult:
-    return RegisterResult(previous_epoch=r.previous_epoch, dropped_req_ids=tuple(r.dropped_req_ids),
-                          released_req_ids=tuple(r.released_req_ids))
-
-
-def step_to_request_proto(ops: StepOps, traceparents: Mapping[str, str] = EMPTY) -> pb.StepPagesRequest:
-    """``traceparents``: req_id -> W3C traceparent of the request's span, for the ops of traced requests."""
-    def tp(op) -> dict:
-        parent = traceparents.get(op.req_id)
-        return {"traceparent": parent} if parent else {}
-
-    return pb.StepPagesRequest(
-        step_id=ops.step_id,
-        allocations=[pb.PageAllocation(req_id=a.req_id, tenant=a.tenant, worker_id=a.worker_id,
-                                       packed_token_ids=le_uint32(a.token_ids),
-                                       skip_prefix_cache=a.skip_prefix_cache, **tp(a)) for a in ops.allocations],
-        extensions=[pb.PageExtension(**_fields(e), **tp(e)) for e in ops.extensions],
-        commits=[pb.PageCommit(req_id=c.req_id, start_pos=c.start_pos, packed_token_ids=le_uint32(c.token_ids),
-                               num_computed_tokens=c.num_computed_tokens, **tp(c)) for c in ops.commits],
-        frees=[pb.PageFree(**_fields(f), **tp(f)) for f in ops.frees],
-    )
-
-
-def place_to_proto(tenant: str, token_ids, num_queued: dict[str, int]) -> pb.PlaceRequest:
-    return pb.PlaceRequest(tenant=tenant, packed_token_ids=le_uint32(token_ids), num_queued=num_queued)
-
-
-def step_results_from_proto(r: pb.StepPagesResponse) -> StepResults:
-    return StepResults(
-        allocations=[AllocateResult(a.req_id, STATUS_OF[a.status], a.worker_id, a.epoch, list(a.page_table),
-                                    a.num_cached_tokens, a.num_pages_short) for a in r.allocation_results],
-        extensions=[ExtendResult(e.req_id, STATUS_OF[e.status], list(e.new_page_ids), e.num_pages,
-                                 e.num_pages_short) for e in r.extension_results],
-        commits=[CommitResult(c.req_id, STATUS_OF[c.status], c.num_committed_tokens) for c in r.commit_results],
-        frees=[FreeResult(f.req_id, STATUS_OF[f.status]) for f in r.free_results],
-        pools=[PoolSummary(p.worker_id, p.epoch, p.num_free_pages, p.num_evictable_pages) for p in r.pools],
-    )
 
 
 # -- KVAdminService -----------------------------------------------------------------------------------------

@@ -9,14 +9,11 @@ on nothing else (no per-process seed), so they stay valid across processes and r
 
 from __future__ import annotations
 
-import sys
-from array import array
-
 import xxhash
 
+from kvserve.common.tokens import le_uint32
+
 HASH_SCHEME_VERSION = 1
-LITTLE = sys.byteorder == "little"
-UINT32 = next(code for code in "IL" if array(code).itemsize == 4)  # the array typecode of a 4-byte unsigned int
 
 
 def namespace_seed(tenant: str, model_fingerprint: str, kv_dtype: str, page_size: int) -> bytes:
@@ -37,29 +34,6 @@ def iter_chain_hashes(prev: bytes, token_ids, page_size: int):
     for start in range(0, len(data), step):
         prev = xxhash.xxh3_128_digest(prev + data[start : start + step])
         yield prev
-
-
-def le_uint32(token_ids) -> bytes:
-    """Token ids as little-endian uint32 bytes (callers validated 0 <= id < 2**32). An array of uint32 (what
-    unpack_uint32 returns) is copied as is on little-endian machines."""
-    if LITTLE and isinstance(token_ids, array) and token_ids.typecode == UINT32:
-        return token_ids.tobytes()
-    words = array(UINT32, token_ids)
-    if not LITTLE:
-        words.byteswap()
-    return words.tobytes()
-
-
-def unpack_uint32(data: bytes) -> array:
-    """The inverse of le_uint32: an array of token ids (a sequence of ints). Raises ValueError when ``data``
-    is not a whole number of 4-byte words."""
-    if len(data) % 4:
-        raise ValueError(f"{len(data)} bytes are not a whole number of 4-byte token ids")
-    words = array(UINT32)
-    words.frombytes(data)
-    if not LITTLE:
-        words.byteswap()
-    return words
 
 
 def hex_hash(block_hash: bytes) -> str:

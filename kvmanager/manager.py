@@ -11,13 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from itertools import repeat
 
-from kvserve.kvmanager.errors import InvalidRequest, StaleEpoch, UnknownRequest, UnknownWorker
-from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
-from kvserve.kvmanager.placement import choose_pool
-from kvserve.kvmanager.pool import Block, PagePool
-from kvserve.kvmanager.state import Changes, Request, TenantCounters
-from kvserve.kvmanager.step_validate import validate_step
-from kvserve.kvmanager.types import (
+from kvserve.common.errors import InvalidRequest, StaleEpoch
+from kvserve.common.wire.pages import (
     Allocate,
     AllocateResult,
     Commit,
@@ -33,6 +28,12 @@ from kvserve.kvmanager.types import (
     StepOps,
     StepResults,
 )
+from kvserve.kvmanager.errors import UnknownRequest, UnknownWorker
+from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
+from kvserve.kvmanager.placement import choose_pool
+from kvserve.kvmanager.pool import Block, PagePool
+from kvserve.kvmanager.state import Changes, Request, TenantCounters
+from kvserve.kvmanager.step_validate import validate_step
 
 RECENT_RESULTS = 1 << 16
 

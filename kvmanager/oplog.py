@@ -28,13 +28,13 @@ from dataclasses import asdict
 import numpy as np
 import redis
 
+from kvserve.common.tokens import UINT32, le_uint32, unpack_uint32
+from kvserve.common.wire.pages import Allocate, Commit, Extend, Free, PoolSpec, StepOps
 from kvserve.kvmanager import admin, snapshots
-from kvserve.kvmanager.hashing import UINT32, le_uint32, unpack_uint32
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.snapshots import Child, GenerationKeys, claim
 from kvserve.kvmanager.state import Changes
 from kvserve.kvmanager.store import RedisStore
-from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, PoolSpec, StepOps
 
 log = logging.getLogger(__name__)
 ADMIN_MUTATIONS = {f.__name__: f for f in (admin.evict_tenant, admin.pin, admin.unpin, admin.reset,

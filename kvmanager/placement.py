@@ -15,9 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvserve.common.errors import InvalidRequest
+from kvserve.common.tokens import check_token_ids
+from kvserve.common.wire.pages import Allocate
+from kvserve.kvmanager.errors import UnknownWorker
 from kvserve.kvmanager.hashing import iter_chain_hashes
 from kvserve.kvmanager.pool import Block, PagePool
-from kvserve.kvmanager.types import Allocate
+from kvserve.kvmanager.step_validate import check_tenant
 
 if TYPE_CHECKING:
     from kvserve.kvmanager.manager import KVManager
@@ -74,11 +78,8 @@ def place(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], num_queued: d
     Raises InvalidRequest (empty tenant or tokens, a token id that is not a uint32, a negative queue length),
     UnknownWorker (no pool).
     """
-    from kvserve.kvmanager.admin import check_tenant, check_tokens
-    from kvserve.kvmanager.errors import InvalidRequest, UnknownWorker
-
     check_tenant(tenant)
-    check_tokens(token_ids)
+    check_token_ids("", token_ids)
     negative = sorted(w for w, n in num_queued.items() if n < 0)
     if negative:
         raise InvalidRequest(f"num_queued[{negative[0]!r}] is {num_queued[negative[0]]}: a queue length is >= 0")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from kvserve.kvmanager.types import PoolSpec
+from kvserve.common.wire.pages import PoolSpec
 
 
 @dataclass(slots=True)

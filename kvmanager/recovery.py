@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from kvserve.common.wire.pages import PoolSpec
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import Request, TenantCounters
-from kvserve.kvmanager.types import PoolSpec
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
 """Wires the kvmanager's gRPC server: both servicers and the admin-token check, on the shared plumbing
-(services/grpc_server.py: health, reflection, graceful stop).
+(common/grpc_server.py: health, reflection, graceful stop).
 
 Admin authentication: every KVAdminService call must carry the metadata ``authorization: Bearer <token>``.
 Missing (or not a bearer token) is UNAUTHENTICATED, a wrong token PERMISSION_DENIED (constant-time compare).
@@ -13,9 +13,10 @@ import hmac
 
 import grpc
 
+from kvserve.common.credentials import bearer_token
+from kvserve.common.grpc_server import GrpcServer, start_grpc_server
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.servicer import KVAdminServicer, KVManagerServicer, TextEncoder
-from kvserve.services.grpc_server import GrpcServer, bearer_token, start_grpc_server
 from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 MANAGER_SERVICE = kvmanager_pb2.DESCRIPTOR.services_by_name["KVManagerService"].full_name

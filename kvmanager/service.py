@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
 from kvserve.kvmanager.errors import StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.state import Changes
-from kvserve.kvmanager.types import PoolSpec, RegisterResult, StepOps, StepResults
 
 
 class Store(Protocol):

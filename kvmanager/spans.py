@@ -4,8 +4,8 @@ Glue, like the servicer: the domain never sees a span."""
 
 from __future__ import annotations
 
-from kvserve.kvmanager.types import StepResults
-from kvserve.services.telemetry import context_of
+from kvserve.common.telemetry import context_of
+from kvserve.common.wire.pages import StepResults
 
 
 def _allocate_attrs(op, res) -> dict:  # op: the PageAllocation message (token ids packed, 4 bytes each)

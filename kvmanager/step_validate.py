@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from array import array
 from typing import TYPE_CHECKING
 
-from kvserve.kvmanager.errors import InvalidRequest, StaleStep, UnknownRequest, UnknownWorker
-from kvserve.kvmanager.hashing import UINT32
+from kvserve.common.errors import InvalidRequest
+from kvserve.common.tokens import check_token_ids
+from kvserve.common.wire.pages import Allocate, Commit, Extend, StepOps
+from kvserve.kvmanager.errors import StaleStep, UnknownRequest, UnknownWorker
 from kvserve.kvmanager.state import Request
-from kvserve.kvmanager.types import Allocate, Commit, Extend, StepOps
 
 if TYPE_CHECKING:
     from kvserve.kvmanager.manager import KVManager
 
-MAX_TOKEN_ID = (1 << 32) - 1
+
+
+def check_tenant(tenant: str) -> None:
+    if not tenant:
+        raise InvalidRequest("tenant must not be empty")
 
 
 def validate_step(mgr: KVManager, ops: StepOps) -> None:
@@ -66,23 +70,13 @@ def _check_not_stale(mgr: KVManager, req_id: str, kind: str, step_id: int, req: 
                         f"applied")
 
 
-def _check_tokens(where: str, token_ids: tuple[int, ...]) -> None:
-    try:
-        array(UINT32, token_ids)  # one C pass; raises for anything that is not a uint32
-    except (OverflowError, TypeError):
-        bad = next(t for t in token_ids if not (isinstance(t, int) and 0 <= t <= MAX_TOKEN_ID))
-        raise InvalidRequest(f"{where}: token id {bad} is not a uint32") from None
-
-
 def _check_allocate(mgr: KVManager, a: Allocate, step_id: int) -> None:
     where = f"allocation {a.req_id!r}"
     if not a.req_id:
         raise InvalidRequest("an allocation has an empty req_id")
     if not a.tenant:
         raise InvalidRequest(f"{where}: tenant must not be empty")
-    if not a.token_ids:
-        raise InvalidRequest(f"{where}: token_ids must not be empty")
-    _check_tokens(where, a.token_ids)
+    check_token_ids(where, a.token_ids)
     _check_not_stale(mgr, a.req_id, "allocate", step_id)
     freed = mgr.recent.get(("free", a.req_id)) if step_id else None
     if freed is not None and step_id < freed[0]:  # a late attempt of a call the caller gave up on
@@ -119,7 +113,7 @@ def _check_commit(mgr: KVManager, c: Commit, step_id: int) -> None:
             return  # a retried call whose first attempt committed this request's last pages, then freed it
     req = _live_or_stale(mgr, c.req_id)
     _check_not_stale(mgr, c.req_id, "commit", step_id)
-    _check_tokens(where, c.token_ids)
+    check_token_ids(where, c.token_ids)
     if c.req_id in mgr.stale or req.is_replay("commit", step_id):
         return
     page_size = mgr.pools[req.worker_id].spec.page_size

@@ -24,11 +24,11 @@ from urllib.parse import quote, unquote
 
 import redis
 
+from kvserve.common.wire.pages import AllocateResult, CommitResult, ExtendResult, FreeResult, OpStatus, PoolSpec
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import Block
 from kvserve.kvmanager.recovery import StoredBlock, StoredState, rebuild
 from kvserve.kvmanager.state import Changes, Request, TenantCounters
-from kvserve.kvmanager.types import AllocateResult, CommitResult, ExtendResult, FreeResult, OpStatus, PoolSpec
 
 RESULT_TYPES = {"allocate": AllocateResult, "extend": ExtendResult, "commit": CommitResult, "free": FreeResult}
 BATCH = 1000  # keys per SCAN step and per MGET, DEL and MSET command

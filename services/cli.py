@@ -60,7 +60,7 @@ def positive_int(text: str) -> int:
 
 def add_observability_flags(p: argparse.ArgumentParser) -> None:
     """--metrics-port (Prometheus text on http://HOST:PORT/metrics). Tracing is configured by the standard
-    OTEL_* environment variables (services/telemetry.py)."""
+    OTEL_* environment variables (common/telemetry.py)."""
     p.add_argument("--metrics-port", type=int, default=env_default("metrics_port"),
                    help="serve Prometheus metrics on this port (0 = a free one; default: no metrics)")
 

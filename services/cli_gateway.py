@@ -76,14 +76,14 @@ def describe_keys(keys) -> str:
 def run_gateway(args) -> int:
     import grpc
 
+    from kvserve.common.grpc_server import install_stop_signals
+    from kvserve.common.metrics import GatewayMetrics, serve_metrics
+    from kvserve.common.telemetry import setup_tracing, shutdown_tracing
     from kvserve.services.cli import metrics_note
     from kvserve.services.gateway.app import Gateway
     from kvserve.services.gateway.auth import load_keys
-    from kvserve.services.gateway.server import start_gateway_server
-    from kvserve.services.grpc_server import install_stop_signals
-    from kvserve.services.metrics import GatewayMetrics, serve_metrics
+    from kvserve.services.gateway.rpc.server import start_gateway_server
     from kvserve.services.model_store import ModelNotFound
-    from kvserve.services.telemetry import setup_tracing, shutdown_tracing
 
     stop = install_stop_signals()
     setup_tracing("kvserve-gateway")

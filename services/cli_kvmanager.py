@@ -115,7 +115,7 @@ def _uses_data_dir(args) -> bool:
 def _tokenizer(model: str | None):
     if not model:
         return None
-    from kvserve.worker.tokenizer import Tokenizer
+    from kvserve.common.tokenizer import Tokenizer
 
     folder = Path(model).expanduser()
     if not (folder / "tokenizer.json").is_file():
@@ -149,8 +149,9 @@ def _metrics(args, service) -> tuple[tuple, int | None]:
     """(server interceptors, metrics port) for --metrics-port; nothing without it."""
     if args.metrics_port is None:
         return (), None
+    from kvserve.common.grpc_server import RpcTimer
+    from kvserve.common.metrics import KVManagerMetrics, serve_metrics
     from kvserve.kvmanager import admin
-    from kvserve.services.metrics import KVManagerMetrics, RpcTimer, serve_metrics
 
     call_log = service.store if hasattr(service.store, "num_snapshots") else None  # --persistence log
     metrics = KVManagerMetrics(lambda: service.read(admin.stats), call_log)
@@ -162,12 +163,12 @@ def run_kvmanager(args) -> int:
     # Before grpc is imported: the call log's snapshots are written by a forked child, which gRPC's own fork
     # handlers can crash (kvmanager/snapshots.py). Nothing in the kvmanager relies on them.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+    from kvserve.common.grpc_server import install_stop_signals, serve_until_signal
+    from kvserve.common.telemetry import setup_tracing, shutdown_tracing
     from kvserve.kvmanager.manager import KVManager
     from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
     from kvserve.kvmanager.service import KVService
     from kvserve.services.cli import metrics_note
-    from kvserve.services.grpc_server import install_stop_signals, serve_until_signal
-    from kvserve.services.telemetry import setup_tracing, shutdown_tracing
 
     stop = install_stop_signals()  # first: a SIGTERM during start-up still stops the embedded Redis
     data_dir = (args.data_dir or default_data_dir()).expanduser()

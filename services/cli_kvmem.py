@@ -1,4 +1,4 @@
-"""``kvserve kv-mem``: the exact KV-cache memory calculator (the arithmetic lives in services/kvmem.py)."""
+"""``kvserve kv-mem``: the exact KV-cache memory calculator (the arithmetic lives in common/kvmem.py)."""
 
 from __future__ import annotations
 
@@ -86,14 +86,14 @@ def add_commands(sub) -> None:
 
 
 def _list_models() -> str:
-    from kvserve.services.kvmem import BUILTIN_MODELS, describe_model
+    from kvserve.common.kvmem import BUILTIN_MODELS, describe_model
 
     return "\n".join(describe_model(m) + (f"  aliases: {', '.join(m.aliases)}" if m.aliases else "")
                      for m in BUILTIN_MODELS)
 
 
 def _default_model() -> str:
-    from kvserve.services.kvmem import KvMemError
+    from kvserve.common.kvmem import KvMemError
     from kvserve.services.model_store import ModelNotFound, prepare_default_model
 
     try:
@@ -103,7 +103,7 @@ def _default_model() -> str:
 
 
 def run_kv_mem(args) -> int:
-    from kvserve.services.kvmem import KvMemError, calculate, find_model, format_report
+    from kvserve.common.kvmem import KvMemError, calculate, find_model, format_report
 
     if args.list_models:
         print(_list_models())

@@ -162,8 +162,8 @@ def _admin_hint(args, kvmanager_address: str) -> str:
 
 
 def run_up(args) -> int:
+    from kvserve.common.grpc_server import install_stop_signals
     from kvserve.services.cli_kvmanager import ADMIN_TOKEN_FILE, default_data_dir
-    from kvserve.services.grpc_server import install_stop_signals
     from kvserve.services.model_store import ModelNotFound
 
     if args.api_keys_file:  # checked before anything starts, not by the gateway a minute later

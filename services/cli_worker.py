@@ -101,10 +101,10 @@ def _make_runner(args, **extra):
 
 
 def run_worker(args) -> int:
+    from kvserve.common.grpc_server import install_stop_signals, serve_until_signal
+    from kvserve.common.metrics import WorkerMetrics, serve_metrics
+    from kvserve.common.telemetry import setup_tracing, shutdown_tracing
     from kvserve.services.cli import metrics_note
-    from kvserve.services.grpc_server import install_stop_signals, serve_until_signal
-    from kvserve.services.metrics import WorkerMetrics, serve_metrics
-    from kvserve.services.telemetry import setup_tracing, shutdown_tracing
     from kvserve.worker.server import start_worker_server
 
     runner = _make_runner(args, worker_id=args.worker_id)
@@ -175,9 +175,10 @@ def run_generate(args) -> int:
 
 
 def run_generate_local(args) -> int:
-    from kvserve.worker.batch import InvalidRequest, SamplingParams
+    from kvserve.common.errors import InvalidRequest
+    from kvserve.common.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+    from kvserve.common.wire.worker import SamplingParams
     from kvserve.worker.local_engine import GenerateParams, generate
-    from kvserve.worker.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
     from kvserve.worker.validate import validate_sampling
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)

@@ -67,6 +67,6 @@ def hf_model(model_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    from kvserve.worker.tokenizer import Tokenizer
+    from kvserve.common.tokenizer import Tokenizer
 
     return Tokenizer(model_dir)

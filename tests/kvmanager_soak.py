@@ -13,10 +13,10 @@ import random
 import sys
 from dataclasses import dataclass, field
 
+from kvserve.common.wire.pages import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps, StepResults
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import PagePool
 from kvserve.kvmanager.state import Request
-from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps, StepResults
 
 PAGE_SIZE = 4
 SOAK_SPEC = PoolSpec("w0", 1, 48, PAGE_SIZE, "fp", "float32", 64)

@@ -1,4 +1,4 @@
-"""k8s/grafana-dashboard.json: valid, and every query reads only series that services/metrics.py exports."""
+"""k8s/grafana-dashboard.json: valid, and every query reads only series that common/metrics.py exports."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-from kvserve.services.metrics import (
+from kvserve.common.metrics import (
     GATEWAY_METRICS,
     KVMANAGER_METRICS,
     WORKER_METRICS,
@@ -142,7 +142,7 @@ def test_every_query_reads_only_exported_series(dashboard: dict, exported: set[s
         tokens = METRIC_TOKEN.findall(expr)
         assert tokens, f"{where}: {expr!r} reads no kvserve metric"
         unknown = sorted(set(tokens) - exported)
-        assert not unknown, f"{where}: {unknown} are not exported by services/metrics.py"
+        assert not unknown, f"{where}: {unknown} are not exported by common/metrics.py"
 
 
 def test_every_histogram_quantile_aggregates_buckets_by_le(dashboard: dict) -> None:

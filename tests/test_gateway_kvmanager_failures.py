@@ -29,20 +29,20 @@ import pytest
 from conftest import TEST_NUM_PAGES, TEST_PAGE_SIZE
 from test_kvmanager_cli import kvmanager_process, stop_cleanly
 
+from kvserve.common.wire.pages import Allocate, Commit, StepOps
+from kvserve.common.wire.worker import SamplingParams
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
-from kvserve.kvmanager.types import Allocate, Commit, StepOps
 from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys
-from kvserve.services.gateway.clients import pool_spec
 from kvserve.services.gateway.request import FinishReason
+from kvserve.services.gateway.rpc.clients import pool_spec
 from kvserve.services.gateway.validate import GenerateInput
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
-from kvserve.worker.batch import SamplingParams
 from kvserve.worker.runner import ModelRunner, RunnerConfig
 from kvserve.worker.server import start_worker_server
 

@@ -12,13 +12,13 @@ import threading
 import grpc
 import pytest
 
+from kvserve.common.wire.worker import SamplingParams
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.validate import GenerateInput
-from kvserve.worker.batch import SamplingParams
 
 STEP_PAGES = "/kvserve.v1.KVManagerService/StepPages"
 PROMPT = "The history of the railway in Europe began in the early nineteenth century, when " * 3

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvserve.common.wire.worker import SamplingParams
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
@@ -19,7 +20,6 @@ from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.request import FinishReason
 from kvserve.services.gateway.validate import GenerateInput
-from kvserve.worker.batch import SamplingParams
 
 PROMPT = "The history of the railway in Europe began"
 END_WITHIN_S = 60  # a guard, not a measure: without the fix the stream never ends

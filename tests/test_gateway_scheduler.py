@@ -4,12 +4,12 @@ f(position)) because what is tested here is which tokens get computed where, not
 
 from __future__ import annotations
 
+from kvserve.common.wire.pages import Allocate, PoolSpec, StepOps, StepResults
+from kvserve.common.wire.worker import SampledToken
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.types import Allocate, PoolSpec, StepOps, StepResults
 from kvserve.services.gateway.request import FinishReason, Request, RequestParams, RequestStatus
 from kvserve.services.gateway.scheduler import Scheduler, SchedulerConfig
-from kvserve.worker.batch import SampledToken
 
 PS = 4
 

@@ -10,6 +10,7 @@ import threading
 import grpc
 import pytest
 
+from kvserve.common.wire.worker import SamplingParams
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
@@ -17,7 +18,6 @@ from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.errors import BackendFailure
 from kvserve.services.gateway.validate import GenerateInput
-from kvserve.worker.batch import SamplingParams
 from kvserve.worker.runner import ModelRunner, RunnerConfig
 from kvserve.worker.server import start_worker_server
 

@@ -40,7 +40,7 @@ def test_reference_backend_on_cuda_matches_cpu(dtype, tol):
 
 
 def test_runner_on_cuda_fp32_matches_cpu(model_dir, runner):
-    from kvserve.worker.batch import StepBatch, StepItem
+    from kvserve.common.wire.worker import StepBatch, StepItem
     from kvserve.worker.runner import ModelRunner, RunnerConfig
 
     gpu = ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=16, device="cuda", dtype="float32"))

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from opentelemetry.sdk.trace import TracerProvider
 
+from kvserve.common.telemetry import tracing_enabled_by_env
 from kvserve.services.cli import build_parser
-from kvserve.services.telemetry import tracing_enabled_by_env
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "k8s"
 GATEWAY_PORT = 50050
@@ -301,7 +301,7 @@ def test_service_serves_metrics_on_its_named_port_and_the_pod_is_annotated_for_s
 @pytest.mark.parametrize(("workload", "command"), SERVICES)
 def test_service_exports_traces_over_otlp_with_a_sampler(workload: str, command: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The container's OTEL_* environment turns tracing on (services/telemetry.py) and names a sampler the
+    """The container's OTEL_* environment turns tracing on (common/telemetry.py) and names a sampler the
     OpenTelemetry SDK recognises (an unknown name or a bad ratio only logs a warning and samples everything)."""
     (container,) = _workload(workload)["spec"]["template"]["spec"]["containers"]
     env = {name: e["value"] for name, e in _env(container).items() if name.startswith("OTEL_")}

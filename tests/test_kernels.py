@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.backends import get_backend
 from kvserve.kernels.cpu_paged import CPUPagedBackend
-from kvserve.kernels.paged_attention import build_metadata, get_backend, write_kv
+from kvserve.kernels.paged_attention import build_metadata, write_kv
 from kvserve.kernels.reference import ReferenceBackend
 from kvserve.kernels.rotary import apply_rotary, cos_sin_table, inverse_frequencies
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from service_process import EXIT_TIMEOUT_S, KVSERVE, service_process
 
-from kvserve.kvmanager.hashing import le_uint32
+from kvserve.common.tokens import le_uint32
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.kvmanager.errors import InvalidRequest, StaleEpoch, StaleStep, UnknownRequest, UnknownWorker
+from kvserve.common.errors import InvalidRequest, StaleEpoch
+from kvserve.common.wire.pages import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps
+from kvserve.kvmanager.errors import StaleStep, UnknownRequest, UnknownWorker
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.placement import Placement, place
-from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps
 
 PS = 4  # page size
 

@@ -11,11 +11,11 @@ import grpc
 import pytest
 from test_kvmanager_cli import kvmanager_process, stop_cleanly
 
+from kvserve.common.tokens import le_uint32
+from kvserve.common.wire.pages import PoolSpec
 from kvserve.kvmanager.convert import step_from_proto
-from kvserve.kvmanager.hashing import le_uint32
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.redis_server import EmbeddedRedis
-from kvserve.kvmanager.types import PoolSpec
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 

@@ -8,13 +8,14 @@ import signal
 import pytest
 from test_kvmanager_store import alloc, build_history, spec
 
+from kvserve.common.errors import InvalidRequest
+from kvserve.common.wire.pages import Commit, Extend, Free, OpStatus, StepOps
 from kvserve.kvmanager import admin
-from kvserve.kvmanager.errors import InvalidRequest, StoreUnavailable
+from kvserve.kvmanager.errors import StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore, _read_binary
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
 from kvserve.kvmanager.service import KVService
-from kvserve.kvmanager.types import Commit, Extend, Free, OpStatus, StepOps
 
 from kvmanager_soak import snapshot  # isort: skip
 

@@ -21,10 +21,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvserve.kvmanager.errors import KVManagerError, StaleEpoch, UnknownTenant
+from kvserve.common.errors import DomainError, StaleEpoch
+from kvserve.common.wire.pages import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps
+from kvserve.kvmanager.errors import UnknownTenant
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps
 
 try:
     from kvserve.kvmanager.invariants import check_invariants
@@ -407,7 +408,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         before = snapshot(self.mgr)
         try:
             self.call(StepOps(self.next_step(data), allocations=(op,)))
-        except KVManagerError:  # refusing a still-stale req_id is fine, if nothing changed
+        except DomainError:  # refusing a still-stale req_id is fine, if nothing changed
             assert snapshot(self.mgr) == before
 
     @precondition(lambda self: any(p.num_evictable for p in self.mgr.pools.values()))
@@ -536,7 +537,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         step_id = bad.step_id if bad.step_id < 0 else self.num_steps + 1
         ops = StepOps(step_id, bad.allocations + good_alloc, bad.extensions, bad.commits, bad.frees + good_free)
         before = snapshot(self.mgr)
-        with pytest.raises(KVManagerError):
+        with pytest.raises(DomainError):
             self.mgr.step(ops)
         assert snapshot(self.mgr) == before
 
@@ -604,7 +605,7 @@ def test_allocating_a_stale_req_id_again():
     before = snapshot(m.mgr)
     try:
         m.call(StepOps(2, allocations=(Allocate("a", "A", (1, 2, 3, 4, 5), "w0"),)))
-    except KVManagerError:
+    except DomainError:
         assert snapshot(m.mgr) == before
         return
     m.check_all()

@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 from test_kvmanager_properties import KVManagerMachine, snapshot
 
+from kvserve.common.errors import DomainError
+from kvserve.common.wire.pages import StepOps
 from kvserve.kvmanager import admin
-from kvserve.kvmanager.errors import KVManagerError
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.snapshots import SWITCHED
-from kvserve.kvmanager.types import StepOps
 
 REDIS: dict[str, str] = {}
 PREFIXES = (f"replay-{i}" for i in itertools.count())
@@ -100,7 +100,7 @@ class ReplayMachine(KVManagerMachine):
         before = snapshot(self.mgr, volatile=False)
         try:
             self.mgr.step(ops)
-        except KVManagerError:
+        except DomainError:
             pass
         assert snapshot(self.mgr, volatile=False) == before
 

@@ -12,8 +12,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvserve.common.tokens import le_uint32
 from kvserve.kvmanager import admin
-from kvserve.kvmanager.hashing import chain_hashes, le_uint32
+from kvserve.kvmanager.hashing import chain_hashes
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.server import start_kvmanager_server
@@ -102,7 +103,7 @@ def serving(service: KVService, tokenizer=None):
 
 @pytest.fixture
 def kv(tokenizer_dir):
-    from kvserve.worker.tokenizer import Tokenizer
+    from kvserve.common.tokenizer import Tokenizer
 
     with serving(KVService(), Tokenizer(tokenizer_dir)) as kv:
         yield kv

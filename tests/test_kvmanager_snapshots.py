@@ -12,14 +12,14 @@ import pytest
 from test_kvmanager_oplog import exact, live_keys, reload
 from test_kvmanager_store import alloc, build_history, spec
 
+from kvserve.common.tokens import le_uint32
+from kvserve.common.wire.pages import Commit, Free, StepOps
 from kvserve.kvmanager import admin, snapshots
-from kvserve.kvmanager.hashing import le_uint32
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService
-from kvserve.kvmanager.types import Commit, Free, StepOps
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -149,8 +149,8 @@ def test_call_log_metrics_show_what_a_restart_replays_and_how_snapshots_went(red
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
+    from kvserve.common.metrics import KVManagerMetrics
     from kvserve.kvmanager import admin
-    from kvserve.services.metrics import KVManagerMetrics
 
     svc, store, child = history_with_a_stopped_child(redis_url)
     metrics = KVManagerMetrics(lambda: svc.read(admin.stats), call_log=store)

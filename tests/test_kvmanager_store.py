@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvserve.common.wire.pages import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps
 from kvserve.kvmanager import admin
 from kvserve.kvmanager.errors import StoreUnavailable
 from kvserve.kvmanager.invariants import check_invariants
@@ -17,7 +18,6 @@ from kvserve.kvmanager.pool import PagePool
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.store import RedisStore
-from kvserve.kvmanager.types import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kvmanager_soak import assert_last_ops_persisted, canonical_lru, snapshot  # noqa: E402

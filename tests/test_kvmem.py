@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvserve.services.kvmem import (
+from kvserve.common.kvmem import (
     BUILTIN_MODELS,
     GIB,
     KvMemError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.worker.batch import SamplingParams
+from kvserve.common.wire.worker import SamplingParams
 from kvserve.worker.config import ModelConfig
 from kvserve.worker.kv_pool import allocate_pool, size_pool
 from kvserve.worker.sampler import sample

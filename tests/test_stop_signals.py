@@ -10,11 +10,11 @@ import subprocess
 import sys
 import textwrap
 
-from kvserve.services.grpc_server import STOP_SIGNALS, install_stop_signals
+from kvserve.common.grpc_server import STOP_SIGNALS, install_stop_signals
 
 CHILD = textwrap.dedent("""
     import time
-    from kvserve.services.grpc_server import install_stop_signals
+    from kvserve.common.grpc_server import install_stop_signals
     stop = install_stop_signals()
     print("ready", flush=True)
     stop.wait()

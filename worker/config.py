@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.services.kvmem import kv_bytes_per_token
+from kvserve.common.kvmem import kv_bytes_per_token
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

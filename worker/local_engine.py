@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvserve.worker.batch import InvalidRequest, SamplingParams, StepBatch, StepItem
+from kvserve.common.errors import InvalidRequest
+from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
 from kvserve.worker.runner import ModelRunner
 
 

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 
-from kvserve.kernels.paged_attention import build_metadata, get_backend
-from kvserve.worker.batch import InvalidRequest, StaleEpoch, StepBatch, StepOutput, WorkerInfo
+from kvserve.common.errors import InvalidRequest, StaleEpoch
+from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
+from kvserve.kernels.backends import get_backend
+from kvserve.kernels.paged_attention import build_metadata
 from kvserve.worker.config import ModelConfig
 from kvserve.worker.kv_pool import allocate_pool, size_pool
 from kvserve.worker.model import LlamaDecoder

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.common.wire.worker import SampledToken, SamplingParams
 from kvserve.kernels.reference import argmax_logsumexp
-from kvserve.worker.batch import SampledToken, SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over the 64-bit space
 _MAX_SEED = (1 << 63) - 1

@@ -1,9 +1,9 @@
-"""Wires the worker's gRPC server: its servicer on the shared plumbing (services/grpc_server.py)."""
+"""Wires the worker's gRPC server: its servicer on the shared plumbing (common/grpc_server.py)."""
 
 from __future__ import annotations
 
-from kvserve.services.grpc_server import GrpcServer, start_grpc_server
-from kvserve.services.metrics import WorkerMetrics
+from kvserve.common.grpc_server import GrpcServer, start_grpc_server
+from kvserve.common.metrics import WorkerMetrics
 from kvserve.v1 import worker_pb2, worker_pb2_grpc
 from kvserve.worker.runner import ModelRunner
 from kvserve.worker.servicer import WorkerServicer

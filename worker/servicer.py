@@ -1,27 +1,18 @@
-"""The worker's gRPC servicer: protobuf <-> dataclasses, and the one table of domain errors to status codes."""
+"""The worker's gRPC servicer: protobuf <-> dataclasses around the runner; typed errors become statuses by the one
+table of common/grpc_server.py."""
 
 from __future__ import annotations
 
 import time
 
-import grpc
-
-from kvserve.services.metrics import WorkerMetrics
-from kvserve.services.telemetry import tracer
+from kvserve.common.convert.worker import batch_from_proto, info_to_proto, output_to_proto
+from kvserve.common.errors import DomainError
+from kvserve.common.grpc_server import abort
+from kvserve.common.metrics import WorkerMetrics
+from kvserve.common.telemetry import tracer
 from kvserve.v1 import worker_pb2_grpc
-from kvserve.worker.batch import InvalidRequest, StaleEpoch
-from kvserve.worker.convert import batch_from_proto, info_to_proto, output_to_proto
 from kvserve.worker.runner import ModelRunner
 from kvserve.worker.spans import record_step_spans
-
-ERROR_STATUS: dict[type[Exception], grpc.StatusCode] = {
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    StaleEpoch: grpc.StatusCode.FAILED_PRECONDITION,
-}
-
-
-def status_for(error: Exception) -> grpc.StatusCode:
-    return next(code for kind, code in ERROR_STATUS.items() if isinstance(error, kind))
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -36,8 +27,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         start_ns = time.time_ns()
         try:
             output = self.runner.step(batch_from_proto(request))
-        except tuple(ERROR_STATUS) as e:
-            context.abort(status_for(e), str(e))
+        except DomainError as e:
+            abort(context, e)
         end_ns = time.time_ns()
         record_step_spans(self.tracer, request.items, start_ns, end_ns)
         if self.metrics is not None:

@@ -4,7 +4,7 @@ runner never sees a span."""
 
 from __future__ import annotations
 
-from kvserve.services.telemetry import context_of, link_of
+from kvserve.common.telemetry import context_of, link_of
 
 
 def record_step_spans(tracer, items, start_ns: int, end_ns: int) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from kvserve.worker.batch import InvalidRequest, SamplingParams, StepBatch, StepItem
+from kvserve.common.errors import InvalidRequest
+from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
 
 MAX_TOP_LOGPROBS = 20
 

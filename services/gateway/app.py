@@ -10,15 +10,15 @@ from pathlib import Path
 
 import grpc
 
+from kvserve.common.metrics import GatewayMetrics
+from kvserve.common.tokenizer import Tokenizer
 from kvserve.services.gateway.auth import ApiKeys
-from kvserve.services.gateway.clients import KV_RETRY, KVManagerClient, WorkerClient, pool_spec
 from kvserve.services.gateway.engine import EngineLoop, RequestHandle
 from kvserve.services.gateway.errors import BackendFailure, ShuttingDown
 from kvserve.services.gateway.observe import Observer
 from kvserve.services.gateway.request import Request
+from kvserve.services.gateway.rpc.clients import KV_RETRY, KVManagerClient, WorkerClient, pool_spec
 from kvserve.services.gateway.validate import GenerateInput, Limits, build_request
-from kvserve.services.metrics import GatewayMetrics
-from kvserve.worker.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.gateway")
 

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.services.grpc_server import bearer_token
+from kvserve.common.credentials import bearer_token
 
 DEV_TENANT = "default"
 

@@ -22,15 +22,15 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from kvserve.kvmanager.types import StepResults
-from kvserve.services.gateway.clients import KVManagerClient, WorkerClient, pool_spec
+from kvserve.common.tokenizer import Tokenizer
+from kvserve.common.wire.pages import StepResults
+from kvserve.common.wire.worker import SampledToken, StepOutput, WorkerInfo
 from kvserve.services.gateway.errors import BackendFailure
 from kvserve.services.gateway.observe import Observer
 from kvserve.services.gateway.request import FinishReason, Request, RequestStatus
+from kvserve.services.gateway.rpc.clients import KVManagerClient, WorkerClient, pool_spec
 from kvserve.services.gateway.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.services.gateway.textstream import TextStream
-from kvserve.worker.batch import SampledToken, StepOutput, WorkerInfo
-from kvserve.worker.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.gateway")
 

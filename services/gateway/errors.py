@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from kvserve.common.errors import InvalidRequest
 from kvserve.services.gateway.auth import Unauthenticated
-from kvserve.worker.batch import InvalidRequest
 
 
 class ShuttingDown(Exception):

@@ -8,9 +8,9 @@ import time
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from kvserve.common.metrics import GatewayMetrics
+from kvserve.common.telemetry import traceparent_of, tracer
 from kvserve.services.gateway.request import FinishReason, Request
-from kvserve.services.metrics import GatewayMetrics
-from kvserve.services.telemetry import traceparent_of, tracer
 
 
 class Observer:

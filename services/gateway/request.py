@@ -14,7 +14,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvserve.worker.batch import SamplingParams
+from kvserve.common.wire.worker import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -31,7 +31,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvserve.kvmanager.types import (
+from kvserve.common.wire.pages import (
     Allocate,
     Commit,
     Extend,
@@ -40,9 +40,9 @@ from kvserve.kvmanager.types import (
     StepOps,
     StepResults,
 )
+from kvserve.common.wire.worker import SampledToken, StepBatch, StepItem
 from kvserve.services.gateway.errors import OutOfCapacity
 from kvserve.services.gateway.request import FinishReason, Request, RequestStatus
-from kvserve.worker.batch import SampledToken, StepBatch, StepItem
 
 
 @dataclass(frozen=True, slots=True)

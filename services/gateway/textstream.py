@@ -3,7 +3,7 @@ still become a stop string, and cuts the text at a stop string (which is not ret
 
 from __future__ import annotations
 
-from kvserve.worker.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.common.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from kvserve.common.errors import InvalidRequest
+from kvserve.common.tokenizer import ChatTemplateError, Tokenizer
+from kvserve.common.wire.worker import SamplingParams
 from kvserve.services.gateway.request import Request, RequestParams
-from kvserve.worker.batch import InvalidRequest, SamplingParams
-from kvserve.worker.tokenizer import ChatTemplateError, Tokenizer
 from kvserve.worker.validate import validate_sampling
 
 MAX_STOP_STRINGS = 8

@@ -1,11 +1,14 @@
 """Shared gRPC server plumbing for every kvserve service: health, reflection, message limits, graceful stop
-on SIGTERM/SIGINT. Each service's server.py only adds its servicers (and interceptors)."""
+on SIGTERM/SIGINT, the one table of domain errors to status codes, and the RPC timer. Each service's server.py
+only adds its servicers (and interceptors)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -14,10 +17,78 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvserve.common.errors import (
+    DomainError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Channels between kvserve's own services carry whole prompts' token ids: the same limits as the servers.
 CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
+
+
+# The one table of gRPC statuses: every typed error of every service is one of these kinds (common/errors.py).
+ERROR_STATUS: dict[type[DomainError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+}
+
+
+def status_for(error: DomainError) -> grpc.StatusCode:
+    """The status of a typed error: that of the kind it is."""
+    return next(code for kind, code in ERROR_STATUS.items() if isinstance(error, kind))
+
+
+def abort(context: grpc.ServicerContext, error: DomainError):
+    """Ends the call with the error's status and its message (raises, as context.abort does)."""
+    context.abort(status_for(error), str(error))
+
+
+def aborts_on_domain_errors(method):
+    """A unary servicer method whose typed errors end the call with their status and message."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except DomainError as e:
+            abort(context, e)
+
+    return wrapper
+
+
+class RpcTimer(grpc.ServerInterceptor):
+    """Observes each unary RPC's server-side duration into ``histogram`` (labelled by method name)."""
+
+    def __init__(self, histogram):
+        self.histogram = histogram
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        inner = handler.unary_unary
+
+        def timed(request, context):
+            t0 = time.perf_counter()
+            try:
+                return inner(request, context)
+            finally:
+                self.histogram.labels(method).observe(time.perf_counter() - t0)
+
+        return grpc.unary_unary_rpc_method_handler(timed, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
 
 
 class _Undecodable:
@@ -98,14 +169,6 @@ def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.Server
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-def bearer_token(authorization: str) -> str | None:
-    """The token of an ``authorization: Bearer <token>`` metadata value; None when it is not one."""
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return None
-    return token.strip()
 
 
 def install_stop_signals() -> threading.Event:

@@ -7,10 +7,8 @@ prefix-cache tokens per tenant, evictions) are read at scrape time by a collecto
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
-import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -147,27 +145,3 @@ class _CallLogCollector:
         for result, count in s.num_snapshots.items():
             snapshots.add_metric([result], count)
         yield snapshots
-
-
-class RpcTimer(grpc.ServerInterceptor):
-    """Observes each unary RPC's server-side duration into ``histogram`` labelled by method name."""
-
-    def __init__(self, histogram: Histogram):
-        self.histogram = histogram
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
-        inner = handler.unary_unary
-
-        def timed(request, context):
-            t0 = time.perf_counter()
-            try:
-                return inner(request, context)
-            finally:
-                self.histogram.labels(method).observe(time.perf_counter() - t0)
-
-        return grpc.unary_unary_rpc_method_handler(timed, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)

@@ -1,18 +1,11 @@
-"""Plain data between the worker's servicer and its runner: one step in, sampled tokens out."""
+"""A worker's step and its answer, as plain data: one batch of items in, sampled tokens out; and the worker's
+description (Info). The gateway builds them, the worker's servicer and runner read them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM's sampling epsilon: below it, sampling is greedy
-
-
-class InvalidRequest(ValueError):
-    """The step is malformed; the message says which item and what is wrong. Nothing was computed."""
-
-
-class StaleEpoch(Exception):
-    """The caller addressed another incarnation of this worker."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,10 @@
-"""Wires the gateway's gRPC server: its servicer on the shared plumbing (services/grpc_server.py)."""
+"""Wires the gateway's gRPC server: its servicer on the shared plumbing (common/grpc_server.py)."""
 
 from __future__ import annotations
 
+from kvserve.common.grpc_server import GrpcServer, start_grpc_server
 from kvserve.services.gateway.app import Gateway
-from kvserve.services.gateway.servicer import GatewayServicer
-from kvserve.services.grpc_server import GrpcServer, start_grpc_server
+from kvserve.services.gateway.rpc.servicer import GatewayServicer
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name

@@ -10,12 +10,12 @@ from collections.abc import Mapping
 
 import grpc
 
-from kvserve.kvmanager import convert as kv_convert
-from kvserve.kvmanager.types import PoolSpec, RegisterResult, StepOps, StepResults
-from kvserve.services.grpc_server import CHANNEL_OPTIONS
+from kvserve.common.convert import pages as kv_convert
+from kvserve.common.convert import worker as worker_convert
+from kvserve.common.grpc_server import CHANNEL_OPTIONS
+from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
+from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
 from kvserve.v1 import kvmanager_pb2_grpc, worker_pb2, worker_pb2_grpc
-from kvserve.worker import convert as worker_convert
-from kvserve.worker.batch import StepBatch, StepOutput, WorkerInfo
 
 log = logging.getLogger("kvserve.gateway")
 MAX_BACKOFF_S = 2.0

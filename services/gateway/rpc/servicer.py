@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import grpc
 
+from kvserve.common.convert.worker import sampling_from_proto
+from kvserve.common.telemetry import context_from_metadata
 from kvserve.services.gateway.app import Gateway
 from kvserve.services.gateway.engine import Delta
 from kvserve.services.gateway.errors import (
@@ -16,9 +18,7 @@ from kvserve.services.gateway.errors import (
 )
 from kvserve.services.gateway.request import FinishReason
 from kvserve.services.gateway.validate import GenerateInput
-from kvserve.services.telemetry import context_from_metadata
 from kvserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from kvserve.worker.convert import sampling_from_proto
 
 ERROR_STATUS: dict[type[Exception], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,

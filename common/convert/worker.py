@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from kvserve.common.wire.worker import SampledToken, SamplingParams, StepBatch, StepItem, StepOutput, WorkerInfo
 from kvserve.v1 import common_pb2, worker_pb2
-from kvserve.worker.batch import SampledToken, SamplingParams, StepBatch, StepItem, StepOutput, WorkerInfo
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:

@@ -1,0 +1,32 @@
+"""Which paged-attention backend a worker runs: by name, or "auto" for the best that applies to its device and
+dtype. The interface is paged_attention.py's; each backend is a module of its own."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.kernels import cpu_paged
+from kvserve.kernels.paged_attention import PagedAttentionBackend
+from kvserve.kernels.reference import ReferenceBackend
+
+log = logging.getLogger(__name__)
+
+
+def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> PagedAttentionBackend:
+    """Returns the backend called ``name``: "reference", "cpu" (the in-place decode kernel, float32 on CPU), or
+    "auto": "cpu" where it applies and builds, else "reference"."""
+    if name == "reference":
+        return ReferenceBackend()
+    if name in ("cpu", "auto"):
+        applies = device.type == "cpu" and dtype == torch.float32
+        reason = cpu_paged.unavailable_reason() if applies else f"it runs float32 on CPU, not {dtype} on {device}"
+        if reason is None:
+            return cpu_paged.CPUPagedBackend()
+        if name == "cpu":
+            raise ValueError(f"the cpu attention backend is not available: {reason}")
+        if applies:
+            log.warning("attention backend: the cpu kernel is not available (%s); using the reference", reason)
+        return ReferenceBackend()
+    raise ValueError(f"unknown attention backend {name!r}; known: reference, cpu, auto")
