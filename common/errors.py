@@ -36,6 +36,10 @@ class Unauthenticated(DomainError):
     """A missing or unknown credential."""
 
 
+class Internal(DomainError):
+    """A bug on the server's side (an invariant broke); the message says where."""
+
+
 class InvalidRequest(InvalidArgument, ValueError):
     """Malformed input (a step, a page op, a generation request); the message names the item and the field."""
 

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from kvserve.common.errors import (
     DomainError,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -41,15 +42,16 @@ ERROR_STATUS: dict[type[DomainError], grpc.StatusCode] = {
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Internal: grpc.StatusCode.INTERNAL,
 }
 
 
-def status_for(error: DomainError) -> grpc.StatusCode:
-    """The status of a typed error: that of the kind it is."""
-    return next(code for kind, code in ERROR_STATUS.items() if isinstance(error, kind))
+def status_for(error: Exception) -> grpc.StatusCode:
+    """The status of a typed error: that of the kind it is (INTERNAL for an error that is none: a bug)."""
+    return next((code for kind, code in ERROR_STATUS.items() if isinstance(error, kind)), grpc.StatusCode.INTERNAL)
 
 
-def abort(context: grpc.ServicerContext, error: DomainError):
+def abort(context: grpc.ServicerContext, error: Exception):
     """Ends the call with the error's status and its message (raises, as context.abort does)."""
     context.abort(status_for(error), str(error))
 

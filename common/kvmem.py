@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
+from kvserve.common.pages import num_pages_for
+
 GIB = 1 << 30
 
 
@@ -368,10 +370,6 @@ def kept_tokens(seq_len: int, window: int | None, sinks: int) -> int:
     return min(seq_len, window + sinks) if window else seq_len
 
 
-def _pages(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
-
-
 def weights_bytes_from_params(params: float, dtype: KvDtype) -> int:
     return int(round(params)) * dtype.bytes
 
@@ -426,7 +424,7 @@ def calculate(
     tokens = kept_tokens(seq_len, window, sinks)
     paging = None
     if page_size is not None:
-        pages = _pages(tokens, page_size)
+        pages = num_pages_for(tokens, page_size)
         alloc_tokens = pages * page_size
         pad = alloc_tokens - tokens
         paging = Paging(

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.common.pages import num_pages_for
 from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
 from kvserve.kernels.rotary import apply_rotary
 
@@ -74,7 +75,7 @@ def group_state(meta: AttentionMetadata, seqs: list[int] | None) -> GroupState:
         positions = meta.positions[token_index]
     max_q, max_k = int(q_lens.max()), int(seq_lens.max())
     q_index = token_seq * max_q + (positions - start_pos[token_seq])
-    num_pages = -(-max_k // meta.page_size)
+    num_pages = num_pages_for(max_k, meta.page_size)
     num_keys = num_pages * meta.page_size
     key_pos = torch.arange(num_keys, device=device)
     query_pos = start_pos[:, None] + torch.arange(max_q, device=device)[None, :]  # [num_seqs, max_q]
@@ -117,7 +118,7 @@ def _length_buckets(decodes: list[int], seq_lens: list[int], page_size: int) -> 
     saves at least a quarter of the gathered pages; keeps the original order when it does not split."""
     if len(decodes) < 2 * MAX_DECODE_BUCKETS:
         return [decodes] if decodes else []
-    pages = {i: -(-seq_lens[i] // page_size) for i in decodes}
+    pages = {i: num_pages_for(seq_lens[i], page_size) for i in decodes}
     ordered = sorted(decodes, key=pages.__getitem__)
     size = -(-len(ordered) // MAX_DECODE_BUCKETS)
     buckets = [ordered[k:k + size] for k in range(0, len(ordered), size)]

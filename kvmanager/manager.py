@@ -12,6 +12,7 @@ from collections import OrderedDict
 from itertools import repeat
 
 from kvserve.common.errors import InvalidRequest, StaleEpoch
+from kvserve.common.pages import num_pages_for
 from kvserve.common.wire.pages import (
     Allocate,
     AllocateResult,
@@ -202,7 +203,7 @@ class KVManager:
         hit_pages = [b.page_id for b in hits]
         pool.acquire(hit_pages)
         self._touch(spec.worker_id, hits)
-        num_pages = -(-len(op.token_ids) // spec.page_size)
+        num_pages = num_pages_for(len(op.token_ids), spec.page_size)
         fresh, evicted = pool.allocate(num_pages - len(hits))
         self._record_blocks(spec.worker_id, evicted)
         num_cached = len(hits) * spec.page_size
@@ -224,7 +225,7 @@ class KVManager:
             return ExtendResult(op.req_id, OpStatus.STALE_EPOCH)
         req = self.requests[op.req_id]
         pool = self.pools[req.worker_id]
-        need = -(-op.num_tokens // pool.spec.page_size) - len(req.page_table)
+        need = num_pages_for(op.num_tokens, pool.spec.page_size) - len(req.page_table)
         touched.add(req.worker_id)
         if need <= 0:
             return ExtendResult(op.req_id, OpStatus.OK, [], len(req.page_table))

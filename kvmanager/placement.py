@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.common.errors import InvalidRequest
+from kvserve.common.pages import num_pages_for
 from kvserve.common.tokens import check_token_ids
 from kvserve.common.wire.pages import Allocate
 from kvserve.kvmanager.errors import UnknownWorker
@@ -54,7 +55,7 @@ def choose_pool(mgr: KVManager, op: Allocate) -> Choice:
             seed, hits = mgr.seed_for(pool, op.tenant), []
         else:
             seed, hits = prefix_hits(mgr, pool, op.tenant, op.token_ids)
-        need = -(-len(op.token_ids) // pool.spec.page_size) - len(hits)
+        need = num_pages_for(len(op.token_ids), pool.spec.page_size) - len(hits)
         available = pool.available([b.page_id for b in hits])
         if available < need:
             short = need - available if short is None else min(short, need - available)

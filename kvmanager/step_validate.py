@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvserve.common.errors import InvalidRequest
+from kvserve.common.pages import num_pages_for
 from kvserve.common.tokens import check_token_ids
 from kvserve.common.wire.pages import Allocate, Commit, Extend, StepOps
 from kvserve.kvmanager.errors import StaleStep, UnknownRequest, UnknownWorker
@@ -90,7 +91,7 @@ def _check_allocate(mgr: KVManager, a: Allocate, step_id: int) -> None:
         raise UnknownWorker("no worker is registered: nothing to allocate on")
     else:
         pools = list(mgr.pools.values())
-    if all(-(-len(a.token_ids) // p.spec.page_size) > p.spec.num_pages for p in pools):
+    if all(num_pages_for(len(a.token_ids), p.spec.page_size) > p.spec.num_pages for p in pools):
         raise InvalidRequest(f"{where}: {len(a.token_ids)} tokens need more pages than any pool has")
 
 

@@ -13,11 +13,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvserve.common.errors import InvalidRequest
+from kvserve.common.tokens import check_token_ids
 from kvserve.services.cli_kvmanager import ADMIN_TOKEN_FILE, DEFAULT_KVMANAGER_PORT, default_data_dir
 
 
 def _env(name, default=None):
-    from kvserve.services.cli import env_default
+    from kvserve.services.cli_flags import env_default
 
     return env_default(name, default)
 
@@ -28,11 +30,10 @@ def token_list(text: str) -> tuple[int, ...]:
         ids = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("no token ids given")
-    bad = next((t for t in ids if not 0 <= t < 2**32), None)
-    if bad is not None:
-        raise argparse.ArgumentTypeError(f"token id {bad} is not a uint32")
+    try:
+        check_token_ids("", ids)
+    except InvalidRequest as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return ids
 
 

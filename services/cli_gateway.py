@@ -14,14 +14,14 @@ DEFAULT_GATEWAY_PORT = 50050
 
 
 def _env(name, default=None):
-    from kvserve.services.cli import env_default
+    from kvserve.services.cli_flags import env_default
 
     return env_default(name, default)
 
 
 def add_gateway_flags(p) -> None:
     """Scheduling and API flags, shared by ``kvserve gateway`` and ``kvserve up``."""
-    from kvserve.services.cli import positive_int
+    from kvserve.services.cli_flags import positive_int
 
     p.add_argument("--max-num-seqs", type=positive_int, default=_env("max_num_seqs", "64"),
                    help="requests running at once per worker")
@@ -40,7 +40,7 @@ def add_gateway_flags(p) -> None:
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli import add_observability_flags
+    from kvserve.services.cli_flags import add_observability_flags
 
     g = sub.add_parser("gateway", help="run the gateway: public API and continuous batching")
     g.add_argument("--host", default=_env("host", "127.0.0.1"))
@@ -54,11 +54,11 @@ def add_commands(sub) -> None:
     g.set_defaults(func=run_gateway)
 
 
-def gateway_config(args, workers: tuple[str, ...], kvmanager: str):
+def gateway_config(args):
     from kvserve.services.gateway.app import GatewayConfig
     from kvserve.services.model_store import resolve_model
 
-    return GatewayConfig(kvmanager=kvmanager, workers=workers, model_dir=resolve_model(args.model, args.cache_dir),
+    return GatewayConfig(model_dir=resolve_model(args.model, args.cache_dir),
                          max_num_seqs=int(args.max_num_seqs), max_num_batched_tokens=int(args.max_num_batched_tokens),
                          prefix_caching=not args.no_prefix_caching, overlap_page_ops=not args.no_overlap_page_ops,
                          default_max_tokens=int(args.default_max_tokens),
@@ -74,14 +74,13 @@ def describe_keys(keys) -> str:
 
 
 def run_gateway(args) -> int:
-    import grpc
-
     from kvserve.common.grpc_server import install_stop_signals
     from kvserve.common.metrics import GatewayMetrics, serve_metrics
     from kvserve.common.telemetry import setup_tracing, shutdown_tracing
-    from kvserve.services.cli import metrics_note
-    from kvserve.services.gateway.app import Gateway
+    from kvserve.services.cli_flags import metrics_note
     from kvserve.services.gateway.auth import load_keys
+    from kvserve.services.gateway.errors import BackendFailure
+    from kvserve.services.gateway.rpc.connect import connect_gateway
     from kvserve.services.gateway.rpc.server import start_gateway_server
     from kvserve.services.model_store import ModelNotFound
 
@@ -91,12 +90,12 @@ def run_gateway(args) -> int:
     metrics = GatewayMetrics() if args.metrics_port is not None else None
     try:
         keys = load_keys(args.api_keys_file, _env("api_keys"))
-        gateway = Gateway(gateway_config(args, workers, args.kvmanager), keys, metrics)
+        gateway = connect_gateway(args.kvmanager, workers, gateway_config(args), keys, metrics)
     except (ValueError, OSError, ModelNotFound) as e:
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
-    except grpc.RpcError as e:
-        print(f"kvserve: cannot reach the kvmanager or a worker: {e.code().name}: {e.details()}", file=sys.stderr)
+    except BackendFailure as e:
+        print(f"kvserve: cannot reach the kvmanager or a worker: {e}", file=sys.stderr)
         return 1
     try:
         server = start_gateway_server(gateway, args.host, args.port)

@@ -26,7 +26,7 @@ ADMIN_TOKEN_FILE = "admin_token"
 
 
 def _env(name, default=None):
-    from kvserve.services.cli import env_default
+    from kvserve.services.cli_flags import env_default
 
     return env_default(name, default)
 
@@ -39,7 +39,7 @@ def default_data_dir() -> Path:
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli import add_observability_flags, positive_int
+    from kvserve.services.cli_flags import add_observability_flags, positive_int
 
     k = sub.add_parser("kvmanager", help="run the kvmanager: page tables, prefix index, admin RPCs")
     k.add_argument("--host", default=_env("host", "127.0.0.1"))
@@ -168,7 +168,7 @@ def run_kvmanager(args) -> int:
     from kvserve.kvmanager.manager import KVManager
     from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
     from kvserve.kvmanager.service import KVService
-    from kvserve.services.cli import metrics_note
+    from kvserve.services.cli_flags import metrics_note
 
     stop = install_stop_signals()  # first: a SIGTERM during start-up still stops the embedded Redis
     data_dir = (args.data_dir or default_data_dir()).expanduser()

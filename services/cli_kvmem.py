@@ -11,7 +11,7 @@ PROG = "kvserve kv-mem"
 
 
 def _env(name, default=None):
-    from kvserve.services.cli import env_default
+    from kvserve.services.cli_flags import env_default
 
     return env_default(name, default)
 
@@ -27,7 +27,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def _non_negative_bytes(text: str) -> int:
-    from kvserve.services.cli import parse_bytes
+    from kvserve.services.cli_flags import parse_bytes
 
     if re.fullmatch(r"\s*0+(\.0*)?\s*([kmg]i?b|b)?\s*", text, re.IGNORECASE):
         return 0
@@ -51,7 +51,7 @@ def _one_line_error(message: str):
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli import parse_bytes, positive_int
+    from kvserve.services.cli_flags import parse_bytes, positive_int
 
     p = sub.add_parser(
         "kv-mem", help="exact KV-cache memory: bytes per token / sequence / batch, pages, and what fits in a GPU",

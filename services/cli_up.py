@@ -24,13 +24,13 @@ STOP_TIMEOUT_S = 20.0
 
 
 def _env(name, default=None):
-    from kvserve.services.cli import env_default
+    from kvserve.services.cli_flags import env_default
 
     return env_default(name, default)
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli import parse_bytes, positive_int
+    from kvserve.services.cli_flags import parse_bytes, positive_int
     from kvserve.services.cli_gateway import DEFAULT_GATEWAY_PORT, add_gateway_flags
     from kvserve.services.cli_kvmanager import DEFAULT_KVMANAGER_PORT
 

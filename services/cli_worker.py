@@ -12,7 +12,7 @@ DEFAULT_WORKER_PORT = 50061
 
 
 def _env(name, default=None):
-    from kvserve.services.cli import env_default
+    from kvserve.services.cli_flags import env_default
 
     return env_default(name, default)
 
@@ -26,7 +26,7 @@ class _PoolSize(argparse.Action):
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    from kvserve.services.cli import parse_bytes, positive_int
+    from kvserve.services.cli_flags import parse_bytes, positive_int
 
     p.add_argument("--model", default=_env("model"), help="HF-layout model folder (default: the prepared SmolLM2)")
     p.add_argument("--cache-dir", type=Path, default=_env("cache_dir"))
@@ -47,7 +47,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli import add_observability_flags, positive_float, positive_int
+    from kvserve.services.cli_flags import add_observability_flags, positive_float, positive_int
 
     w = sub.add_parser("worker", help="run a worker: model weights + KV page pool, serving Step and Info")
     _add_engine_flags(w)
@@ -104,7 +104,7 @@ def run_worker(args) -> int:
     from kvserve.common.grpc_server import install_stop_signals, serve_until_signal
     from kvserve.common.metrics import WorkerMetrics, serve_metrics
     from kvserve.common.telemetry import setup_tracing, shutdown_tracing
-    from kvserve.services.cli import metrics_note
+    from kvserve.services.cli_flags import metrics_note
     from kvserve.worker.server import start_worker_server
 
     runner = _make_runner(args, worker_id=args.worker_id)

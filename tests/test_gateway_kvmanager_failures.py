@@ -29,7 +29,7 @@ import pytest
 from conftest import TEST_NUM_PAGES, TEST_PAGE_SIZE
 from test_kvmanager_cli import kvmanager_process, stop_cleanly
 
-from kvserve.common.wire.pages import Allocate, Commit, StepOps
+from kvserve.common.wire.pages import Allocate, Commit, PoolSpec, StepOps
 from kvserve.common.wire.worker import SamplingParams
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
@@ -39,7 +39,7 @@ from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.request import FinishReason
-from kvserve.services.gateway.rpc.clients import pool_spec
+from kvserve.services.gateway.rpc.connect import connect_gateway
 from kvserve.services.gateway.validate import GenerateInput
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
@@ -61,7 +61,7 @@ def stream(gateway: Gateway, on_token=None) -> tuple[list[int], object]:
     """The request's token ids and its usage (prompt_tokens, cached_tokens, completion_tokens); on_token(n)
     after the n-th token arrives."""
     out, usage = [], None
-    for delta in gateway.submit(request(), "default")[0]:
+    for delta in gateway.submit(request(), "default"):
         out += delta.token_ids
         usage = delta.usage or usage
         if on_token and delta.token_ids:
@@ -71,7 +71,7 @@ def stream(gateway: Gateway, on_token=None) -> tuple[list[int], object]:
 
 def running(gateway: Gateway):
     """The deltas still to come of a request that has streamed a token (so it holds pages)."""
-    deltas = iter(gateway.submit(request(), "default")[0])
+    deltas = iter(gateway.submit(request(), "default"))
     while not next(deltas).token_ids:
         pass
     return deltas
@@ -111,8 +111,8 @@ def test_kvmanager_kill9_mid_stream_then_restart_the_request_finishes_identicall
         args = ("--redis-url", redis.url, "--admin-token", TOKEN, "--data-dir", str(tmp_path / "data"))
         first, ready = kvmanagers.enter_context(kvmanager_process(tmp_path, *args))
         port = int(ready.group(1))
-        gateway = Gateway(GatewayConfig(f"127.0.0.1:{port}", (f"127.0.0.1:{worker_server.port}",), model_dir),
-                          ApiKeys())
+        gateway = connect_gateway(f"127.0.0.1:{port}", (f"127.0.0.1:{worker_server.port}",),
+                              GatewayConfig(model_dir), ApiKeys())
         timed_out = LogSeen("kvmanager unavailable (DEADLINE_EXCEEDED")
         logging.getLogger("kvserve.gateway").addHandler(timed_out)
         try:
@@ -135,11 +135,11 @@ def test_kvmanager_kill9_mid_stream_then_restart_the_request_finishes_identicall
 
             got, usage = stream(gateway, kill_and_restart_after_5)
             assert restarted and got == expected and len(got) == MAX_TOKENS
-            assert usage[1] > 0  # cached_tokens: the second run hit what the first cached
+            assert usage.num_cached_tokens > 0  # the second run hit what the first cached
             pool = admin_stats(port).pools[0]  # the restarted kvmanager: the request freed, its blocks cached
             assert pool.num_used_pages == 0 and pool.num_requests == 0 and pool.num_cached_pages > 0
             _, again = stream(gateway)
-            assert again[1] == usage[1]  # the index survived the kill
+            assert again.num_cached_tokens == usage.num_cached_tokens  # the index survived the kill
         finally:
             logging.getLogger("kvserve.gateway").removeHandler(timed_out)
             gateway.close(drain_s=1.0)
@@ -169,8 +169,8 @@ def watch_calls(gateway: Gateway, monkeypatch) -> threading.Condition:
 def test_the_gateway_stops_while_the_kvmanager_is_down(model_dir, worker_server, caplog):
     """Its frees cannot go out: it says so and stops, instead of retrying them forever."""
     server = start_kvmanager_server(KVService(KVManager(), NullStore()), "127.0.0.1", 0, admin_token=TOKEN)
-    gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",), model_dir),
-                      ApiKeys())
+    gateway = connect_gateway(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",),
+                              GatewayConfig(model_dir), ApiKeys())
     gateway.kv.timeout_s = 1.0  # a page op already waiting for the kvmanager gives up after 1 s, not 10
     deltas = running(gateway)
     server.stop(0)
@@ -185,15 +185,15 @@ def test_a_starting_gateway_frees_what_a_dead_one_left_running(model_dir, worker
     release_requests: their pages come back, their cached blocks stay, and it serves as usual."""
     service = KVService(KVManager(), NullStore())
     server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=TOKEN)
-    spec = pool_spec(runner.info)  # registered by the gateway that died, which then admitted a request
+    spec = PoolSpec.of(runner.info)  # registered by the gateway that died, which then admitted a request
     service.register_worker(spec)
     orphan = Allocate("orphan", "default", tuple(range(100, 140)), spec.worker_id)
     service.step(StepOps(1, allocations=(orphan,), commits=()))
     service.step(StepOps(2, commits=(Commit("orphan", 0, orphan.token_ids[:32], 40),)))
     pool = service.manager.pools[spec.worker_id]
     assert pool.num_used == 3 and pool.num_requests == 1
-    gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",), model_dir),
-                      ApiKeys())
+    gateway = connect_gateway(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",),
+                              GatewayConfig(model_dir), ApiKeys())
     try:
         assert pool.num_used == 0 and pool.num_requests == 0 and pool.num_cached == 2
         assert "freed the pages of 1 requests a previous gateway left running" in caplog.text
@@ -208,8 +208,8 @@ def test_a_redis_restart_mid_stream_is_retried_through(tmp_path, model_dir, work
     with EmbeddedRedis(tmp_path / "redis") as redis:
         service = KVService(KVManager(), LoggedStore(connect(redis.url)))
         server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=TOKEN)
-        gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",),
-                                        model_dir), ApiKeys())
+        gateway = connect_gateway(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",),
+                                  GatewayConfig(model_dir), ApiKeys())
         refused = LogSeen("kvmanager unavailable (UNAVAILABLE")
         logging.getLogger("kvserve.gateway").addHandler(refused)
         try:
@@ -261,17 +261,18 @@ def test_while_the_kvmanager_is_down_new_requests_are_placed_by_load_and_wait_fo
     service = KVService(KVManager(), NullStore())
     server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=TOKEN)
     workers = (f"127.0.0.1:{worker_server.port}", f"127.0.0.1:{second_worker.port}")
-    gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", workers, model_dir), ApiKeys())
+    gateway = connect_gateway(f"127.0.0.1:{server.port}", workers, GatewayConfig(model_dir), ApiKeys())
     try:
         expected, _ = stream(gateway)
         calls = watch_calls(gateway, monkeypatch)
         server.stop(0)
-        a, engine_a = gateway.submit(request(), "default")
+        a = gateway.submit(request(), "default")
         with calls:  # A's first page op waits for the kvmanager, and its engine's loop with it
             assert calls.wait_for(lambda: calls.pending > 0, timeout=60)
-        b, engine_b = gateway.submit(request(), "default")  # both engines have nothing queued: the first
-        c, engine_c = gateway.submit(request(), "default")  # B sits in the first engine's inbox: the other
-        assert [engine_a, engine_b, engine_c] == [gateway.engines[0], gateway.engines[0], gateway.engines[1]]
+        b = gateway.submit(request(), "default")  # both engines have nothing queued: the first
+        c = gateway.submit(request(), "default")  # B sits in the first engine's inbox: the other
+        first, other = (e.info.worker_id for e in gateway.engines)
+        assert [h.worker_id for h in (a, b, c)] == [first, first, other]
         assert caplog.text.count("placing new requests on the least queued worker") == 1
         server = start_kvmanager_server(service, "127.0.0.1", server.port, admin_token=TOKEN)
         assert [tokens_of(h) for h in (a, b, c)] == [expected] * 3
@@ -322,13 +323,14 @@ def test_a_call_applied_but_never_answered_fails_only_its_own_requests(model_dir
     service = KVService(KVManager(), NullStore())
     loser = LoseRepliesToFirstCommit()
     server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=TOKEN, interceptors=(loser,))
-    gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",), model_dir,
-                                    max_num_batched_tokens=16), ApiKeys())  # 16-token chunks: a commit a step
+    # 16-token chunks: a commit a step
+    gateway = connect_gateway(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",),
+                              GatewayConfig(model_dir, max_num_batched_tokens=16), ApiKeys())
     gateway.kv.retry_for_s = 0.5  # the lost call fails after 0.5 s of retries instead of 60
     try:
-        first = gateway.submit(request(), "default")[0]
+        first = gateway.submit(request(), "default")
         assert loser.seen.wait(60)  # the engine's loop is in the call: what is submitted now waits in its inbox
-        second = gateway.submit(request(), "default")[0]
+        second = gateway.submit(request(), "default")
         loser.go.set()
         assert list(first)[-1].finish_reason is FinishReason.ERROR
         got = [t for delta in second for t in delta.token_ids]
@@ -345,8 +347,8 @@ def test_the_gateway_stops_at_once_with_its_worker_gone_and_frees_the_pages(mode
     would otherwise wait out its 120 s timeout), and the request's pages are freed: the kvmanager is there."""
     service = KVService(KVManager(), NullStore())
     server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=TOKEN)
-    gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{second_worker.port}",), model_dir),
-                      ApiKeys())
+    gateway = connect_gateway(f"127.0.0.1:{server.port}", (f"127.0.0.1:{second_worker.port}",),
+                              GatewayConfig(model_dir), ApiKeys())
     gateway.engines[0].worker.timeout_s = 600.0  # were the step waited for, the test would hit its own limit
     try:
         deltas = running(gateway)

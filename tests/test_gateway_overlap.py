@@ -16,8 +16,9 @@ from kvserve.common.wire.worker import SamplingParams
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
-from kvserve.services.gateway.app import Gateway, GatewayConfig
+from kvserve.services.gateway.app import GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys
+from kvserve.services.gateway.rpc.connect import connect_gateway
 from kvserve.services.gateway.validate import GenerateInput
 
 STEP_PAGES = "/kvserve.v1.KVManagerService/StepPages"
@@ -53,13 +54,13 @@ def generate(model_dir, worker_port: int, overlap: bool, interceptors=()) -> tup
     chunk's step commits the page the chunk before filled) over a fresh kvmanager; its tokens and engine stats."""
     server = start_kvmanager_server(KVService(KVManager(), NullStore()), "127.0.0.1", 0, admin_token="t",
                                     interceptors=tuple(interceptors))
-    gateway = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_port}",), model_dir,
-                                    max_num_batched_tokens=16, overlap_page_ops=overlap), ApiKeys())
+    gateway = connect_gateway(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_port}",),
+                              GatewayConfig(model_dir, max_num_batched_tokens=16, overlap_page_ops=overlap), ApiKeys())
     try:
-        handle, engine = gateway.submit(GenerateInput(prompt=PROMPT, messages=None, sampling=SamplingParams(),
+        handle = gateway.submit(GenerateInput(prompt=PROMPT, messages=None, sampling=SamplingParams(),
                                                       max_tokens=8, ignore_eos=True), "default")
         out = [t for delta in handle for t in delta.token_ids]
-        return out, engine.stats
+        return out, gateway.engines[0].stats
     finally:
         gateway.close(drain_s=1.0)
         server.stop(0)

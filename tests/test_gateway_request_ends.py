@@ -19,6 +19,7 @@ from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.request import FinishReason
+from kvserve.services.gateway.rpc.connect import connect_gateway
 from kvserve.services.gateway.validate import GenerateInput
 
 PROMPT = "The history of the railway in Europe began"
@@ -34,8 +35,8 @@ def request(max_tokens: int) -> GenerateInput:
 def gateway(model_dir, worker_server):
     service = KVService(KVManager(), NullStore())
     server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token="t")
-    gw = Gateway(GatewayConfig(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",), model_dir,
-                               max_num_seqs=1), ApiKeys())
+    gw = connect_gateway(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",),
+                         GatewayConfig(model_dir, max_num_seqs=1), ApiKeys())
     gw.pool = next(iter(service.manager.pools.values()))
     yield gw
     gw.close(drain_s=1.0)
@@ -44,12 +45,12 @@ def gateway(model_dir, worker_server):
 
 def start_two(gateway: Gateway):
     """The first request running (it has streamed a token) and the second queued behind it."""
-    running, engine = gateway.submit(request(max_tokens=20), "default")
-    queued, _ = gateway.submit(request(max_tokens=5), "default")
+    running = gateway.submit(request(max_tokens=20), "default")
+    queued = gateway.submit(request(max_tokens=5), "default")
     deltas = iter(running)
     while not next(deltas).token_ids:
         pass
-    return engine, deltas, queued
+    return gateway.engines[0], deltas, queued
 
 
 def last_delta(handle):
@@ -60,9 +61,9 @@ def last_delta(handle):
 
 def test_cancelling_a_queued_request_ends_its_stream_and_the_running_one_goes_on(gateway):
     engine, running, queued = start_two(gateway)
-    engine.abort(queued.req.req_id)
+    queued.cancel()
     end = last_delta(queued)
-    assert end.finish_reason is FinishReason.CANCELLED and not end.token_ids and end.usage[2] == 0
+    assert end.finish_reason is FinishReason.CANCELLED and not end.token_ids and end.usage.completion_tokens == 0
     rest = list(running)
     assert rest[-1].finish_reason is FinishReason.LENGTH and sum(len(d.token_ids) for d in rest) == 19
     assert engine.idle.wait(END_WITHIN_S)
@@ -82,18 +83,18 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(gateway,
     update = engine.scheduler.update
     raised = []
 
-    def update_once_broken(batch, sampled):
+    def update_once_broken(batch, sampled, stopped):
         if not raised:
             raised.append(True)
             raise RuntimeError("a bug")
-        return update(batch, sampled)
+        return update(batch, sampled, stopped)
 
     monkeypatch.setattr(engine.scheduler, "update", update_once_broken)
-    broken = gateway.submit(request(max_tokens=5), "default")[0]
+    broken = gateway.submit(request(max_tokens=5), "default")
     end = last_delta(broken)
     assert end.finish_reason is FinishReason.ERROR and "internal error in the gateway: RuntimeError: a bug" in str(
         end.error)
-    ok = gateway.submit(request(max_tokens=5), "default")[0]
+    ok = gateway.submit(request(max_tokens=5), "default")
     assert sum(len(d.token_ids) for d in ok) == 5 and ok.req.finish_reason is FinishReason.LENGTH
     assert engine.idle.wait(END_WITHIN_S)
     assert gateway.pool.num_used == 0 and gateway.pool.num_requests == 0
@@ -104,7 +105,7 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(gateway):
     text is cut there), so it ends STOP, not LENGTH."""
     def run(max_tokens: int, stop: tuple[str, ...] = ()):
         handle = gateway.submit(GenerateInput(prompt=PROMPT, messages=None, sampling=SamplingParams(),
-                                              max_tokens=max_tokens, stop=stop, ignore_eos=True), "default")[0]
+                                              max_tokens=max_tokens, stop=stop, ignore_eos=True), "default")
         deltas = list(handle)
         return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), deltas[-1]
 

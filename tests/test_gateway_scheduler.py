@@ -245,6 +245,7 @@ def test_a_preempted_request_commits_what_it_computed_and_hits_it_on_resume():
     assert mgr.tenants["t"].prefix_hit_tokens == 12
     drain(mgr, sched)
     assert b.output_token_ids == [100 + p for p in range(4, 34)]
+    assert b.num_cached_tokens == 0  # usage reports its first admission's hit, not its readmission's 12
 
 
 def test_headroom_never_asks_past_the_pool():

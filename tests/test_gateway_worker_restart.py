@@ -14,9 +14,10 @@ from kvserve.common.wire.worker import SamplingParams
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
-from kvserve.services.gateway.app import Gateway, GatewayConfig
+from kvserve.services.gateway.app import GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.errors import BackendFailure
+from kvserve.services.gateway.rpc.connect import connect_gateway
 from kvserve.services.gateway.validate import GenerateInput
 from kvserve.worker.runner import ModelRunner, RunnerConfig
 from kvserve.worker.server import start_worker_server
@@ -89,14 +90,14 @@ def test_a_worker_restart_mid_request_recomputes_with_identical_output(model_dir
     runner = new_runner(model_dir)
     first = start_worker_server(runner, "127.0.0.1", 0)
     port = first.port
-    gateway = Gateway(GatewayConfig(kv_address, (f"127.0.0.1:{port}",), model_dir), ApiKeys())
+    gateway = connect_gateway(kv_address, (f"127.0.0.1:{port}",), GatewayConfig(model_dir), ApiKeys())
     request = GenerateInput(prompt=PROMPT, messages=None, sampling=SamplingParams(), max_tokens=24, ignore_eos=True)
     servers = [first]
     try:
-        expected = tokens(gateway.submit(request, "default")[0])
+        expected = tokens(gateway.submit(request, "default"))
         restarted = new_runner(model_dir)  # loaded before the restart, so the gap stays short
 
-        got = tokens(gateway.submit(request, "default")[0], restart_at(5, servers, restarted, port))
+        got = tokens(gateway.submit(request, "default"), restart_at(5, servers, restarted, port))
         assert got == expected
         assert len(servers) == 2 and restarted.info.epoch != runner.info.epoch
         pool = service.manager.pools["worker-0"]
@@ -116,22 +117,22 @@ def test_a_restarted_worker_whose_registration_failed_is_never_served_the_old_ep
     service, kv_address = kvmanager
     first = start_worker_server(new_runner(model_dir), "127.0.0.1", 0)
     port = first.port
-    gateway = Gateway(GatewayConfig(kv_address, (f"127.0.0.1:{port}",), model_dir), ApiKeys())
+    gateway = connect_gateway(kv_address, (f"127.0.0.1:{port}",), GatewayConfig(model_dir), ApiKeys())
     gateway.kv.retry_for_s = 0.5  # a refused registration fails the step after 0.5 s instead of 60
     request = GenerateInput(prompt=PROMPT * 4, messages=None, sampling=SamplingParams(), max_tokens=12,
                             ignore_eos=True)
     servers = [first]
     try:
-        expected = tokens(gateway.submit(request, "default")[0])  # caches the prompt's full pages
+        expected = tokens(gateway.submit(request, "default"))  # caches the prompt's full pages
         restarted = new_runner(model_dir)
 
 
-        handle = gateway.submit(request, "default")[0]
+        handle = gateway.submit(request, "default")
         tokens(handle, restart_at(3, servers, restarted, port, first=refusal.refusing.set))
         assert handle.req.finish_reason.name == "ERROR"  # its re-registration was refused
         assert gateway.engines[0].info.epoch != restarted.info.epoch
         refusal.refusing.clear()
-        again = gateway.submit(request, "default")[0]
+        again = gateway.submit(request, "default")
         assert tokens(again) == expected  # not computed over the zeroed pages of the restarted worker
         assert service.manager.pools["worker-0"].spec.epoch == restarted.info.epoch
         assert gateway.engines[0].info.epoch == restarted.info.epoch
@@ -148,15 +149,15 @@ def test_a_worker_restarted_with_another_config_is_followed_or_refused(model_dir
     service, kv_address = kvmanager
     first = start_worker_server(new_runner(model_dir), "127.0.0.1", 0)
     port = first.port
-    gateway = Gateway(GatewayConfig(kv_address, (f"127.0.0.1:{port}",), model_dir), ApiKeys())
+    gateway = connect_gateway(kv_address, (f"127.0.0.1:{port}",), GatewayConfig(model_dir), ApiKeys())
     request = GenerateInput(prompt=PROMPT, messages=None, sampling=SamplingParams(), max_tokens=12, ignore_eos=True)
     servers = [first]
     try:
-        expected = tokens(gateway.submit(request, "default")[0])
+        expected = tokens(gateway.submit(request, "default"))
         restarted = new_runner(model_dir, num_pages=48) if change == "a resized pool" else new_runner(
             model_dir, page_size=32)
 
-        handle = gateway.submit(request, "default")[0]
+        handle = gateway.submit(request, "default")
         got = tokens(handle, restart_at(3, servers, restarted, port))
         engine = gateway.engines[0]
         if change == "a resized pool":

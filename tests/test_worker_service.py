@@ -45,7 +45,7 @@ BAD_STEPS = [
     ("token id >= vocab", [item(token_ids=(5, 49152))], "token id 49152 is outside the vocabulary"),
     ("negative token id", [item(token_ids=(-3,))], "token id -3 is outside"),
     ("negative position", [item(start_pos=-1)], "start_pos -1 is negative"),
-    ("empty token_ids", [item(token_ids=())], "token_ids is empty"),
+    ("empty token_ids", [item(token_ids=())], "token_ids must not be empty"),
     ("position past the model", [item(start_pos=8190, page_table=tuple(range(TEST_NUM_PAGES)))],
      "exceed max_model_len 8192"),
     ("negative temperature", [item(temperature=-0.5)], "temperature must be finite and >= 0"),

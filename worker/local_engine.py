@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvserve.common.errors import InvalidRequest
+from kvserve.common.pages import num_pages_for
 from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
 from kvserve.worker.runner import ModelRunner
 
@@ -23,7 +24,7 @@ class GenerateParams:
 
 
 def _pages(runner: ModelRunner, num_tokens: int) -> tuple[int, ...]:
-    num = -(-num_tokens // runner.info.page_size)
+    num = num_pages_for(num_tokens, runner.info.page_size)
     if num > runner.info.num_pages:
         raise InvalidRequest(f"{num_tokens} tokens need {num} pages; the pool has {runner.info.num_pages}")
     return tuple(range(num))

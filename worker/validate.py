@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 from kvserve.common.errors import InvalidRequest
+from kvserve.common.pages import num_pages_for
+from kvserve.common.tokens import check_token_ids
 from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
 
 MAX_TOP_LOGPROBS = 20
@@ -31,16 +33,12 @@ def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int,
     where = f"item {item.req_id!r}"
     if not item.req_id:
         raise InvalidRequest("an item has an empty req_id")
-    if not item.token_ids:
-        raise InvalidRequest(f"{where}: token_ids is empty")
     if item.start_pos < 0:
         raise InvalidRequest(f"{where}: start_pos {item.start_pos} is negative")
     if item.end_pos > max_model_len:
         raise InvalidRequest(f"{where}: positions up to {item.end_pos} exceed max_model_len {max_model_len}")
-    bad = [t for t in item.token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    pages_needed = -(-item.end_pos // page_size)
+    check_token_ids(where, item.token_ids, vocab_size)
+    pages_needed = num_pages_for(item.end_pos, page_size)
     if len(item.page_table) < pages_needed:
         raise InvalidRequest(
             f"{where}: page_table has {len(item.page_table)} pages but positions [0, {item.end_pos}) "
@@ -82,7 +80,7 @@ def _check_no_shared_slots(items: tuple[StepItem, ...], page_size: int) -> None:
             if other != item.req_id:
                 raise InvalidRequest(f"items {other!r} and {item.req_id!r} both write page {page_id} in one step")
     for item in items:
-        read = item.page_table[: -(-item.end_pos // page_size)]
+        read = item.page_table[: num_pages_for(item.end_pos, page_size)]
         for page_id in owner.keys() & read:  # C-level: the pages it reads that someone writes (its own, usually)
             if owner[page_id] != item.req_id:
                 raise InvalidRequest(f"item {item.req_id!r} reads page {page_id}, which item {owner[page_id]!r} "

@@ -1,32 +1,14 @@
-"""Protobuf <-> the worker's dataclasses, in one place: the servicer uses one direction, the gateway's worker
-client the other. No logic beyond renaming and copying."""
+"""Protobuf <-> the worker's step and Info (common/wire/worker.py): the worker's servicer uses one direction,
+the gateway's worker client the other. No logic beyond renaming and copying."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from kvserve.common.wire.worker import SampledToken, SamplingParams, StepBatch, StepItem, StepOutput, WorkerInfo
+from kvserve.common.convert.sampling import sampling_from_proto, sampling_to_proto
+from kvserve.common.wire.worker import SampledToken, StepBatch, StepItem, StepOutput, WorkerInfo
 from kvserve.v1 import common_pb2, worker_pb2
-
-
-def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p if p.HasField("top_p") else 1.0,
-        seed=p.seed if p.HasField("seed") else None,
-        top_logprobs=p.top_logprobs,
-    )
-
-
-def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
-    p = common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_logprobs=s.top_logprobs)
-    if s.top_p != 1.0:
-        p.top_p = s.top_p
-    if s.seed is not None:
-        p.seed = s.seed
-    return p
 
 
 def batch_from_proto(req: worker_pb2.StepRequest) -> StepBatch:

@@ -1,9 +1,12 @@
-"""Plain data in and out of the kvmanager domain (inputs frozen)."""
+"""The kvmanager's page ops and their answers, as plain data (inputs frozen): what the gateway's scheduler sends
+in one StepPages call per step, and what it reads back."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+from kvserve.common.wire.worker import WorkerInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +20,12 @@ class PoolSpec:
     model_fingerprint: str
     kv_dtype: str
     bytes_per_token: int
+
+    @classmethod
+    def of(cls, info: WorkerInfo) -> PoolSpec:
+        """The pool a worker's Info describes, as the kvmanager registers it."""
+        return cls(info.worker_id, info.epoch, info.num_pages, info.page_size, info.model_fingerprint,
+                   info.kv_dtype, info.bytes_per_token)
 
 
 class OpStatus(enum.Enum):

@@ -1,32 +1,32 @@
-"""The gateway, wired: one engine loop per worker, the tokenizer, the API keys, admission and drain. The
-servicer only converts protobuf and maps errors; this is what it calls."""
+"""The gateway core, wired: one engine loop per worker, the tokenizer, the API keys, placement, admission and
+drain. Front-ends (the gRPC servicer in rpc/, an HTTP one) convert their requests into GenerateInput and call
+``submit``; the backends come in as the protocols of backends.py (rpc/connect.py makes gRPC ones)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from kvserve.common.metrics import GatewayMetrics
 from kvserve.common.tokenizer import Tokenizer
+from kvserve.common.wire.pages import PoolSpec
 from kvserve.services.gateway.auth import ApiKeys
-from kvserve.services.gateway.engine import EngineLoop, RequestHandle
-from kvserve.services.gateway.errors import BackendFailure, ShuttingDown
+from kvserve.services.gateway.backends import KVManagerBackend, WorkerBackend
+from kvserve.services.gateway.engine import EngineLoop
+from kvserve.services.gateway.errors import KVManagerUnavailable, ShuttingDown
+from kvserve.services.gateway.handle import RequestHandle
 from kvserve.services.gateway.observe import Observer
 from kvserve.services.gateway.request import Request
-from kvserve.services.gateway.rpc.clients import KV_RETRY, KVManagerClient, WorkerClient, pool_spec
-from kvserve.services.gateway.validate import GenerateInput, Limits, build_request
+from kvserve.services.gateway.validate import GenerateInput, Limits, validate_request
 
 log = logging.getLogger("kvserve.gateway")
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    kvmanager: str  # host:port
-    workers: tuple[str, ...]  # host:port of each worker
     model_dir: Path  # for the tokenizer and chat template (the workers' model)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -38,15 +38,17 @@ class GatewayConfig:
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, keys: ApiKeys, metrics: GatewayMetrics | None = None):
-        if not cfg.workers:
-            raise ValueError("the gateway needs at least one worker address")
-        self.cfg, self.keys = cfg, keys
+    def __init__(self, cfg: GatewayConfig, keys: ApiKeys, kv: KVManagerBackend, workers: Sequence[WorkerBackend],
+                 metrics: GatewayMetrics | None = None):
+        """Asks each worker for its Info (waiting up to cfg.connect_timeout_s), registers its pool with the
+        kvmanager, and starts its engine loop. Raises ValueError for no workers or workers of different models,
+        and the backends' failures (errors.py)."""
+        if not workers:
+            raise ValueError("the gateway needs at least one worker")
+        self.cfg, self.keys, self.kv = cfg, keys, kv
         self.observe = Observer(metrics)
         self.tokenizer = Tokenizer(cfg.model_dir)
-        self._stopping = threading.Event()
-        self.kv = KVManagerClient(cfg.kvmanager, stopping=self._stopping)
-        self.engines = [self._connect(addr) for addr in cfg.workers]
+        self.engines = [self._connect(worker) for worker in workers]
         fingerprints = {e.info.model_fingerprint for e in self.engines}
         if len(fingerprints) > 1:
             raise ValueError(f"the workers serve different models (fingerprints {sorted(fingerprints)})")
@@ -60,32 +62,31 @@ class Gateway:
         for engine in self.engines:
             engine.start()
 
-    def _connect(self, address: str) -> EngineLoop:
+    def _connect(self, worker: WorkerBackend) -> EngineLoop:
         """Asks the worker for its Info and registers its pool with the kvmanager."""
-        worker = WorkerClient(address, stopping=self._stopping)
         info = worker.info(wait_s=self.cfg.connect_timeout_s)
-        released = self.kv.register(pool_spec(info), release_requests=True).released_req_ids
+        released = self.kv.register(PoolSpec.of(info), release_requests=True).released_req_ids
         if released:  # a gateway before this one died with requests running: their pages come back
             log.warning("worker %s: freed the pages of %d requests a previous gateway left running", info.worker_id,
                         len(released))
-        log.info("worker %s at %s: %d pages x %d tokens, epoch %d", info.worker_id, address, info.num_pages,
+        log.info("worker %s at %s: %d pages x %d tokens, epoch %d", info.worker_id, worker.address, info.num_pages,
                  info.page_size, info.epoch)
         return EngineLoop(worker, info, self.kv, self.tokenizer, max_num_seqs=self.cfg.max_num_seqs,
                           max_num_batched_tokens=self.cfg.max_num_batched_tokens,
                           prefix_caching=self.cfg.prefix_caching, overlap_page_ops=self.cfg.overlap_page_ops,
                           observer=self.observe)
 
-    def submit(self, inp: GenerateInput, tenant: str, trace_parent=None) -> tuple[RequestHandle, EngineLoop]:
+    def submit(self, inp: GenerateInput, tenant: str, trace_parent=None) -> RequestHandle:
         """Validates, tokenises and queues a request; ``trace_parent`` is the caller's trace context, if any.
-        Raises InvalidRequest or ShuttingDown."""
-        req = build_request(inp, tenant, self.tokenizer, self.limits)
+        Raises InvalidRequest, ShuttingDown, or a backend failure (placement refused, the worker incompatible)."""
+        req = validate_request(inp, tenant, self.tokenizer, self.limits)
         with self._lock:  # placement sees every earlier request queued somewhere
             if self.closing:
                 raise ShuttingDown("the gateway is shutting down and admits no new requests")
             engine = self.place(req)
             engine.check_serving()
             self.observe.started(req, trace_parent)
-            return engine.submit(req), engine
+            return engine.submit(req)
 
     def place(self, req: Request) -> EngineLoop:
         """The worker the kvmanager's cache-aware placement chooses (longest prefix hit balanced against
@@ -99,11 +100,9 @@ class Gateway:
         num_queued = {e.info.worker_id: e.num_queued for e in self.engines}
         try:
             worker_id = self.kv.place(req.tenant, req.prompt_token_ids, num_queued)
-        except grpc.RpcError as e:
-            if e.code() not in KV_RETRY:
-                raise BackendFailure(f"kvmanager placement failed: {e.code().name}: {e.details()}") from e
+        except KVManagerUnavailable as e:
             worker_id = min(num_queued, key=num_queued.get)  # the first of the least queued
-            self._placement_degraded(f"{e.code().name}: {e.details()}")
+            self._placement_degraded(str(e))
         else:
             self._placement_degraded(None)
         return next((e for e in self.engines if e.info.worker_id == worker_id), self.engines[0])
@@ -126,8 +125,10 @@ class Gateway:
             if not engine.idle.wait(drain_s):
                 log.info("engine %s: cancelling %d requests still in flight", engine.info.worker_id,
                          engine.num_in_flight)
-        self._stopping.set()
-        for engine in self.engines:
+        for engine in self.engines:  # each loop knows it stops before any backend call fails for it
             engine.stop()
+        self.kv.interrupt()
+        for engine in self.engines:
+            engine.join()
             engine.worker.close()
         self.kv.close()

@@ -9,12 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.common.credentials import bearer_token
+from kvserve.common.errors import Unauthenticated
 
 DEV_TENANT = "default"
-
-
-class Unauthenticated(Exception):
-    """A missing or unknown API key."""
 
 
 @dataclass(frozen=True, slots=True)

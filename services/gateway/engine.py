@@ -1,71 +1,43 @@
-"""One engine loop per worker: a thread that runs scheduler steps (schedule -> kvmanager page ops -> worker Step
--> update) while there is work, and sleeps on a condition variable when there is none.
+"""One engine loop per worker: a thread that runs scheduler steps while there is work, and sleeps on a condition
+variable when there is none. One step reads top to bottom:
 
-A step whose batch waits for no page (its call only commits pages and tops up headroom: out.can_overlap) sends
-its call from a helper thread while the worker computes, and applies the answer before the step's tokens: the
-kvmanager's latency hides behind the forward pass (ARCHITECTURE.md: "page ops and compute should overlap").
+    out    = scheduler.schedule()              1. schedule (pure)
+    result = kv.step_pages(out.ops)             2. page ops: one kvmanager round trip, or none
+    batch  = scheduler.assign(out, result)
+    output = worker.step(batch)                 3. compute
+    scheduler.update(batch, output, stopped)    4. update: tokens, finish reasons; then text deltas to clients
 
-gRPC handler threads talk to it through ``submit`` and ``abort`` only; everything else (the scheduler, the
-requests' state, the text streams) is touched by the loop thread alone, so none of it needs a lock. The helper
-thread only makes the kvmanager call.
+A step whose call only commits pages and tops up headroom (out.can_overlap) sends its call from a helper
+thread while the worker computes, and applies the answer before the step's tokens: the kvmanager's latency
+hides behind the forward pass.
+
+Front-end threads talk to it through ``submit`` and a handle's ``cancel`` only; everything else (the scheduler,
+the requests' state, the text streams) is touched by the loop thread alone, so none of it needs a lock. The
+helper thread only makes the kvmanager call. The backends are protocols (backends.py): the engine knows no
+transport, and acts on the typed failures of errors.py.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
-import grpc
-
+from kvserve.common.errors import Internal
 from kvserve.common.tokenizer import Tokenizer
-from kvserve.common.wire.pages import StepResults
-from kvserve.common.wire.worker import SampledToken, StepOutput, WorkerInfo
-from kvserve.services.gateway.errors import BackendFailure
+from kvserve.common.wire.pages import PoolSpec, StepResults
+from kvserve.common.wire.worker import StepOutput, WorkerInfo
+from kvserve.services.gateway.backends import KVManagerBackend, WorkerBackend
+from kvserve.services.gateway.errors import BackendFailure, WorkerIncompatible, WorkerRestarted
+from kvserve.services.gateway.handle import OutputDelta, RequestHandle
 from kvserve.services.gateway.observe import Observer
 from kvserve.services.gateway.request import FinishReason, Request, RequestStatus
-from kvserve.services.gateway.rpc.clients import KVManagerClient, WorkerClient, pool_spec
 from kvserve.services.gateway.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.services.gateway.textstream import TextStream
 
 log = logging.getLogger("kvserve.gateway")
-
-
-@dataclass(slots=True)
-class Delta:
-    """What one step produced for one request, as the servicer streams it."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[SampledToken] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    usage: tuple[int, int, int] | None = None  # (prompt_tokens, cached_tokens, completion_tokens), last only
-    error: Exception | None = None  # finish_reason ERROR: why
-
-
-class RequestHandle:
-    """The handler's side of one request: deltas arrive on a queue that the engine loop fills."""
-
-    def __init__(self, req: Request, text: TextStream):
-        self.req, self.text = req, text
-        self.deltas: queue.SimpleQueue[Delta] = queue.SimpleQueue()
-
-    def __iter__(self) -> Iterator[Delta]:
-        while True:
-            delta = self.deltas.get()
-            yield delta
-            if delta.finish_reason is not None:
-                return
-
-    def _finish(self, text: str = "") -> None:
-        """Queues the last delta. Called once the request's pages are freed (or it never held any)."""
-        req = self.req
-        self.deltas.put(Delta(text=text, finish_reason=req.finish_reason, error=req.error,
-                              usage=(len(req.prompt_token_ids), req.num_cached_tokens, len(req.output_token_ids))))
 
 
 @dataclass(slots=True)
@@ -87,7 +59,7 @@ class EngineStats:
 
 
 class EngineLoop:
-    def __init__(self, worker: WorkerClient, info: WorkerInfo, kv: KVManagerClient, tokenizer: Tokenizer, *,
+    def __init__(self, worker: WorkerBackend, info: WorkerInfo, kv: KVManagerBackend, tokenizer: Tokenizer, *,
                  max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
                  overlap_page_ops: bool = True, observer: Observer | None = None):
         self.worker, self.info, self.kv, self.tokenizer = worker, info, kv, tokenizer
@@ -99,12 +71,13 @@ class EngineLoop:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             prefix_caching=prefix_caching))
         self.stats = EngineStats()
-        self.handles: dict[str, RequestHandle] = {}  # loop thread only
+        self.handles: dict[str, RequestHandle] = {}  # loop thread only, as the three below
+        self.texts: dict[str, TextStream] = {}
         self.finishing: dict[str, tuple[RequestHandle, str]] = {}  # finished, last delta sent once freed
         self.traceparents: dict[str, str] = {}  # req_id -> its span's traceparent, for traced requests
         self._cv = threading.Condition()
         self._inbox: list[RequestHandle] = []
-        self._aborts: list[str] = []
+        self._cancels: list[str] = []
         self._stopping = False
         self._kv_failed = False  # the last kvmanager call failed (loop thread only)
         self.incompatible = ""  # why the restarted worker cannot be served through this engine, if it cannot
@@ -112,36 +85,39 @@ class EngineLoop:
         self.idle.set()
         self.thread = threading.Thread(target=self._run, name=f"engine-{info.worker_id}", daemon=True)
 
-    # -- handler threads --------------------------------------------------------------------------------
+    # -- front-end threads ------------------------------------------------------------------------------
     def start(self) -> None:
         self.thread.start()
 
     def check_serving(self) -> None:
-        """Raises BackendFailure when the worker restarted as one this engine cannot serve (another model,
+        """Raises WorkerIncompatible when the worker restarted as one this engine cannot serve (another model,
         page size or context length)."""
         if self.incompatible:
-            raise BackendFailure(self.incompatible)
+            raise WorkerIncompatible(self.incompatible)
 
     def submit(self, req: Request) -> RequestHandle:
-        handle = RequestHandle(req, TextStream(self.tokenizer, req.params.stop))
+        handle = RequestHandle(req, self.info.worker_id, self.cancel)
         with self._cv:
             self.idle.clear()
             self._inbox.append(handle)
             self._cv.notify()
         return handle
 
-    def abort(self, req_id: str) -> None:
+    def cancel(self, req_id: str) -> None:
         """Cancels a request (client cancel, deadline, shutdown); its pages are freed by the next step."""
         with self._cv:
-            self._aborts.append(req_id)
+            self._cancels.append(req_id)
             self._cv.notify()
 
     def stop(self) -> None:
-        """Cancels everything in flight, frees its pages, and ends the loop."""
+        """Starts the stop: the loop cancels everything in flight, frees its pages (while the kvmanager answers)
+        and ends; the step in flight is not waited for (its worker may be gone). ``join`` waits for the end."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self.worker.cancel_step()  # a step still in flight is not waited for (its worker may be gone)
+        self.worker.interrupt()
+
+    def join(self) -> None:
         self.thread.join()
         self._kv_thread.shutdown()  # idle: every step waits for its own call
 
@@ -159,17 +135,15 @@ class EngineLoop:
         while self._next_work():
             try:
                 self._step()
-            except grpc.RpcError as e:
+            except BackendFailure as e:
                 with self._cv:
                     stopping = self._stopping
-                self._fail_all(f"{e.code().name}: {e.details()}", stopping=stopping)
+                self._fail_all(e, stopping=stopping)
                 if stopping and self._kv_failed:
                     self._abandon_frees()  # else (the worker failed) the next step frees them
-            except BackendFailure as e:  # the worker came back as one this engine cannot serve through
-                self._fail_all(str(e))
             except Exception as e:  # a bug: fail what runs, rather than end the loop with every stream open
                 log.exception("engine %s: a step raised", self.info.worker_id)
-                self._fail_all(f"internal error in the gateway: {type(e).__name__}: {e}")
+                self._fail_all(Internal(f"internal error in the gateway: {type(e).__name__}: {e}"))
             with self._cv:
                 if not self.handles and not self._inbox and not self.finishing:
                     self.idle.set()
@@ -180,30 +154,31 @@ class EngineLoop:
                  s.num_kv_calls, s.num_kv_calls_overlapped, 100 * s.compute_share)
 
     def _next_work(self) -> bool:
-        """Waits for work; takes new requests and aborts in. False once stopping and everything is freed."""
+        """Waits for work; takes new requests and cancels in. False once stopping and everything is freed."""
         with self._cv:
-            while not (self._inbox or self._aborts or self._stopping or self.scheduler.has_work()):
+            while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work()):
                 self._cv.wait()
             new, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
+            cancels, self._cancels = self._cancels, []
             stopping = self._stopping
         for handle in new:
-            self.handles[handle.req.req_id] = handle
-            self.scheduler.add(handle.req)
-            if handle.req.traceparent:
-                self.traceparents[handle.req.req_id] = handle.req.traceparent
-        for req_id in aborts:
-            self._finish(req_id, FinishReason.CANCELLED)
-        if stopping:
-            for req_id in list(self.handles):
-                self._finish(req_id, FinishReason.CANCELLED)
+            req = handle.req
+            self.handles[req.req_id] = handle
+            self.texts[req.req_id] = TextStream(self.tokenizer, req.params.stop)
+            self.scheduler.add(req)
+            if req.traceparent:
+                self.traceparents[req.req_id] = req.traceparent
+        for req_id in [*cancels, *(self.handles if stopping else ())]:
+            self._end(req_id, self.scheduler.cancel)
         return self.scheduler.has_work() or not stopping
 
-    def _finish(self, req_id: str, reason: FinishReason, error: Exception | None = None) -> None:
+    def _end(self, req_id: str, end, *args) -> None:
+        """Ends a request that is still in flight with ``end(req, *args)`` (the scheduler's cancel or fail); its
+        last delta goes out now, or once its pages are freed."""
         handle = self.handles.pop(req_id, None)
         if handle is None:
             return  # finished already
-        if self.scheduler.finish(handle.req, reason, error):
+        if end(handle.req, *args):
             self.finishing[req_id] = (handle, "")  # its last delta waits for the free
         else:
             self._complete(handle)  # it holds no pages: nothing to wait for
@@ -219,8 +194,9 @@ class EngineLoop:
     def _complete(self, handle: RequestHandle, text: str = "") -> None:
         """Sends the last delta and closes the request's span and metrics."""
         self.traceparents.pop(handle.req.req_id, None)
+        self.texts.pop(handle.req.req_id, None)
         self.observe.finished(handle.req)
-        handle._finish(text)
+        handle.finish(text)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -237,7 +213,7 @@ class EngineLoop:
         for req in batch.failed:
             self._complete(self.handles.pop(req.req_id))
         if batch.chunks:
-            self._apply_output(batch, self._compute(batch))
+            self._update(batch, self._compute(batch))
         self._account(t0, t1 - t0)
 
     def _overlapped_step(self, out: SchedulerOutput, t0: float) -> None:
@@ -255,7 +231,8 @@ class EngineLoop:
             t3 = time.perf_counter()
             self.stats.num_kv_calls_overlapped += 1
             self.scheduler.apply_late(out, results)
-        self._apply_output(batch, output)
+        if batch.chunks:
+            self._update(batch, output)
         self._account(t0, (t1 - t0) + (t3 - t2))
 
     def _account(self, t0: float, kv_wait_s: float) -> None:
@@ -270,7 +247,7 @@ class EngineLoop:
             return StepResults()  # nothing to allocate, extend, commit or free: no round trip
         return self._answer(out, lambda: self.kv.step_pages(out.ops, self.traceparents))
 
-    def _answer(self, out: SchedulerOutput, get: Callable[[], StepResults]) -> StepResults:
+    def _answer(self, out: SchedulerOutput, get) -> StepResults:
         """The answer to out.ops (``get`` makes or awaits the call); when the call fails, its frees go out again
         with the next one, and the error is raised."""
         try:
@@ -283,7 +260,7 @@ class EngineLoop:
         self.stats.num_kv_calls += 1
         return results
 
-    def _observe_assign(self, out) -> None:
+    def _observe_assign(self, out: SchedulerOutput) -> None:
         for chunk in out.admitted:
             if chunk.req.status is RequestStatus.RUNNING:
                 self.observe.admitted(chunk.req, self.info.worker_id)
@@ -294,38 +271,36 @@ class EngineLoop:
                 self.observe.preempted(req)
 
     def _compute(self, batch: ScheduledBatch) -> StepOutput | None:
-        """The worker's Step; None when the worker restarted (it answers FAILED_PRECONDITION)."""
+        """The worker's Step; None when the worker restarted."""
         try:
             return self.worker.step(batch.to_step(self.info.epoch), self.traceparents)
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
+        except WorkerRestarted:
             return None
 
-    def _apply_output(self, batch: ScheduledBatch, output: StepOutput | None) -> None:
+    def _update(self, batch: ScheduledBatch, output: StepOutput | None) -> None:
+        """The step's tokens: pushed through each request's text stream (which sees stop strings), then to the
+        scheduler (which decides every finish), then out as deltas. A restarted worker: re-register, recompute."""
         if output is None:
-            if batch.chunks:
-                self._reregister()  # the worker restarted: its pages are gone, recompute what ran
+            self._reregister()  # the worker restarted: its pages are gone, recompute what ran
             return
         self.stats.compute_s += output.compute_ms / 1000
-        for req, sampled in self.scheduler.update(batch, output.sampled):
-            self._on_token(req, sampled)
+        texts = {s.req_id: self.texts[s.req_id].push(s.token_id) for s in output.sampled}
+        stopped = frozenset(req_id for req_id, (_, stop) in texts.items() if stop)
+        for req, sampled in self.scheduler.update(batch, output.sampled, stopped):
+            self._emit(req, sampled, texts[req.req_id][0])
 
-    def _on_token(self, req: Request, sampled: SampledToken) -> None:
+    def _emit(self, req: Request, sampled, text: str) -> None:
         handle = self.handles[req.req_id]
-        text, stopped = handle.text.push(sampled.token_id)
         req.last_token_s = time.monotonic()
         if req.first_token_s is None:
             req.first_token_s = req.last_token_s
             self.observe.first_token(req)
         logprobs = [sampled] if req.params.logprobs else []
-        handle.deltas.put(Delta(text=text, token_ids=[sampled.token_id], logprobs=logprobs))
-        if stopped:
-            self.scheduler.finish(req, FinishReason.STOP)
-            req.finish_reason = FinishReason.STOP  # also when this token was the last one max_tokens allowed
+        handle.put(OutputDelta(text=text, token_ids=[sampled.token_id], logprobs=logprobs))
         if req.status is RequestStatus.FINISHED:
             del self.handles[req.req_id]
-            self.finishing[req.req_id] = (handle, "" if stopped else handle.text.flush())
+            rest = "" if req.finish_reason is FinishReason.STOP else self.texts[req.req_id].flush()
+            self.finishing[req.req_id] = (handle, rest)
 
     def _reregister(self) -> None:
         """After a worker restart: register its new pool (the kvmanager drops the old epoch's pages) and
@@ -337,30 +312,28 @@ class EngineLoop:
         if changed:
             self.incompatible = (f"worker {info.worker_id} restarted with {changed}; this gateway serves what it "
                                  "started with: restart the gateway")
-            raise BackendFailure(self.incompatible)
+            raise WorkerIncompatible(self.incompatible)
         try:
-            result = self.kv.register(pool_spec(info))
-        except grpc.RpcError:
+            result = self.kv.register(PoolSpec.of(info))
+        except BackendFailure:
             self._kv_failed = True
             raise
         self.info = info
-        self.scheduler.cfg = replace(self.scheduler.cfg, num_pages=info.num_pages)  # it may be resized
         log.warning("worker %s restarted (epoch %d -> %d): recomputing %d requests", self.info.worker_id,
                     result.previous_epoch, self.info.epoch, len(self.scheduler.running))
-        for req in list(self.scheduler.running):
-            self.scheduler.preempt(req)
+        self.scheduler.preempt_all()
+        self.scheduler.resize(info.num_pages)  # it may come back with another pool size
 
     def _abandon_frees(self) -> None:
         """Stopping, and a kvmanager call failed: the frees would be retried forever, so the loop lets them go.
         Their pages stay allocated in the kvmanager until the next gateway registers the worker (it releases
         them), the worker registers a new epoch, or an admin resets."""
-        sched = self.scheduler
-        if sched.pending_frees:
+        num = self.scheduler.abandon_frees()
+        if num:
             log.warning("engine %s: stopping with the kvmanager unreachable; the pages of %d requests stay "
-                        "allocated there", self.info.worker_id, len(sched.pending_frees))
-        sched.pending_frees, sched.final_commits = [], []
+                        "allocated there", self.info.worker_id, num)
 
-    def _fail_all(self, error: str, stopping: bool = False) -> None:
+    def _fail_all(self, error: Exception, stopping: bool = False) -> None:
         """Ends every request after a failed step: as failed, or, when the engine is stopping (its step may have
         been cancelled for it), as cancelled, which is what stopping does to the requests still in flight."""
         if stopping:
@@ -369,13 +342,15 @@ class EngineLoop:
         else:
             log.error("engine %s: step failed: %s; failing its %d requests", self.info.worker_id, error,
                       len(self.handles))
-        reason = FinishReason.CANCELLED if stopping else FinishReason.ERROR
         for req_id in list(self.handles):
-            self._finish(req_id, reason, None if stopping else BackendFailure(error))
+            if stopping:
+                self._end(req_id, self.scheduler.cancel)
+            else:
+                self._end(req_id, self.scheduler.fail, error)
         # Their frees go out with the next call, but not the commits of what they filled last: a failed call
         # may have been applied without its answer arriving, and a commit computed before that answer would be
         # refused as out of order, failing the whole call and the requests it admits. Only cache entries lost.
-        self.scheduler.final_commits = []
+        self.scheduler.drop_final_commits()
         self._deliver_freed(list(self.finishing))  # the kvmanager is unreachable: do not make clients wait
 
 

@@ -1,21 +1,42 @@
-"""The gateway's typed errors; servicer.py maps each to one gRPC status."""
+"""The gateway's typed errors, each a kind of common/errors.py (which decides its status on every front-end).
+
+The backends' clients (rpc/clients.py over gRPC, or any other implementation of backends.py) raise the
+BackendFailure family, so that the engine acts on what happened, never on a transport's status codes.
+"""
 
 from __future__ import annotations
 
-from kvserve.common.errors import InvalidRequest
-from kvserve.services.gateway.auth import Unauthenticated
+from kvserve.common.errors import ResourceExhausted, Unavailable
 
 
-class ShuttingDown(Exception):
+class ShuttingDown(Unavailable):
     """The gateway stopped admitting requests (graceful shutdown)."""
 
 
-class OutOfCapacity(Exception):
+class OutOfCapacity(ResourceExhausted):
     """A request fits no worker pool even with nothing else running (pinned blocks hold the pages)."""
 
 
-class BackendFailure(Exception):
-    """A worker or the kvmanager failed the request's step; its pages were freed."""
+class BackendFailure(Unavailable):
+    """A worker or the kvmanager failed a request's step; the request ends with this error, its pages freed."""
 
 
-__all__ = ["BackendFailure", "InvalidRequest", "OutOfCapacity", "ShuttingDown", "Unauthenticated"]
+class KVManagerFailed(BackendFailure):
+    """The kvmanager refused a call (a page op it found malformed or stale)."""
+
+
+class KVManagerUnavailable(KVManagerFailed):
+    """The kvmanager did not answer, also after the client's retries (down, restarting, or its Redis down)."""
+
+
+class WorkerUnavailable(BackendFailure):
+    """A worker did not answer a step, also after the client's retries, or refused it."""
+
+
+class WorkerRestarted(BackendFailure):
+    """A worker answered as another incarnation (a new epoch): its pages are gone; the engine registers the new
+    pool and recomputes what ran there."""
+
+
+class WorkerIncompatible(BackendFailure):
+    """A restarted worker serves another model, page size or context length than the engine started with."""

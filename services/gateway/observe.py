@@ -27,9 +27,10 @@ class Observer:
             req.span, req.traceparent = span, traceparent_of(span)
 
     def admitted(self, req: Request, worker_id: str) -> None:
+        """Just allocated: its computed tokens are the prefix cache's hit."""
         if req.span is not None:
             req.span.add_event("admitted", {"kvserve.worker_id": worker_id,
-                                            "kvserve.num_cached_tokens": req.num_cached_tokens,
+                                            "kvserve.num_cached_tokens": req.num_computed_tokens,
                                             "kvserve.queue_wait_s": time.monotonic() - req.arrival_s,
                                             "kvserve.num_preemptions": req.num_preemptions})
 
@@ -62,7 +63,7 @@ class Observer:
         if req.span is not None:
             span = req.span
             span.set_attributes({"kvserve.finish_reason": reason, "kvserve.completion_tokens": num_out,
-                                 "kvserve.cached_tokens": req.num_cached_tokens,
+                                 "kvserve.num_cached_tokens": req.num_cached_tokens or 0,
                                  "kvserve.num_preemptions": req.num_preemptions})
             if req.finish_reason is FinishReason.ERROR:
                 span.set_status(Status(StatusCode.ERROR, str(req.error)))

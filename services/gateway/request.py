@@ -55,7 +55,7 @@ class Request:
     epoch: int = 0
     num_computed_tokens: int = 0
     num_committed_tokens: int = 0
-    num_cached_tokens: int = 0  # of the first admission: what usage reports
+    num_cached_tokens: int | None = None  # prefix hit of the first admission computed: what usage reports
     num_preemptions: int = 0
     first_token_s: float | None = None
     last_token_s: float | None = None

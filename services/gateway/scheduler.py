@@ -9,7 +9,12 @@ One step, in three calls (the engine loop does the I/O between them):
     batch = scheduler.assign(out, results)  applies the kvmanager's answer: admitted requests get page tables
                                             and num_cached_tokens; an extension out of pages preempts the
                                             newest running request (recompute later; its blocks stay cached)
-    done  = scheduler.update(batch, output) appends sampled tokens, applies EOS and length limits
+    done  = scheduler.update(batch, sampled, stopped)
+                                            appends sampled tokens and ends requests at EOS, a stop string
+                                            (``stopped``: the engine's text streams saw one) or a length limit
+
+Every finish reason is decided here: those three by update(), CANCELLED by cancel(), ERROR by fail(), and
+finish() is the only writer of a request's finish_reason.
 
 Finished, cancelled and preempted requests are freed by the next step's page operations, together with the
 commit of the pages they filled since their last one.
@@ -29,8 +34,9 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from kvserve.common.pages import num_pages_for
 from kvserve.common.wire.pages import (
     Allocate,
     Commit,
@@ -64,6 +70,7 @@ class Chunk:
     req: Request
     num_tokens: int
     start_pos: int = 0
+    admitted: bool = False  # the first chunk of an admission: start_pos is the prefix cache's hit
 
 
 @dataclass(slots=True)
@@ -95,10 +102,6 @@ class ScheduledBatch:
         return StepBatch(items=items, epoch=epoch)
 
 
-def _pages(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
-
-
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
@@ -118,10 +121,20 @@ class Scheduler:
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
+    def cancel(self, req: Request) -> bool:
+        """Ends a request the client cancelled (or whose deadline passed, or that the gateway's stop cut short).
+        Returns as finish()."""
+        return self.finish(req, FinishReason.CANCELLED)
+
+    def fail(self, req: Request, error: Exception) -> bool:
+        """Ends a request that cannot be served (``error`` says why). Returns as finish()."""
+        return self.finish(req, FinishReason.ERROR, error)
+
     def finish(self, req: Request, reason: FinishReason, error: Exception | None = None) -> bool:
         """Ends a request wherever it is; a running one's pages are freed by the next step. Returns whether a
         free of its pages is queued: False for a request that holds none (queued, never admitted or preempted
-        with its free already sent), whose end needs no page op to wait for."""
+        with its free already sent), whose end needs no page op to wait for. A request ends once: a later call
+        changes nothing."""
         if req.status is RequestStatus.FINISHED:
             return req.req_id in self.pending_frees
         if req.status is RequestStatus.RUNNING:
@@ -148,6 +161,28 @@ class Scheduler:
         if out.ops is not None:
             self.pending_frees.extend(f.req_id for f in out.ops.frees)
 
+    def drop_final_commits(self) -> None:
+        """Forgets the commits queued with pending frees (after a page-ops call whose answer was lost: it may
+        have been applied, and a commit computed before it would be refused as out of order). Only cache entries
+        are lost."""
+        self.final_commits = []
+
+    def abandon_frees(self) -> int:
+        """Forgets the frees still to send (the engine stops, and the kvmanager cannot be reached); their pages
+        stay allocated there until the worker's pool is registered again. Returns how many."""
+        num = len(self.pending_frees)
+        self.pending_frees, self.final_commits = [], []
+        return num
+
+    def resize(self, num_pages: int) -> None:
+        """The worker came back with a pool of ``num_pages`` pages (its requests were preempted first)."""
+        self.cfg = replace(self.cfg, num_pages=num_pages)
+
+    def preempt_all(self) -> None:
+        """Every running request back to the queue for recompute (the worker restarted: its pages are gone)."""
+        for req in list(self.running):
+            self.preempt(req)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.pending_frees)
 
@@ -169,13 +204,13 @@ class Scheduler:
             end = req.num_computed_tokens + n
             if end > len(req.page_table) * page_size:
                 extensions.append(Extend(req.req_id, end))
-                pages_needed += _pages(end, page_size) - len(req.page_table)
+                pages_needed += num_pages_for(end, page_size) - len(req.page_table)
         spare = self.num_available_pages - pages_needed
         admitted = self._admit(budget, spare, freeing)
         prompt_commits = any(c.start_pos < len(self.requests[c.req_id].prompt_token_ids) for c in commits)
         if not (frees or admitted or extensions or prompt_commits):
             return SchedulerOutput(None, running, admitted)
-        spare -= sum(_pages(c.req.num_tokens, page_size) for c in admitted)
+        spare -= sum(num_pages_for(c.req.num_tokens, page_size) for c in admitted)
         extensions, headroom_only = self._with_headroom(running, extensions, spare)
         allocations = tuple(Allocate(c.req.req_id, c.req.tenant, tuple(c.req.all_token_ids), self.cfg.worker_id,
                                      skip_prefix_cache=not self.cfg.prefix_caching) for c in admitted)
@@ -195,8 +230,8 @@ class Scheduler:
             last = min(len(req.prompt_token_ids) + req.params.max_tokens - 1, self.cfg.max_model_len,
                        self.cfg.num_pages * page_size)  # the kvmanager refuses a call extending past its pool
             target = max(end, min(end + page_size, last))
-            have = max(len(req.page_table), _pages(needed.get(req.req_id, 0), page_size))
-            extra = _pages(target, page_size) - have
+            have = max(len(req.page_table), num_pages_for(needed.get(req.req_id, 0), page_size))
+            extra = num_pages_for(target, page_size) - have
             if 0 < extra <= budget:
                 budget -= extra
                 out.append(Extend(req.req_id, target))
@@ -224,7 +259,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.req_id in freeing:  # a free and an allocation of one req_id cannot share a call
                 break
-            need = _pages(req.num_tokens, self.cfg.page_size)
+            need = num_pages_for(req.num_tokens, self.cfg.page_size)
             if need > available and (self.running or admitted):
                 break
             self.waiting.popleft()
@@ -296,10 +331,9 @@ class Scheduler:
                 continue
             req.status, req.page_table, req.epoch = RequestStatus.RUNNING, list(a.page_table), a.epoch
             req.num_computed_tokens = req.num_committed_tokens = a.num_cached_tokens
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = a.num_cached_tokens
             self.running.append(req)
-            batch.chunks.append(Chunk(req, min(chunk.num_tokens, req.num_uncomputed_tokens), a.num_cached_tokens))
+            batch.chunks.append(Chunk(req, min(chunk.num_tokens, req.num_uncomputed_tokens), a.num_cached_tokens,
+                                      admitted=True))
         for req in reversed(short):  # back to the head of the queue, in their order
             self.waiting.appendleft(req)
         if short and not self.running and not self.pending_frees:
@@ -309,7 +343,7 @@ class Scheduler:
         """Nothing runs and nothing is being freed, yet it does not fit: it never will (pinned or foreign
         pages hold the pool). Fail it rather than wait forever."""
         self.finish(req, FinishReason.ERROR, OutOfCapacity(
-            f"the request needs {_pages(req.num_tokens, self.cfg.page_size)} pages but worker "
+            f"the request needs {num_pages_for(req.num_tokens, self.cfg.page_size)} pages but worker "
             f"{self.cfg.worker_id} cannot free that many (pinned or cached blocks of running requests hold them)"))
         batch.failed.append(req)
 
@@ -323,25 +357,36 @@ class Scheduler:
         self.preempted.append(req)
 
     # -- 3. update --------------------------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> list[tuple[Request, SampledToken]]:
-        """Advances computed positions, appends sampled tokens, ends requests at EOS or a length limit.
-        Returns (request, token) per sampled token, finished or not, for the output side."""
+    def update(self, batch: ScheduledBatch, sampled: list[SampledToken],
+               stopped: frozenset[str] = frozenset()) -> list[tuple[Request, SampledToken]]:
+        """Advances computed positions, appends sampled tokens, and ends requests at EOS, at a stop string (the
+        req_ids in ``stopped``: their text now holds one) or at a length limit. Returns (request, token) per
+        sampled token, finished or not, for the output side.
+
+        A request's num_cached_tokens (what usage reports) is the prefix hit of its first admission that was
+        computed: an admission undone before its prefill ran (the worker restarted) does not count."""
         for c in batch.chunks:
             c.req.num_computed_tokens = c.start_pos + c.num_tokens
+            if c.admitted and c.req.num_cached_tokens is None:
+                c.req.num_cached_tokens = c.start_pos
         by_id = {c.req.req_id: c.req for c in batch.chunks}
         new_tokens = []
         for s in sampled:
             req = by_id[s.req_id]
             req.output_token_ids.append(s.token_id)
             new_tokens.append((req, s))
-            reason = self._finish_reason(req, s.token_id)
+            reason = self._finish_reason(req, s.token_id, s.req_id in stopped)
             if reason is not None:
                 self.finish(req, reason)
         return new_tokens
 
-    def _finish_reason(self, req: Request, token_id: int) -> FinishReason | None:
+    def _finish_reason(self, req: Request, token_id: int, stop_string: bool) -> FinishReason | None:
+        """EOS first (it ends the text), then a stop string (also when the last allowed token completed it), then
+        the length limits."""
         if token_id in self.cfg.eos_token_ids and not req.params.ignore_eos:
             return FinishReason.EOS
+        if stop_string:
+            return FinishReason.STOP
         if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.cfg.max_model_len:
             return FinishReason.LENGTH
         return None

@@ -83,7 +83,7 @@ def _max_tokens(inp: GenerateInput, num_prompt: int, limits: Limits) -> int:
     return inp.max_tokens or min(limits.default_max_tokens, room)
 
 
-def build_request(inp: GenerateInput, tenant: str, tokenizer: Tokenizer, limits: Limits) -> Request:
+def validate_request(inp: GenerateInput, tenant: str, tokenizer: Tokenizer, limits: Limits) -> Request:
     """Validates and tokenises. Raises InvalidRequest with a message that says what was wrong."""
     validate_sampling("sampling", inp.sampling)
     _check_stop(inp.stop)

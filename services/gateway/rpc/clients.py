@@ -1,5 +1,6 @@
-"""The gateway's clients of the kvmanager and of one worker: dataclasses in, dataclasses out. The kvmanager
-call is retried on UNAVAILABLE with the same step_id, which makes the retry idempotent."""
+"""The gateway's backends over gRPC (backends.py's protocols): dataclasses in, dataclasses out, and the typed
+errors of errors.py out of a failed call, so that no status code reaches the core. The kvmanager call is
+retried on UNAVAILABLE with the same step_id, which makes the retry idempotent."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ from kvserve.common.convert import worker as worker_convert
 from kvserve.common.grpc_server import CHANNEL_OPTIONS
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
 from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
+from kvserve.services.gateway.backends import NO_TRACES
+from kvserve.services.gateway.errors import (
+    KVManagerFailed,
+    KVManagerUnavailable,
+    WorkerRestarted,
+    WorkerUnavailable,
+)
 from kvserve.v1 import kvmanager_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("kvserve.gateway")
@@ -44,16 +52,23 @@ def call_with_retries(call, *, retry_on, retry_for_s: float, first_backoff_s: fl
 class _ServiceClient:
     """A channel to one service, a stub on it, and the retry settings of its calls."""
 
-    def __init__(self, address: str, stub_type, timeout_s: float, retry_for_s: float,
-                 stopping: threading.Event | None):
+    def __init__(self, address: str, stub_type, timeout_s: float, retry_for_s: float):
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = stub_type(self.channel)
         self.timeout_s, self.retry_for_s = timeout_s, retry_for_s
-        self.stopping = stopping or threading.Event()
+        self.stopping = threading.Event()  # set by interrupt()
+
+    def interrupt(self) -> None:
+        """From now on, a call fails instead of waiting for the service or retrying."""
+        self.stopping.set()
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _reason(e: grpc.RpcError) -> str:
+    return f"{e.code().name}: {e.details()}"
 
 
 class KVManagerClient(_ServiceClient):
@@ -62,8 +77,8 @@ class KVManagerClient(_ServiceClient):
     idempotent per step_id and RegisterWorker per epoch. Place is tried once (see place)."""
 
     def __init__(self, address: str, timeout_s: float = 10.0, retry_for_s: float = 60.0,
-                 stopping: threading.Event | None = None, place_timeout_s: float = 2.0):
-        super().__init__(address, kvmanager_pb2_grpc.KVManagerServiceStub, timeout_s, retry_for_s, stopping)
+                 place_timeout_s: float = 2.0):
+        super().__init__(address, kvmanager_pb2_grpc.KVManagerServiceStub, timeout_s, retry_for_s)
         self.place_timeout_s = place_timeout_s
 
     def register(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
@@ -72,7 +87,7 @@ class KVManagerClient(_ServiceClient):
         return self._call(self.stub.RegisterWorker, kv_convert.spec_to_proto(spec, release_requests),
                           kv_convert.register_from_proto)
 
-    def step_pages(self, ops: StepOps, traceparents: Mapping[str, str] = kv_convert.EMPTY) -> StepResults:
+    def step_pages(self, ops: StepOps, traceparents: Mapping[str, str] = NO_TRACES) -> StepResults:
         return self._call(self.stub.StepPages, kv_convert.step_to_request_proto(ops, traceparents),
                           kv_convert.step_results_from_proto)
 
@@ -80,8 +95,11 @@ class KVManagerClient(_ServiceClient):
         """The worker_id cache-aware placement chooses for a new request (no side effect). One try, within
         place_timeout_s and without waiting for a kvmanager that is down: placement is a hint the caller can do
         without, and it is asked while new requests queue behind it."""
-        reply = self.stub.Place(kv_convert.place_to_proto(tenant, token_ids, num_queued),
-                                timeout=self.place_timeout_s, wait_for_ready=False)
+        try:
+            reply = self.stub.Place(kv_convert.place_to_proto(tenant, token_ids, num_queued),
+                                    timeout=self.place_timeout_s, wait_for_ready=False)
+        except grpc.RpcError as e:
+            raise self._failure("placement", e) from e
         return reply.worker_id
 
     def _call(self, method, request, convert):
@@ -89,11 +107,18 @@ class KVManagerClient(_ServiceClient):
             log.warning("kvmanager unavailable (%s: %s); retrying in %.2fs", e.code().name, e.details(), backoff_s)
 
         # While serving, a call waits for a kvmanager that is restarting; once stopping, it fails at once.
-        reply = call_with_retries(lambda: method(request, timeout=self.timeout_s,
-                                                 wait_for_ready=not self.stopping.is_set()),
-                                  retry_on=KV_RETRY, retry_for_s=self.retry_for_s,
-                                  first_backoff_s=0.05, stopping=self.stopping, on_retry=on_retry)
+        try:
+            reply = call_with_retries(lambda: method(request, timeout=self.timeout_s,
+                                                     wait_for_ready=not self.stopping.is_set()),
+                                      retry_on=KV_RETRY, retry_for_s=self.retry_for_s,
+                                      first_backoff_s=0.05, stopping=self.stopping, on_retry=on_retry)
+        except grpc.RpcError as e:
+            raise self._failure("call", e) from e
         return convert(reply)
+
+    def _failure(self, what: str, e: grpc.RpcError) -> KVManagerFailed:
+        kind = KVManagerUnavailable if e.code() in KV_RETRY else KVManagerFailed
+        return kind(f"kvmanager {what} failed: {_reason(e)}")
 
 
 class WorkerClient(_ServiceClient):
@@ -101,18 +126,20 @@ class WorkerClient(_ServiceClient):
     it is back, for up to retry_for_s: a step is idempotent (same K/V into the same slots), and a restarted
     worker answers FAILED_PRECONDITION (new epoch), which the engine turns into re-registration and recompute."""
 
-    def __init__(self, address: str, timeout_s: float = 120.0, retry_for_s: float = 60.0,
-                 stopping: threading.Event | None = None):
-        super().__init__(address, worker_pb2_grpc.WorkerServiceStub, timeout_s, retry_for_s, stopping)
+    def __init__(self, address: str, timeout_s: float = 120.0, retry_for_s: float = 60.0):
+        super().__init__(address, worker_pb2_grpc.WorkerServiceStub, timeout_s, retry_for_s)
         self._lock = threading.Lock()
         self._step_call: grpc.Future | None = None  # the Step in flight
 
     def info(self, wait_s: float = 60.0) -> WorkerInfo:
         """The worker's Info, waiting up to wait_s for it to come up."""
-        reply = self.stub.Info(worker_pb2.InfoRequest(), timeout=wait_s, wait_for_ready=True)
+        try:
+            reply = self.stub.Info(worker_pb2.InfoRequest(), timeout=wait_s, wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise WorkerUnavailable(f"worker {self.address} did not describe itself: {_reason(e)}") from e
         return worker_convert.info_from_proto(reply)
 
-    def step(self, batch: StepBatch, traceparents: Mapping[str, str] = kv_convert.EMPTY) -> StepOutput:
+    def step(self, batch: StepBatch, traceparents: Mapping[str, str] = NO_TRACES) -> StepOutput:
         request = worker_convert.batch_to_proto(batch, traceparents)
 
         def on_retry(e, _backoff_s):
@@ -120,13 +147,18 @@ class WorkerClient(_ServiceClient):
                         self.address, e.code().name)
 
         # No backoff: wait_for_ready holds the next try until the worker is reachable again.
-        reply = call_with_retries(lambda: self._step_once(request), retry_on=RETRY_STEP,
-                                  retry_for_s=self.retry_for_s, first_backoff_s=0.0, stopping=self.stopping,
-                                  on_retry=on_retry)
+        try:
+            reply = call_with_retries(lambda: self._step_once(request), retry_on=RETRY_STEP,
+                                      retry_for_s=self.retry_for_s, first_backoff_s=0.0, stopping=self.stopping,
+                                      on_retry=on_retry)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # a new epoch: the worker restarted
+                raise WorkerRestarted(f"worker {self.address} restarted: {e.details()}") from e
+            raise WorkerUnavailable(f"worker {self.address} step failed: {_reason(e)}") from e
         return worker_convert.output_from_proto(reply)
 
     def _step_once(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
-        """One try of a Step, which ends CANCELLED once stopping is set and cancel_step() is called: a try
+        """One try of a Step, which ends CANCELLED once interrupt() is called: a try
         waiting for a worker that is gone would otherwise hold the gateway's stop for timeout_s."""
         call = self.stub.Step.future(request, timeout=self.timeout_s, wait_for_ready=True)
         with self._lock:
@@ -141,14 +173,10 @@ class WorkerClient(_ServiceClient):
             with self._lock:
                 self._step_call = None
 
-    def cancel_step(self) -> None:
-        """Cancels the Step in flight, if any (the caller set stopping first, so that no later try waits)."""
+    def interrupt(self) -> None:
+        """Steps fail instead of waiting from now on, and the Step in flight, if any, is cancelled."""
+        self.stopping.set()
         with self._lock:
             call = self._step_call
         if call is not None:
             call.cancel()
-
-
-def pool_spec(info: WorkerInfo) -> PoolSpec:
-    return PoolSpec(info.worker_id, info.epoch, info.num_pages, info.page_size, info.model_fingerprint,
-                    info.kv_dtype, info.bytes_per_token)

@@ -1,0 +1,116 @@
+"""In-process backends for the gateway core (services/gateway/backends.py), for engine tests without gRPC:
+
+- InProcessKVManager: the real kvmanager domain (KVManager) called directly, with a switch that makes it
+  unreachable (every call raises KVManagerUnavailable, as the gRPC client does once its retries run out).
+- PagedRuleWorker: a worker whose "model" is a rule over the KV cache it reads. Its cache holds the token id
+  written at each slot; the token sampled after positions [0, n) is next_token() of the n token ids found
+  in the request's page_table slots. A wrong page table, a stale prefix hit or a page written by another
+  request changes what it answers, so the tokens are right only if the engine's pages are.
+"""
+
+from __future__ import annotations
+
+from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
+from kvserve.common.wire.worker import SampledToken, StepBatch, StepOutput, WorkerInfo
+from kvserve.kvmanager import placement
+from kvserve.kvmanager.manager import KVManager
+from kvserve.services.gateway.backends import NO_TRACES
+from kvserve.services.gateway.errors import KVManagerUnavailable, WorkerRestarted
+from kvserve.worker.validate import validate_batch
+
+EOS = 250  # one of the ids the rule samples: a request ends there unless it ignores EOS
+
+
+def next_token(context: list[int]) -> int:
+    """The rule model: a token id in [200, 700) that depends on every token of the context and its length."""
+    return 200 + (sum(t * (i + 1) for i, t in enumerate(context)) + len(context)) % 500
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    """What a request must generate: the rule applied to the true sequence, one token at a time."""
+    seq, out = list(prompt), []
+    for _ in range(max_tokens):
+        out.append(next_token(seq))
+        seq.append(out[-1])
+    return out
+
+
+class InProcessKVManager:
+    def __init__(self):
+        self.mgr = KVManager()
+        self.reachable = True
+        self.num_calls = 0
+
+    def _check(self) -> None:
+        if not self.reachable:
+            raise KVManagerUnavailable("kvmanager call failed: UNAVAILABLE: unreachable (the test cut it off)")
+
+    def register(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
+        self._check()
+        return self.mgr.register_worker(spec, release_requests)
+
+    def step_pages(self, ops: StepOps, traceparents=NO_TRACES) -> StepResults:
+        self._check()
+        self.num_calls += 1
+        return self.mgr.step(ops)
+
+    def place(self, tenant, token_ids, num_queued) -> str:
+        self._check()
+        return placement.place(self.mgr, tenant, tuple(token_ids), num_queued).worker_id
+
+    def interrupt(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PagedRuleWorker:
+    address = "in-process"
+
+    def __init__(self, worker_id: str = "w0", num_pages: int = 32, page_size: int = 4, max_model_len: int = 256):
+        self.worker_id, self.num_pages, self.page_size = worker_id, num_pages, page_size
+        self.max_model_len = max_model_len
+        self.epoch = 1
+        self.slots: dict[int, int] = {}  # page_id * page_size + offset -> the token id written there
+        self.restart_before_step: int | None = None  # restarts (new epoch, empty cache) before that step
+        self.num_steps = 0
+
+    @property
+    def info_now(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, self.epoch, "rule", "fingerprint", self.page_size, self.num_pages,
+                          "float32", 16, 16 * self.page_size * self.num_pages, 1, 1, 1, 8, 49152,
+                          self.max_model_len, (EOS,), "cpu", "rule")
+
+    def info(self, wait_s: float = 60.0) -> WorkerInfo:
+        return self.info_now
+
+    def restart(self) -> None:
+        self.epoch += 1
+        self.slots.clear()
+
+    def step(self, batch: StepBatch, traceparents=NO_TRACES) -> StepOutput:
+        self.num_steps += 1
+        if self.restart_before_step == self.num_steps:
+            self.restart()
+        if batch.epoch and batch.epoch != self.epoch:
+            raise WorkerRestarted(f"worker {self.worker_id} restarted: epoch {batch.epoch} is not {self.epoch}")
+        validate_batch(batch, vocab_size=49152, num_pages=self.num_pages, page_size=self.page_size,
+                       max_model_len=self.max_model_len, max_step_tokens=4096)
+        sampled = []
+        for item in batch.items:
+            for offset, token in enumerate(item.token_ids):
+                self.slots[self._slot(item.page_table, item.start_pos + offset)] = token
+            if item.sample:
+                context = [self.slots.get(self._slot(item.page_table, p), -1) for p in range(item.end_pos)]
+                sampled.append(SampledToken(item.req_id, next_token(context), -0.5))
+        return StepOutput(sampled, sum(len(i.token_ids) for i in batch.items), 0.1)
+
+    def _slot(self, page_table, position: int) -> int:
+        return page_table[position // self.page_size] * self.page_size + position % self.page_size
+
+    def interrupt(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
