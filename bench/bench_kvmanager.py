@@ -66,6 +66,7 @@ import grpc  # noqa: E402
 import numpy as np
 from results_io import write_results
 
+from kvserve.common.convert.pages import step_to_request_proto
 from kvserve.common.wire.pages import (
     Allocate,
     AllocateResult,
@@ -82,7 +83,6 @@ from kvserve.common.wire.pages import (
     StepResults,
 )
 from kvserve.common.wire.worker import SampledToken
-from kvserve.kvmanager.convert import step_to_request_proto
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
@@ -214,10 +214,10 @@ class Workload:
                 tenant, prefix = self.prefixes[self.hit_turn % len(self.prefixes)]
                 self.hit_turn += 1
                 tokens = prefix + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS)
-                out.append((Allocate(req_id, tenant, tokens), True))
+                out.append((Allocate(req_id, tenant, tokens, SPEC.worker_id), True))
             else:
                 tenant = TENANTS[int(self.rng.integers(len(TENANTS)))]
-                out.append((Allocate(req_id, tenant, self._tokens(PROMPT_TOKENS)), False))
+                out.append((Allocate(req_id, tenant, self._tokens(PROMPT_TOKENS), SPEC.worker_id), False))
         return out
 
     def _admit(self, kind: str | None, new: list[tuple[Allocate, bool]], **other) -> list[Running]:
@@ -261,7 +261,7 @@ class Workload:
     # -- scenarios: setup (untimed) and one round's calls --------------------------------------------------
     def setup(self) -> None:
         # An earlier request of each tenant commits each shared prefix.
-        seeds = [(Allocate(f"seed-{i}", t, p + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS)), False)
+        seeds = [(Allocate(f"seed-{i}", t, p + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS), SPEC.worker_id), False)
                  for i, (t, p) in enumerate(self.prefixes)]
         runs = self._admit(None, seeds)
         self._apply(None, commits=tuple(self._prompt_commit(r) for r in runs))

@@ -254,7 +254,7 @@ def _pools_in_scope(mgr: KVManager, worker_id: str) -> list[PagePool]:
 def _prefix_blocks(mgr: KVManager, pool: PagePool, tenant: str, token_ids: tuple[int, ...]) -> list[Block]:
     """The cached blocks of the longest prefix of ``token_ids``' full pages (uncapped), read only."""
     ps = pool.spec.page_size
-    return pool.longest_prefix(iter_chain_hashes(mgr.seed_for(pool, tenant), token_ids, ps))
+    return pool.longest_prefix(iter_chain_hashes(pool.seed_for(tenant), token_ids, ps))
 
 
 def probe(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str = "") -> ProbeResult:

@@ -30,8 +30,8 @@ from kvserve.common.wire.pages import (
     StepResults,
 )
 from kvserve.kvmanager.errors import UnknownRequest, UnknownWorker
-from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
-from kvserve.kvmanager.placement import choose_pool
+from kvserve.kvmanager.hashing import chain_hashes
+from kvserve.kvmanager.placement import Placement, fit, place
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import Changes, Request, TenantCounters
 from kvserve.kvmanager.step_validate import validate_step
@@ -194,11 +194,11 @@ class KVManager:
 
     # -- ops ------------------------------------------------------------------------------------------
     def _allocate(self, op: Allocate, touched: set[str]) -> AllocateResult:
-        choice = choose_pool(self, op)
-        if choice.pool is None:
-            return AllocateResult(op.req_id, OpStatus.OUT_OF_PAGES, num_pages_short=choice.num_pages_short)
-        pool, hits, seed = choice.pool, choice.hits, choice.seed
-        spec = pool.spec
+        pool = self.pools[op.worker_id]
+        chosen = fit(pool, op)
+        if chosen.num_pages_short:
+            return AllocateResult(op.req_id, OpStatus.OUT_OF_PAGES, num_pages_short=chosen.num_pages_short)
+        hits, seed, spec = chosen.hits, pool.seed_for(op.tenant), pool.spec
         self.stale.pop(op.req_id, None)  # a re-queued request may reuse the id of its dropped incarnation
         hit_pages = [b.page_id for b in hits]
         pool.acquire(hit_pages)
@@ -294,11 +294,13 @@ class KVManager:
             for block in blocks:
                 touched[(worker_id, block.block_hash)] = block.tenant
 
-    # -- helpers for placement, admin and the store -----------------------------------------------------
-    def seed_for(self, pool: PagePool, tenant: str) -> bytes:
-        s = pool.spec
-        return namespace_seed(tenant, s.model_fingerprint, s.kv_dtype, s.page_size)
+    # -- placement ------------------------------------------------------------------------------------
+    def place(self, tenant: str, token_ids: tuple[int, ...], num_queued: dict[str, int]) -> Placement:
+        """Where a new request should be queued (placement.py's rule), with the caller's queued requests counted
+        as load. No side effect. Raises InvalidRequest, UnknownWorker."""
+        return place(self.pools, tenant, token_ids, num_queued, self.load_penalty_pages)
 
+    # -- helpers for the store ------------------------------------------------------------------------
     def take_changes(self) -> Changes:
         changes, self.changes = self.changes, Changes()
         return changes

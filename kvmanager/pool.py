@@ -17,6 +17,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from kvserve.common.wire.pages import PoolSpec
+from kvserve.kvmanager.hashing import namespace_seed
 
 
 @dataclass(slots=True)
@@ -60,6 +61,11 @@ class PagePool:
     def num_cached(self) -> int:
         """Pages with ref_cnt 0 that hold a block (evictable, or pinned)."""
         return sum(1 for p, b in enumerate(self.block_of) if b is not None and self.ref_cnt[p] == 0)
+
+    def seed_for(self, tenant: str) -> bytes:
+        """h_0 of the tenant's prefix chains on this pool (hashing.py)."""
+        s = self.spec
+        return namespace_seed(tenant, s.model_fingerprint, s.kv_dtype, s.page_size)
 
     def available(self, hit_pages: list[int] = ()) -> int:
         """Pages an allocation could take, not counting cached pages it is about to reuse."""

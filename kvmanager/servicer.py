@@ -11,9 +11,10 @@ from kvserve.common.convert import pages as page_cv
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.grpc_server import aborts_on_domain_errors
 from kvserve.common.telemetry import tracer
-from kvserve.kvmanager import admin, placement
+from kvserve.kvmanager import admin
 from kvserve.kvmanager import convert as cv
 from kvserve.kvmanager.errors import TextUnsupported
+from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.spans import record_op_spans
 from kvserve.v1 import kvmanager_pb2 as pb
@@ -52,7 +53,7 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
     @aborts_on_domain_errors
     def Place(self, request, context):
         token_ids = page_cv.unpack_token_ids("place", request.packed_token_ids)
-        result = self.service.read(placement.place, request.tenant, token_ids, dict(request.num_queued))
+        result = self.service.read(KVManager.place, request.tenant, token_ids, dict(request.num_queued))
         return pb.PlaceResponse(worker_id=result.worker_id, num_hit_tokens=result.num_hit_tokens)
 
 

@@ -8,7 +8,7 @@ from kvserve.common.errors import InvalidRequest
 from kvserve.common.pages import num_pages_for
 from kvserve.common.tokens import check_token_ids
 from kvserve.common.wire.pages import Allocate, Commit, Extend, StepOps
-from kvserve.kvmanager.errors import StaleStep, UnknownRequest, UnknownWorker
+from kvserve.kvmanager.errors import StaleStep, UnknownRequest
 from kvserve.kvmanager.state import Request
 
 if TYPE_CHECKING:
@@ -85,14 +85,11 @@ def _check_allocate(mgr: KVManager, a: Allocate, step_id: int) -> None:
     live = mgr.requests.get(a.req_id)
     if live is not None and not live.is_replay("allocate", step_id):
         raise InvalidRequest(f"{where}: req_id is already live")
-    if a.worker_id:
-        pools = [mgr.pool(a.worker_id)]
-    elif not mgr.pools:
-        raise UnknownWorker("no worker is registered: nothing to allocate on")
-    else:
-        pools = list(mgr.pools.values())
-    if all(num_pages_for(len(a.token_ids), p.spec.page_size) > p.spec.num_pages for p in pools):
-        raise InvalidRequest(f"{where}: {len(a.token_ids)} tokens need more pages than any pool has")
+    if not a.worker_id:
+        raise InvalidRequest(f"{where}: worker_id must name the worker to allocate on (Place chooses it)")
+    pool = mgr.pool(a.worker_id)
+    if num_pages_for(len(a.token_ids), pool.spec.page_size) > pool.spec.num_pages:
+        raise InvalidRequest(f"{where}: {len(a.token_ids)} tokens need more pages than pool {a.worker_id!r} has")
 
 
 def _check_extend(mgr: KVManager, e: Extend, step_id: int) -> None:
@@ -114,7 +111,8 @@ def _check_commit(mgr: KVManager, c: Commit, step_id: int) -> None:
             return  # a retried call whose first attempt committed this request's last pages, then freed it
     req = _live_or_stale(mgr, c.req_id)
     _check_not_stale(mgr, c.req_id, "commit", step_id)
-    check_token_ids(where, c.token_ids)
+    if c.token_ids:  # an empty commit commits nothing, harmlessly
+        check_token_ids(where, c.token_ids)
     if c.req_id in mgr.stale or req.is_replay("commit", step_id):
         return
     page_size = mgr.pools[req.worker_id].spec.page_size

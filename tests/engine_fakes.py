@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
 from kvserve.common.wire.worker import SampledToken, StepBatch, StepOutput, WorkerInfo
-from kvserve.kvmanager import placement
 from kvserve.kvmanager.manager import KVManager
 from kvserve.services.gateway.backends import NO_TRACES
 from kvserve.services.gateway.errors import KVManagerUnavailable, WorkerRestarted
@@ -56,7 +55,7 @@ class InProcessKVManager:
 
     def place(self, tenant, token_ids, num_queued) -> str:
         self._check()
-        return placement.place(self.mgr, tenant, tuple(token_ids), num_queued).worker_id
+        return self.mgr.place(tenant, tuple(token_ids), num_queued).worker_id
 
     def interrupt(self) -> None:
         pass

@@ -104,7 +104,7 @@ class Soak:
             prompt += [rng.randrange(1000) for _ in range(rng.randrange(1, 7))]
             req_id = f"r{self.num_allocated}"
             self.num_allocated += 1
-            allocations.append(Allocate(req_id, tenant, tuple(prompt)))
+            allocations.append(Allocate(req_id, tenant, tuple(prompt), SOAK_SPEC.worker_id))
         self.pending = (decode, {a.req_id: list(a.token_ids) for a in allocations}, commits)
         return StepOps(step_id, tuple(allocations), tuple(extensions), tuple(commits), tuple(Free(r) for r in frees))
 

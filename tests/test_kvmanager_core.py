@@ -9,7 +9,7 @@ from kvserve.common.wire.pages import Allocate, Commit, Extend, Free, OpStatus, 
 from kvserve.kvmanager.errors import StaleStep, UnknownRequest, UnknownWorker
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.placement import Placement, place
+from kvserve.kvmanager.placement import Placement
 
 PS = 4  # page size
 
@@ -25,7 +25,7 @@ def mgr_with(*specs) -> KVManager:
     return m
 
 
-def alloc(m, req_id, tokens, tenant="t", worker="", step=0):
+def alloc(m, req_id, tokens, tenant="t", worker="w0", step=0):
     return m.step(StepOps(step, allocations=(Allocate(req_id, tenant, tuple(tokens), worker),))).allocations[0]
 
 
@@ -156,14 +156,14 @@ def test_extend_appends_pages():
 def test_step_applies_frees_before_allocations():
     m = mgr_with(spec(num_pages=2))
     alloc(m, "a", range(8))
-    out = m.step(StepOps(frees=(Free("a"),), allocations=(Allocate("b", "t", tuple(range(8))),)))
+    out = m.step(StepOps(frees=(Free("a"),), allocations=(Allocate("b", "t", tuple(range(8)), "w0"),)))
     assert out.allocations[0].status == OpStatus.OK and out.allocations[0].page_table == [1, 0]  # freed tail first
     assert out.pools[0].num_free_pages == 0
 
 
 def test_retried_call_with_same_step_id_is_not_applied_twice():
     m = mgr_with()
-    ops = StepOps(7, allocations=(Allocate("a", "t", tuple(range(6))),))
+    ops = StepOps(7, allocations=(Allocate("a", "t", tuple(range(6)), "w0"),))
     first = m.step(ops)
     again = m.step(ops)
     assert again.allocations[0] == first.allocations[0] and ref_cnts(m)[:3] == [1, 1, 0]
@@ -178,13 +178,13 @@ def test_an_allocation_older_than_the_call_that_freed_its_request_is_stale_not_a
     """A gateway gave up on call 7 (admitting "a") and freed "a" in call 8; an attempt of call 7 still queued
     in the kvmanager must not allocate "a" again: nobody would ever free it."""
     m = mgr_with()
-    admit = StepOps(7, allocations=(Allocate("a", "t", tuple(range(6))),))
+    admit = StepOps(7, allocations=(Allocate("a", "t", tuple(range(6)), "w0"),))
     m.step(admit)
     m.step(StepOps(8, frees=(Free("a"),)))
     with pytest.raises(StaleStep, match="older than step 8, which freed it"):
         m.step(admit)
     assert "a" not in m.requests and ref_cnts(m)[:3] == [0, 0, 0]
-    again = m.step(StepOps(9, allocations=(Allocate("a", "t", tuple(range(6))),)))  # a newer call may reuse it
+    again = m.step(StepOps(9, allocations=(Allocate("a", "t", tuple(range(6)), "w0"),)))  # a newer call may reuse it
     assert again.allocations[0].status is OpStatus.OK and "a" in m.requests
 
 
@@ -243,15 +243,28 @@ def test_a_starting_scheduler_releases_what_a_dead_one_left_and_the_cache_stays(
 def test_placement_prefers_the_longest_hit_balanced_against_load():
     m = mgr_with(spec("w0"), spec("w1"))
     prompt = list(range(13))
-    assert alloc(m, "a", prompt).worker_id == "w0"  # tie: smallest worker_id
+
+    def placed(req_id, tokens):  # as the gateway does it: Place, then the allocation names that worker
+        return alloc(m, req_id, tokens, worker=m.place("t", tuple(tokens), {}).worker_id)
+
+    assert placed("a", prompt).worker_id == "w0"  # tie: smallest worker_id
     commit(m, "a", 0, prompt[:12])
-    assert alloc(m, "x", range(50, 53)).worker_id == "w1"  # no hit: the less loaded pool
-    alloc(m, "y", range(60, 63), worker="w0")  # named worker: not placed
-    r = alloc(m, "b", prompt)  # 3-page hit on w0 (2 running) vs none on w1 (1 running): 3 - 8 < 0 - 4
+    assert placed("x", range(50, 53)).worker_id == "w1"  # no hit: the less loaded pool
+    alloc(m, "y", range(60, 63), worker="w0")
+    r = placed("b", prompt)  # 3-page hit on w0 (2 running) vs none on w1 (1 running): 3 - 8 < 0 - 4
     assert r.worker_id == "w1" and r.num_cached_tokens == 0
     m.load_penalty_pages = 1  # now 3 - 2 > 0 - 2 (b runs on w1): the hit wins
-    r = alloc(m, "c", prompt)
+    r = placed("c", prompt)
     assert r.worker_id == "w0" and r.num_cached_tokens == 12
+
+
+def test_an_allocation_names_its_worker_and_is_only_tried_there():
+    m = mgr_with(spec("w0", num_pages=2), spec("w1"))
+    with pytest.raises(InvalidRequest, match="worker_id must name the worker"):
+        m.step(StepOps(allocations=(Allocate("a", "t", (1, 2, 3)),)))
+    alloc(m, "a", range(8), worker="w0")  # w0 is full now, w1 empty
+    r = alloc(m, "b", range(8), worker="w0")
+    assert r.status is OpStatus.OUT_OF_PAGES and r.num_pages_short == 2  # not moved to w1
 
 
 
@@ -262,22 +275,23 @@ def test_place_answers_like_allocation_would_counting_queued_requests_without_si
     commit(m, "a", 0, prompt[:12])
     free(m, "a")
     lru_before, counters_before = list(m.pools["w1"].evictable), dict(m.tenants)
-    assert place(m, "t", tuple(prompt), {}) == Placement("w1", 12)  # the 3-page hit
-    assert place(m, "u", tuple(prompt), {}) == Placement("w0", 0)  # another tenant: no hit, tie -> w0
-    assert place(m, "t", tuple(prompt), {"w1": 1}) == Placement("w0", 0)  # 3 - 4 * 1 < 0
+    assert m.place("t", tuple(prompt), {}) == Placement("w1", 12)  # the 3-page hit
+    assert m.place("u", tuple(prompt), {}) == Placement("w0", 0)  # another tenant: no hit, tie -> w0
+    assert m.place("t", tuple(prompt), {"w1": 1}) == Placement("w0", 0)  # 3 - 4 * 1 < 0
     assert list(m.pools["w1"].evictable) == lru_before and m.tenants == counters_before
     with pytest.raises(InvalidRequest, match="tenant must not be empty"):
-        place(m, "", (1,), {})
+        m.place("", (1,), {})
     with pytest.raises(UnknownWorker, match="no worker is registered"):
-        place(KVManager(), "t", (1,), {})
+        KVManager().place("t", (1,), {})
 
 BAD = [
-    (StepOps(allocations=(Allocate("a", "", (1,)),)), InvalidRequest, "tenant must not be empty"),
-    (StepOps(allocations=(Allocate("a", "t", ()),)), InvalidRequest, "token_ids must not be empty"),
-    (StepOps(allocations=(Allocate("a", "t", (-1,)),)), InvalidRequest, "token id -1 is not a uint32"),
+    (StepOps(allocations=(Allocate("a", "", (1,), "w0"),)), InvalidRequest, "tenant must not be empty"),
+    (StepOps(allocations=(Allocate("a", "t", (), "w0"),)), InvalidRequest, "token_ids must not be empty"),
+    (StepOps(allocations=(Allocate("a", "t", (-1,), "w0"),)), InvalidRequest, "token id -1 is not a uint32"),
     (StepOps(allocations=(Allocate("a", "t", (1,), "nope"),)), UnknownWorker, "no pool is registered"),
-    (StepOps(allocations=(Allocate("a", "t", tuple(range(40))),)), InvalidRequest, "more pages than any pool"),
-    (StepOps(allocations=(Allocate("live", "t", (1,)),)), InvalidRequest, "already live"),
+    (StepOps(allocations=(Allocate("a", "t", tuple(range(40)), "w0"),)), InvalidRequest,
+     "more pages than pool 'w0' has"),
+    (StepOps(allocations=(Allocate("live", "t", (1,), "w0"),)), InvalidRequest, "already live"),
     (StepOps(extensions=(Extend("ghost", 4),)), UnknownRequest, "'ghost' is not live"),
     (StepOps(extensions=(Extend("live", -4),)), InvalidRequest, "num_tokens must be > 0"),
     (StepOps(extensions=(Extend("live", 10**6),)), InvalidRequest, "exceeds the pool"),
@@ -311,5 +325,5 @@ def test_bad_registration():
         m.register_worker(spec(num_pages=0))
     with pytest.raises(InvalidRequest, match="worker_id must not be empty"):
         m.register_worker(spec(worker=""))
-    with pytest.raises(UnknownWorker, match="no worker is registered"):
+    with pytest.raises(UnknownWorker, match="no pool is registered for worker .w0."):
         alloc(m, "a", [1])

@@ -11,9 +11,9 @@ import grpc
 import pytest
 from test_kvmanager_cli import kvmanager_process, stop_cleanly
 
+from kvserve.common.convert.pages import step_from_proto
 from kvserve.common.tokens import le_uint32
 from kvserve.common.wire.pages import PoolSpec
-from kvserve.kvmanager.convert import step_from_proto
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.redis_server import EmbeddedRedis
 from kvserve.v1 import kvmanager_pb2 as pb
@@ -37,7 +37,8 @@ def workload() -> list[pb.StepPagesRequest]:
         tenant = "A" if i % 2 == 0 else "B"
         prompt = SYSTEM + [i, i + 1, i + 2]
         computed[req_id] = prompt
-        call(allocations=[pb.PageAllocation(req_id=req_id, tenant=tenant, packed_token_ids=le_uint32(prompt))])
+        call(allocations=[pb.PageAllocation(req_id=req_id, tenant=tenant, worker_id="w0",
+                                            packed_token_ids=le_uint32(prompt))])
         call(commits=[pb.PageCommit(req_id=req_id, start_pos=0, packed_token_ids=le_uint32(prompt[:12]),
                                     num_computed_tokens=15)]
              if i < 2 else [])  # the first of each tenant computes the prefix; later ones hit it
@@ -117,7 +118,8 @@ def test_kill9_mid_traffic_then_restart_recovers_every_page(tmp_path, persistenc
                 stub.StepPages(s, timeout=10)
             assert observed_view(admin, metadata) == expected_view(replay(steps))
             late = stub.StepPages(pb.StepPagesRequest(step_id=len(steps) + 1, allocations=[
-                pb.PageAllocation(req_id="late", tenant="A", packed_token_ids=le_uint32(SYSTEM + [9]))]), timeout=10)
+                pb.PageAllocation(req_id="late", tenant="A", worker_id="w0",
+                                  packed_token_ids=le_uint32(SYSTEM + [9]))]), timeout=10)
             assert late.allocation_results[0].num_cached_tokens == 12  # the index survived the kill
             live = [r for r in REQ_IDS + ["late"] if r in observed_view(admin, metadata)["tables"]] + ["late"]
             stub.StepPages(pb.StepPagesRequest(step_id=len(steps) + 2,

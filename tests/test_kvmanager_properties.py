@@ -26,6 +26,7 @@ from kvserve.common.wire.pages import Allocate, Commit, Extend, Free, OpStatus, 
 from kvserve.kvmanager.errors import UnknownTenant
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
 from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.placement import Placement
 
 try:
     from kvserve.kvmanager.invariants import check_invariants
@@ -123,6 +124,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.pending: dict[str, list[int]] = {}  # req_id -> its tokens once the extension in flight succeeds
         self.num_ids = self.num_steps = 0
         self.last = None  # (ops, results, snapshot after) of the latest call with a step_id
+        self.num_calls = 0
+        self.last_touch: dict[str, int] = {}  # req_id -> the latest call (or forget) that changed it
 
     # -- plain actions (the fixed-bug repros call these directly) -----------------------------------------------
     def setup(self, sizes):
@@ -158,6 +161,9 @@ class KVManagerMachine(RuleBasedStateMachine):
         for a, r in zip(ops.allocations, res.allocations, strict=True):
             self.absorb_allocate(a, r, pre)
         self.pending.clear()
+        self.num_calls += 1
+        for op in (*ops.allocations, *ops.extensions, *ops.commits, *ops.frees):
+            self.last_touch[op.req_id] = self.num_calls
         self.last = (ops, copy.deepcopy(res), snapshot(self.mgr, volatile=False)) if ops.step_id else None
         self.check_all()  # after every call, also inside rules that make several
         return res
@@ -232,7 +238,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         if r.status is SHORT:
             assert r.num_pages_short > 0 and not r.page_table and a.req_id not in self.mgr.requests
             return
-        assert r.status is OK and r.worker_id in WORKERS and (r.worker_id == a.worker_id or not a.worker_id)
+        assert r.status is OK and r.worker_id == a.worker_id
         w, e, pt = r.worker_id, self.epoch[r.worker_id], r.page_table
         assert r.epoch == e, "an allocation named a dead epoch"
         assert len(pt) == pages_for(len(a.token_ids)) and len(set(pt)) == len(pt)
@@ -263,27 +269,30 @@ class KVManagerMachine(RuleBasedStateMachine):
             out[w] = Pre(list(pool.free), list(pool.evictable), blocks, pool.num_requests)
         return out
 
+    @staticmethod
+    def model_hits(p: Pre, tenant: str, token_ids: tuple[int, ...], skip: bool = False) -> list[int]:
+        """The pages of the longest indexed prefix of the prompt's cacheable pages, from the model's index."""
+        hits = []
+        for i in range(0 if skip else (len(token_ids) - 1) // PS):
+            page_id = p.blocks.get((tenant, token_ids[: (i + 1) * PS]))
+            if page_id is None:
+                break
+            hits.append(page_id)
+        return hits
+
+    @staticmethod
+    def model_available(p: Pre, hits: list[int]) -> int:
+        return len(p.free) + len(p.evictable) - sum(1 for h in hits if h in p.evictable)
+
     def check_placement(self, a: Allocate, r, pre: dict[str, Pre]) -> None:
-        """Single allocation: the longest indexed prefix, the documented placement rule, exact fresh pages."""
-        shorts, keys = {}, {}
-        for w in [a.worker_id] if a.worker_id else sorted(pre):
-            p = pre[w]
-            p.hits = []
-            for i in range(0 if a.skip_prefix_cache else (len(a.token_ids) - 1) // PS):
-                page_id = p.blocks.get((a.tenant, a.token_ids[: (i + 1) * PS]))
-                if page_id is None:
-                    break
-                p.hits.append(page_id)
-            avail = len(p.free) + len(p.evictable) - sum(1 for h in p.hits if h in p.evictable)
-            shorts[w] = pages_for(len(a.token_ids)) - len(p.hits) - avail
-            if shorts[w] <= 0:
-                keys[w] = (len(p.hits) - self.mgr.load_penalty_pages * p.num_requests, avail)
-        if not keys:
-            assert r.status is SHORT and r.num_pages_short == min(shorts.values()), (r, shorts)
+        """Single allocation, on the pool it names: the longest indexed prefix, exact fresh pages, or exactly how
+        many pages it is short."""
+        p = pre[a.worker_id]
+        p.hits = self.model_hits(p, a.tenant, a.token_ids, a.skip_prefix_cache)
+        short = pages_for(len(a.token_ids)) - len(p.hits) - self.model_available(p, p.hits)
+        if short > 0:
+            assert r.status is SHORT and r.num_pages_short == short, (r, short)
             return
-        best = max(keys.values())
-        assert r.status is OK and r.worker_id == min(w for w, key in keys.items() if key == best), (r, keys)
-        p = pre[r.worker_id]
         fresh = (p.free + [e for e in p.evictable if e not in p.hits])[: len(r.page_table) - len(p.hits)]
         assert r.page_table == p.hits + fresh and r.num_cached_tokens == len(p.hits) * PS, (r, p)
 
@@ -370,7 +379,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             reuse = sorted(self.gone - set(self.live))
             req_id = data.draw(st.sampled_from(reuse)) if reuse and data.draw(st.integers(0, 4)) == 0 else None
         tenant = data.draw(st.sampled_from(TENANTS[:1] * 3 + TENANTS))  # mostly one tenant: more hits
-        worker = data.draw(st.sampled_from(("", "") + WORKERS[:1] * 3 + WORKERS))
+        worker = data.draw(st.sampled_from(WORKERS[:1] * 3 + WORKERS))
         return Allocate(req_id or self.new_id(), tenant, prompt or self.draw_prompt(data), worker,
                         data.draw(st.integers(0, 4)) == 0)
 
@@ -404,12 +413,12 @@ class KVManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.reuse_stale_ids and self.stale)
     @rule(data=st.data())
     def allocate_stale_id(self, data):
+        """A request whose pages were dropped with their epoch is recomputed under its req_id, as the gateway
+        re-queues it: the allocation is accepted (a newer call than any that touched it), and once it gets
+        pages the stale record is gone; an allocation short of pages leaves it stale."""
         op = self.alloc_op(data, data.draw(st.sampled_from(sorted(self.stale))))
-        before = snapshot(self.mgr)
-        try:
-            self.call(StepOps(self.next_step(data), allocations=(op,)))
-        except DomainError:  # refusing a still-stale req_id is fine, if nothing changed
-            assert snapshot(self.mgr) == before
+        r = self.call(StepOps(self.next_step(data), allocations=(op,))).allocations[0]
+        assert r.status in (OK, SHORT) and (op.req_id in self.mgr.stale) is (r.status is SHORT)
 
     @precondition(lambda self: any(p.num_evictable for p in self.mgr.pools.values()))
     @rule(data=st.data())
@@ -499,7 +508,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         ops, res, _ = self.last
         stale_free = any(r.status is STALE for r in res.frees)
         pairs = list(zip(ops.allocations, res.allocations, strict=True))
-        short_before_ok = any(r.status is SHORT and any(r2.status is OK and a.worker_id in ("", r2.worker_id)
+        short_before_ok = any(r.status is SHORT and any(r2.status is OK and a.worker_id == r2.worker_id
                                                         for _, r2 in pairs[i + 1 :])
                               for i, (a, r) in enumerate(pairs))
         return (self.retry_stale_frees or not stale_free) and (self.retry_short_before_ok or not short_before_ok)
@@ -509,6 +518,25 @@ class KVManagerMachine(RuleBasedStateMachine):
     def retry_last_call(self):
         self.retry()
 
+    @precondition(lambda self: self.mgr.pools)
+    @rule(data=st.data())
+    def place(self, data):
+        """Place: the documented rule over every pool (longest hit, minus the load penalty per request running or
+        queued there, then the most available pages, then the smallest worker_id), and no side effect."""
+        tenant = data.draw(st.sampled_from(TENANTS))
+        prompt = self.draw_prompt(data)
+        queued = {w: data.draw(st.integers(0, 2)) for w in self.mgr.pools if data.draw(st.booleans())}
+        pre, before = self.pre_state(), snapshot(self.mgr)
+        keys, hits = {}, {}
+        for w, p in pre.items():
+            hits[w] = self.model_hits(p, tenant, prompt)
+            load = p.num_requests + queued.get(w, 0)
+            keys[w] = (len(hits[w]) - self.mgr.load_penalty_pages * load, self.model_available(p, hits[w]))
+        best = max(keys.values())
+        chosen = min(w for w, key in keys.items() if key == best)
+        assert self.mgr.place(tenant, prompt, queued) == Placement(chosen, len(hits[chosen]) * PS), keys
+        assert snapshot(self.mgr) == before
+
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def bad_call(self, data):
@@ -517,11 +545,12 @@ class KVManagerMachine(RuleBasedStateMachine):
         m, slots = self.live[rid], len(self.live[rid].page_table) * PS
         nc = m.num_committed
         bad = data.draw(st.sampled_from((
-            StepOps(allocations=(Allocate("x", "", (1,)),)),
+            StepOps(allocations=(Allocate("x", "", (1,), "w0"),)),
             StepOps(allocations=(Allocate("x", "A", (1,), "nope"),)),
-            StepOps(allocations=(Allocate("x", "A", (1 << 32,)),)),
-            StepOps(allocations=(Allocate("x", "A", tuple(range(60))),)),
-            StepOps(allocations=(Allocate(rid, "A", (1, 2)),)),
+            StepOps(allocations=(Allocate("x", "A", (1,)),)),
+            StepOps(allocations=(Allocate("x", "A", (1 << 32,), "w0"),)),
+            StepOps(allocations=(Allocate("x", "A", tuple(range(60)), "w0"),)),
+            StepOps(allocations=(Allocate(rid, "A", (1, 2), "w0"),)),
             StepOps(extensions=(Extend("ghost", 4),)),
             StepOps(extensions=(Extend(rid, 0),)),
             StepOps(extensions=(Extend(rid, 1000),)),
@@ -573,6 +602,9 @@ class KVManagerMachine(RuleBasedStateMachine):
         num_blocks = len(self.mgr.pools[w].index)
         on_w = sorted(rid for rid, m in self.live.items() if m.worker == w)
         res = self.forget(w)
+        self.num_calls += 1
+        for rid in on_w + [rid for rid, m in self.stale.items() if m.worker == w]:
+            self.last_touch[rid] = self.num_calls
         assert (res.num_dropped_requests, res.num_dropped_blocks) == (len(on_w), num_blocks)
         assert w not in self.mgr.pools
         for rid in on_w + [rid for rid, m in self.stale.items() if m.worker == w]:

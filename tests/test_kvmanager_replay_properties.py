@@ -10,6 +10,7 @@ each broke this equality."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -19,9 +20,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 from test_kvmanager_properties import KVManagerMachine, snapshot
 
-from kvserve.common.errors import DomainError
 from kvserve.common.wire.pages import StepOps
 from kvserve.kvmanager import admin
+from kvserve.kvmanager.errors import StaleStep, UnknownRequest
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
@@ -63,7 +64,8 @@ class ReplayMachine(KVManagerMachine):
         self.prefix = next(PREFIXES)
         self.store = LoggedStore(connect(REDIS["url"]), self.prefix, snapshot_every=1 << 30, background=False)
         self.mgr = LoggedManager(self.store)
-        self.settled: list[StepOps] = []  # calls of only frees and commits, with a step_id: retried later
+        self.settled: list[tuple[StepOps, object, int]] = []  # (call, its answer, num_calls after it): calls of
+        # only frees and commits, with a step_id, retried later
 
     def call(self, ops: StepOps):
         res = super().call(ops)
@@ -72,9 +74,9 @@ class ReplayMachine(KVManagerMachine):
             # request by (step_id 0 opts out of idempotency): no such call is retried. The gateway never does
             # either (fresh req_ids, a step_id on every call).
             again = {a.req_id for a in ops.allocations}
-            self.settled = [s for s in self.settled if not again & {o.req_id for o in (*s.commits, *s.frees)}]
+            self.settled = [s for s in self.settled if not again & {o.req_id for o in (*s[0].commits, *s[0].frees)}]
         if ops.step_id and not (ops.allocations or ops.extensions):
-            self.settled.append(ops)
+            self.settled.append((ops, copy.deepcopy(res), self.num_calls))
         return res
 
     @rule(forked=st.booleans())
@@ -95,13 +97,19 @@ class ReplayMachine(KVManagerMachine):
     @rule(data=st.data())
     def retry_an_earlier_call(self, data):
         """An earlier call of frees and commits again, after others, as a gateway retries one whose answer was
-        lost: answered from memory (nothing applied) or refused as stale (nothing applied), and logged again."""
-        ops = data.draw(st.sampled_from(self.settled))
+        lost, and logged again. Nothing is applied either way. When no later call (nor a forget) changed any of
+        its requests, it is answered from memory, with its first answers; otherwise it is refused: as stale
+        (StaleStep) when one of its requests has had a newer op, as unknown (UnknownRequest) when a commit's
+        request has since been freed."""
+        ops, first, num_calls = data.draw(st.sampled_from(self.settled))
+        changed = [o.req_id for o in (*ops.commits, *ops.frees) if self.last_touch.get(o.req_id, 0) > num_calls]
         before = snapshot(self.mgr, volatile=False)
-        try:
-            self.mgr.step(ops)
-        except DomainError:
-            pass
+        if not changed:
+            again = self.mgr.step(ops)
+            assert (again.commits, again.frees) == (first.commits, first.frees)
+        else:
+            with pytest.raises((StaleStep, UnknownRequest)):
+                self.mgr.step(ops)
         assert snapshot(self.mgr, volatile=False) == before
 
     @rule(data=st.data())

@@ -70,7 +70,7 @@ class KV:
                                                        extensions=extensions, commits=commits, frees=frees),
                                    timeout=10)
 
-    def alloc(self, req_id, tokens, tenant="A", worker="", step_id=0):
+    def alloc(self, req_id, tokens, tenant="A", worker="w0", step_id=0):
         op = pb.PageAllocation(req_id=req_id, tenant=tenant, packed_token_ids=le_uint32(tokens), worker_id=worker)
         return self.step(step_id, allocations=[op]).allocation_results[0]
 
@@ -122,7 +122,8 @@ def test_register_and_step_round_trip_with_exact_pages(kv):
     a = kv.alloc("a", P1 + [7])  # 13 tokens -> 4 pages
     assert (a.status, list(a.page_table), a.num_cached_tokens, a.worker_id, a.epoch) == (OK, [0, 1, 2, 3], 0, "w0", 1)
     assert kv.commit("a", 0, P1).num_committed_tokens == 12
-    out = kv.step(allocations=[pb.PageAllocation(req_id="b", tenant="A", packed_token_ids=le_uint32(P1))],
+    out = kv.step(allocations=[pb.PageAllocation(req_id="b", tenant="A", worker_id="w0",
+                                                 packed_token_ids=le_uint32(P1))],
                   extensions=[pb.PageExtension(req_id="a", num_tokens=17)])
     b, ext = out.allocation_results[0], out.extension_results[0]
     assert list(b.page_table) == [0, 1, 5] and b.num_cached_tokens == 8  # capped: the last token is computed
@@ -169,7 +170,7 @@ def test_epoch_fencing(kv):
     assert kv.register(epoch=2).previous_epoch == 2  # the same registration again is idempotent
 
 
-def _alloc(req_id, tokens, tenant="A", worker=""):
+def _alloc(req_id, tokens, tenant="A", worker="w0"):
     return pb.PageAllocation(req_id=req_id, tenant=tenant, packed_token_ids=le_uint32(tokens), worker_id=worker)
 
 
@@ -184,7 +185,7 @@ BAD_STEPS = [
     ("oversized extension", dict(extensions=[pb.PageExtension(req_id="live", num_tokens=10**6)]),
      "INVALID_ARGUMENT", "exceeds the pool's 32 token slots"),
     ("oversized allocation", dict(allocations=[_alloc("x", range(40))]), "INVALID_ARGUMENT",
-     "40 tokens need more pages than any pool has"),
+     "40 tokens need more pages than pool 'w0' has"),
     ("commit not whole pages", dict(commits=[pb.PageCommit(req_id="live", packed_token_ids=le_uint32([1, 2, 3]),
                                                            num_computed_tokens=3)]), "INVALID_ARGUMENT",
      "3 token ids are not a whole number of pages of 4"),
@@ -243,7 +244,7 @@ def test_bad_registration_is_invalid_argument(kv):
 
 
 # -- KVAdminService ---------------------------------------------------------------------------------------------
-def cached_prompt(kv, req_id="a", tenant="A", tokens=P1, worker=""):
+def cached_prompt(kv, req_id="a", tenant="A", tokens=P1, worker="w0"):
     """Allocates, commits every full page, frees: the prompt's blocks stay cached with ref_cnt 0."""
     start = kv.alloc(req_id, tokens + [1], tenant, worker).num_cached_tokens  # a hit counts as committed
     kv.commit(req_id, start, tokens[start:])
@@ -369,7 +370,7 @@ def test_page_table_dumps_pages_with_ref_cnt_and_block_hash(kv):
     kv.alloc("r", P1[:8] + [1, 2], step_id=3)  # hits pages 0 1, fresh page 4 (free list: 4 5 6 7 3)
     kv.admin.Pin(pb.PinRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1[:4])))
     t = kv.admin.GetPageTable(pb.GetPageTableRequest(req_id="r"))
-    hashes = [h.hex() for h in chain_hashes(kv.mgr.seed_for(kv.mgr.pools["w0"], "A"), P1, PS)]
+    hashes = [h.hex() for h in chain_hashes(kv.mgr.pools["w0"].seed_for("A"), P1, PS)]
     assert (t.req_id, t.tenant, t.worker_id, t.epoch, list(t.page_table)) == ("r", "A", "w0", 1, [0, 1, 4])
     assert [(p.page_id, p.ref_cnt, p.block_hash, p.pinned) for p in t.pages] == [
         (0, 1, hashes[0], True), (1, 1, hashes[1], False), (4, 1, "", False)]

@@ -53,7 +53,7 @@ def reload(client, prefix="kvserve") -> KVManager:
     return mgr
 
 
-def alloc(req_id, tenant, tokens, worker=""):
+def alloc(req_id, tenant, tokens, worker="w0"):
     return Allocate(req_id, tenant, tuple(tokens), worker)
 
 
@@ -110,7 +110,7 @@ def test_reloaded_manager_answers_like_the_original(client):
     build_history(svc)
     orig, loaded, loaded_again = svc.manager, reload(client), reload(client)
     ops_seq = [
-        StepOps(9, allocations=(alloc("g", "A", P + [4]), alloc("h", "B", range(9)))),  # placed; g hits
+        StepOps(9, allocations=(alloc("g", "A", P + [4]), alloc("h", "B", range(9), "w1"))),  # g hits
         StepOps(10, extensions=(Extend("f", 20),), commits=(Commit("h", 0, tuple(range(8)), 9),)),
         StepOps(11, frees=(Free("d"), Free("g")), allocations=(alloc("i", "C", range(500, 528), "w0"),)),
         StepOps(12, allocations=(alloc("j", "B", range(9), "w1"), alloc("k", "A", P + [5], "w0"))),
@@ -209,14 +209,14 @@ def test_tenant_keys_live_under_their_tenant_prefix(client):
 def test_odd_names_are_encoded_and_a_reused_req_id_leaves_no_orphan(client):
     svc = new_service(client)
     svc.register_worker(spec("w:0"))
-    svc.step(StepOps(1, allocations=(alloc("x/y:z", "org:1*", range(5)),)))
+    svc.step(StepOps(1, allocations=(alloc("x/y:z", "org:1*", range(5), "w:0"),)))
     assert set(client.scan_iter(match=svc.store.keys.tenant_pattern("org:1*"))) == {
         "kvserve:t:org%3A1%2A:req:x%2Fy%3Az"}
     assert list(client.scan_iter(match=svc.store.keys.tenant_pattern("org"))) == []
     # the same req_id freed, then allocated for another tenant, in one write (as when a failed write's changes
     # merge with the next call's): the first tenant's key goes too
     svc.mutate(lambda m: (m.step(StepOps(2, frees=(Free("x/y:z"),))),
-                          m.step(StepOps(3, allocations=(alloc("x/y:z", "B", range(6)),)))))
+                          m.step(StepOps(3, allocations=(alloc("x/y:z", "B", range(6), "w:0"),)))))
     assert sorted(k for k in client.keys("*") if ":req:" in k) == ["kvserve:t:B:req:x%2Fy%3Az"]
     assert snapshot(reload(client)) == snapshot(svc.manager)
 
