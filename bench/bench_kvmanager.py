@@ -68,15 +68,15 @@ from results_io import write_results
 
 from kvserve.common.convert.pages import step_to_request_proto
 from kvserve.common.wire.pages import (
-    Allocate,
-    AllocateResult,
-    Commit,
-    CommitResult,
-    Extend,
-    ExtendResult,
-    Free,
-    FreeResult,
     OpStatus,
+    PageAllocation,
+    PageAllocationResult,
+    PageCommit,
+    PageCommitResult,
+    PageExtension,
+    PageExtensionResult,
+    PageFree,
+    PageFreeResult,
     PoolSpec,
     PoolSummary,
     StepOps,
@@ -204,7 +204,7 @@ class Workload:
         self.calls.append(Call(kind, ops, expect, len(ids)))
         return res
 
-    def _new_requests(self, n: int, hit_every: int = 2, offset: int = 0) -> list[tuple[Allocate, bool]]:
+    def _new_requests(self, n: int, hit_every: int = 2, offset: int = 0) -> list[tuple[PageAllocation, bool]]:
         """n new requests; those with (i + offset) % hit_every == 0 start with a cached shared prefix."""
         out = []
         for i in range(n):
@@ -214,13 +214,13 @@ class Workload:
                 tenant, prefix = self.prefixes[self.hit_turn % len(self.prefixes)]
                 self.hit_turn += 1
                 tokens = prefix + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS)
-                out.append((Allocate(req_id, tenant, tokens, SPEC.worker_id), True))
+                out.append((PageAllocation(req_id, tenant, tokens, SPEC.worker_id), True))
             else:
                 tenant = TENANTS[int(self.rng.integers(len(TENANTS)))]
-                out.append((Allocate(req_id, tenant, self._tokens(PROMPT_TOKENS), SPEC.worker_id), False))
+                out.append((PageAllocation(req_id, tenant, self._tokens(PROMPT_TOKENS), SPEC.worker_id), False))
         return out
 
-    def _admit(self, kind: str | None, new: list[tuple[Allocate, bool]], **other) -> list[Running]:
+    def _admit(self, kind: str | None, new: list[tuple[PageAllocation, bool]], **other) -> list[Running]:
         res = self._apply(kind, allocations=tuple(a for a, _ in new), **other)
         admitted = []
         for (a, hit), r in zip(new, res.allocations, strict=True):
@@ -231,21 +231,21 @@ class Workload:
         return admitted
 
     @staticmethod
-    def _prompt_commit(run: Running) -> Commit:
-        op = Commit(run.req_id, run.committed, tuple(run.tokens[run.committed:PROMPT_TOKENS]), PROMPT_TOKENS)
+    def _prompt_commit(run: Running) -> PageCommit:
+        op = PageCommit(run.req_id, run.committed, tuple(run.tokens[run.committed:PROMPT_TOKENS]), PROMPT_TOKENS)
         run.n = run.committed = PROMPT_TOKENS
         return op
 
-    def _decode_ops(self, runs) -> tuple[list[Extend], list[Commit]]:
+    def _decode_ops(self, runs) -> tuple[list[PageExtension], list[PageCommit]]:
         """One decode step of ``runs``: extend each to cover position n; commit pages that filled."""
         exts, commits = [], []
         for run in runs:
             full = run.n // PAGE_SIZE * PAGE_SIZE
             if full > run.committed:
-                commits.append(Commit(run.req_id, run.committed, tuple(run.tokens[run.committed:full]), run.n))
+                commits.append(PageCommit(run.req_id, run.committed, tuple(run.tokens[run.committed:full]), run.n))
                 run.committed = full
             if not self.scenario.endswith("-sparse") or run.n % PAGE_SIZE == 0:
-                exts.append(Extend(run.req_id, run.n + 1))
+                exts.append(PageExtension(run.req_id, run.n + 1))
         return exts, commits
 
     def _advance(self, runs) -> None:
@@ -254,14 +254,15 @@ class Workload:
             run.tokens.append(int(self.rng.integers(100, 32000)))
 
     def _free(self, kind: str | None, req_ids) -> None:
-        self._apply(kind, frees=tuple(Free(r) for r in req_ids))
+        self._apply(kind, frees=tuple(PageFree(r) for r in req_ids))
         for r in req_ids:
             del self.running[r]
 
     # -- scenarios: setup (untimed) and one round's calls --------------------------------------------------
     def setup(self) -> None:
         # An earlier request of each tenant commits each shared prefix.
-        seeds = [(Allocate(f"seed-{i}", t, p + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS), SPEC.worker_id), False)
+        seeds = [(PageAllocation(f"seed-{i}", t, p + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS), SPEC.worker_id),
+                  False)
                  for i, (t, p) in enumerate(self.prefixes)]
         runs = self._admit(None, seeds)
         self._apply(None, commits=tuple(self._prompt_commit(r) for r in runs))
@@ -275,7 +276,7 @@ class Workload:
             for i, run in enumerate(runs):  # stagger: request i has generated i % 16 tokens
                 for _ in range(i % PAGE_SIZE):
                     self._advance([run])
-            self._apply(None, commits=commits, extensions=tuple(Extend(r.req_id, r.n) for r in runs))
+            self._apply(None, commits=commits, extensions=tuple(PageExtension(r.req_id, r.n) for r in runs))
         elif self.scenario in CHURN:
             while self.ref.pools["w0"].num_free > 0 or len(self.running) < BATCH:
                 self._mixed_call(None)
@@ -347,7 +348,7 @@ class Workload:
         exts, decode_commits = self._decode_ops(fresh + decoding)
         for r in done:
             del self.running[r]
-        self._admit(kind, self._new_requests(churn, offset=now % 2), frees=tuple(Free(r) for r in done),
+        self._admit(kind, self._new_requests(churn, offset=now % 2), frees=tuple(PageFree(r) for r in done),
                     commits=tuple(commits + decode_commits), extensions=tuple(exts))
         self._advance(fresh + decoding)
 
@@ -465,13 +466,13 @@ class EchoService(KVService):
         with self.lock:
             early = self.store.send_early(("step", ops))
             results = StepResults(
-                allocations=[AllocateResult(a.req_id, OpStatus.OK, SPEC.worker_id, SPEC.epoch,
-                                            list(range(-(-len(a.token_ids) // PAGE_SIZE))), 0)
+                allocations=[PageAllocationResult(a.req_id, OpStatus.OK, SPEC.worker_id, SPEC.epoch,
+                                                  list(range(-(-len(a.token_ids) // PAGE_SIZE))), 0)
                              for a in ops.allocations],
-                extensions=[ExtendResult(e.req_id, OpStatus.OK, [], -(-e.num_tokens // PAGE_SIZE))
+                extensions=[PageExtensionResult(e.req_id, OpStatus.OK, [], -(-e.num_tokens // PAGE_SIZE))
                             for e in ops.extensions],
-                commits=[CommitResult(c.req_id, OpStatus.OK, c.start_pos + len(c.token_ids)) for c in ops.commits],
-                frees=[FreeResult(f.req_id, OpStatus.OK) for f in ops.frees],
+                commits=[PageCommitResult(c.req_id, OpStatus.OK, c.start_pos + len(c.token_ids)) for c in ops.commits],
+                frees=[PageFreeResult(f.req_id, OpStatus.OK) for f in ops.frees],
                 pools=[PoolSummary(SPEC.worker_id, SPEC.epoch, 0, 0)])
             self._write_through(("step", ops), force=early)
             return results

@@ -26,7 +26,7 @@ GATEWAY_METRICS = (
 KVMANAGER_METRICS = (
     "kvserve:kv_cache_usage_perc", "kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
     "kvserve:evicted_blocks_total", "kvserve:kvmanager_rpc_seconds", "kvserve:redis_write_seconds",
-    "kvserve:num_cached_blocks", "kvserve:call_log_records", "kvserve:call_log_bytes", "kvserve:call_log_generation",
+    "kvserve:num_cached_pages", "kvserve:call_log_records", "kvserve:call_log_bytes", "kvserve:call_log_generation",
     "kvserve:call_log_snapshots_total", "kvserve:call_log_last_snapshot_seconds",
 )
 WORKER_METRICS = ("kvserve:worker_step_seconds", "kvserve:worker_batch_size", "kvserve:worker_batch_tokens")
@@ -41,9 +41,9 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.running = Gauge("kvserve:num_requests_running", "Requests holding pages on a worker.", ["worker"],
+        self.running = Gauge("kvserve:num_requests_running", "Requests holding pages on a worker.", ["worker_id"],
                              registry=r)
-        self.waiting = Gauge("kvserve:num_requests_waiting", "Requests queued for pages.", ["worker"], registry=r)
+        self.waiting = Gauge("kvserve:num_requests_waiting", "Requests queued for pages.", ["worker_id"], registry=r)
         self.preemptions = Counter("kvserve:num_preemptions", "Requests preempted (recomputed later).",
                                    registry=r)
         self.ttft = Histogram("kvserve:time_to_first_token_seconds", "Arrival to first generated token.",
@@ -52,11 +52,11 @@ class GatewayMetrics:
                               buckets=LATENCY_BUCKETS_S, registry=r)
         self.e2e = Histogram("kvserve:e2e_request_latency_seconds", "Arrival to last delta.",
                              buckets=LATENCY_BUCKETS_S, registry=r)
-        self.step = Histogram("kvserve:scheduler_step_seconds", "Wall time of one scheduler step.", ["worker"],
+        self.step = Histogram("kvserve:scheduler_step_seconds", "Wall time of one scheduler step.", ["worker_id"],
                               buckets=LATENCY_BUCKETS_S, registry=r)
         self.kv_wait_fraction = Gauge("kvserve:kvmanager_wait_fraction",
                                       "Share of step wall time spent waiting on the kvmanager since start.",
-                                      ["worker"], registry=r)
+                                      ["worker_id"], registry=r)
         self.prompt_tokens = Counter("kvserve:prompt_tokens", "Prompt tokens of finished requests.", ["tenant"],
                                      registry=r)
         self.generation_tokens = Counter("kvserve:generation_tokens", "Generated tokens.", ["tenant"], registry=r)
@@ -101,9 +101,9 @@ class _StateCollector:
     def collect(self):
         stats = self.read_stats()
         usage = GaugeMetricFamily("kvserve:kv_cache_usage_perc", "Used pages / pages, per worker pool (0-1).",
-                                  labels=["worker"])
-        cached = GaugeMetricFamily("kvserve:num_cached_blocks", "Cached evictable-or-pinned pages, per pool.",
-                                   labels=["worker"])
+                                  labels=["worker_id"])
+        cached = GaugeMetricFamily("kvserve:num_cached_pages", "Cached evictable-or-pinned pages, per pool.",
+                                   labels=["worker_id"])
         for p in stats.pools:
             usage.add_metric([p.worker_id], p.num_used_pages / p.num_pages if p.num_pages else 0.0)
             cached.add_metric([p.worker_id], p.num_cached_pages)
@@ -112,8 +112,8 @@ class _StateCollector:
         hits = CounterMetricFamily("kvserve:prefix_cache_hits", "Prompt tokens found cached, per tenant.",
                                    labels=["tenant"])
         for t in stats.tenants:
-            queries.add_metric([t.tenant], t.prefix_query_tokens)
-            hits.add_metric([t.tenant], t.prefix_hit_tokens)
+            queries.add_metric([t.tenant], t.prefix_cache_queries)
+            hits.add_metric([t.tenant], t.prefix_cache_hits)
         evicted = CounterMetricFamily("kvserve:evicted_blocks", "Cached blocks evicted to make room.")
         evicted.add_metric([], stats.num_evicted_blocks)
         yield from (usage, cached, queries, hits, evicted)

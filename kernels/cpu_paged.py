@@ -207,13 +207,13 @@ class CPUPagedBackend:
         q_lens = meta.q_lens.tolist()
         prefills = [i for i, n in enumerate(q_lens) if n > 1]
         if not prefills:
-            return CPUState(None, meta.block_tables, meta.seq_lens, None, meta)
+            return CPUState(None, meta.page_tables, meta.seq_lens, None, meta)
         decodes = [i for i, n in enumerate(q_lens) if n == 1]
         idx = torch.tensor(decodes, dtype=torch.long, device=meta.positions.device)
         pidx = torch.tensor(prefills, device=meta.positions.device)
         chunks = PrefillChunks(prefills, meta.cu_q_lens[pidx], meta.q_lens[pidx], meta.start_pos[pidx],
-                               meta.block_tables[pidx].contiguous())
-        return CPUState(meta.cu_q_lens[idx], meta.block_tables[idx].contiguous(), meta.seq_lens[idx], chunks, meta)
+                               meta.page_tables[pidx].contiguous())
+        return CPUState(meta.cu_q_lens[idx], meta.page_tables[idx].contiguous(), meta.seq_lens[idx], chunks, meta)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.ext.rms_norm(x.contiguous(), weight, eps)

@@ -6,8 +6,8 @@ attends to every position ``< seq_lens[b] = start_pos[b] + q_lens[b]`` of its ow
 
 Slot arithmetic (page_size = 4)::
 
-    block_tables[b] = [7, 2, 9]
-    position p  ->  slot = block_tables[b][p // 4] * 4 + p % 4
+    page_tables[b] = [7, 2, 9]
+    position p  ->  slot = page_tables[b][p // 4] * 4 + p % 4
     p = 0..3    ->  slots 28..31 (page 7)
     p = 4..7    ->  slots  8..11 (page 2)
 
@@ -34,7 +34,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens] int64, absolute position of each new token
     token_seq: torch.Tensor  # [num_tokens] int64, the sequence each new token belongs to
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot each new token's K/V is written to
-    block_tables: torch.Tensor  # [num_seqs, max_pages] int64, page ids, padded with 0
+    page_tables: torch.Tensor  # [num_seqs, max_pages] int64, page ids, padded with 0
     max_q_len: int
     max_seq_len: int
 
@@ -78,7 +78,7 @@ def build_metadata(
         positions=positions.to(device),
         token_seq=seq_index.to(device),
         slot_mapping=slot_mapping.to(device),
-        block_tables=tables.to(device),
+        page_tables=tables.to(device),
         max_q_len=max(q_lens),
         max_seq_len=int(seq_lens.max()),
     )

@@ -64,14 +64,14 @@ def group_state(meta: AttentionMetadata, seqs: list[int] | None) -> GroupState:
     device = meta.positions.device
     if seqs is None:
         token_index, token_seq, q_lens = None, meta.token_seq, meta.q_lens
-        start_pos, seq_lens, tables, positions = meta.start_pos, meta.seq_lens, meta.block_tables, meta.positions
+        start_pos, seq_lens, tables, positions = meta.start_pos, meta.seq_lens, meta.page_tables, meta.positions
     else:
         idx = torch.tensor(seqs, device=device)
         q_lens = meta.q_lens[idx]
         token_index = torch.cat([torch.arange(int(meta.cu_q_lens[i]), int(meta.cu_q_lens[i + 1]), device=device)
                                  for i in seqs])
         token_seq = torch.repeat_interleave(torch.arange(len(seqs), device=device), q_lens)
-        start_pos, seq_lens, tables = meta.start_pos[idx], meta.seq_lens[idx], meta.block_tables[idx]
+        start_pos, seq_lens, tables = meta.start_pos[idx], meta.seq_lens[idx], meta.page_tables[idx]
         positions = meta.positions[token_index]
     max_q, max_k = int(q_lens.max()), int(seq_lens.max())
     q_index = token_seq * max_q + (positions - start_pos[token_seq])

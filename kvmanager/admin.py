@@ -48,16 +48,16 @@ class TenantStats:
     num_blocks: int
     num_pinned_blocks: int
     num_requests: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 @dataclass(slots=True)
 class Stats:
     pools: list[PoolStats]
     tenants: list[TenantStats]
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
     num_evicted_blocks: int
 
 
@@ -93,13 +93,13 @@ class TenantReport:
 class ProbeHit:
     worker_id: str
     epoch: int
-    num_hit_tokens: int
+    num_cached_tokens: int
 
 
 @dataclass(slots=True)
 class ProbeResult:
     num_query_tokens: int
-    num_hit_tokens: int
+    num_cached_tokens: int
     worker_id: str  # best hit; "" when nothing hits
     hits: list[ProbeHit] = field(default_factory=list)
 
@@ -166,7 +166,7 @@ def _tenant_stats(mgr: KVManager) -> dict[str, TenantStats]:
     def entry(tenant: str) -> TenantStats:
         if tenant not in out:
             c = mgr.tenants.get(tenant, TenantCounters())
-            out[tenant] = TenantStats(tenant, 0, 0, 0, c.prefix_query_tokens, c.prefix_hit_tokens)
+            out[tenant] = TenantStats(tenant, 0, 0, 0, c.prefix_cache_queries, c.prefix_cache_hits)
         return out[tenant]
 
     for tenant in mgr.tenants:
@@ -185,8 +185,8 @@ def stats(mgr: KVManager) -> Stats:
     """Per pool (sorted by worker_id) and per tenant (sorted) counters, and their totals."""
     tenants = list(_tenant_stats(mgr).values())
     return Stats(pools=[_pool_stats(mgr.pools[w]) for w in sorted(mgr.pools)], tenants=tenants,
-                 prefix_query_tokens=sum(t.prefix_query_tokens for t in tenants),
-                 prefix_hit_tokens=sum(t.prefix_hit_tokens for t in tenants),
+                 prefix_cache_queries=sum(t.prefix_cache_queries for t in tenants),
+                 prefix_cache_hits=sum(t.prefix_cache_hits for t in tenants),
                  num_evicted_blocks=sum(p.num_evicted for p in mgr.pools.values()))
 
 
@@ -266,10 +266,10 @@ def probe(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: st
     check_token_ids("", token_ids)
     hits = [ProbeHit(p.spec.worker_id, p.spec.epoch, len(_prefix_blocks(mgr, p, tenant, token_ids)) * p.spec.page_size)
             for p in _pools_in_scope(mgr, worker_id)]
-    best = max(hits, key=lambda h: h.num_hit_tokens, default=None)  # max keeps the first of equals
-    if best is None or best.num_hit_tokens == 0:
+    best = max(hits, key=lambda h: h.num_cached_tokens, default=None)  # max keeps the first of equals
+    if best is None or best.num_cached_tokens == 0:
         return ProbeResult(len(token_ids), 0, "", hits)
-    return ProbeResult(len(token_ids), best.num_hit_tokens, best.worker_id, hits)
+    return ProbeResult(len(token_ids), best.num_cached_tokens, best.worker_id, hits)
 
 
 def page_table(mgr: KVManager, req_id: str) -> PageTable:

@@ -26,7 +26,7 @@ def tenant_to_proto(t: admin.TenantStats) -> pb.TenantStats:
 def stats_to_proto(s: admin.Stats, store_ok: bool) -> pb.StatsResponse:
     return pb.StatsResponse(pools=[_copy(p, pb.PoolStats) for p in s.pools],
                             tenants=[tenant_to_proto(t) for t in s.tenants],
-                            prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
+                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
                             num_evicted_blocks=s.num_evicted_blocks, store_ok=store_ok)
 
 
@@ -37,7 +37,7 @@ def inspect_to_proto(r: admin.TenantReport) -> pb.InspectTenantResponse:
 
 
 def probe_to_proto(r: admin.ProbeResult) -> pb.ProbeResponse:
-    return pb.ProbeResponse(num_query_tokens=r.num_query_tokens, num_hit_tokens=r.num_hit_tokens,
+    return pb.ProbeResponse(num_query_tokens=r.num_query_tokens, num_cached_tokens=r.num_cached_tokens,
                             worker_id=r.worker_id, hits=[_copy(h, pb.ProbeHit) for h in r.hits])
 
 

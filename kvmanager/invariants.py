@@ -18,14 +18,14 @@ from collections import Counter
 
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import PagePool
-from kvserve.kvmanager.state import Request
+from kvserve.kvmanager.state import RequestPages
 
 
 def check_invariants(mgr: KVManager) -> None:
     """Raises AssertionError naming the first broken invariant."""
     both = set(mgr.requests) & set(mgr.stale)
     assert not both, f"req_ids both live and stale: {sorted(both)}"
-    by_worker: dict[str, list[Request]] = {w: [] for w in mgr.pools}
+    by_worker: dict[str, list[RequestPages]] = {w: [] for w in mgr.pools}
     for req_id, req in mgr.requests.items():
         assert req.req_id == req_id, f"request stored under {req_id!r} is {req.req_id!r}"
         pool = mgr.pools.get(req.worker_id)
@@ -40,10 +40,10 @@ def check_invariants(mgr: KVManager) -> None:
         assert pool.spec.worker_id == worker_id, f"pool under {worker_id!r} is {pool.spec.worker_id!r}"
         _check_pool(pool, by_worker[worker_id])
     for tenant, counters in mgr.tenants.items():
-        assert 0 <= counters.prefix_hit_tokens <= counters.prefix_query_tokens, f"tenant {tenant!r}: {counters}"
+        assert 0 <= counters.prefix_cache_hits <= counters.prefix_cache_queries, f"tenant {tenant!r}: {counters}"
 
 
-def _check_pool(pool: PagePool, live: list[Request]) -> None:
+def _check_pool(pool: PagePool, live: list[RequestPages]) -> None:
     w, n = pool.spec.worker_id, pool.spec.num_pages
     assert len(pool.ref_cnt) == len(pool.block_of) == n, f"{w}: ref_cnt/block_of sized for {n} pages"
     holders: Counter[int] = Counter()
@@ -59,7 +59,7 @@ def _check_pool(pool: PagePool, live: list[Request]) -> None:
     _check_lists(pool)
 
 
-def _check_blocks_of_holder(pool: PagePool, req: Request) -> None:
+def _check_blocks_of_holder(pool: PagePool, req: RequestPages) -> None:
     for i, p in enumerate(req.page_table):
         block = pool.block_of[p]
         if block is not None:

@@ -14,15 +14,15 @@ from itertools import repeat
 from kvserve.common.errors import InvalidRequest, StaleEpoch
 from kvserve.common.pages import num_pages_for
 from kvserve.common.wire.pages import (
-    Allocate,
-    AllocateResult,
-    Commit,
-    CommitResult,
-    Extend,
-    ExtendResult,
-    Free,
-    FreeResult,
     OpStatus,
+    PageAllocation,
+    PageAllocationResult,
+    PageCommit,
+    PageCommitResult,
+    PageExtension,
+    PageExtensionResult,
+    PageFree,
+    PageFreeResult,
     PoolSpec,
     PoolSummary,
     RegisterResult,
@@ -33,7 +33,7 @@ from kvserve.kvmanager.errors import UnknownRequest, UnknownWorker
 from kvserve.kvmanager.hashing import chain_hashes
 from kvserve.kvmanager.placement import Placement, fit, place
 from kvserve.kvmanager.pool import Block, PagePool
-from kvserve.kvmanager.state import Changes, Request, TenantCounters
+from kvserve.kvmanager.state import Changes, RequestPages, TenantCounters
 from kvserve.kvmanager.step_validate import validate_step
 
 RECENT_RESULTS = 1 << 16
@@ -44,8 +44,8 @@ class KVManager:
 
     def __init__(self, load_penalty_pages: int = 4):
         self.pools: dict[str, PagePool] = {}
-        self.requests: dict[str, Request] = {}
-        self.stale: dict[str, Request] = {}  # requests whose pool epoch was replaced
+        self.requests: dict[str, RequestPages] = {}
+        self.stale: dict[str, RequestPages] = {}  # requests whose pool epoch was replaced
         self.tenants: dict[str, TenantCounters] = {}
         self.load_penalty_pages = load_penalty_pages
         self.clock = 0  # logical time, one tick per event: block.last_used orders the LRU across restarts
@@ -92,7 +92,7 @@ class KVManager:
         released = self.req_ids_on(worker_id)
         touched: set[str] = set()
         for req_id in released:
-            self._free(Free(req_id), touched)
+            self._free(PageFree(req_id), touched)
         return released
 
     def _drop_pool(self, pool: PagePool) -> tuple[str, ...]:
@@ -121,7 +121,7 @@ class KVManager:
             raise UnknownWorker(f"no pool is registered for worker {worker_id!r}")
         return self.pools[worker_id]
 
-    def request(self, req_id: str) -> Request:
+    def request(self, req_id: str) -> RequestPages:
         if req_id not in self.requests:
             raise UnknownRequest(f"request {req_id!r} is not live (never allocated, freed, or reset)")
         return self.requests[req_id]
@@ -193,11 +193,11 @@ class KVManager:
             self.recent.popitem(last=False)
 
     # -- ops ------------------------------------------------------------------------------------------
-    def _allocate(self, op: Allocate, touched: set[str]) -> AllocateResult:
+    def _allocate(self, op: PageAllocation, touched: set[str]) -> PageAllocationResult:
         pool = self.pools[op.worker_id]
         chosen = fit(pool, op)
         if chosen.num_pages_short:
-            return AllocateResult(op.req_id, OpStatus.OUT_OF_PAGES, num_pages_short=chosen.num_pages_short)
+            return PageAllocationResult(op.req_id, OpStatus.OUT_OF_PAGES, num_pages_short=chosen.num_pages_short)
         hits, seed, spec = chosen.hits, pool.seed_for(op.tenant), pool.spec
         self.stale.pop(op.req_id, None)  # a re-queued request may reuse the id of its dropped incarnation
         hit_pages = [b.page_id for b in hits]
@@ -207,40 +207,41 @@ class KVManager:
         fresh, evicted = pool.allocate(num_pages - len(hits))
         self._record_blocks(spec.worker_id, evicted)
         num_cached = len(hits) * spec.page_size
-        req = Request(op.req_id, op.tenant, spec.worker_id, spec.epoch, hit_pages + fresh, seed,
-                      [b.block_hash for b in hits], len(op.token_ids), num_cached, op.skip_prefix_cache)
+        req = RequestPages(op.req_id, op.tenant, spec.worker_id, spec.epoch, hit_pages + fresh, seed,
+                           [b.block_hash for b in hits], len(op.token_ids), num_cached, op.skip_prefix_cache)
         self.requests[op.req_id] = req
         pool.num_requests += 1
         counters = self.tenants.setdefault(op.tenant, TenantCounters())
         if not op.skip_prefix_cache:
-            counters.prefix_query_tokens += len(op.token_ids)
-            counters.prefix_hit_tokens += num_cached
+            counters.prefix_cache_queries += len(op.token_ids)
+            counters.prefix_cache_hits += num_cached
         self.changes.requests[op.req_id] = op.tenant
         self.changes.counters = True
         touched.add(spec.worker_id)
-        return AllocateResult(op.req_id, OpStatus.OK, spec.worker_id, spec.epoch, list(req.page_table), num_cached)
+        return PageAllocationResult(op.req_id, OpStatus.OK, spec.worker_id, spec.epoch, list(req.page_table),
+                                    num_cached)
 
-    def _extend(self, op: Extend, touched: set[str]) -> ExtendResult:
+    def _extend(self, op: PageExtension, touched: set[str]) -> PageExtensionResult:
         if op.req_id in self.stale:
-            return ExtendResult(op.req_id, OpStatus.STALE_EPOCH)
+            return PageExtensionResult(op.req_id, OpStatus.STALE_EPOCH)
         req = self.requests[op.req_id]
         pool = self.pools[req.worker_id]
         need = num_pages_for(op.num_tokens, pool.spec.page_size) - len(req.page_table)
         touched.add(req.worker_id)
         if need <= 0:
-            return ExtendResult(op.req_id, OpStatus.OK, [], len(req.page_table))
+            return PageExtensionResult(op.req_id, OpStatus.OK, [], len(req.page_table))
         if pool.available() < need:
-            return ExtendResult(op.req_id, OpStatus.OUT_OF_PAGES, [], len(req.page_table),
-                                need - pool.available())
+            return PageExtensionResult(op.req_id, OpStatus.OUT_OF_PAGES, [], len(req.page_table),
+                                       need - pool.available())
         fresh, evicted = pool.allocate(need)
         self._record_blocks(req.worker_id, evicted)
         req.page_table.extend(fresh)
         self.changes.requests[req.req_id] = req.tenant
-        return ExtendResult(op.req_id, OpStatus.OK, fresh, len(req.page_table))
+        return PageExtensionResult(op.req_id, OpStatus.OK, fresh, len(req.page_table))
 
-    def _commit(self, op: Commit, touched: set[str]) -> CommitResult:
+    def _commit(self, op: PageCommit, touched: set[str]) -> PageCommitResult:
         if op.req_id in self.stale:
-            return CommitResult(op.req_id, OpStatus.STALE_EPOCH)
+            return PageCommitResult(op.req_id, OpStatus.STALE_EPOCH)
         req = self.requests[op.req_id]
         pool = self.pools[req.worker_id]
         page_size = pool.spec.page_size
@@ -257,23 +258,23 @@ class KVManager:
             hashes.extend(new)
         req.num_committed_tokens += len(op.token_ids)
         self.changes.requests[req.req_id] = req.tenant
-        return CommitResult(op.req_id, OpStatus.OK, req.num_committed_tokens)
+        return PageCommitResult(op.req_id, OpStatus.OK, req.num_committed_tokens)
 
-    def _free(self, op: Free, touched: set[str]) -> FreeResult:
+    def _free(self, op: PageFree, touched: set[str]) -> PageFreeResult:
         if op.req_id in self.stale:
             req = self.stale.pop(op.req_id)
             self.changes.requests[op.req_id] = req.tenant
-            return FreeResult(op.req_id, OpStatus.STALE_EPOCH)
+            return PageFreeResult(op.req_id, OpStatus.STALE_EPOCH)
         req = self.requests.pop(op.req_id, None)
         if req is None:
-            return FreeResult(op.req_id, OpStatus.OK)  # freeing twice is harmless
+            return PageFreeResult(op.req_id, OpStatus.OK)  # freeing twice is harmless
         pool = self.pools[req.worker_id]
         # Tail first: the chain's end is evicted first. Blocks joining the LRU get their place in it stamped.
         self._touch(req.worker_id, pool.release(reversed(req.page_table)))
         pool.num_requests -= 1
         touched.add(req.worker_id)
         self.changes.requests[op.req_id] = req.tenant
-        return FreeResult(op.req_id, OpStatus.OK)
+        return PageFreeResult(op.req_id, OpStatus.OK)
 
     def _record_blocks(self, worker_id: str, blocks: list[Block]) -> None:
         """Blocks indexed or evicted: changes for a store that writes state (not for the call log)."""
@@ -336,5 +337,3 @@ def _check_spec(spec: PoolSpec) -> None:
     if not spec.model_fingerprint or not spec.kv_dtype:
         raise InvalidRequest("model_fingerprint and kv_dtype must not be empty")
 
-
-__all__ = ["KVManager", "Allocate", "Extend", "Commit", "Free", "StepOps"]

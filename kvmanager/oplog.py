@@ -29,7 +29,7 @@ import numpy as np
 import redis
 
 from kvserve.common.tokens import UINT32, le_uint32, unpack_uint32
-from kvserve.common.wire.pages import Allocate, Commit, Extend, Free, PoolSpec, StepOps
+from kvserve.common.wire.pages import PageAllocation, PageCommit, PageExtension, PageFree, PoolSpec, StepOps
 from kvserve.kvmanager import admin, snapshots
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.snapshots import Child, GenerationKeys, claim
@@ -125,11 +125,11 @@ def apply(mgr: KVManager, raw: str | bytes) -> None:
     d = json.loads(raw if newline < 0 else raw[:newline])
     if d["k"] == "step":
         tok = _Tokens(raw, newline + 1, d.get("w", 4))
-        allocations = tuple(Allocate(r, t, tok(n), w, skip) for r, t, w, skip, n in d["a"])
-        commits = tuple(Commit(r, s, tok(n), c) for r, s, n, c in d["c"])
+        allocations = tuple(PageAllocation(r, t, tok(n), w, skip) for r, t, w, skip, n in d["a"])
+        commits = tuple(PageCommit(r, s, tok(n), c) for r, s, n, c in d["c"])
         mgr.step(StepOps(step_id=d["s"], allocations=allocations,
-                         extensions=tuple(Extend(r, n) for r, n in d["e"]), commits=commits,
-                         frees=tuple(Free(r) for r in d["f"])))
+                         extensions=tuple(PageExtension(r, n) for r, n in d["e"]), commits=commits,
+                         frees=tuple(PageFree(r) for r in d["f"])))
     elif d["k"] == "register":
         mgr.register_worker(PoolSpec(**d["spec"]), d.get("release", False))
     else:

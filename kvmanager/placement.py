@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.pages import num_pages_for
 from kvserve.common.tokens import check_token_ids
-from kvserve.common.wire.pages import Allocate
+from kvserve.common.wire.pages import PageAllocation
 from kvserve.kvmanager.errors import UnknownWorker
 from kvserve.kvmanager.hashing import iter_chain_hashes
 from kvserve.kvmanager.pool import Block, PagePool
@@ -45,7 +45,7 @@ class Fit:
     num_pages_short: int = 0
 
 
-def fit(pool: PagePool, op: Allocate) -> Fit:
+def fit(pool: PagePool, op: PageAllocation) -> Fit:
     hits = [] if op.skip_prefix_cache else prefix_hits(pool, op.tenant, op.token_ids)
     need = num_pages_for(len(op.token_ids), pool.spec.page_size) - len(hits)
     available = pool.available([b.page_id for b in hits])
@@ -55,7 +55,7 @@ def fit(pool: PagePool, op: Allocate) -> Fit:
 @dataclass(frozen=True, slots=True)
 class Placement:
     worker_id: str
-    num_hit_tokens: int
+    num_cached_tokens: int
 
 
 def place(pools: Mapping[str, PagePool], tenant: str, token_ids: tuple[int, ...], num_queued: Mapping[str, int],

@@ -19,7 +19,7 @@ from kvserve.common.wire.pages import PoolSpec
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import Block, PagePool
-from kvserve.kvmanager.state import Request, TenantCounters
+from kvserve.kvmanager.state import RequestPages, TenantCounters
 
 
 @dataclass(slots=True)
@@ -35,8 +35,8 @@ class StoredState:
 
     specs: list[PoolSpec] = field(default_factory=list)
     blocks: list[StoredBlock] = field(default_factory=list)
-    requests: list[Request] = field(default_factory=list)
-    stale: list[Request] = field(default_factory=list)
+    requests: list[RequestPages] = field(default_factory=list)
+    stale: list[RequestPages] = field(default_factory=list)
     tenants: dict[str, TenantCounters] = field(default_factory=dict)
     num_evicted: dict[str, int] = field(default_factory=dict)  # worker_id -> evictions so far
     clock: int = 0
@@ -74,7 +74,7 @@ def _place_blocks(mgr: KVManager, blocks: list[StoredBlock]) -> list[StoredBlock
     return dropped
 
 
-def _place_requests(mgr: KVManager, live: list[Request], stale: list[Request]) -> None:
+def _place_requests(mgr: KVManager, live: list[RequestPages], stale: list[RequestPages]) -> None:
     for req in sorted(stale, key=lambda r: r.req_id):
         mgr.stale[req.req_id] = req
     for req in sorted(live, key=lambda r: r.req_id):

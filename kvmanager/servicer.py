@@ -54,7 +54,7 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
     def Place(self, request, context):
         token_ids = page_cv.unpack_token_ids("place", request.packed_token_ids)
         result = self.service.read(KVManager.place, request.tenant, token_ids, dict(request.num_queued))
-        return pb.PlaceResponse(worker_id=result.worker_id, num_hit_tokens=result.num_hit_tokens)
+        return pb.PlaceResponse(worker_id=result.worker_id, num_cached_tokens=result.num_cached_tokens)
 
 
 class KVAdminServicer(kvmanager_pb2_grpc.KVAdminServiceServicer):

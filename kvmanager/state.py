@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
-class Request:
+class RequestPages:
     """A live request: where it runs, its pages, and the hash chain of its committed (or hit) blocks."""
 
     req_id: str
@@ -34,8 +34,8 @@ class Request:
 
 @dataclass(slots=True)
 class TenantCounters:
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass(slots=True)

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.pages import num_pages_for
 from kvserve.common.tokens import check_token_ids
-from kvserve.common.wire.pages import Allocate, Commit, Extend, StepOps
+from kvserve.common.wire.pages import PageAllocation, PageCommit, PageExtension, StepOps
 from kvserve.kvmanager.errors import StaleStep, UnknownRequest
-from kvserve.kvmanager.state import Request
+from kvserve.kvmanager.state import RequestPages
 
 if TYPE_CHECKING:
     from kvserve.kvmanager.manager import KVManager
@@ -55,14 +55,14 @@ def _check_unique(ops: StepOps) -> None:
             raise InvalidRequest(f"req_id {sorted(both)[0]!r} appears in {a} and in another list of the same call")
 
 
-def _live_or_stale(mgr: KVManager, req_id: str) -> Request:
+def _live_or_stale(mgr: KVManager, req_id: str) -> RequestPages:
     req = mgr.requests.get(req_id) or mgr.stale.get(req_id)
     if req is None:
         raise UnknownRequest(f"request {req_id!r} is not live (never allocated, freed, or reset)")
     return req
 
 
-def _check_not_stale(mgr: KVManager, req_id: str, kind: str, step_id: int, req: Request | None = None) -> None:
+def _check_not_stale(mgr: KVManager, req_id: str, kind: str, step_id: int, req: RequestPages | None = None) -> None:
     if not step_id:
         return
     req = req or mgr.requests.get(req_id) or mgr.stale.get(req_id)
@@ -71,7 +71,7 @@ def _check_not_stale(mgr: KVManager, req_id: str, kind: str, step_id: int, req: 
                         f"applied")
 
 
-def _check_allocate(mgr: KVManager, a: Allocate, step_id: int) -> None:
+def _check_allocate(mgr: KVManager, a: PageAllocation, step_id: int) -> None:
     where = f"allocation {a.req_id!r}"
     if not a.req_id:
         raise InvalidRequest("an allocation has an empty req_id")
@@ -92,7 +92,7 @@ def _check_allocate(mgr: KVManager, a: Allocate, step_id: int) -> None:
         raise InvalidRequest(f"{where}: {len(a.token_ids)} tokens need more pages than pool {a.worker_id!r} has")
 
 
-def _check_extend(mgr: KVManager, e: Extend, step_id: int) -> None:
+def _check_extend(mgr: KVManager, e: PageExtension, step_id: int) -> None:
     req = _live_or_stale(mgr, e.req_id)
     _check_not_stale(mgr, e.req_id, "extend", step_id, req)
     if e.num_tokens <= 0:
@@ -103,7 +103,7 @@ def _check_extend(mgr: KVManager, e: Extend, step_id: int) -> None:
                              f"{pool.spec.num_pages * pool.spec.page_size} token slots")
 
 
-def _check_commit(mgr: KVManager, c: Commit, step_id: int) -> None:
+def _check_commit(mgr: KVManager, c: PageCommit, step_id: int) -> None:
     where = f"commit {c.req_id!r}"
     if step_id and c.req_id not in mgr.requests and c.req_id not in mgr.stale:
         remembered = mgr.recent.get(("commit", c.req_id))

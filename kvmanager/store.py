@@ -24,13 +24,21 @@ from urllib.parse import quote, unquote
 
 import redis
 
-from kvserve.common.wire.pages import AllocateResult, CommitResult, ExtendResult, FreeResult, OpStatus, PoolSpec
+from kvserve.common.wire.pages import (
+    OpStatus,
+    PageAllocationResult,
+    PageCommitResult,
+    PageExtensionResult,
+    PageFreeResult,
+    PoolSpec,
+)
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import Block
 from kvserve.kvmanager.recovery import StoredBlock, StoredState, rebuild
-from kvserve.kvmanager.state import Changes, Request, TenantCounters
+from kvserve.kvmanager.state import Changes, RequestPages, TenantCounters
 
-RESULT_TYPES = {"allocate": AllocateResult, "extend": ExtendResult, "commit": CommitResult, "free": FreeResult}
+RESULT_TYPES = {"allocate": PageAllocationResult, "extend": PageExtensionResult, "commit": PageCommitResult,
+                "free": PageFreeResult}
 BATCH = 1000  # keys per SCAN step and per MGET, DEL and MSET command
 
 
@@ -276,7 +284,7 @@ def _text(value: str | bytes) -> str:
 
 def _counters(mgr: KVManager) -> dict:
     return {"clock": mgr.clock,
-            "tenants": {t: [c.prefix_query_tokens, c.prefix_hit_tokens] for t, c in mgr.tenants.items()},
+            "tenants": {t: [c.prefix_cache_queries, c.prefix_cache_hits] for t, c in mgr.tenants.items()},
             "num_evicted": {w: p.num_evicted for w, p in mgr.pools.items()}}
 
 
@@ -293,7 +301,7 @@ def _block_json(block: Block, spec: PoolSpec) -> str:
             f'"pinned":{"true" if block.pinned else "false"}}}')
 
 
-def _request_dict(req: Request) -> dict:
+def _request_dict(req: RequestPages) -> dict:
     return {"req_id": req.req_id, "tenant": req.tenant, "worker_id": req.worker_id, "epoch": req.epoch,
             "page_table": req.page_table, "seed": req.seed.hex(), "block_hashes": [h.hex() for h in req.block_hashes],
             "num_prompt_tokens": req.num_prompt_tokens, "num_committed_tokens": req.num_committed_tokens,
@@ -327,10 +335,10 @@ def result_from_dict(kind: str, d: dict):
     return RESULT_TYPES[kind](**{**d, "status": OpStatus(d["status"])})
 
 
-def _decode_request(d: dict) -> Request:
+def _decode_request(d: dict) -> RequestPages:
     last_ops = {}
     for kind, (step_id, result) in d["last_ops"].items():
         last_ops[kind] = (step_id, result_from_dict(kind, result))
-    return Request(d["req_id"], d["tenant"], d["worker_id"], d["epoch"], d["page_table"], bytes.fromhex(d["seed"]),
-                   [bytes.fromhex(h) for h in d["block_hashes"]], d["num_prompt_tokens"],
-                   d["num_committed_tokens"], d["skip_prefix_cache"], last_ops)
+    return RequestPages(d["req_id"], d["tenant"], d["worker_id"], d["epoch"], d["page_table"], bytes.fromhex(d["seed"]),
+                        [bytes.fromhex(h) for h in d["block_hashes"]], d["num_prompt_tokens"],
+                        d["num_committed_tokens"], d["skip_prefix_cache"], last_ops)

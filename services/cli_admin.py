@@ -1,8 +1,8 @@
 """``kvserve admin stats|tenants|inspect|probe|evict|pin|unpin|page-table|reset|forget-worker``: the kvmanager's
 admin RPCs.
 
-Readable tables by default; ``--json`` prints the answer as proto3 JSON with snake_case field names (int64
-values as strings, per the proto3 JSON mapping). The admin token comes from ``--admin-token``, else
+Readable tables by default; ``--json`` prints the answer as JSON: proto3's mapping with snake_case field names,
+every count a number (64-bit ones too). The admin token comes from ``--admin-token``, else
 ``KVSERVE_ADMIN_TOKEN``, else the ``admin_token`` file a local ``kvserve kvmanager`` wrote under its data dir.
 Errors print ``kvserve: <STATUS>: <details>`` and exit 1; bad flags exit 2.
 """
@@ -10,6 +10,7 @@ Errors print ``kvserve: <STATUS>: <details>`` and exit 1; bad flags exit 2.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -153,7 +154,6 @@ def _token_hint(args, code, token: str | None) -> str:
 
 def run_admin(args) -> int:
     import grpc
-    from google.protobuf import json_format
 
     from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -171,11 +171,39 @@ def run_admin(args) -> int:
             print(f"kvserve: {e.code().name}: {e.details()}{_token_hint(args, e.code(), token)}", file=sys.stderr)
             return 1
     if args.json:
-        print(json_format.MessageToJson(response, preserving_proto_field_name=True,
-                                      always_print_fields_with_no_presence=True))
+        print(json.dumps(as_json(response), indent=2))
     else:
         print(RENDER[args.admin_command](response, args))
     return 0
+
+
+# -- output ------------------------------------------------------------------------------------------------
+def as_json(message) -> dict:
+    """The answer as proto3 JSON with snake_case names and every field present, but with 64-bit counts as
+    numbers: the proto3 JSON mapping writes int64 as strings, which would make pool_bytes a string beside
+    num_pages a number."""
+    from google.protobuf import json_format
+
+    data = json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+    return _numbers(message.DESCRIPTOR, data)
+
+
+def _numbers(descriptor, data: dict) -> dict:
+    for field in descriptor.fields:
+        if field.name in data and not (field.message_type and field.message_type.GetOptions().map_entry):
+            value = data[field.name]
+            data[field.name] = [_number(field, v) for v in value] if field.is_repeated else _number(field, value)
+    return data
+
+
+def _number(field, value):
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    if field.message_type is not None:
+        return _numbers(field.message_type, value)
+    wide = (F.TYPE_INT64, F.TYPE_UINT64, F.TYPE_SINT64, F.TYPE_FIXED64, F.TYPE_SFIXED64)
+    return int(value) if field.type in wide else value
 
 
 # -- tables ------------------------------------------------------------------------------------------------
@@ -198,8 +226,8 @@ def _tenants_table(tenants) -> str:
     if not tenants:
         return "(no tenants)"
     return table(["TENANT", "BLOCKS", "PINNED", "REQUESTS", "QUERY_TOKENS", "HIT_TOKENS", "HIT_RATE"],
-                 [[t.tenant, t.num_blocks, t.num_pinned_blocks, t.num_requests, t.prefix_query_tokens,
-                   t.prefix_hit_tokens, _rate(t.prefix_hit_tokens, t.prefix_query_tokens)] for t in tenants])
+                 [[t.tenant, t.num_blocks, t.num_pinned_blocks, t.num_requests, t.prefix_cache_queries,
+                   t.prefix_cache_hits, _rate(t.prefix_cache_hits, t.prefix_cache_queries)] for t in tenants])
 
 
 def _render_stats(r, args) -> str:
@@ -208,8 +236,8 @@ def _render_stats(r, args) -> str:
                   [[p.worker_id, p.epoch, p.page_size, p.num_pages, p.num_used_pages, p.num_cached_pages,
                     p.num_free_pages, p.num_pinned_pages, p.num_requests, p.pool_bytes, p.used_bytes,
                     p.cached_bytes] for p in r.pools]) if r.pools else "(no pools registered)"
-    total = (f"prefix cache: {r.prefix_hit_tokens} of {r.prefix_query_tokens} query tokens hit "
-             f"({_rate(r.prefix_hit_tokens, r.prefix_query_tokens)}), {r.num_evicted_blocks} blocks evicted, "
+    total = (f"prefix cache: {r.prefix_cache_hits} of {r.prefix_cache_queries} query tokens hit "
+             f"({_rate(r.prefix_cache_hits, r.prefix_cache_queries)}), {r.num_evicted_blocks} blocks evicted, "
              f"store {'ok' if r.store_ok else 'FAILING'}")
     return f"pools\n{pools}\n\ntenants\n{_tenants_table(r.tenants)}\n\n{total}"
 
@@ -217,7 +245,7 @@ def _render_stats(r, args) -> str:
 def _render_inspect(r, args) -> str:
     s = r.stats
     head = (f"tenant {s.tenant}: {s.num_blocks} cached blocks ({s.num_pinned_blocks} pinned), {s.num_requests} "
-            f"requests, {s.prefix_hit_tokens} of {s.prefix_query_tokens} query tokens hit")
+            f"requests, {s.prefix_cache_hits} of {s.prefix_cache_queries} query tokens hit")
     prefixes = table(["WORKER", "BLOCKS", "TOKENS", "LAST_BLOCK_HASH"],
                      [[p.worker_id, p.num_blocks, p.num_tokens, p.last_block_hash] for p in r.prefixes])
     blocks = table(["WORKER", "EPOCH", "INDEX", "PAGE", "REF_CNT", "PINNED", "LAST_USED", "BLOCK_HASH"],
@@ -228,8 +256,8 @@ def _render_inspect(r, args) -> str:
 
 def _render_probe(r, args) -> str:
     best = f" (best: {r.worker_id})" if r.worker_id else ""
-    hits = table(["WORKER", "EPOCH", "HIT_TOKENS"], [[h.worker_id, h.epoch, h.num_hit_tokens] for h in r.hits])
-    return f"tenant {args.tenant}: {r.num_hit_tokens} of {r.num_query_tokens} tokens hit{best}\n{hits}"
+    hits = table(["WORKER", "EPOCH", "HIT_TOKENS"], [[h.worker_id, h.epoch, h.num_cached_tokens] for h in r.hits])
+    return f"tenant {args.tenant}: {r.num_cached_tokens} of {r.num_query_tokens} tokens hit{best}\n{hits}"
 
 
 def _render_page_table(r, args) -> str:

@@ -13,10 +13,19 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-from kvserve.common.wire.pages import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps, StepResults
+from kvserve.common.wire.pages import (
+    OpStatus,
+    PageAllocation,
+    PageCommit,
+    PageExtension,
+    PageFree,
+    PoolSpec,
+    StepOps,
+    StepResults,
+)
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import PagePool
-from kvserve.kvmanager.state import Request
+from kvserve.kvmanager.state import RequestPages
 
 PAGE_SIZE = 4
 SOAK_SPEC = PoolSpec("w0", 1, 48, PAGE_SIZE, "fp", "float32", 64)
@@ -51,7 +60,7 @@ def snapshot(mgr: KVManager, clock: bool = True, last_ops: bool = True) -> dict:
     return out
 
 
-def assert_last_ops_persisted(orig: Request, loaded: Request) -> None:
+def assert_last_ops_persisted(orig: RequestPages, loaded: RequestPages) -> None:
     """last_ops as stored: KVManager records an op's result in last_ops without naming the request in
     ``changes`` when the op changed nothing else (an extension within its pages, OUT_OF_PAGES, STALE_EPOCH), so
     such a result reaches Redis only with the request's next change. After a restart a retry of that call runs
@@ -94,9 +103,9 @@ class Soak:
             st = self.running[r]
             full = len(st.tokens) // PAGE_SIZE * PAGE_SIZE
             if full > st.num_committed:
-                commits.append(Commit(r, st.num_committed, tuple(st.tokens[st.num_committed:full]), len(st.tokens)))
+                commits.append(PageCommit(r, st.num_committed, tuple(st.tokens[st.num_committed:full]), len(st.tokens)))
         decode = [(r, rng.randrange(1000)) for r in live if rng.random() < 0.7]
-        extensions = [Extend(r, len(self.running[r].tokens) + 1) for r, _ in decode]
+        extensions = [PageExtension(r, len(self.running[r].tokens) + 1) for r, _ in decode]
         allocations = []
         for _ in range(rng.choice((1, 1, 2))):
             tenant = rng.choice(TENANTS)
@@ -104,9 +113,10 @@ class Soak:
             prompt += [rng.randrange(1000) for _ in range(rng.randrange(1, 7))]
             req_id = f"r{self.num_allocated}"
             self.num_allocated += 1
-            allocations.append(Allocate(req_id, tenant, tuple(prompt), SOAK_SPEC.worker_id))
+            allocations.append(PageAllocation(req_id, tenant, tuple(prompt), SOAK_SPEC.worker_id))
         self.pending = (decode, {a.req_id: list(a.token_ids) for a in allocations}, commits)
-        return StepOps(step_id, tuple(allocations), tuple(extensions), tuple(commits), tuple(Free(r) for r in frees))
+        frees = tuple(PageFree(r) for r in frees)
+        return StepOps(step_id, tuple(allocations), tuple(extensions), tuple(commits), frees)
 
     def observe(self, ops: StepOps, results: StepResults) -> None:
         decode, prompts, commits = self.pending

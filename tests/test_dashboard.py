@@ -28,7 +28,7 @@ PANEL_KINDS = {"timeseries", "stat", "gauge"}
 def _read_stats() -> SimpleNamespace:
     """A stand-in for kvmanager.admin.Stats with one pool and one tenant, so every labelled family has samples."""
     pool = SimpleNamespace(worker_id="w0", num_used_pages=3, num_pages=8, num_cached_pages=2)
-    tenant = SimpleNamespace(tenant="t0", prefix_query_tokens=10, prefix_hit_tokens=4)
+    tenant = SimpleNamespace(tenant="t0", prefix_cache_queries=10, prefix_cache_hits=4)
     return SimpleNamespace(pools=[pool], tenants=[tenant], num_evicted_blocks=1)
 
 
@@ -128,10 +128,10 @@ def test_the_dashboard_is_valid_json_with_a_title_uid_and_unique_panels(dashboar
         assert {"x", "y", "w", "h"} <= panel["gridPos"].keys() and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
 
 
-def test_template_variables_datasource_worker_and_tenant(dashboard: dict) -> None:
+def test_template_variables_datasource_worker_id_and_tenant(dashboard: dict) -> None:
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    for name in ("worker", "tenant"):
+    for name in ("worker_id", "tenant"):
         var = variables[name]
         assert var["type"] == "query" and var["datasource"]["uid"] == "${datasource}"
         assert re.fullmatch(rf"label_values\(kvserve:[a-z_:]+, {name}\)", var["query"]["query"]), var["query"]

@@ -126,7 +126,7 @@ def test_admin_probes_text_on_the_stack_kvserve_up_starts(keys_stack, tokenizer)
     assert out.returncode == 0, out.stderr
     probe = json.loads(out.stdout)
     assert done.usage.prompt_tokens == num_tokens == probe["num_query_tokens"]
-    assert probe["num_hit_tokens"] == (num_tokens - 1) // PAGE_SIZE * PAGE_SIZE > 0
+    assert probe["num_cached_tokens"] == (num_tokens - 1) // PAGE_SIZE * PAGE_SIZE > 0
     hint = keys_stack.ready_line.split("kvserve admin ", 1)[1].rstrip(")\n").split()  # the ready line's command
     assert hint == ["stats", "--kvmanager", keys_stack.kvmanager, "--data-dir", str(keys_stack.data_dir)]
     assert run_cli("admin", *hint).returncode == 0

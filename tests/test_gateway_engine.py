@@ -103,7 +103,7 @@ def test_cached_tokens_count_the_admission_whose_prefill_ran(engine, backends):
     worker.restart_before_step = worker.num_steps + 1
     tokens, last = run(engine, "b")
     assert tokens == reference(PROMPT, 6) and worker.epoch == 2
-    assert kv.mgr.tenants["t"].prefix_hit_tokens == 8  # the kvmanager did hand b a's two pages at first
+    assert kv.mgr.tenants["t"].prefix_cache_hits == 8  # the kvmanager did hand b a's two pages at first
     assert last.usage.num_cached_tokens == 0
     assert_all_pages_back(kv)
 

@@ -29,7 +29,7 @@ import pytest
 from conftest import TEST_NUM_PAGES, TEST_PAGE_SIZE
 from test_kvmanager_cli import kvmanager_process, stop_cleanly
 
-from kvserve.common.wire.pages import Allocate, Commit, PoolSpec, StepOps
+from kvserve.common.wire.pages import PageAllocation, PageCommit, PoolSpec, StepOps
 from kvserve.common.wire.worker import SamplingParams
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
@@ -187,9 +187,9 @@ def test_a_starting_gateway_frees_what_a_dead_one_left_running(model_dir, worker
     server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=TOKEN)
     spec = PoolSpec.of(runner.info)  # registered by the gateway that died, which then admitted a request
     service.register_worker(spec)
-    orphan = Allocate("orphan", "default", tuple(range(100, 140)), spec.worker_id)
+    orphan = PageAllocation("orphan", "default", tuple(range(100, 140)), spec.worker_id)
     service.step(StepOps(1, allocations=(orphan,), commits=()))
-    service.step(StepOps(2, commits=(Commit("orphan", 0, orphan.token_ids[:32], 40),)))
+    service.step(StepOps(2, commits=(PageCommit("orphan", 0, orphan.token_ids[:32], 40),)))
     pool = service.manager.pools[spec.worker_id]
     assert pool.num_used == 3 and pool.num_requests == 1
     gateway = connect_gateway(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",),

@@ -4,7 +4,7 @@ f(position)) because what is tested here is which tokens get computed where, not
 
 from __future__ import annotations
 
-from kvserve.common.wire.pages import Allocate, PoolSpec, StepOps, StepResults
+from kvserve.common.wire.pages import PageAllocation, PoolSpec, StepOps, StepResults
 from kvserve.common.wire.worker import SampledToken
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
@@ -163,7 +163,7 @@ def test_finish_says_whether_the_request_still_has_pages_to_free():
 
 def test_a_request_that_can_never_fit_fails_instead_of_waiting_forever():
     mgr, sched = setup(num_pages=4)
-    mgr.step(StepOps(allocations=(Allocate("elsewhere", "t", tuple(range(50, 58)), "w0"),)))  # holds 2 pages
+    mgr.step(StepOps(allocations=(PageAllocation("elsewhere", "t", tuple(range(50, 58)), "w0"),)))  # holds 2 pages
     big = request("big", range(1, 11), max_tokens=1)  # needs 3 pages; nothing of this scheduler will free any
     sched.add(big)
     out = sched.schedule()
@@ -224,7 +224,7 @@ def test_headroom_the_pool_cannot_give_preempts_nothing():
     a = request("a", range(1, 7), max_tokens=20)  # 6 tokens: 2 pages
     sched.add(a)
     run_step(mgr, sched)
-    mgr.step(StepOps(allocations=(Allocate("other", "u", tuple(range(50, 58)), "w0"),)))  # the 2 other pages
+    mgr.step(StepOps(allocations=(PageAllocation("other", "u", tuple(range(50, 58)), "w0"),)))  # the 2 other pages
     out, step = run_step(mgr, sched)  # a's first page is committed; the scheduler still counts 2 spare pages
     assert out.headroom_only == {"a"} and [(e.req_id, e.num_tokens) for e in out.ops.extensions] == [("a", 11)]
     assert [i.req_id for i in step.items] == ["a"] and sched.num_preemptions == 0 and len(a.page_table) == 2
@@ -242,7 +242,7 @@ def test_a_preempted_request_commits_what_it_computed_and_hits_it_on_resume():
     assert [(c.req_id, c.start_pos, len(c.token_ids)) for c in out.ops.commits] == [("b", 4, 8)]
     assert [f.req_id for f in out.ops.frees] == ["b"]
     run_step(mgr, sched)  # readmitted: recomputes only what its committed pages do not hold
-    assert mgr.tenants["t"].prefix_hit_tokens == 12
+    assert mgr.tenants["t"].prefix_cache_hits == 12
     drain(mgr, sched)
     assert b.output_token_ids == [100 + p for p in range(4, 34)]
     assert b.num_cached_tokens == 0  # usage reports its first admission's hit, not its readmission's 12
@@ -292,7 +292,7 @@ def test_overlapped_calls_compute_the_same_steps_as_calls_waited_for():
                   for i in step.items] for _, step in steps]
         overlapped = sum(out.can_overlap for out, _ in steps)
         runs.append((items, {r: list(req.output_token_ids) for r, req in sched.requests.items()},
-                     sorted(mgr.pools["w0"].index), mgr.tenants["t"].prefix_hit_tokens, overlapped))
+                     sorted(mgr.pools["w0"].index), mgr.tenants["t"].prefix_cache_hits, overlapped))
         assert mgr.pools["w0"].num_used == 0
     (items, outputs, index, hits, _), (items_o, outputs_o, index_o, hits_o, overlapped) = runs
     assert overlapped >= 5 and hits > 0

@@ -81,7 +81,8 @@ def test_kvmanager_serves_admin_commands_then_exits_cleanly(tmp_path):
         (pool,) = stats["pools"]
         assert (pool["worker_id"], pool["num_used_pages"], pool["num_cached_pages"], pool["num_free_pages"]) == (
             "w0", 2, 3, 3)
-        assert pool["pool_bytes"] == "3200" and stats["prefix_query_tokens"] == "18"  # int64: strings in JSON
+        assert pool["pool_bytes"] == 3200 and stats["prefix_cache_queries"] == 18  # counts are numbers, int64 too
+        assert pool["epoch"] == 1 and stats["store_ok"] is True
         assert [(t["tenant"], t["num_blocks"], t["num_requests"]) for t in stats["tenants"]] == [("A", 3, 0),
                                                                                               ("B", 0, 1)]
         out = run_cli(tmp_path, "admin", "stats", *admin)

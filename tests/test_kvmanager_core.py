@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.common.errors import InvalidRequest, StaleEpoch
-from kvserve.common.wire.pages import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps
+from kvserve.common.wire.pages import OpStatus, PageAllocation, PageCommit, PageExtension, PageFree, PoolSpec, StepOps
 from kvserve.kvmanager.errors import StaleStep, UnknownRequest, UnknownWorker
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
 from kvserve.kvmanager.manager import KVManager
@@ -26,16 +26,16 @@ def mgr_with(*specs) -> KVManager:
 
 
 def alloc(m, req_id, tokens, tenant="t", worker="w0", step=0):
-    return m.step(StepOps(step, allocations=(Allocate(req_id, tenant, tuple(tokens), worker),))).allocations[0]
+    return m.step(StepOps(step, allocations=(PageAllocation(req_id, tenant, tuple(tokens), worker),))).allocations[0]
 
 
 def commit(m, req_id, start, tokens, computed=None, step=0):
-    op = Commit(req_id, start, tuple(tokens), computed if computed is not None else start + len(tokens))
+    op = PageCommit(req_id, start, tuple(tokens), computed if computed is not None else start + len(tokens))
     return m.step(StepOps(step, commits=(op,))).commits[0]
 
 
 def free(m, req_id, step=0):
-    return m.step(StepOps(step, frees=(Free(req_id),))).frees[0]
+    return m.step(StepOps(step, frees=(PageFree(req_id),))).frees[0]
 
 
 def ref_cnts(m, worker="w0"):
@@ -75,7 +75,7 @@ def test_prefix_hit_reuses_committed_pages_and_caps_at_last_token():
     assert ref_cnts(m)[:4] == [2, 2, 1, 1]
     c = alloc(m, "c", prompt + [7])  # 13 tokens: all 3 full pages hit
     assert c.num_cached_tokens == 12 and c.page_table == [0, 1, 2, 4]
-    assert m.tenants["t"].prefix_query_tokens == 12 + 12 + 13 and m.tenants["t"].prefix_hit_tokens == 20
+    assert m.tenants["t"].prefix_cache_queries == 12 + 12 + 13 and m.tenants["t"].prefix_cache_hits == 20
 
 
 def test_other_tenant_never_hits():
@@ -139,7 +139,7 @@ def test_out_of_pages_is_a_result_that_changes_nothing():
     assert r.status == OpStatus.OUT_OF_PAGES and r.num_pages_short == 1 and r.page_table == []
     assert "b" not in m.requests and ref_cnts(m) == [1, 1, 1, 0]
     alloc(m, "c", range(4))
-    ext = m.step(StepOps(extensions=(Extend("a", 16),))).extensions[0]
+    ext = m.step(StepOps(extensions=(PageExtension("a", 16),))).extensions[0]
     assert ext.status == OpStatus.OUT_OF_PAGES and ext.num_pages_short == 1
     assert m.requests["a"].page_table == [0, 1, 2]
 
@@ -147,51 +147,52 @@ def test_out_of_pages_is_a_result_that_changes_nothing():
 def test_extend_appends_pages():
     m = mgr_with()
     alloc(m, "a", range(4))
-    e = m.step(StepOps(extensions=(Extend("a", 4),))).extensions[0]
+    e = m.step(StepOps(extensions=(PageExtension("a", 4),))).extensions[0]
     assert e.new_page_ids == [] and e.num_pages == 1
-    e = m.step(StepOps(extensions=(Extend("a", 9),))).extensions[0]
+    e = m.step(StepOps(extensions=(PageExtension("a", 9),))).extensions[0]
     assert e.new_page_ids == [1, 2] and e.num_pages == 3
 
 
 def test_step_applies_frees_before_allocations():
     m = mgr_with(spec(num_pages=2))
     alloc(m, "a", range(8))
-    out = m.step(StepOps(frees=(Free("a"),), allocations=(Allocate("b", "t", tuple(range(8)), "w0"),)))
+    out = m.step(StepOps(frees=(PageFree("a"),), allocations=(PageAllocation("b", "t", tuple(range(8)), "w0"),)))
     assert out.allocations[0].status == OpStatus.OK and out.allocations[0].page_table == [1, 0]  # freed tail first
     assert out.pools[0].num_free_pages == 0
 
 
 def test_retried_call_with_same_step_id_is_not_applied_twice():
     m = mgr_with()
-    ops = StepOps(7, allocations=(Allocate("a", "t", tuple(range(6)), "w0"),))
+    ops = StepOps(7, allocations=(PageAllocation("a", "t", tuple(range(6)), "w0"),))
     first = m.step(ops)
     again = m.step(ops)
     assert again.allocations[0] == first.allocations[0] and ref_cnts(m)[:3] == [1, 1, 0]
-    ext = StepOps(8, extensions=(Extend("a", 12),))
+    ext = StepOps(8, extensions=(PageExtension("a", 12),))
     e1, e2 = m.step(ext).extensions[0], m.step(ext).extensions[0]
     assert e1.new_page_ids == e2.new_page_ids == [2] and len(m.requests["a"].page_table) == 3
     with pytest.raises(StaleStep, match="older than step 8"):
-        m.step(StepOps(7, extensions=(Extend("a", 16),)))
+        m.step(StepOps(7, extensions=(PageExtension("a", 16),)))
 
 
 def test_an_allocation_older_than_the_call_that_freed_its_request_is_stale_not_a_new_request():
     """A gateway gave up on call 7 (admitting "a") and freed "a" in call 8; an attempt of call 7 still queued
     in the kvmanager must not allocate "a" again: nobody would ever free it."""
     m = mgr_with()
-    admit = StepOps(7, allocations=(Allocate("a", "t", tuple(range(6)), "w0"),))
+    admit = StepOps(7, allocations=(PageAllocation("a", "t", tuple(range(6)), "w0"),))
     m.step(admit)
-    m.step(StepOps(8, frees=(Free("a"),)))
+    m.step(StepOps(8, frees=(PageFree("a"),)))
     with pytest.raises(StaleStep, match="older than step 8, which freed it"):
         m.step(admit)
     assert "a" not in m.requests and ref_cnts(m)[:3] == [0, 0, 0]
-    again = m.step(StepOps(9, allocations=(Allocate("a", "t", tuple(range(6)), "w0"),)))  # a newer call may reuse it
+    # a newer call may reuse it
+    again = m.step(StepOps(9, allocations=(PageAllocation("a", "t", tuple(range(6)), "w0"),)))
     assert again.allocations[0].status is OpStatus.OK and "a" in m.requests
 
 
 def test_a_request_commits_its_last_pages_in_the_call_that_frees_it_and_a_retry_gets_the_same_answers():
     m = mgr_with()
     alloc(m, "a", range(10))  # pages 0, 1, 2
-    ops = StepOps(5, commits=(Commit("a", 0, tuple(range(8)), 10),), frees=(Free("a"),))
+    ops = StepOps(5, commits=(PageCommit("a", 0, tuple(range(8)), 10),), frees=(PageFree("a"),))
     first = m.step(ops)
     assert first.commits[0].status is OpStatus.OK and first.commits[0].num_committed_tokens == 8
     assert "a" not in m.requests and ref_cnts(m)[:3] == [0, 0, 0]
@@ -201,7 +202,7 @@ def test_a_request_commits_its_last_pages_in_the_call_that_frees_it_and_a_retry_
     assert (again.commits, again.frees) == (first.commits, first.frees) and len(pool.index) == 2
     assert alloc(m, "b", range(12)).num_cached_tokens == 8  # the pages it committed on its way out serve b
     with pytest.raises(UnknownRequest, match="'a' is not live"):  # a later call is not a retry
-        m.step(StepOps(9, commits=(Commit("a", 8, tuple(range(8, 12)), 12),)))
+        m.step(StepOps(9, commits=(PageCommit("a", 8, tuple(range(8, 12)), 12),)))
 
 def test_reregistration_with_new_epoch_drops_old_pages_and_index():
     m = mgr_with()
@@ -210,7 +211,7 @@ def test_reregistration_with_new_epoch_drops_old_pages_and_index():
     commit(m, "a", 0, prompt[:8])
     res = m.register_worker(spec(epoch=2))
     assert res.previous_epoch == 1 and res.dropped_req_ids == ("a",)
-    assert m.step(StepOps(extensions=(Extend("a", 12),))).extensions[0].status == OpStatus.STALE_EPOCH
+    assert m.step(StepOps(extensions=(PageExtension("a", 12),))).extensions[0].status == OpStatus.STALE_EPOCH
     assert free(m, "a").status == OpStatus.STALE_EPOCH
     b = alloc(m, "b", prompt)
     assert b.epoch == 2 and b.num_cached_tokens == 0 and b.page_table == [0, 1, 2]
@@ -261,7 +262,7 @@ def test_placement_prefers_the_longest_hit_balanced_against_load():
 def test_an_allocation_names_its_worker_and_is_only_tried_there():
     m = mgr_with(spec("w0", num_pages=2), spec("w1"))
     with pytest.raises(InvalidRequest, match="worker_id must name the worker"):
-        m.step(StepOps(allocations=(Allocate("a", "t", (1, 2, 3)),)))
+        m.step(StepOps(allocations=(PageAllocation("a", "t", (1, 2, 3)),)))
     alloc(m, "a", range(8), worker="w0")  # w0 is full now, w1 empty
     r = alloc(m, "b", range(8), worker="w0")
     assert r.status is OpStatus.OUT_OF_PAGES and r.num_pages_short == 2  # not moved to w1
@@ -285,22 +286,22 @@ def test_place_answers_like_allocation_would_counting_queued_requests_without_si
         KVManager().place("t", (1,), {})
 
 BAD = [
-    (StepOps(allocations=(Allocate("a", "", (1,), "w0"),)), InvalidRequest, "tenant must not be empty"),
-    (StepOps(allocations=(Allocate("a", "t", (), "w0"),)), InvalidRequest, "token_ids must not be empty"),
-    (StepOps(allocations=(Allocate("a", "t", (-1,), "w0"),)), InvalidRequest, "token id -1 is not a uint32"),
-    (StepOps(allocations=(Allocate("a", "t", (1,), "nope"),)), UnknownWorker, "no pool is registered"),
-    (StepOps(allocations=(Allocate("a", "t", tuple(range(40)), "w0"),)), InvalidRequest,
+    (StepOps(allocations=(PageAllocation("a", "", (1,), "w0"),)), InvalidRequest, "tenant must not be empty"),
+    (StepOps(allocations=(PageAllocation("a", "t", (), "w0"),)), InvalidRequest, "token_ids must not be empty"),
+    (StepOps(allocations=(PageAllocation("a", "t", (-1,), "w0"),)), InvalidRequest, "token id -1 is not a uint32"),
+    (StepOps(allocations=(PageAllocation("a", "t", (1,), "nope"),)), UnknownWorker, "no pool is registered"),
+    (StepOps(allocations=(PageAllocation("a", "t", tuple(range(40)), "w0"),)), InvalidRequest,
      "more pages than pool 'w0' has"),
-    (StepOps(allocations=(Allocate("live", "t", (1,), "w0"),)), InvalidRequest, "already live"),
-    (StepOps(extensions=(Extend("ghost", 4),)), UnknownRequest, "'ghost' is not live"),
-    (StepOps(extensions=(Extend("live", -4),)), InvalidRequest, "num_tokens must be > 0"),
-    (StepOps(extensions=(Extend("live", 10**6),)), InvalidRequest, "exceeds the pool"),
-    (StepOps(commits=(Commit("live", 0, (1, 2, 3), 3),)), InvalidRequest, "not a whole number of pages"),
-    (StepOps(commits=(Commit("live", 4, (1, 2, 3, 4), 8),)), InvalidRequest, "must equal the 0 tokens"),
-    (StepOps(commits=(Commit("live", 0, (1, 2, 3, 4), 2),)), InvalidRequest, "num_computed_tokens"),
-    (StepOps(commits=(Commit("ghost", 0, (1, 2, 3, 4), 4),)), UnknownRequest, "not live"),
-    (StepOps(frees=(Free("x"), Free("x"))), InvalidRequest, "appears twice"),
-    (StepOps(frees=(Free("live"),), extensions=(Extend("live", 8),)), InvalidRequest, "another list"),
+    (StepOps(allocations=(PageAllocation("live", "t", (1,), "w0"),)), InvalidRequest, "already live"),
+    (StepOps(extensions=(PageExtension("ghost", 4),)), UnknownRequest, "'ghost' is not live"),
+    (StepOps(extensions=(PageExtension("live", -4),)), InvalidRequest, "num_tokens must be > 0"),
+    (StepOps(extensions=(PageExtension("live", 10**6),)), InvalidRequest, "exceeds the pool"),
+    (StepOps(commits=(PageCommit("live", 0, (1, 2, 3), 3),)), InvalidRequest, "not a whole number of pages"),
+    (StepOps(commits=(PageCommit("live", 4, (1, 2, 3, 4), 8),)), InvalidRequest, "must equal the 0 tokens"),
+    (StepOps(commits=(PageCommit("live", 0, (1, 2, 3, 4), 2),)), InvalidRequest, "num_computed_tokens"),
+    (StepOps(commits=(PageCommit("ghost", 0, (1, 2, 3, 4), 4),)), UnknownRequest, "not live"),
+    (StepOps(frees=(PageFree("x"), PageFree("x"))), InvalidRequest, "appears twice"),
+    (StepOps(frees=(PageFree("live"),), extensions=(PageExtension("live", 8),)), InvalidRequest, "another list"),
     (StepOps(-1), InvalidRequest, "step_id must be >= 0"),
 ]
 
@@ -310,7 +311,7 @@ def test_bad_input_is_rejected_and_changes_nothing(ops, error, message):
     m = mgr_with()
     alloc(m, "live", range(6))
     # a valid op in the same call must not be applied either
-    ops = StepOps(ops.step_id, ops.allocations, ops.extensions, ops.commits, ops.frees + (Free("other"),))
+    ops = StepOps(ops.step_id, ops.allocations, ops.extensions, ops.commits, ops.frees + (PageFree("other"),))
     before = (ref_cnts(m), list(m.pools["w0"].free), dict(m.requests["live"].__dict__ if hasattr(
         m.requests["live"], "__dict__") else {}), m.requests["live"].page_table[:])
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):

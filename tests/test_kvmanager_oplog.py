@@ -9,7 +9,7 @@ import pytest
 from test_kvmanager_store import alloc, build_history, spec
 
 from kvserve.common.errors import InvalidRequest
-from kvserve.common.wire.pages import Commit, Extend, Free, OpStatus, StepOps
+from kvserve.common.wire.pages import OpStatus, PageCommit, PageExtension, PageFree, StepOps
 from kvserve.kvmanager import admin
 from kvserve.kvmanager.errors import StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
@@ -84,10 +84,10 @@ def test_a_step_is_logged_once_when_validated_and_replays_to_the_same_state(redi
     svc.step(StepOps(1, allocations=(alloc("a", "A", range(9)),)))  # a retried call: replayed, not logged again
     assert client.llen("kvserve:log") == 2
     with pytest.raises(InvalidRequest):
-        svc.step(StepOps(2, extensions=(Extend("a", -1),)))  # refused by validation: never logged
+        svc.step(StepOps(2, extensions=(PageExtension("a", -1),)))  # refused by validation: never logged
     assert client.llen("kvserve:log") == 2
     # Sent before it is applied, a step is logged even when it turns out to change nothing ...
-    svc.step(StepOps(3, frees=(Free("ghost"),)))
+    svc.step(StepOps(3, frees=(PageFree("ghost"),)))
     assert client.llen("kvserve:log") == 3
     # ... and replaying it changes nothing either.
     restored = KVManager()
@@ -110,7 +110,7 @@ def test_failed_append_is_kept_and_logged_once_when_the_retry_succeeds(tmp_path)
         store.client = connect(server.url)
         first = svc.step(ops)  # the retry replays the remembered answer and writes the kept record
         assert first.allocations[0].page_table == [0, 1, 2]
-        svc.step(StepOps(2, commits=(Commit("a", 0, tuple(range(8)), 9),)))
+        svc.step(StepOps(2, commits=(PageCommit("a", 0, tuple(range(8)), 9),)))
         assert store.client.llen("kvserve:log") == 3
         loaded, _ = reload(server.url)
         assert exact(loaded) == exact(svc.manager)
@@ -157,7 +157,7 @@ def test_a_step_whose_early_append_fails_is_unavailable_then_durable_exactly_onc
         assert not store.pending
         expected = 2 if fault == "redis killed before it appended" else 3
         assert store.client.llen("kvserve:log") == expected
-        svc.step(StepOps(2, commits=(Commit("a", 0, tuple(range(8)), 9),)))
+        svc.step(StepOps(2, commits=(PageCommit("a", 0, tuple(range(8)), 9),)))
         loaded, _ = reload(server.url)
         assert exact(loaded) == exact(svc.manager)
     finally:
@@ -197,8 +197,8 @@ def test_a_step_record_narrows_token_ids_to_16_bits_only_when_every_id_fits(redi
     svc.register_worker(spec("w0"))
     prompt = [7, 300, top_id, 9] * 2 + [5]  # two full pages and one token
     svc.step(StepOps(1, allocations=(alloc("a", "A", prompt, "w0"), alloc("b", "B", range(60000, 60009), "w0"))))
-    svc.step(StepOps(2, commits=(Commit("a", 0, tuple(prompt[:8]), 9),)))
-    hit = svc.step(StepOps(3, allocations=(alloc("c", "A", prompt[:8] + [1, 2], "w0"),), frees=(Free("a"),)))
+    svc.step(StepOps(2, commits=(PageCommit("a", 0, tuple(prompt[:8]), 9),)))
+    hit = svc.step(StepOps(3, allocations=(alloc("c", "A", prompt[:8] + [1, 2], "w0"),), frees=(PageFree("a"),)))
     assert hit.allocations[0].num_cached_tokens == 8
     raw = _read_binary(client, "kvserve:log")  # the store's client decodes text: the raw records
     steps = [r for r in raw if r.startswith(b'{"k":"step"')]
@@ -238,7 +238,7 @@ def test_the_same_call_without_a_step_id_twice_in_a_row_is_logged_twice(redis_ur
     svc.register_worker(spec("w0"))
     svc.step(StepOps(0, allocations=(alloc("a", "A", range(9), "w0"),)))
     for _ in range(2):
-        assert svc.step(StepOps(0, commits=(Commit("a", 0, (), 9),))).commits[0].status is OpStatus.OK
+        assert svc.step(StepOps(0, commits=(PageCommit("a", 0, (), 9),))).commits[0].status is OpStatus.OK
     assert client.llen("kvserve:log") == 4
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)

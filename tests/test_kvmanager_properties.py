@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvserve.common.errors import DomainError, StaleEpoch
-from kvserve.common.wire.pages import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps
+from kvserve.common.wire.pages import OpStatus, PageAllocation, PageCommit, PageExtension, PageFree, PoolSpec, StepOps
 from kvserve.kvmanager.errors import UnknownTenant
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
 from kvserve.kvmanager.manager import KVManager
@@ -73,7 +73,7 @@ def snapshot(mgr: KVManager, volatile: bool = True):
                     r.num_prompt_tokens, r.num_committed_tokens, r.skip_prefix_cache, copy.deepcopy(r.last_ops))
                 for k, r in d.items()}
 
-    tenants = {t: (c.prefix_query_tokens, c.prefix_hit_tokens) for t, c in mgr.tenants.items()}
+    tenants = {t: (c.prefix_cache_queries, c.prefix_cache_hits) for t, c in mgr.tenants.items()}
     out = (pools, reqs(mgr.requests), reqs(mgr.stale), tenants, mgr.load_penalty_pages)
     if volatile:
         ch = mgr.changes
@@ -124,8 +124,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.pending: dict[str, list[int]] = {}  # req_id -> its tokens once the extension in flight succeeds
         self.num_ids = self.num_steps = 0
         self.last = None  # (ops, results, snapshot after) of the latest call with a step_id
-        self.num_calls = 0
-        self.last_touch: dict[str, int] = {}  # req_id -> the latest call (or forget) that changed it
+        self.last_step: dict[str, int] = {}  # req_id with a record (live or stale) -> the newest step_id applied
 
     # -- plain actions (the fixed-bug repros call these directly) -----------------------------------------------
     def setup(self, sizes):
@@ -161,9 +160,11 @@ class KVManagerMachine(RuleBasedStateMachine):
         for a, r in zip(ops.allocations, res.allocations, strict=True):
             self.absorb_allocate(a, r, pre)
         self.pending.clear()
-        self.num_calls += 1
-        for op in (*ops.allocations, *ops.extensions, *ops.commits, *ops.frees):
-            self.last_touch[op.req_id] = self.num_calls
+        for op in (*ops.allocations, *ops.extensions, *ops.commits, *ops.frees) if ops.step_id else ():
+            if op.req_id in self.live or op.req_id in self.stale:
+                self.last_step[op.req_id] = max(self.last_step.get(op.req_id, 0), ops.step_id)
+            else:  # freed, or an allocation short of pages: no record keeps its step_id
+                self.last_step.pop(op.req_id, None)
         self.last = (ops, copy.deepcopy(res), snapshot(self.mgr, volatile=False)) if ops.step_id else None
         self.check_all()  # after every call, also inside rules that make several
         return res
@@ -177,12 +178,12 @@ class KVManagerMachine(RuleBasedStateMachine):
             res.allocations, res.extensions, res.commits, res.frees)
         assert snapshot(self.mgr, volatile=False) == after
 
-    def extend_to(self, rid: str, new_tokens: list[int]) -> Extend:
+    def extend_to(self, rid: str, new_tokens: list[int]) -> PageExtension:
         self.pending[rid] = self.live[rid].tokens + list(new_tokens)
-        return Extend(rid, len(self.pending[rid]))
+        return PageExtension(rid, len(self.pending[rid]))
 
     # -- absorbing results into the model, with per-op checks ---------------------------------------------
-    def absorb_free(self, f: Free, r) -> None:
+    def absorb_free(self, f: PageFree, r) -> None:
         if f.req_id in self.live:
             assert r.status is OK
             del self.live[f.req_id]
@@ -194,7 +195,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         else:
             assert r.status is OK  # freeing twice is harmless
 
-    def absorb_commit(self, c: Commit, r) -> None:
+    def absorb_commit(self, c: PageCommit, r) -> None:
         if c.req_id in self.stale:
             assert r.status is STALE
             return
@@ -209,7 +210,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         m.num_committed = end
         self.histories.append(tuple(m.tokens))
 
-    def absorb_extend(self, e: Extend, r, pre) -> None:
+    def absorb_extend(self, e: PageExtension, r, pre) -> None:
         if e.req_id in self.stale:
             assert r.status is STALE and not r.new_page_ids
             return
@@ -232,7 +233,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         m.tokens = self.pending[e.req_id]
         assert r.num_pages == len(m.page_table)
 
-    def absorb_allocate(self, a: Allocate, r, pre) -> None:
+    def absorb_allocate(self, a: PageAllocation, r, pre) -> None:
         if pre is not None:
             self.check_placement(a, r, pre)
         if r.status is SHORT:
@@ -284,7 +285,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     def model_available(p: Pre, hits: list[int]) -> int:
         return len(p.free) + len(p.evictable) - sum(1 for h in hits if h in p.evictable)
 
-    def check_placement(self, a: Allocate, r, pre: dict[str, Pre]) -> None:
+    def check_placement(self, a: PageAllocation, r, pre: dict[str, Pre]) -> None:
         """Single allocation, on the pool it names: the longest indexed prefix, exact fresh pages, or exactly how
         many pages it is short."""
         p = pre[a.worker_id]
@@ -312,7 +313,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert len(m.page_table) == pages_for(len(m.tokens))
             if not m.skip:
                 assert r.block_hashes == chain_hashes(seed_of(m.tenant), m.tokens[: m.num_committed], PS)
-        assert {t: [c.prefix_query_tokens, c.prefix_hit_tokens] for t, c in mgr.tenants.items()} == self.counters
+        assert {t: [c.prefix_cache_queries, c.prefix_cache_hits] for t, c in mgr.tenants.items()} == self.counters
         if check_invariants is not None:
             check_invariants(mgr)
 
@@ -374,26 +375,26 @@ class KVManagerMachine(RuleBasedStateMachine):
         suffix = data.draw(st.lists(st.integers(0, 3), min_size=0 if k else 1, max_size=5))
         return tuple(base[: k * PS]) + tuple(suffix)  # no suffix: page-aligned, the last page is recomputed
 
-    def alloc_op(self, data, req_id: str | None = None, prompt: tuple[int, ...] = ()) -> Allocate:
+    def alloc_op(self, data, req_id: str | None = None, prompt: tuple[int, ...] = ()) -> PageAllocation:
         if req_id is None:
             reuse = sorted(self.gone - set(self.live))
             req_id = data.draw(st.sampled_from(reuse)) if reuse and data.draw(st.integers(0, 4)) == 0 else None
         tenant = data.draw(st.sampled_from(TENANTS[:1] * 3 + TENANTS))  # mostly one tenant: more hits
         worker = data.draw(st.sampled_from(WORKERS[:1] * 3 + WORKERS))
-        return Allocate(req_id or self.new_id(), tenant, prompt or self.draw_prompt(data), worker,
-                        data.draw(st.integers(0, 4)) == 0)
+        return PageAllocation(req_id or self.new_id(), tenant, prompt or self.draw_prompt(data), worker,
+                              data.draw(st.integers(0, 4)) == 0)
 
-    def extend_op(self, rid: str, data) -> Extend | None:
+    def extend_op(self, rid: str, data) -> PageExtension | None:
         room = MAX_TOKENS - len(self.live[rid].tokens)
         if room <= 0:
             return None
         return self.extend_to(rid, data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=min(6, room))))
 
-    def commit_op(self, rid: str, data) -> Commit | None:
+    def commit_op(self, rid: str, data) -> PageCommit | None:
         m = self.live[rid]
         num_new = (len(m.tokens) // PS * PS - m.num_committed) // PS
         end = m.num_committed + PS * data.draw(st.integers(min(1, num_new), num_new))
-        return Commit(rid, m.num_committed, tuple(m.tokens[m.num_committed : end]), len(m.tokens))
+        return PageCommit(rid, m.num_committed, tuple(m.tokens[m.num_committed : end]), len(m.tokens))
 
     # -- rules ------------------------------------------------------------------------------------------
     @initialize(sizes=st.tuples(st.integers(6, 12), st.integers(6, 12)))
@@ -408,7 +409,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             return
         self.call(StepOps(self.next_step(data), commits=(self.commit_op(r.req_id, data),)))
         if data.draw(st.integers(0, 2)):
-            self.call(StepOps(self.next_step(data), frees=(Free(r.req_id),)))
+            self.call(StepOps(self.next_step(data), frees=(PageFree(r.req_id),)))
 
     @precondition(lambda self: self.reuse_stale_ids and self.stale)
     @rule(data=st.data())
@@ -428,7 +429,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         pool = self.mgr.pools[w]
         num = min(MAX_TOKENS // PS, pool.num_free + data.draw(st.integers(1, pool.num_evictable)))
         tokens = tuple(range(1000 + 100 * self.num_ids, 1000 + 100 * self.num_ids + num * PS))
-        op = Allocate(self.new_id(), data.draw(st.sampled_from(TENANTS)), tokens, w, data.draw(st.booleans()))
+        op = PageAllocation(self.new_id(), data.draw(st.sampled_from(TENANTS)), tokens, w, data.draw(st.booleans()))
         self.call(StepOps(self.next_step(data), allocations=(op,)))
 
     @precondition(lambda self: self.live or self.stale)
@@ -436,7 +437,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     def extend(self, data):
         rid = data.draw(st.sampled_from(sorted(self.live) + sorted(self.stale)))
         if rid in self.stale:
-            op = Extend(rid, len(self.stale[rid].tokens) + 1)
+            op = PageExtension(rid, len(self.stale[rid].tokens) + 1)
         else:
             op = self.extend_op(rid, data)
         if op is not None:
@@ -448,7 +449,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live) + sorted(self.stale)))
         if rid in self.stale:
             m = self.stale[rid]
-            op = Commit(rid, m.num_committed, tuple(m.tokens[m.num_committed : m.num_committed + PS]), 0)
+            op = PageCommit(rid, m.num_committed, tuple(m.tokens[m.num_committed : m.num_committed + PS]), 0)
         else:
             op = self.commit_op(rid, data)
         self.call(StepOps(self.next_step(data), commits=(op,)))
@@ -458,7 +459,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         kinds = [k for k, ids in (("live", self.live), ("stale", self.stale), ("gone", self.gone)) if ids]
         kind = data.draw(st.sampled_from(kinds + ["unknown"]))
         ids = {"live": self.live, "stale": self.stale, "gone": self.gone}.get(kind, {"ghost"})
-        self.call(StepOps(self.next_step(data), frees=(Free(data.draw(st.sampled_from(sorted(ids)))),)))
+        self.call(StepOps(self.next_step(data), frees=(PageFree(data.draw(st.sampled_from(sorted(ids)))),)))
 
     @rule(data=st.data())
     def batch(self, data):
@@ -468,7 +469,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         for rid in chosen:
             kind = data.draw(st.sampled_from(("free", "commit", "extend", "both", "last")))
             if kind in ("free", "last"):  # last: its final commit and its free in one call
-                frees.append(Free(rid))
+                frees.append(PageFree(rid))
             if kind in ("commit", "both", "last"):
                 commits.append(self.commit_op(rid, data))
             if kind in ("extend", "both") and (op := self.extend_op(rid, data)) is not None:
@@ -490,6 +491,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert res.released_req_ids == tuple(released) and res.dropped_req_ids == ()
             for rid in released:
                 del self.live[rid]
+                self.last_step.pop(rid, None)
                 self.gone.add(rid)
             self.last = None
             self.check_all()
@@ -545,23 +547,23 @@ class KVManagerMachine(RuleBasedStateMachine):
         m, slots = self.live[rid], len(self.live[rid].page_table) * PS
         nc = m.num_committed
         bad = data.draw(st.sampled_from((
-            StepOps(allocations=(Allocate("x", "", (1,), "w0"),)),
-            StepOps(allocations=(Allocate("x", "A", (1,), "nope"),)),
-            StepOps(allocations=(Allocate("x", "A", (1,)),)),
-            StepOps(allocations=(Allocate("x", "A", (1 << 32,), "w0"),)),
-            StepOps(allocations=(Allocate("x", "A", tuple(range(60)), "w0"),)),
-            StepOps(allocations=(Allocate(rid, "A", (1, 2), "w0"),)),
-            StepOps(extensions=(Extend("ghost", 4),)),
-            StepOps(extensions=(Extend(rid, 0),)),
-            StepOps(extensions=(Extend(rid, 1000),)),
-            StepOps(commits=(Commit(rid, nc, (1, 2, 3), slots),)),
-            StepOps(commits=(Commit(rid, nc + PS, (1, 2, 3, 4), slots),)),
-            StepOps(commits=(Commit(rid, nc, (), slots + 1),)),
-            StepOps(frees=(Free(rid), Free(rid))),
+            StepOps(allocations=(PageAllocation("x", "", (1,), "w0"),)),
+            StepOps(allocations=(PageAllocation("x", "A", (1,), "nope"),)),
+            StepOps(allocations=(PageAllocation("x", "A", (1,)),)),
+            StepOps(allocations=(PageAllocation("x", "A", (1 << 32,), "w0"),)),
+            StepOps(allocations=(PageAllocation("x", "A", tuple(range(60)), "w0"),)),
+            StepOps(allocations=(PageAllocation(rid, "A", (1, 2), "w0"),)),
+            StepOps(extensions=(PageExtension("ghost", 4),)),
+            StepOps(extensions=(PageExtension(rid, 0),)),
+            StepOps(extensions=(PageExtension(rid, 1000),)),
+            StepOps(commits=(PageCommit(rid, nc, (1, 2, 3), slots),)),
+            StepOps(commits=(PageCommit(rid, nc + PS, (1, 2, 3, 4), slots),)),
+            StepOps(commits=(PageCommit(rid, nc, (), slots + 1),)),
+            StepOps(frees=(PageFree(rid), PageFree(rid))),
             StepOps(-1),
         )))
         others = sorted(set(self.live) - {rid})
-        good_free = (Free(data.draw(st.sampled_from(others))),) if others and data.draw(st.booleans()) else ()
+        good_free = (PageFree(data.draw(st.sampled_from(others))),) if others and data.draw(st.booleans()) else ()
         good_alloc = (self.alloc_op(data, self.new_id()),) if data.draw(st.booleans()) else ()
         step_id = bad.step_id if bad.step_id < 0 else self.num_steps + 1
         ops = StepOps(step_id, bad.allocations + good_alloc, bad.extensions, bad.commits, bad.frees + good_free)
@@ -583,7 +585,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             return
         assert res.num_evicted_blocks == sum(cached)  # nothing is pinned here
         self.last = None
-        self.counters = {t: [c.prefix_query_tokens, c.prefix_hit_tokens] for t, c in self.mgr.tenants.items()}
+        self.counters = {t: [c.prefix_cache_queries, c.prefix_cache_hits] for t, c in self.mgr.tenants.items()}
         for pool in self.mgr.pools.values():
             for page_id, b in enumerate(pool.block_of):
                 assert b is None or b.tenant != tenant or pool.ref_cnt[page_id] or b.pinned, "cached block kept"
@@ -602,13 +604,11 @@ class KVManagerMachine(RuleBasedStateMachine):
         num_blocks = len(self.mgr.pools[w].index)
         on_w = sorted(rid for rid, m in self.live.items() if m.worker == w)
         res = self.forget(w)
-        self.num_calls += 1
-        for rid in on_w + [rid for rid, m in self.stale.items() if m.worker == w]:
-            self.last_touch[rid] = self.num_calls
         assert (res.num_dropped_requests, res.num_dropped_blocks) == (len(on_w), num_blocks)
         assert w not in self.mgr.pools
         for rid in on_w + [rid for rid, m in self.stale.items() if m.worker == w]:
             (self.live if rid in self.live else self.stale).pop(rid)
+            self.last_step.pop(rid, None)
             self.gone.add(rid)  # forgotten: a free of it is OK, as for any unknown id
         for model in (self.committed, self.content):
             for key in [k for k in model if k[0] == w]:
@@ -632,11 +632,11 @@ def _machine(sizes=(8, 8)) -> KVManagerMachine:
 
 def test_allocating_a_stale_req_id_again():
     m = _machine()
-    m.call(StepOps(1, allocations=(Allocate("a", "A", (1, 2, 3, 4, 5), "w0"),)))
+    m.call(StepOps(1, allocations=(PageAllocation("a", "A", (1, 2, 3, 4, 5), "w0"),)))
     m.register("w0", 2, 8)
     before = snapshot(m.mgr)
     try:
-        m.call(StepOps(2, allocations=(Allocate("a", "A", (1, 2, 3, 4, 5), "w0"),)))
+        m.call(StepOps(2, allocations=(PageAllocation("a", "A", (1, 2, 3, 4, 5), "w0"),)))
     except DomainError:
         assert snapshot(m.mgr) == before
         return
@@ -645,15 +645,15 @@ def test_allocating_a_stale_req_id_again():
 
 def test_retried_free_of_a_stale_request():
     m = _machine()
-    m.call(StepOps(1, allocations=(Allocate("a", "A", (1, 2, 3, 4, 5), "w0"),)))
+    m.call(StepOps(1, allocations=(PageAllocation("a", "A", (1, 2, 3, 4, 5), "w0"),)))
     m.register("w0", 2, 8)
-    m.call(StepOps(2, frees=(Free("a"),)))
+    m.call(StepOps(2, frees=(PageFree("a"),)))
     m.retry()
 
 
 def test_retried_out_of_pages_before_an_allocation_that_fits():
     m = _machine((6, 6))
-    m.call(StepOps(1, allocations=(Allocate("z", "A", tuple(range(8)), "w0"),)))  # 2 of 6 pages
-    m.call(StepOps(2, allocations=(Allocate("x", "A", tuple(range(24)), "w0"),  # 6 pages: short by 2
-                                   Allocate("y", "A", (1, 2, 3, 4, 5), "w0"))))  # 2 pages: fits
+    m.call(StepOps(1, allocations=(PageAllocation("z", "A", tuple(range(8)), "w0"),)))  # 2 of 6 pages
+    m.call(StepOps(2, allocations=(PageAllocation("x", "A", tuple(range(24)), "w0"),  # 6 pages: short by 2
+                                   PageAllocation("y", "A", (1, 2, 3, 4, 5), "w0"))))  # 2 pages: fits
     m.retry()

@@ -261,10 +261,10 @@ def test_stats_counts_pages_bytes_and_tenants_exactly(kv):
     assert (pool.worker_id, pool.epoch, pool.num_pages, pool.page_size, pool.kv_dtype) == ("w0", 1, 8, PS, "float32")
     assert (pool.num_used_pages, pool.num_cached_pages, pool.num_free_pages, pool.num_pinned_pages) == (6, 0, 2, 0)
     assert (pool.pool_bytes, pool.used_bytes, pool.cached_bytes) == (3200, 2400, 0) and pool.num_requests == 2
-    tenants = {t.tenant: (t.num_blocks, t.num_pinned_blocks, t.num_requests, t.prefix_query_tokens,
-                          t.prefix_hit_tokens) for t in s.tenants}
+    tenants = {t.tenant: (t.num_blocks, t.num_pinned_blocks, t.num_requests, t.prefix_cache_queries,
+                          t.prefix_cache_hits) for t in s.tenants}
     assert tenants == {"A": (3, 0, 1, 26, 12), "B": (0, 0, 1, 5, 0)}
-    assert (s.prefix_query_tokens, s.prefix_hit_tokens, s.num_evicted_blocks, s.store_ok) == (31, 12, 0, True)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits, s.num_evicted_blocks, s.store_ok) == (31, 12, 0, True)
     kv.free("c")
     pool = kv.stats().pools[0]
     assert (pool.num_used_pages, pool.num_cached_pages, pool.num_free_pages, pool.cached_bytes) == (2, 3, 3, 1200)
@@ -295,7 +295,7 @@ def test_inspect_tenant_lists_blocks_most_recent_first_and_longest_prefixes(kv):
 def _snapshot(mgr: KVManager):
     pools = {w: (list(p.ref_cnt), list(p.free), list(p.evictable), [(b.last_used, b.pinned) for b in
              p.index.values()]) for w, p in mgr.pools.items()}
-    counters = {t: (c.prefix_query_tokens, c.prefix_hit_tokens) for t, c in mgr.tenants.items()}
+    counters = {t: (c.prefix_cache_queries, c.prefix_cache_hits) for t, c in mgr.tenants.items()}
     return pools, counters, mgr.clock, mgr.changes.empty()
 
 
@@ -307,12 +307,12 @@ def test_probe_reports_hits_per_worker_with_no_side_effect(kv):
     kv.alloc("held", P1[:8] + [3], worker="w0")  # hits and holds 2 of the blocks
     before, stats_before = _snapshot(kv.mgr), kv.stats()
     r = kv.admin.Probe(pb.ProbeRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1)))
-    assert (r.num_query_tokens, r.num_hit_tokens, r.worker_id) == (12, 12, "w0")  # uncapped
-    assert [(h.worker_id, h.epoch, h.num_hit_tokens) for h in r.hits] == [("w0", 1, 12), ("w1", 1, 4)]
+    assert (r.num_query_tokens, r.num_cached_tokens, r.worker_id) == (12, 12, "w0")  # uncapped
+    assert [(h.worker_id, h.epoch, h.num_cached_tokens) for h in r.hits] == [("w0", 1, 12), ("w1", 1, 4)]
     one = kv.admin.Probe(pb.ProbeRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1), worker_id="w1"))
-    assert (one.num_hit_tokens, one.worker_id, len(one.hits)) == (4, "w1", 1)
+    assert (one.num_cached_tokens, one.worker_id, len(one.hits)) == (4, "w1", 1)
     miss = kv.admin.Probe(pb.ProbeRequest(tenant="B", token_ids=pb.TokenIds(token_ids=P1)))
-    assert (miss.num_hit_tokens, miss.worker_id) == (0, "")  # another tenant never hits
+    assert (miss.num_cached_tokens, miss.worker_id) == (0, "")  # another tenant never hits
     assert _snapshot(kv.mgr) == before and kv.stats() == stats_before
 
 
@@ -321,7 +321,7 @@ def test_probe_text_uses_the_tokenizer_and_needs_one(kv):
     words = [WORDS.index(w) + 1 for w in "the cat sat on a mat".split()]
     cached_prompt(kv, tokens=words[:4])
     r = kv.admin.Probe(pb.ProbeRequest(tenant="A", text="the cat sat on a mat"))
-    assert (r.num_query_tokens, r.num_hit_tokens) == (6, 4)
+    assert (r.num_query_tokens, r.num_cached_tokens) == (6, 4)
     bare = KVService()
     server = start_kvmanager_server(bare, admin_token=TOKEN)  # no tokenizer
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -356,7 +356,7 @@ def test_pin_prevents_eviction_under_memory_pressure_until_unpinned(kv):
     short = kv.alloc("more", [1, 2])
     assert (short.status, short.num_pages_short) == (OOP, 1)  # pinned blocks are not evictable
     assert kv.admin.EvictTenant(pb.EvictTenantRequest(tenant="A")).num_kept_blocks == 3
-    assert kv.admin.Probe(pb.ProbeRequest(tenant="A", token_ids=tokens)).num_hit_tokens == 12
+    assert kv.admin.Probe(pb.ProbeRequest(tenant="A", token_ids=tokens)).num_cached_tokens == 12
     assert kv.admin.Unpin(pb.UnpinRequest(tenant="A", token_ids=tokens)).num_unpinned_blocks == 3
     assert kv.admin.Unpin(pb.UnpinRequest(tenant="A", token_ids=tokens)).num_unpinned_blocks == 0
     more = kv.alloc("more", [1, 2])
@@ -394,7 +394,7 @@ def test_reset_refuses_while_requests_run_unless_forced_then_drops_everything_bu
     assert (r.num_dropped_requests, r.num_dropped_blocks) == (1, 3)
     s = kv.stats()
     assert [(p.num_free_pages, p.num_used_pages, p.num_requests) for p in s.pools] == [(8, 0, 0)]
-    assert list(s.tenants) == [] and (s.prefix_query_tokens, s.num_evicted_blocks) == (0, 0)
+    assert list(s.tenants) == [] and (s.prefix_cache_queries, s.num_evicted_blocks) == (0, 0)
     err = rpc_error(kv.step, 0, (), [pb.PageExtension(req_id="r", num_tokens=9)])
     assert err.code() == grpc.StatusCode.NOT_FOUND
     assert kv.free("r").status == OK
@@ -465,7 +465,7 @@ def test_forget_worker_removes_a_gone_workers_pool_refusing_while_it_runs_reques
     assert (r.num_dropped_requests, r.num_dropped_blocks) == (1, 3)
     assert [p.worker_id for p in kv.stats().pools] == ["w0"]
     probe = kv.admin.Probe(pb.ProbeRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1 + [1])))
-    assert probe.num_hit_tokens == 0 and [h.worker_id for h in probe.hits] == ["w0"]  # no hit on a gone pool
+    assert probe.num_cached_tokens == 0 and [h.worker_id for h in probe.hits] == ["w0"]  # no hit on a gone pool
     assert kv.free("live", step_id=4).status == OK  # forgotten with its pool: a free finds nothing
     err = rpc_error(kv.step, 5, (), [pb.PageExtension(req_id="live", num_tokens=9)])
     assert err.code() == grpc.StatusCode.NOT_FOUND

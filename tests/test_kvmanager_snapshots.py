@@ -13,7 +13,7 @@ from test_kvmanager_oplog import exact, live_keys, reload
 from test_kvmanager_store import alloc, build_history, spec
 
 from kvserve.common.tokens import le_uint32
-from kvserve.common.wire.pages import Commit, Free, StepOps
+from kvserve.common.wire.pages import PageCommit, PageFree, StepOps
 from kvserve.kvmanager import admin, snapshots
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
@@ -114,7 +114,7 @@ def test_a_snapshot_forked_inside_a_grpc_handler_leaves_the_server_serving(redis
             if store.child is not None:
                 assert store.wait_snapshot() == snapshots.SWITCHED  # the child closed its copies of the sockets
         assert store.gen > 0
-        service.step(StepOps(6, commits=(Commit("r1", 0, tuple(range(8)), 9),), frees=(Free("r2"),)))
+        service.step(StepOps(6, commits=(PageCommit("r1", 0, tuple(range(8)), 9),), frees=(PageFree("r2"),)))
         loaded, _ = reload(redis_url)
         assert exact(loaded) == exact(service.manager)
     finally:
@@ -245,8 +245,8 @@ def test_a_replayed_tenant_eviction_frees_pages_in_the_live_order(redis_url):
     d = tuple(range(1000, 1025))  # 6 full pages and a token: the 7 free pages, in the order above
     assert svc.step(StepOps(9, allocations=(alloc("d", "D", d, "w0"),))).allocations[0].page_table == [
         7, 8, 9, 10, 11, 5, 4]
-    svc.step(StepOps(10, commits=(Commit("d", 0, d[:24], 25),)))  # blocks indexed on pages 7..11, then 5
-    svc.step(StepOps(11, frees=(Free("d"),)))
+    svc.step(StepOps(10, commits=(PageCommit("d", 0, d[:24], 25),)))  # blocks indexed on pages 7..11, then 5
+    svc.step(StepOps(11, frees=(PageFree("d"),)))
     store.snapshot(svc.manager)  # a reload indexes them by page: 5 first
     svc.mutate(admin.evict_tenant, "D", "", False)
     z = svc.step(StepOps(12, allocations=(alloc("z", "C", range(900, 909), "w0"),))).allocations[0].page_table
@@ -265,7 +265,7 @@ def test_a_retry_answered_from_memory_across_a_snapshot_replays_after_a_restart(
     svc = KVService(KVManager(), store)
     svc.register_worker(spec("w0"))
     svc.step(StepOps(1, allocations=(alloc("a", "A", range(9), "w0"),)))
-    last = StepOps(2, commits=(Commit("a", 0, tuple(range(8)), 9),), frees=(Free("a"),))
+    last = StepOps(2, commits=(PageCommit("a", 0, tuple(range(8)), 9),), frees=(PageFree("a"),))
     store.snapshot_every = store.num_logged + 1  # the first attempt makes a snapshot due
     first = svc.step(last)
     store.snapshot_every = 1 << 30

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.common.wire.pages import Allocate, Commit, Extend, Free, OpStatus, PoolSpec, StepOps
+from kvserve.common.wire.pages import OpStatus, PageAllocation, PageCommit, PageExtension, PageFree, PoolSpec, StepOps
 from kvserve.kvmanager import admin
 from kvserve.kvmanager.errors import StoreUnavailable
 from kvserve.kvmanager.invariants import check_invariants
@@ -54,7 +54,7 @@ def reload(client, prefix="kvserve") -> KVManager:
 
 
 def alloc(req_id, tenant, tokens, worker="w0"):
-    return Allocate(req_id, tenant, tuple(tokens), worker)
+    return PageAllocation(req_id, tenant, tuple(tokens), worker)
 
 
 def build_history(svc: KVService) -> None:
@@ -64,20 +64,20 @@ def build_history(svc: KVService) -> None:
     svc.register_worker(spec("w1"))
     r = svc.step(StepOps(1, allocations=(alloc("a", "A", P + [1], "w0"), alloc("b", "B", range(9), "w1"))))
     assert [x.page_table for x in r.allocations] == [[0, 1, 2, 3], [0, 1, 2]]
-    svc.step(StepOps(2, commits=(Commit("a", 0, tuple(P), 13), Commit("b", 0, tuple(range(8)), 9))))
-    r = svc.step(StepOps(3, allocations=(alloc("c", "A", P + [2], "w0"),), extensions=(Extend("a", 17),)))
+    svc.step(StepOps(2, commits=(PageCommit("a", 0, tuple(P), 13), PageCommit("b", 0, tuple(range(8)), 9))))
+    r = svc.step(StepOps(3, allocations=(alloc("c", "A", P + [2], "w0"),), extensions=(PageExtension("a", 17),)))
     assert r.allocations[0].num_cached_tokens == 12 and r.allocations[0].page_table == [0, 1, 2, 5]
     assert r.extensions[0].new_page_ids == [4]
-    svc.step(StepOps(4, frees=(Free("b"),), commits=(Commit("a", 12, (1, 7, 7, 7), 16),)))
+    svc.step(StepOps(4, frees=(PageFree("b"),), commits=(PageCommit("a", 12, (1, 7, 7, 7), 16),)))
     # w1: b's 2 cached blocks + 10 free pages; 11 pages for d evict one cached block (the chain's end)
     r = svc.step(StepOps(5, allocations=(alloc("d", "C", range(500, 544), "w1"),)))
     assert r.allocations[0].status == OpStatus.OK and svc.manager.pools["w1"].num_evicted == 1
-    svc.step(StepOps(6, frees=(Free("c"),)))  # c's tail page 5 is free again; its hit pages stay held by a
+    svc.step(StepOps(6, frees=(PageFree("c"),)))  # c's tail page 5 is free again; its hit pages stay held by a
     assert svc.mutate(admin.pin, "A", tuple(P[:8]), "w0").num_pinned_blocks == 2  # pages 0 and 1, held by a
     svc.register_worker(spec("w1", epoch=2))  # d becomes stale, w1's blocks are dropped
-    r = svc.step(StepOps(7, allocations=(alloc("e", "B", range(9), "w1"),), extensions=(Extend("d", 48),)))
+    r = svc.step(StepOps(7, allocations=(alloc("e", "B", range(9), "w1"),), extensions=(PageExtension("d", 48),)))
     assert r.allocations[0].epoch == 2 and r.extensions[0].status == OpStatus.STALE_EPOCH
-    svc.step(StepOps(8, frees=(Free("a"),), allocations=(alloc("f", "A", P + [3], "w0"),)))
+    svc.step(StepOps(8, frees=(PageFree("a"),), allocations=(alloc("f", "A", P + [3], "w0"),)))
 
 
 def test_round_trip_reloads_the_exact_state(redis_server, client):
@@ -85,9 +85,9 @@ def test_round_trip_reloads_the_exact_state(redis_server, client):
     build_history(svc)
     z = tuple(range(600, 632))  # 8 pages on w0: 7 free + the LRU's page 3 (evicted)
     assert svc.step(StepOps(9, allocations=(alloc("z", "C", z, "w0"),))).allocations[0].status == OpStatus.OK
-    svc.step(StepOps(10, commits=(Commit("z", 0, z[:8], 32),)))
-    svc.step(StepOps(11, frees=(Free("z"),)))
-    svc.step(StepOps(12, frees=(Free("f"),)))  # pinned pages 0 and 1 at ref_cnt 0: cached, not evictable
+    svc.step(StepOps(10, commits=(PageCommit("z", 0, z[:8], 32),)))
+    svc.step(StepOps(11, frees=(PageFree("z"),)))
+    svc.step(StepOps(12, frees=(PageFree("f"),)))  # pinned pages 0 and 1 at ref_cnt 0: cached, not evictable
     orig = svc.manager
     assert set(orig.stale) == {"d"} and set(orig.requests) == {"e"}
     assert orig.pools["w0"].block_of[0].pinned and orig.pools["w0"].block_of[1].pinned
@@ -111,8 +111,8 @@ def test_reloaded_manager_answers_like_the_original(client):
     orig, loaded, loaded_again = svc.manager, reload(client), reload(client)
     ops_seq = [
         StepOps(9, allocations=(alloc("g", "A", P + [4]), alloc("h", "B", range(9), "w1"))),  # g hits
-        StepOps(10, extensions=(Extend("f", 20),), commits=(Commit("h", 0, tuple(range(8)), 9),)),
-        StepOps(11, frees=(Free("d"), Free("g")), allocations=(alloc("i", "C", range(500, 528), "w0"),)),
+        StepOps(10, extensions=(PageExtension("f", 20),), commits=(PageCommit("h", 0, tuple(range(8)), 9),)),
+        StepOps(11, frees=(PageFree("d"), PageFree("g")), allocations=(alloc("i", "C", range(500, 528), "w0"),)),
         StepOps(12, allocations=(alloc("j", "B", range(9), "w1"), alloc("k", "A", P + [5], "w0"))),
     ]
     for ops in ops_seq:
@@ -145,9 +145,9 @@ def test_restart_keeps_the_lru_eviction_order(client):
     svc = new_service(client)
     svc.register_worker(spec("w0", num_pages=6))
     svc.step(StepOps(1, allocations=(alloc("a", "A", range(9)),)))
-    svc.step(StepOps(2, commits=(Commit("a", 0, (0, 1, 2, 3), 4),)))  # block 0, last_used 2
-    svc.step(StepOps(3, commits=(Commit("a", 4, (4, 5, 6, 7), 8),)))  # block 1, last_used 3
-    svc.step(StepOps(4, frees=(Free("a"),)))  # released tail first: LRU [1, 0], the chain's end first
+    svc.step(StepOps(2, commits=(PageCommit("a", 0, (0, 1, 2, 3), 4),)))  # block 0, last_used 2
+    svc.step(StepOps(3, commits=(PageCommit("a", 4, (4, 5, 6, 7), 8),)))  # block 1, last_used 3
+    svc.step(StepOps(4, frees=(PageFree("a"),)))  # released tail first: LRU [1, 0], the chain's end first
     assert list(svc.manager.pools["w0"].evictable) == [1, 0]
     assert list(reload(client).pools["w0"].evictable) == [1, 0]  # rebuilt by last_used: [0, 1]
 
@@ -157,7 +157,7 @@ def test_failed_write_raises_keeps_the_state_and_a_retry_persists_it(redis_serve
     svc.register_worker(spec("w0"))
     svc.step(StepOps(1, allocations=(alloc("a", "A", P + [1]),)))
     redis_server.stop()
-    ops = StepOps(2, allocations=(alloc("b", "A", P + [2]),), commits=(Commit("a", 0, tuple(P), 13),))
+    ops = StepOps(2, allocations=(alloc("b", "A", P + [2]),), commits=(PageCommit("a", 0, tuple(P), 13),))
     with pytest.raises(StoreUnavailable, match="retry the same call"):
         svc.step(ops)
     assert not svc.store_ok and svc.manager.requests["b"].page_table == [0, 1, 2, 4]  # applied in memory
@@ -215,7 +215,7 @@ def test_odd_names_are_encoded_and_a_reused_req_id_leaves_no_orphan(client):
     assert list(client.scan_iter(match=svc.store.keys.tenant_pattern("org"))) == []
     # the same req_id freed, then allocated for another tenant, in one write (as when a failed write's changes
     # merge with the next call's): the first tenant's key goes too
-    svc.mutate(lambda m: (m.step(StepOps(2, frees=(Free("x/y:z"),))),
+    svc.mutate(lambda m: (m.step(StepOps(2, frees=(PageFree("x/y:z"),))),
                           m.step(StepOps(3, allocations=(alloc("x/y:z", "B", range(6), "w:0"),)))))
     assert sorted(k for k in client.keys("*") if ":req:" in k) == ["kvserve:t:B:req:x%2Fy%3Az"]
     assert snapshot(reload(client)) == snapshot(svc.manager)

@@ -83,7 +83,7 @@ def test_one_request_is_one_trace_across_gateway_kvmanager_and_worker(stack, col
     assert request.attributes["kvserve.req_id"] == result.req_id
     assert request.attributes["kvserve.tenant"] == "tenant-a"
     assert request.attributes["kvserve.prompt_tokens"] == result.usage.prompt_tokens
-    assert request.attributes["kvserve.cached_tokens"] == result.usage.cached_tokens
+    assert request.attributes["kvserve.num_cached_tokens"] == result.usage.cached_tokens
     assert request.attributes["kvserve.finish_reason"] == "length"
     assert "admitted" in request.events
     in_trace = [s for s in spans if s.trace_id == trace_id and s.service_name != "kvserve-gateway"]
@@ -111,15 +111,15 @@ def test_metrics_move_with_traffic(stack):
     hits = "kvserve:prefix_cache_hits_total"
     assert value(kv, hits, tenant="tenant-a") > value(before, hits, tenant="tenant-a")
     assert value(kv, "kvserve:prefix_cache_queries_total", tenant="tenant-a") > 0
-    assert value(kv, "kvserve:kv_cache_usage_perc", worker="worker-0") == 0.0  # everything freed
+    assert value(kv, "kvserve:kv_cache_usage_perc", worker_id="worker-0") == 0.0  # everything freed
     assert value(kv, "kvserve:kvmanager_rpc_seconds_count", method="StepPages") > 0
     assert value(kv, "kvserve:redis_write_seconds_count") > 0
     assert value(kv, "kvserve:call_log_records") > 0  # the default store: calls since the last snapshot
-    assert value(gw, "kvserve:num_requests_running", worker="worker-0") == 0
-    assert value(gw, "kvserve:num_requests_waiting", worker="worker-0") == 0
+    assert value(gw, "kvserve:num_requests_running", worker_id="worker-0") == 0
+    assert value(gw, "kvserve:num_requests_waiting", worker_id="worker-0") == 0
     assert value(gw, "kvserve:time_to_first_token_seconds_count") >= 4
     assert value(gw, "kvserve:request_success_total", finish_reason="cancelled") == 1
     assert value(gw, "kvserve:generation_tokens_total", tenant="tenant-a") >= 5
-    assert 0 < value(gw, "kvserve:kvmanager_wait_fraction", worker="worker-0") < 1
+    assert 0 < value(gw, "kvserve:kvmanager_wait_fraction", worker_id="worker-0") < 1
     assert value(worker, "kvserve:worker_step_seconds_count") > 0
     assert value(worker, "kvserve:worker_batch_tokens_sum") > 0

@@ -15,7 +15,7 @@ from kvserve.worker.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
-class PoolSpec:
+class PoolSize:
     """Size of a page pool, decided before the tensor is allocated."""
 
     num_pages: int
@@ -43,7 +43,7 @@ def size_pool(
     *,
     kv_cache_bytes: int | None = None,
     num_pages: int | None = None,
-) -> PoolSpec:
+) -> PoolSize:
     """Sizes the pool from a byte budget (rounded down to whole pages) or an explicit page count.
 
     Raises ValueError when neither or both are given, or when the budget holds no page.
@@ -59,10 +59,10 @@ def size_pool(
         raise ValueError(
             f"the KV budget holds no page: one page of {page_size} tokens needs {per_token * page_size} bytes"
         )
-    return PoolSpec(num_pages=num_pages, page_size=page_size, dtype=dtype, bytes_per_token=per_token)
+    return PoolSize(num_pages=num_pages, page_size=page_size, dtype=dtype, bytes_per_token=per_token)
 
 
-def allocate_pool(cfg: ModelConfig, spec: PoolSpec, device: torch.device) -> torch.Tensor:
+def allocate_pool(cfg: ModelConfig, size: PoolSize, device: torch.device) -> torch.Tensor:
     """The pool tensor, zero-initialised, shaped as in the module docstring."""
-    shape = (cfg.num_layers, 2, spec.num_pages, spec.page_size, cfg.num_kv_heads, cfg.head_dim)
-    return torch.zeros(shape, dtype=spec.dtype, device=device)
+    shape = (cfg.num_layers, 2, size.num_pages, size.page_size, cfg.num_kv_heads, cfg.head_dim)
+    return torch.zeros(shape, dtype=size.dtype, device=device)

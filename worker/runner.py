@@ -70,7 +70,7 @@ class ModelRunner:
         budget = cfg.kv_cache_bytes
         if budget is None and cfg.num_pages is None:
             budget = DEFAULT_KV_CACHE_BYTES
-        self.pool_spec = size_pool(self.model_cfg, self.dtype, cfg.page_size,
+        self.pool_size = size_pool(self.model_cfg, self.dtype, cfg.page_size,
                                    kv_cache_bytes=budget, num_pages=cfg.num_pages)
         self.epoch = time.time_ns()
         self.call(self._load)
@@ -78,7 +78,7 @@ class ModelRunner:
 
     def _load(self) -> None:
         self._compute_thread = threading.get_ident()
-        self.kv_cache = allocate_pool(self.model_cfg, self.pool_spec, self.device)
+        self.kv_cache = allocate_pool(self.model_cfg, self.pool_size, self.device)
         weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
         backend = get_backend(self.cfg.attention_backend, self.device, self.dtype)
         self.model = LlamaDecoder(self.model_cfg, weights, backend)
@@ -92,7 +92,7 @@ class ModelRunner:
         return self._compute.submit(fn, *args, **kwargs).result()
 
     def _describe(self, fingerprint: str) -> WorkerInfo:
-        m, s = self.model_cfg, self.pool_spec
+        m, s = self.model_cfg, self.pool_size
         return WorkerInfo(
             worker_id=self.cfg.worker_id, epoch=self.epoch, model_name=Path(self.cfg.model_dir).name,
             model_fingerprint=fingerprint, page_size=s.page_size, num_pages=s.num_pages,
@@ -118,7 +118,7 @@ class ModelRunner:
     def _run(self, batch: StepBatch):
         items = batch.items
         meta = build_metadata([i.start_pos for i in items], [len(i.token_ids) for i in items],
-                              [list(i.page_table) for i in items], self.pool_spec.page_size, self.device)
+                              [list(i.page_table) for i in items], self.pool_size.page_size, self.device)
         tokens = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.int64, device=self.device)
         hidden = self.model.forward(tokens, meta, self.kv_cache)
         rows = [r for r, i in enumerate(items) if i.sample]

@@ -10,15 +10,15 @@ from types import MappingProxyType
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.tokens import le_uint32, unpack_uint32
 from kvserve.common.wire.pages import (
-    Allocate,
-    AllocateResult,
-    Commit,
-    CommitResult,
-    Extend,
-    ExtendResult,
-    Free,
-    FreeResult,
     OpStatus,
+    PageAllocation,
+    PageAllocationResult,
+    PageCommit,
+    PageCommitResult,
+    PageExtension,
+    PageExtensionResult,
+    PageFree,
+    PageFreeResult,
     PoolSpec,
     PoolSummary,
     RegisterResult,
@@ -66,12 +66,13 @@ def unpack_token_ids(where: str, packed: bytes):
 def step_from_proto(r: pb.StepPagesRequest) -> StepOps:
     return StepOps(
         step_id=r.step_id,
-        allocations=tuple(Allocate(a.req_id, a.tenant, unpack_token_ids(f"allocation {a.req_id!r}", a.packed_token_ids),
-                                   a.worker_id, a.skip_prefix_cache) for a in r.allocations),
-        extensions=tuple(Extend(e.req_id, e.num_tokens) for e in r.extensions),
-        commits=tuple(Commit(c.req_id, c.start_pos, unpack_token_ids(f"commit {c.req_id!r}", c.packed_token_ids),
-                             c.num_computed_tokens) for c in r.commits),
-        frees=tuple(Free(f.req_id) for f in r.frees),
+        allocations=tuple(PageAllocation(a.req_id, a.tenant,
+                                         unpack_token_ids(f"allocation {a.req_id!r}", a.packed_token_ids),
+                                         a.worker_id, a.skip_prefix_cache) for a in r.allocations),
+        extensions=tuple(PageExtension(e.req_id, e.num_tokens) for e in r.extensions),
+        commits=tuple(PageCommit(c.req_id, c.start_pos, unpack_token_ids(f"commit {c.req_id!r}", c.packed_token_ids),
+                                 c.num_computed_tokens) for c in r.commits),
+        frees=tuple(PageFree(f.req_id) for f in r.frees),
     )
 
 
@@ -80,12 +81,12 @@ def step_from_proto(r: pb.StepPagesRequest) -> StepOps:
 OK = pb.PAGE_OP_STATUS_OK
 
 
-def _add_allocation(add, a: AllocateResult) -> None:
+def _add_allocation(add, a: PageAllocationResult) -> None:
     add(req_id=a.req_id, status=OP_STATUS[a.status], worker_id=a.worker_id, epoch=a.epoch, page_table=a.page_table,
         num_cached_tokens=a.num_cached_tokens, num_pages_short=a.num_pages_short)
 
 
-def _add_extension(add, e: ExtendResult) -> None:
+def _add_extension(add, e: PageExtensionResult) -> None:
     if e.status is OpStatus.OK and not e.new_page_ids:  # most of a decode step's extensions
         add(req_id=e.req_id, status=OK, num_pages=e.num_pages)
     else:
@@ -93,11 +94,11 @@ def _add_extension(add, e: ExtendResult) -> None:
             num_pages_short=e.num_pages_short)
 
 
-def _add_commit(add, c: CommitResult) -> None:
+def _add_commit(add, c: PageCommitResult) -> None:
     add(req_id=c.req_id, status=OP_STATUS[c.status], num_committed_tokens=c.num_committed_tokens)
 
 
-def _add_free(add, f: FreeResult) -> None:
+def _add_free(add, f: PageFreeResult) -> None:
     add(req_id=f.req_id, status=OP_STATUS[f.status])
 
 
@@ -154,11 +155,11 @@ def place_to_proto(tenant: str, token_ids, num_queued: dict[str, int]) -> pb.Pla
 
 def step_results_from_proto(r: pb.StepPagesResponse) -> StepResults:
     return StepResults(
-        allocations=[AllocateResult(a.req_id, STATUS_OF[a.status], a.worker_id, a.epoch, list(a.page_table),
-                                    a.num_cached_tokens, a.num_pages_short) for a in r.allocation_results],
-        extensions=[ExtendResult(e.req_id, STATUS_OF[e.status], list(e.new_page_ids), e.num_pages,
-                                 e.num_pages_short) for e in r.extension_results],
-        commits=[CommitResult(c.req_id, STATUS_OF[c.status], c.num_committed_tokens) for c in r.commit_results],
-        frees=[FreeResult(f.req_id, STATUS_OF[f.status]) for f in r.free_results],
+        allocations=[PageAllocationResult(a.req_id, STATUS_OF[a.status], a.worker_id, a.epoch, list(a.page_table),
+                                          a.num_cached_tokens, a.num_pages_short) for a in r.allocation_results],
+        extensions=[PageExtensionResult(e.req_id, STATUS_OF[e.status], list(e.new_page_ids), e.num_pages,
+                                        e.num_pages_short) for e in r.extension_results],
+        commits=[PageCommitResult(c.req_id, STATUS_OF[c.status], c.num_committed_tokens) for c in r.commit_results],
+        frees=[PageFreeResult(f.req_id, STATUS_OF[f.status]) for f in r.free_results],
         pools=[PoolSummary(p.worker_id, p.epoch, p.num_free_pages, p.num_evictable_pages) for p in r.pools],
     )

@@ -35,7 +35,7 @@ class OpStatus(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Allocate:
+class PageAllocation:
     req_id: str
     tenant: str
     token_ids: tuple[int, ...]
@@ -44,13 +44,13 @@ class Allocate:
 
 
 @dataclass(frozen=True, slots=True)
-class Extend:
+class PageExtension:
     req_id: str
     num_tokens: int  # positions the page table must cover after this op
 
 
 @dataclass(frozen=True, slots=True)
-class Commit:
+class PageCommit:
     req_id: str
     start_pos: int  # tokens committed before; a multiple of page_size
     token_ids: tuple[int, ...]  # tokens of the newly full pages
@@ -58,7 +58,7 @@ class Commit:
 
 
 @dataclass(frozen=True, slots=True)
-class Free:
+class PageFree:
     req_id: str
 
 
@@ -68,14 +68,14 @@ class StepOps:
     commit of a request freed in the same step goes before the frees)."""
 
     step_id: int = 0  # 0 = no idempotency tracking
-    allocations: tuple[Allocate, ...] = ()
-    extensions: tuple[Extend, ...] = ()
-    commits: tuple[Commit, ...] = ()
-    frees: tuple[Free, ...] = ()
+    allocations: tuple[PageAllocation, ...] = ()
+    extensions: tuple[PageExtension, ...] = ()
+    commits: tuple[PageCommit, ...] = ()
+    frees: tuple[PageFree, ...] = ()
 
 
 @dataclass(slots=True)
-class AllocateResult:
+class PageAllocationResult:
     req_id: str
     status: OpStatus
     worker_id: str = ""
@@ -86,7 +86,7 @@ class AllocateResult:
 
 
 @dataclass(slots=True)
-class ExtendResult:
+class PageExtensionResult:
     req_id: str
     status: OpStatus
     new_page_ids: list[int] = field(default_factory=list)
@@ -95,14 +95,14 @@ class ExtendResult:
 
 
 @dataclass(slots=True)
-class CommitResult:
+class PageCommitResult:
     req_id: str
     status: OpStatus
     num_committed_tokens: int = 0
 
 
 @dataclass(slots=True)
-class FreeResult:
+class PageFreeResult:
     req_id: str
     status: OpStatus
 
@@ -117,10 +117,10 @@ class PoolSummary:
 
 @dataclass(slots=True)
 class StepResults:
-    allocations: list[AllocateResult] = field(default_factory=list)
-    extensions: list[ExtendResult] = field(default_factory=list)
-    commits: list[CommitResult] = field(default_factory=list)
-    frees: list[FreeResult] = field(default_factory=list)
+    allocations: list[PageAllocationResult] = field(default_factory=list)
+    extensions: list[PageExtensionResult] = field(default_factory=list)
+    commits: list[PageCommitResult] = field(default_factory=list)
+    frees: list[PageFreeResult] = field(default_factory=list)
     pools: list[PoolSummary] = field(default_factory=list)
 
 

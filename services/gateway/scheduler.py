@@ -38,11 +38,11 @@ from dataclasses import dataclass, field, replace
 
 from kvserve.common.pages import num_pages_for
 from kvserve.common.wire.pages import (
-    Allocate,
-    Commit,
-    Extend,
-    Free,
     OpStatus,
+    PageAllocation,
+    PageCommit,
+    PageExtension,
+    PageFree,
     StepOps,
     StepResults,
 )
@@ -108,7 +108,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is preempted first
         self.pending_frees: list[str] = []
-        self.final_commits: list[Commit] = []  # of requests in pending_frees: the pages they filled last
+        self.final_commits: list[PageCommit] = []  # of requests in pending_frees: the pages they filled last
         self.requests: dict[str, Request] = {}  # every request not finished, by req_id
         self.num_available_pages = cfg.num_pages  # free + evictable, as of the last answer
         self._step_ids = itertools.count(1)
@@ -190,7 +190,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         page_size = self.cfg.page_size
         budget = self.cfg.max_num_batched_tokens
-        frees = tuple(Free(r) for r in self.pending_frees)
+        frees = tuple(PageFree(r) for r in self.pending_frees)
         freeing = set(self.pending_frees)
         final_commits, self.pending_frees, self.final_commits = self.final_commits, [], []
         commits = [c for c in map(self._commit_for, self.running) if c is not None]
@@ -203,7 +203,7 @@ class Scheduler:
             running.append(Chunk(req, n, req.num_computed_tokens))
             end = req.num_computed_tokens + n
             if end > len(req.page_table) * page_size:
-                extensions.append(Extend(req.req_id, end))
+                extensions.append(PageExtension(req.req_id, end))
                 pages_needed += num_pages_for(end, page_size) - len(req.page_table)
         spare = self.num_available_pages - pages_needed
         admitted = self._admit(budget, spare, freeing)
@@ -212,13 +212,13 @@ class Scheduler:
             return SchedulerOutput(None, running, admitted)
         spare -= sum(num_pages_for(c.req.num_tokens, page_size) for c in admitted)
         extensions, headroom_only = self._with_headroom(running, extensions, spare)
-        allocations = tuple(Allocate(c.req.req_id, c.req.tenant, tuple(c.req.all_token_ids), self.cfg.worker_id,
-                                     skip_prefix_cache=not self.cfg.prefix_caching) for c in admitted)
+        allocations = tuple(PageAllocation(c.req.req_id, c.req.tenant, tuple(c.req.all_token_ids), self.cfg.worker_id,
+                                           skip_prefix_cache=not self.cfg.prefix_caching) for c in admitted)
         ops = StepOps(next(self._step_ids), allocations, tuple(extensions), tuple(final_commits + commits), frees)
         return SchedulerOutput(ops, running, admitted, headroom_only)
 
-    def _with_headroom(self, running: list[Chunk], extensions: list[Extend],
-                       spare: int) -> tuple[list[Extend], frozenset[str]]:
+    def _with_headroom(self, running: list[Chunk], extensions: list[PageExtension],
+                       spare: int) -> tuple[list[PageExtension], frozenset[str]]:
         """This step's extensions, each running request topped up to a page of headroom past this step (never
         past the last position it can compute), while that takes at most half the spare pages."""
         page_size = self.cfg.page_size
@@ -234,14 +234,14 @@ class Scheduler:
             extra = num_pages_for(target, page_size) - have
             if 0 < extra <= budget:
                 budget -= extra
-                out.append(Extend(req.req_id, target))
+                out.append(PageExtension(req.req_id, target))
                 if req.req_id not in needed:
                     headroom_only.add(req.req_id)
             elif req.req_id in needed:
-                out.append(Extend(req.req_id, needed[req.req_id]))
+                out.append(PageExtension(req.req_id, needed[req.req_id]))
         return out, frozenset(headroom_only)
 
-    def _commit_for(self, req: Request) -> Commit | None:
+    def _commit_for(self, req: Request) -> PageCommit | None:
         """The request's pages that became full since its last commit, if prefix caching is on."""
         if not self.cfg.prefix_caching:
             return None
@@ -249,7 +249,7 @@ class Scheduler:
         if full <= req.num_committed_tokens:
             return None
         tokens = req.token_ids(req.num_committed_tokens, full)
-        return Commit(req.req_id, req.num_committed_tokens, tokens, req.num_computed_tokens)
+        return PageCommit(req.req_id, req.num_committed_tokens, tokens, req.num_computed_tokens)
 
     def _admit(self, budget: int, available: int, freeing: set[str]) -> list[Chunk]:
         """Waiting requests, first come first served, while sequences, tokens and (pessimistically, as if

@@ -210,12 +210,12 @@ class PlaceRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., num_queued: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PlaceResponse(_message.Message):
-    __slots__ = ("worker_id", "num_hit_tokens")
+    __slots__ = ("worker_id", "num_cached_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    num_hit_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_hit_tokens: _Optional[int] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("token_ids",)
@@ -260,36 +260,36 @@ class PoolStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
-    __slots__ = ("tenant", "num_blocks", "num_pinned_blocks", "num_requests", "prefix_query_tokens", "prefix_hit_tokens")
+    __slots__ = ("tenant", "num_blocks", "num_pinned_blocks", "num_requests", "prefix_cache_queries", "prefix_cache_hits")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     num_blocks: int
     num_pinned_blocks: int
     num_requests: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    def __init__(self, tenant: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, tenant: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("pools", "tenants", "prefix_query_tokens", "prefix_hit_tokens", "num_evicted_blocks", "store_ok")
+    __slots__ = ("pools", "tenants", "prefix_cache_queries", "prefix_cache_hits", "num_evicted_blocks", "store_ok")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STORE_OK_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
     num_evicted_blocks: int
     store_ok: bool
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., store_ok: _Optional[bool] = ...) -> None: ...
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., store_ok: _Optional[bool] = ...) -> None: ...
 
 class ListTenantsRequest(_message.Message):
     __slots__ = ()
@@ -368,26 +368,26 @@ class ProbeRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class ProbeHit(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_hit_tokens")
+    __slots__ = ("worker_id", "epoch", "num_cached_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
-    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
-    num_hit_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ProbeResponse(_message.Message):
-    __slots__ = ("num_query_tokens", "num_hit_tokens", "worker_id", "hits")
+    __slots__ = ("num_query_tokens", "num_cached_tokens", "worker_id", "hits")
     NUM_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     num_query_tokens: int
-    num_hit_tokens: int
+    num_cached_tokens: int
     worker_id: str
     hits: _containers.RepeatedCompositeFieldContainer[ProbeHit]
-    def __init__(self, num_query_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[ProbeHit, _Mapping]]] = ...) -> None: ...
+    def __init__(self, num_query_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[ProbeHit, _Mapping]]] = ...) -> None: ...
 
 class EvictTenantRequest(_message.Message):
     __slots__ = ("tenant", "worker_id", "include_pinned")
