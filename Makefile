@@ -27,7 +27,7 @@ model: install
 	$(KVSERVE) model prepare
 
 # Compiles the cpu backend's C++ module (kernels/*.cpp: decode attention and packed linear layers; g++ via
-# torch.utils.cpp_extension, ~30 s once; cached by torch until the sources change). Without a compiler workers
+# torch.utils.cpp_extension, once; cached by torch until the sources change). Without a compiler workers
 # fall back to the reference backend, and say so.
 kernels: install
 	$(PY) -m kvserve.kernels.cpu_paged
@@ -47,7 +47,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 # The report: kvserve (kvserve up) side by side with HF transformers, one run; JSON, PNG plots and a Markdown
-# table in bench/results/. bench-quick: the same in under 5 minutes.
+# table in bench/results/. bench-quick: the same workloads, smaller.
 bench: model kernels
 	$(PY) bench/report.py
 
@@ -61,15 +61,15 @@ bench-worker: model kernels
 bench-kvmanager: install
 	$(PY) bench/bench_kvmanager.py
 
-# The call that makes a call-log snapshot due: written inline vs by a forked child, side by side (~20 s).
+# The call that makes a call-log snapshot due: written inline vs by a forked child, side by side.
 bench-snapshots: install
 	$(PY) bench/bench_snapshots.py
 
-# The report's mixed burst, kvserve and HF's continuous batching alternated over rounds (~6 min).
+# The report's mixed burst, kvserve and HF's continuous batching alternated over rounds.
 bench-ab: model kernels
 	$(PY) bench/throughput_ab.py
 
-# The gateway's page ops overlapped with compute vs waited for, alternated over 8 rounds (~5 min).
+# The gateway's page ops overlapped with compute vs waited for, alternated over 8 rounds.
 bench-overlap: model kernels
 	$(PY) bench/overlap_ab.py
 

@@ -144,7 +144,8 @@ def page_utilisation(work: list[hf.Workitem]) -> dict:
 
 
 def memory(runner, work: list[hf.Workitem]) -> dict:
-    from kvserve.common.kvmem import get_dtype, load_hf_config, per_token
+    from kvserve.common.kvmem import get_dtype, per_token
+    from kvserve.common.kvmem_models import load_hf_config
 
     info = runner.info
     calc_per_token = per_token(load_hf_config(runner.cfg.model_dir / "config.json"), get_dtype(info.kv_dtype)).bytes

@@ -15,6 +15,8 @@ request's span (or, for a batched decode step, one span linked to every request 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -22,6 +24,8 @@ from opentelemetry.trace import Link, Span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# req_id -> W3C traceparent of its span, for the traced requests of a batched call; this one: none traced
+NO_TRACES: Mapping[str, str] = MappingProxyType({})
 
 
 def tracing_enabled_by_env() -> bool:

@@ -173,9 +173,8 @@ using FusedKernel = void (*)(const float*, int64_t, const void*, const float*, c
                              float*, int64_t);
 constexpr int kFusedRows = 8;  // rows per pass: 16 accumulators, 2 weight vectors, 4 scale vectors
 // Up to this many rows of x, passes of 8 rows unpack the weights in registers (each pass unpacks them again);
-// beyond, through the buffer. Measured on SmolLM2's projections (30 layers + LM head): 16.6 vs 21.9 ms at 16
-// rows, 24.4 vs 29.5 at 24, 34.8 vs 37.6 at 32, even at 48 and 64, 138 vs 135 at 128. 12-row passes (24
-// accumulators) were slower than 8 from 12 rows on.
+// beyond, through the buffer, once: unpacking again per pass stops paying for the skipped buffer as the rows
+// grow. Passes of 12 rows (24 accumulators) spill and lose to 8.
 constexpr int kFusedMaxRows = 32;
 template <bool kFour>
 constexpr FusedKernel kFused[kFusedRows + 1] = {

@@ -11,7 +11,7 @@ much as all the GEMMs. The kernel walks each sequence's page table once, with an
 intra-op (OpenMP) threads. For prefill chunks the reference made a dozen small torch ops per chunk and layer;
 the prefill kernel reads the pages in place, two rows and one kv head per work item.
 
-The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja; about 30 s), cached
+The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja), cached
 under torch's extension directory, and built ahead by ``make kernels`` (``python -m kvserve.kernels.cpu_paged``).
 When it cannot be built, ``get_backend("auto", cpu)`` falls back to the reference backend and says why.
 """

@@ -5,8 +5,8 @@
 // Why: in a decode step each of these runs on a few kilobytes right after a projection has streamed
 // megabytes through the caches, so its inputs and every intermediate are cold. torch's composite versions
 // make five to ten passes (RMSNorm: pow, mean, add, rsqrt, mul, mul; RoPE: slice, neg, cat, mul, mul, add,
-// then a contiguous copy of q and two index_copy_ into the cache), and in that position each pass cost
-// 20-60 us: 21 ms of a 24-sequence decode step (94 ms) went to them.
+// then a contiguous copy of q and two index_copy_ into the cache), and in that position each pass is a trip
+// through cold memory: together they were a large share of a decode step.
 //
 // Numerics follow HF's order (RMSNorm: x * rsqrt(mean(x^2) + eps), then * weight; SiLU: g / (1 + exp(-g)));
 // the sum of squares is accumulated in a different order, and exp is the vectorised libm's, so results may

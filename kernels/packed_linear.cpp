@@ -1,9 +1,8 @@
 // y = x @ w.T with w packed once into column panels: the CPU backend's linear layers (float32).
 //
 // MKL's sgemm packs the weight matrix on every call. With the few rows of a decode step that packing costs
-// more than the product: 30 layers of SmolLM2's projections took 38-47 ms for 8 rows and 53-58 ms for 24,
-// where reading the weights once takes about 18. Here the weights are packed once, at load, into panels of 32
-// output columns,
+// more than the product, which only has to read the weights once. Here the weights are packed once, at load,
+// into panels of 32 output columns,
 //
 //   panels      [num_panels = N / 32, K, 32]   float32, contiguous: panels[p, k, j] = w[32 p + j, k]
 //
@@ -11,9 +10,8 @@
 // keeps the 6 x 64 block of y in registers while it walks k: per k, four vector loads of the panels, one
 // broadcast per row, 4 FMAs per row (an 8 x 32 kernel handles an odd last panel). A work item is a pair of
 // panels over up to 96 rows of x, claimed by whichever intra-op thread is free (cpu_parallel.h); the pair stays
-// in L2 while the item's row tiles pass over it. Measured against
-// MKL on the same shapes (30 layers of SmolLM2's projections, 2 threads, one run): 24 vs 38 ms at 8 rows,
-// 39 vs 53 at 24, 107 vs 123 at 128, 399 vs 427 at 512 (a prefill chunk); no second copy of the weights.
+// in L2 while the item's row tiles pass over it. It needs no second copy of the weights, and is compared with
+// MKL's sgemm on the model's shapes, from a decode step's rows to a prefill chunk's, by bench/bench_worker.py.
 //
 //   x           [M, K]          float32, contiguous
 //   returns     [M, N]          float32

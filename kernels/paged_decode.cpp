@@ -54,7 +54,7 @@ inline PageRows page_rows(const Shape& s, const int64_t* table, int64_t p, int64
 // stay in registers while the sequence's pages go by. For each kv head, page by page: the G x page_size
 // scores, an online-softmax update (running max and sum, earlier pages rescaled), the weighted sum of the
 // values; the same rows of the next page are prefetched meanwhile. Walking the pages once for all kv heads
-// instead (accumulators kept in memory between pages) measured 10% slower on a cold pool.
+// instead would keep the accumulators in memory between pages, which is slower on a cold pool.
 template <int NV, int G>
 void decode_seq_fast(const Shape& s, const float* qb, const float* k_ptr, const float* v_ptr,
                      const int64_t* table, int64_t n, float* ob) {

@@ -3,28 +3,18 @@ common/convert/pages.py). No logic beyond renaming and copying."""
 
 from __future__ import annotations
 
-from dataclasses import fields
-
+from kvserve.common.convert.fields import to_message
 from kvserve.kvmanager import admin
 from kvserve.v1 import kvmanager_pb2 as pb
 
 
-def _fields(obj) -> dict:
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}
-
-
-def _copy(obj, message_type):
-    """A message with the scalar and repeated-scalar fields of a dataclass of the same field names."""
-    return message_type(**_fields(obj))
-
-
 # -- KVAdminService -----------------------------------------------------------------------------------------
 def tenant_to_proto(t: admin.TenantStats) -> pb.TenantStats:
-    return _copy(t, pb.TenantStats)
+    return to_message(t, pb.TenantStats)
 
 
 def stats_to_proto(s: admin.Stats, store_ok: bool) -> pb.StatsResponse:
-    return pb.StatsResponse(pools=[_copy(p, pb.PoolStats) for p in s.pools],
+    return pb.StatsResponse(pools=[to_message(p, pb.PoolStats) for p in s.pools],
                             tenants=[tenant_to_proto(t) for t in s.tenants],
                             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
                             num_evicted_blocks=s.num_evicted_blocks, store_ok=store_ok)
@@ -32,19 +22,19 @@ def stats_to_proto(s: admin.Stats, store_ok: bool) -> pb.StatsResponse:
 
 def inspect_to_proto(r: admin.TenantReport) -> pb.InspectTenantResponse:
     return pb.InspectTenantResponse(stats=tenant_to_proto(r.stats),
-                                    blocks=[_copy(b, pb.CachedBlock) for b in r.blocks],
-                                    prefixes=[_copy(p, pb.CachedPrefix) for p in r.prefixes])
+                                    blocks=[to_message(b, pb.CachedBlock) for b in r.blocks],
+                                    prefixes=[to_message(p, pb.CachedPrefix) for p in r.prefixes])
 
 
 def probe_to_proto(r: admin.ProbeResult) -> pb.ProbeResponse:
     return pb.ProbeResponse(num_query_tokens=r.num_query_tokens, num_cached_tokens=r.num_cached_tokens,
-                            worker_id=r.worker_id, hits=[_copy(h, pb.ProbeHit) for h in r.hits])
+                            worker_id=r.worker_id, hits=[to_message(h, pb.ProbeHit) for h in r.hits])
 
 
 def page_table_to_proto(t: admin.PageTable) -> pb.GetPageTableResponse:
     return pb.GetPageTableResponse(
         req_id=t.req_id, tenant=t.tenant, worker_id=t.worker_id, epoch=t.epoch, page_table=t.page_table,
-        pages=[_copy(p, pb.PageInfo) for p in t.pages], num_committed_tokens=t.num_committed_tokens,
+        pages=[to_message(p, pb.PageInfo) for p in t.pages], num_committed_tokens=t.num_committed_tokens,
         num_prompt_tokens=t.num_prompt_tokens, last_step_id=t.last_step_id, page_size=t.page_size)
 
 

@@ -31,11 +31,16 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def positive_float(text: str) -> float:
+def number(text: str) -> float:
+    """A float flag's value; argparse.ArgumentTypeError when it is none."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    value = number(text)
     if not value > 0:  # NaN too
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value

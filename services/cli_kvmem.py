@@ -1,4 +1,5 @@
-"""``kvserve kv-mem``: the exact KV-cache memory calculator (the arithmetic lives in common/kvmem.py)."""
+"""``kvserve kv-mem``: the exact KV-cache memory calculator (the arithmetic lives in common/kvmem.py, the models
+it knows in common/kvmem_models.py); this module parses flags and prints the report."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import argparse
 import json
 import re
 import sys
+
+from kvserve.common.kvmem import GIB, KvMemReport, params_text
+from kvserve.common.kvmem_models import ModelSpec
 
 PROG = "kvserve kv-mem"
 
@@ -35,10 +39,9 @@ def _non_negative_bytes(text: str) -> int:
 
 
 def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    from kvserve.services.cli_flags import number
+
+    value = number(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
@@ -86,7 +89,7 @@ def add_commands(sub) -> None:
 
 
 def _list_models() -> str:
-    from kvserve.common.kvmem import BUILTIN_MODELS, describe_model
+    from kvserve.common.kvmem_models import BUILTIN_MODELS
 
     return "\n".join(describe_model(m) + (f"  aliases: {', '.join(m.aliases)}" if m.aliases else "")
                      for m in BUILTIN_MODELS)
@@ -103,7 +106,8 @@ def _default_model() -> str:
 
 
 def run_kv_mem(args) -> int:
-    from kvserve.common.kvmem import KvMemError, calculate, find_model, format_report
+    from kvserve.common.kvmem import KvMemError, calculate
+    from kvserve.common.kvmem_models import find_model
 
     if args.list_models:
         print(_list_models())
@@ -126,3 +130,68 @@ def run_kv_mem(args) -> int:
         return 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     return 0
+
+
+# -- the report as text ---------------------------------------------------------------------------------------
+def human_bytes(n: int) -> str:
+    """'1,073,741,824 B (1.00 GiB)'; small sizes in KiB/MiB."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n:,} B ({n / scale:.2f} {unit})"
+    return f"{n:,} B"
+
+
+def describe_model(m: ModelSpec) -> str:
+    shape = (f"{m.num_layers} layers, MLA latent {m.latent_dim}" if m.attention == "mla" else
+             f"{m.num_layers} layers, {m.num_kv_heads} KV heads, head_dim {m.head_dim}")
+    extra = [f"max context {m.max_context:,}"] if m.max_context else []
+    if m.sliding_window:
+        extra.append(f"sliding window {m.sliding_window:,}")
+    if m.params:
+        extra.append(f"~{params_text(m.params)} params")
+    return f"{m.name} ({m.source}: {', '.join([shape, *extra])})"
+
+
+def format_report(r: KvMemReport) -> str:
+    pt = r.per_token
+    lines = [f"model         {describe_model(r.model)}",
+             f"per token     {pt.formula}"]
+    if pt.scale_bytes:
+        lines += [f"  + scales    {pt.scale_formula}",
+                  f"  = total     {pt.kv_bytes:,} + {pt.scale_bytes:,} = {pt.bytes:,} B per token"]
+    if r.tokens_per_sequence != r.seq_len:
+        lines.append(f"window        min({r.seq_len:,}, {r.sliding_window:,} window + {r.sinks} sinks) = "
+                     f"{r.tokens_per_sequence:,} tokens kept per sequence")
+    elif r.sliding_window:
+        lines.append(f"window        {r.sliding_window:,} window + {r.sinks} sinks >= {r.seq_len:,}: "
+                     "the whole sequence is kept")
+    lines.append(f"per sequence  {r.tokens_per_sequence:,} tokens x {pt.bytes:,} B = "
+                 f"{human_bytes(r.bytes_per_sequence)}")
+    lines.append(f"total         {r.batch} x {r.tokens_per_sequence:,} tokens = {r.total_tokens:,} tokens = "
+                 f"{human_bytes(r.total_bytes)}")
+    if p := r.paging:
+        lines += [
+            f"pages         ceil({r.tokens_per_sequence:,} / {p.page_size}) = {p.pages_per_sequence:,} pages per "
+            f"sequence = {p.allocated_tokens_per_sequence:,} tokens = {human_bytes(p.allocated_bytes_per_sequence)}",
+            f"padding       {p.padding_tokens_per_sequence:,} tokens = {p.padding_bytes_per_sequence:,} B per sequence "
+            f"({p.padding_percent:.2f} % of allocated); batch total {human_bytes(p.total_padding_bytes)}",
+            f"allocated     {r.batch} x {p.pages_per_sequence:,} = {p.total_pages:,} pages = "
+            f"{human_bytes(p.total_allocated_bytes)}",
+        ]
+    if c := r.capacity:
+        paged = f" = {c.max_pages:,} pages x {r.paging.page_size}" if c.max_pages is not None else ""
+        per_req = (f"{c.request_pages:,} pages = {human_bytes(c.request_bytes)}" if c.request_pages is not None
+                   else human_bytes(c.request_bytes))
+        lines += [
+            f"GPU memory    {human_bytes(c.gpu_memory_bytes)} x {c.memory_utilization} = {human_bytes(c.usable_bytes)}"
+            " usable",
+            f"weights       {c.weights_source} = {human_bytes(c.weights_bytes)}",
+            f"reserve       {human_bytes(c.reserve_bytes)}",
+            f"KV budget     {human_bytes(c.kv_budget_bytes)}",
+            f"fits          {c.max_tokens:,} tokens{paged}",
+            f"requests      {c.max_concurrent_requests:,} concurrent requests of {r.seq_len:,} tokens "
+            f"({c.request_tokens:,} kept, {per_req} each)",
+            f"batch         {r.batch} x {r.seq_len:,} tokens {'fits' if c.batch_fits else 'does NOT fit'}",
+        ]
+    lines += [f"note          {n}" for n in r.notes]
+    return "\n".join(lines)

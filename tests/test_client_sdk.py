@@ -56,7 +56,7 @@ EXPECTED_DELTAS = [
     Delta(req_id="r-1", text="lo ✓", token_ids=(12,), logprobs=(), finish_reason="stop",
           usage=Usage(prompt_tokens=20, cached_tokens=16, completion_tokens=3)),
 ]
-COMPLETE_RESPONSE = gateway_pb2.CompleteResponse(
+COMPLETE_RESPONSE = gateway_pb2.GenerateResponse(
     req_id="r-2", text="Hello", token_ids=[10, 11, 12], finish_reason=gateway_pb2.FINISH_REASON_LENGTH,
     usage=gateway_pb2.Usage(prompt_tokens=4, cached_tokens=0, completion_tokens=3))
 EXPECTED_COMPLETION = Completion(req_id="r-2", text="Hello", token_ids=(10, 11, 12), logprobs=(),
@@ -118,7 +118,7 @@ class ScriptedGateway(gateway_pb2_grpc.GatewayServiceServicer):
         terminated = self._admit(request, context)
         if self.mode == "hang":
             terminated.wait(WAIT_S)
-            return gateway_pb2.CompleteResponse()
+            return gateway_pb2.GenerateResponse()
         return COMPLETE_RESPONSE
 
 

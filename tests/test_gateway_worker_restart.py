@@ -5,6 +5,7 @@ kvmanager cannot register the new pool at that moment, the engine keeps the old 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import grpc
@@ -40,6 +41,24 @@ def restart_at(n: int, servers: list, restarted: ModelRunner, port: int, first=N
             servers[0].stop(0)
             servers.append(start_worker_server(restarted, "127.0.0.1", port))
     return on_token
+
+
+@contextlib.contextmanager
+def served_worker(model_dir, kv_address, runner: ModelRunner | None = None):
+    """A worker server on a free port and a gateway over it; yields (gateway, servers): servers[0] is the
+    worker's server, and a restart appends the next one. Everything is stopped at the end."""
+    servers = [start_worker_server(runner or new_runner(model_dir), "127.0.0.1", 0)]
+    gateway = connect_gateway(kv_address, (f"127.0.0.1:{servers[0].port}",), GatewayConfig(model_dir), ApiKeys())
+    try:
+        yield gateway, servers
+    finally:
+        gateway.close(drain_s=1.0)
+        servers[-1].stop(0)
+
+
+def greedy(max_tokens: int, prompt: str = PROMPT) -> GenerateInput:
+    return GenerateInput(prompt=prompt, messages=None, sampling=SamplingParams(), max_tokens=max_tokens,
+                         ignore_eos=True)
 
 
 def tokens(handle, on_token=None) -> list[int]:
@@ -88,24 +107,16 @@ def kvmanager(refusal):
 def test_a_worker_restart_mid_request_recomputes_with_identical_output(model_dir, kvmanager):
     service, kv_address = kvmanager
     runner = new_runner(model_dir)
-    first = start_worker_server(runner, "127.0.0.1", 0)
-    port = first.port
-    gateway = connect_gateway(kv_address, (f"127.0.0.1:{port}",), GatewayConfig(model_dir), ApiKeys())
-    request = GenerateInput(prompt=PROMPT, messages=None, sampling=SamplingParams(), max_tokens=24, ignore_eos=True)
-    servers = [first]
-    try:
-        expected = tokens(gateway.submit(request, "default"))
+    with served_worker(model_dir, kv_address, runner) as (gateway, servers):
+        expected = tokens(gateway.submit(greedy(24), "default"))
         restarted = new_runner(model_dir)  # loaded before the restart, so the gap stays short
 
-        got = tokens(gateway.submit(request, "default"), restart_at(5, servers, restarted, port))
+        got = tokens(gateway.submit(greedy(24), "default"), restart_at(5, servers, restarted, servers[0].port))
         assert got == expected
         assert len(servers) == 2 and restarted.info.epoch != runner.info.epoch
         pool = service.manager.pools["worker-0"]
         assert pool.spec.epoch == restarted.info.epoch  # re-registered: the old epoch's pages are gone
         assert gateway.engines[0].info.epoch == restarted.info.epoch
-    finally:
-        gateway.close(drain_s=1.0)
-        servers[-1].stop(0)
 
 
 def test_a_restarted_worker_whose_registration_failed_is_never_served_the_old_epochs_cache(model_dir, kvmanager,
@@ -115,18 +126,12 @@ def test_a_restarted_worker_whose_registration_failed_is_never_served_the_old_ep
     hand the next request prefix hits on pages the restarted worker never wrote. Instead its first step is
     refused by the worker, the engine registers again, and the request is computed from scratch."""
     service, kv_address = kvmanager
-    first = start_worker_server(new_runner(model_dir), "127.0.0.1", 0)
-    port = first.port
-    gateway = connect_gateway(kv_address, (f"127.0.0.1:{port}",), GatewayConfig(model_dir), ApiKeys())
-    gateway.kv.retry_for_s = 0.5  # a refused registration fails the step after 0.5 s instead of 60
-    request = GenerateInput(prompt=PROMPT * 4, messages=None, sampling=SamplingParams(), max_tokens=12,
-                            ignore_eos=True)
-    servers = [first]
-    try:
+    request = greedy(12, PROMPT * 4)
+    with served_worker(model_dir, kv_address) as (gateway, servers):
+        gateway.kv.retry_for_s = 0.5  # a refused registration fails the step after 0.5 s instead of 60
+        port = servers[0].port
         expected = tokens(gateway.submit(request, "default"))  # caches the prompt's full pages
         restarted = new_runner(model_dir)
-
-
         handle = gateway.submit(request, "default")
         tokens(handle, restart_at(3, servers, restarted, port, first=refusal.refusing.set))
         assert handle.req.finish_reason.name == "ERROR"  # its re-registration was refused
@@ -136,9 +141,6 @@ def test_a_restarted_worker_whose_registration_failed_is_never_served_the_old_ep
         assert tokens(again) == expected  # not computed over the zeroed pages of the restarted worker
         assert service.manager.pools["worker-0"].spec.epoch == restarted.info.epoch
         assert gateway.engines[0].info.epoch == restarted.info.epoch
-    finally:
-        gateway.close(drain_s=1.0)
-        servers[-1].stop(0)
 
 
 @pytest.mark.parametrize("change", ["a resized pool", "another page size"])
@@ -147,12 +149,9 @@ def test_a_worker_restarted_with_another_config_is_followed_or_refused(model_dir
     page tables and chunking were made for the old one, so its requests fail with a message that says so, and
     so does every later submission, instead of computing garbage."""
     service, kv_address = kvmanager
-    first = start_worker_server(new_runner(model_dir), "127.0.0.1", 0)
-    port = first.port
-    gateway = connect_gateway(kv_address, (f"127.0.0.1:{port}",), GatewayConfig(model_dir), ApiKeys())
-    request = GenerateInput(prompt=PROMPT, messages=None, sampling=SamplingParams(), max_tokens=12, ignore_eos=True)
-    servers = [first]
-    try:
+    request = greedy(12)
+    with served_worker(model_dir, kv_address) as (gateway, servers):
+        port = servers[0].port
         expected = tokens(gateway.submit(request, "default"))
         restarted = new_runner(model_dir, num_pages=48) if change == "a resized pool" else new_runner(
             model_dir, page_size=32)
@@ -168,6 +167,3 @@ def test_a_worker_restarted_with_another_config_is_followed_or_refused(model_dir
         with pytest.raises(BackendFailure, match="restarted with page size 16 -> 32; .* restart the gateway"):
             gateway.submit(request, "default")
         assert service.manager.pools["worker-0"].spec.page_size == 16  # never registered under this gateway
-    finally:
-        gateway.close(drain_s=1.0)
-        servers[-1].stop(0)

@@ -9,18 +9,14 @@ import sys
 
 import pytest
 
-from kvserve.common.kvmem import (
+from kvserve.common.kvmem import GIB, KvMemError, calculate, get_dtype, per_token
+from kvserve.common.kvmem_models import (
     BUILTIN_MODELS,
-    GIB,
-    KvMemError,
     ModelSpec,
-    calculate,
     find_model,
-    get_dtype,
     load_hf_config,
     lookup_model,
     model_from_hf_config,
-    per_token,
 )
 
 # --- pinned figures ---------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ class ModelRunner:
         compute: an executor with exactly one thread, to run all torch work on (default: one of its own).
         Share it with any other torch work in the process: libgomp gives every thread that runs a parallel
         region a team of its own, and once the teams together hold more threads than there are cores it stops
-        spin-waiting, which costs about a third of decode throughput on a 2-core machine.
+        spin-waiting, which costs decode throughput where cores are few.
         """
         self.cfg = cfg
         self._compute = compute or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-compute")

@@ -4,53 +4,30 @@ encodes answers, the gateway's client the other way round. No logic beyond renam
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import fields
-from types import MappingProxyType
 
+from kvserve.common.convert.fields import as_kwargs, to_message
 from kvserve.common.errors import InvalidRequest
+from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.tokens import le_uint32, unpack_uint32
-from kvserve.common.wire.pages import (
-    OpStatus,
-    PageAllocation,
-    PageAllocationResult,
-    PageCommit,
-    PageCommitResult,
-    PageExtension,
-    PageExtensionResult,
-    PageFree,
-    PageFreeResult,
-    PoolSpec,
-    PoolSummary,
-    RegisterResult,
-    StepOps,
-    StepResults,
-)
+from kvserve.common.wire import pages as wire
 from kvserve.v1 import kvmanager_pb2 as pb
 
-EMPTY: Mapping[str, str] = MappingProxyType({})
 OP_STATUS = {
-    OpStatus.OK: pb.PAGE_OP_STATUS_OK,
-    OpStatus.OUT_OF_PAGES: pb.PAGE_OP_STATUS_OUT_OF_PAGES,
-    OpStatus.STALE_EPOCH: pb.PAGE_OP_STATUS_STALE_EPOCH,
+    wire.OpStatus.OK: pb.PAGE_OP_STATUS_OK,
+    wire.OpStatus.OUT_OF_PAGES: pb.PAGE_OP_STATUS_OUT_OF_PAGES,
+    wire.OpStatus.STALE_EPOCH: pb.PAGE_OP_STATUS_STALE_EPOCH,
 }
+STATUS_OF = {v: k for k, v in OP_STATUS.items()}
+OK = pb.PAGE_OP_STATUS_OK
 
 
-def _fields(obj) -> dict:
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+# -- the kvmanager's side: requests in, answers out -----------------------------------------------------------
+def spec_from_proto(r: pb.RegisterWorkerRequest) -> wire.PoolSpec:
+    return wire.PoolSpec(r.worker_id, r.epoch, r.num_pages, r.page_size, r.model_fingerprint, r.kv_dtype,
+                         r.bytes_per_token)
 
 
-def _copy(obj, message_type):
-    """A message with the scalar and repeated-scalar fields of a dataclass of the same field names."""
-    return message_type(**_fields(obj))
-
-
-# -- KVManagerService ---------------------------------------------------------------------------------------
-def spec_from_proto(r: pb.RegisterWorkerRequest) -> PoolSpec:
-    return PoolSpec(r.worker_id, r.epoch, r.num_pages, r.page_size, r.model_fingerprint, r.kv_dtype,
-                    r.bytes_per_token)
-
-
-def register_to_proto(r: RegisterResult) -> pb.RegisterWorkerResponse:
+def register_to_proto(r: wire.RegisterResult) -> pb.RegisterWorkerResponse:
     return pb.RegisterWorkerResponse(ok=True, previous_epoch=r.previous_epoch, dropped_req_ids=r.dropped_req_ids,
                                      released_req_ids=r.released_req_ids)
 
@@ -63,46 +40,47 @@ def unpack_token_ids(where: str, packed: bytes):
         raise InvalidRequest(f"{where}: packed_token_ids: {e}") from None
 
 
-def step_from_proto(r: pb.StepPagesRequest) -> StepOps:
-    return StepOps(
-        step_id=r.step_id,
-        allocations=tuple(PageAllocation(a.req_id, a.tenant,
-                                         unpack_token_ids(f"allocation {a.req_id!r}", a.packed_token_ids),
-                                         a.worker_id, a.skip_prefix_cache) for a in r.allocations),
-        extensions=tuple(PageExtension(e.req_id, e.num_tokens) for e in r.extensions),
-        commits=tuple(PageCommit(c.req_id, c.start_pos, unpack_token_ids(f"commit {c.req_id!r}", c.packed_token_ids),
-                                 c.num_computed_tokens) for c in r.commits),
-        frees=tuple(PageFree(f.req_id) for f in r.frees),
-    )
+def _allocation(a: pb.PageAllocation) -> wire.PageAllocation:
+    token_ids = unpack_token_ids(f"allocation {a.req_id!r}", a.packed_token_ids)
+    return wire.PageAllocation(a.req_id, a.tenant, token_ids, a.worker_id, a.skip_prefix_cache)
 
 
-# The results are added in place (``repeated.add``), not built and then copied into the response, and an
-# extension's default fields are left unset: a 64-request call's answer in about half the time.
-OK = pb.PAGE_OP_STATUS_OK
+def _commit(c: pb.PageCommit) -> wire.PageCommit:
+    token_ids = unpack_token_ids(f"commit {c.req_id!r}", c.packed_token_ids)
+    return wire.PageCommit(c.req_id, c.start_pos, token_ids, c.num_computed_tokens)
 
 
-def _add_allocation(add, a: PageAllocationResult) -> None:
+def step_from_proto(r: pb.StepPagesRequest) -> wire.StepOps:
+    return wire.StepOps(step_id=r.step_id, allocations=tuple(map(_allocation, r.allocations)),
+                        extensions=tuple(wire.PageExtension(e.req_id, e.num_tokens) for e in r.extensions),
+                        commits=tuple(map(_commit, r.commits)),
+                        frees=tuple(wire.PageFree(f.req_id) for f in r.frees))
+
+
+# The answers are added in place (``repeated.add``), not built and then copied into the response, and an
+# extension's default fields are left unset: both save a copy per op of big calls.
+def _add_allocation(add, a: wire.PageAllocationResult) -> None:
     add(req_id=a.req_id, status=OP_STATUS[a.status], worker_id=a.worker_id, epoch=a.epoch, page_table=a.page_table,
         num_cached_tokens=a.num_cached_tokens, num_pages_short=a.num_pages_short)
 
 
-def _add_extension(add, e: PageExtensionResult) -> None:
-    if e.status is OpStatus.OK and not e.new_page_ids:  # most of a decode step's extensions
+def _add_extension(add, e: wire.PageExtensionResult) -> None:
+    if e.status is wire.OpStatus.OK and not e.new_page_ids:  # most of a decode step's extensions
         add(req_id=e.req_id, status=OK, num_pages=e.num_pages)
     else:
         add(req_id=e.req_id, status=OP_STATUS[e.status], new_page_ids=e.new_page_ids, num_pages=e.num_pages,
             num_pages_short=e.num_pages_short)
 
 
-def _add_commit(add, c: PageCommitResult) -> None:
+def _add_commit(add, c: wire.PageCommitResult) -> None:
     add(req_id=c.req_id, status=OP_STATUS[c.status], num_committed_tokens=c.num_committed_tokens)
 
 
-def _add_free(add, f: PageFreeResult) -> None:
+def _add_free(add, f: wire.PageFreeResult) -> None:
     add(req_id=f.req_id, status=OP_STATUS[f.status])
 
 
-def step_to_proto(r: StepResults, handle_ms: float) -> pb.StepPagesResponse:
+def step_to_proto(r: wire.StepResults, handle_ms: float) -> pb.StepPagesResponse:
     out = pb.StepPagesResponse(handle_ms=handle_ms)
     for results, repeated, add_one in ((r.allocations, out.allocation_results, _add_allocation),
                                        (r.extensions, out.extension_results, _add_extension),
@@ -112,26 +90,23 @@ def step_to_proto(r: StepResults, handle_ms: float) -> pb.StepPagesResponse:
         for result in results:
             add_one(add, result)
     for p in r.pools:
-        out.pools.add(**_fields(p))
+        out.pools.add(**as_kwargs(p))
     return out
 
 
-# -- the client side (the gateway) ---------------------------------------------------------------------------
-STATUS_OF = {v: k for k, v in OP_STATUS.items()}
-
-
-def spec_to_proto(s: PoolSpec, release_requests: bool = False) -> pb.RegisterWorkerRequest:
-    msg = _copy(s, pb.RegisterWorkerRequest)
+# -- the gateway's side: requests out, answers in -------------------------------------------------------------
+def spec_to_proto(s: wire.PoolSpec, release_requests: bool = False) -> pb.RegisterWorkerRequest:
+    msg = to_message(s, pb.RegisterWorkerRequest)
     msg.release_requests = release_requests
     return msg
 
 
-def register_from_proto(r: pb.RegisterWorkerResponse) -> RegisterResult:
-    return RegisterResult(previous_epoch=r.previous_epoch, dropped_req_ids=tuple(r.dropped_req_ids),
-                          released_req_ids=tuple(r.released_req_ids))
+def register_from_proto(r: pb.RegisterWorkerResponse) -> wire.RegisterResult:
+    return wire.RegisterResult(previous_epoch=r.previous_epoch, dropped_req_ids=tuple(r.dropped_req_ids),
+                               released_req_ids=tuple(r.released_req_ids))
 
 
-def step_to_request_proto(ops: StepOps, traceparents: Mapping[str, str] = EMPTY) -> pb.StepPagesRequest:
+def step_to_request_proto(ops: wire.StepOps, traceparents: Mapping[str, str] = NO_TRACES) -> pb.StepPagesRequest:
     """``traceparents``: req_id -> W3C traceparent of the request's span, for the ops of traced requests."""
     def tp(op) -> dict:
         parent = traceparents.get(op.req_id)
@@ -142,10 +117,10 @@ def step_to_request_proto(ops: StepOps, traceparents: Mapping[str, str] = EMPTY)
         allocations=[pb.PageAllocation(req_id=a.req_id, tenant=a.tenant, worker_id=a.worker_id,
                                        packed_token_ids=le_uint32(a.token_ids),
                                        skip_prefix_cache=a.skip_prefix_cache, **tp(a)) for a in ops.allocations],
-        extensions=[pb.PageExtension(**_fields(e), **tp(e)) for e in ops.extensions],
+        extensions=[pb.PageExtension(**as_kwargs(e), **tp(e)) for e in ops.extensions],
         commits=[pb.PageCommit(req_id=c.req_id, start_pos=c.start_pos, packed_token_ids=le_uint32(c.token_ids),
                                num_computed_tokens=c.num_computed_tokens, **tp(c)) for c in ops.commits],
-        frees=[pb.PageFree(**_fields(f), **tp(f)) for f in ops.frees],
+        frees=[pb.PageFree(**as_kwargs(f), **tp(f)) for f in ops.frees],
     )
 
 
@@ -153,13 +128,22 @@ def place_to_proto(tenant: str, token_ids, num_queued: dict[str, int]) -> pb.Pla
     return pb.PlaceRequest(tenant=tenant, packed_token_ids=le_uint32(token_ids), num_queued=num_queued)
 
 
-def step_results_from_proto(r: pb.StepPagesResponse) -> StepResults:
-    return StepResults(
-        allocations=[PageAllocationResult(a.req_id, STATUS_OF[a.status], a.worker_id, a.epoch, list(a.page_table),
-                                          a.num_cached_tokens, a.num_pages_short) for a in r.allocation_results],
-        extensions=[PageExtensionResult(e.req_id, STATUS_OF[e.status], list(e.new_page_ids), e.num_pages,
-                                        e.num_pages_short) for e in r.extension_results],
-        commits=[PageCommitResult(c.req_id, STATUS_OF[c.status], c.num_committed_tokens) for c in r.commit_results],
-        frees=[PageFreeResult(f.req_id, STATUS_OF[f.status]) for f in r.free_results],
-        pools=[PoolSummary(p.worker_id, p.epoch, p.num_free_pages, p.num_evictable_pages) for p in r.pools],
+def _allocation_result(a: pb.PageAllocationResult) -> wire.PageAllocationResult:
+    return wire.PageAllocationResult(a.req_id, STATUS_OF[a.status], a.worker_id, a.epoch, list(a.page_table),
+                                     a.num_cached_tokens, a.num_pages_short)
+
+
+def _extension_result(e: pb.PageExtensionResult) -> wire.PageExtensionResult:
+    return wire.PageExtensionResult(e.req_id, STATUS_OF[e.status], list(e.new_page_ids), e.num_pages,
+                                    e.num_pages_short)
+
+
+def step_results_from_proto(r: pb.StepPagesResponse) -> wire.StepResults:
+    return wire.StepResults(
+        allocations=list(map(_allocation_result, r.allocation_results)),
+        extensions=list(map(_extension_result, r.extension_results)),
+        commits=[wire.PageCommitResult(c.req_id, STATUS_OF[c.status], c.num_committed_tokens)
+                 for c in r.commit_results],
+        frees=[wire.PageFreeResult(f.req_id, STATUS_OF[f.status]) for f in r.free_results],
+        pools=[wire.PoolSummary(p.worker_id, p.epoch, p.num_free_pages, p.num_evictable_pages) for p in r.pools],
     )

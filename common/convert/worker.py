@@ -4,9 +4,9 @@ the gateway's worker client the other. No logic beyond renaming and copying."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import MappingProxyType
 
 from kvserve.common.convert.sampling import sampling_from_proto, sampling_to_proto
+from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.worker import SampledToken, StepBatch, StepItem, StepOutput, WorkerInfo
 from kvserve.v1 import common_pb2, worker_pb2
 
@@ -26,8 +26,7 @@ def batch_from_proto(req: worker_pb2.StepRequest) -> StepBatch:
     return StepBatch(items=items, epoch=req.epoch)
 
 
-def batch_to_proto(batch: StepBatch, traceparents: Mapping[str, str] = MappingProxyType({})
-                   ) -> worker_pb2.StepRequest:
+def batch_to_proto(batch: StepBatch, traceparents: Mapping[str, str] = NO_TRACES) -> worker_pb2.StepRequest:
     """``traceparents``: req_id -> W3C traceparent of the request's span, for traced requests."""
     items = [worker_pb2.StepItem(req_id=i.req_id, token_ids=i.token_ids, start_pos=i.start_pos,
                                  page_table=i.page_table, sample=i.sample, sampling=sampling_to_proto(i.sampling),

@@ -75,36 +75,37 @@ class StepOps:
 
 
 @dataclass(slots=True)
-class PageAllocationResult:
+class PageOpResult:
+    """What happened to one op (OK, or the outcome the caller acts on); each kind adds what it produced."""
+
     req_id: str
     status: OpStatus
+
+
+@dataclass(slots=True)
+class PageAllocationResult(PageOpResult):
     worker_id: str = ""
     epoch: int = 0
     page_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # leading prompt tokens found in the prefix cache (whole pages)
+    num_pages_short: int = 0  # OUT_OF_PAGES: how many more pages it needed
+
+
+@dataclass(slots=True)
+class PageExtensionResult(PageOpResult):
+    new_page_ids: list[int] = field(default_factory=list)  # appended to the page table, in order
+    num_pages: int = 0  # the page table's length after the op
     num_pages_short: int = 0
 
 
 @dataclass(slots=True)
-class PageExtensionResult:
-    req_id: str
-    status: OpStatus
-    new_page_ids: list[int] = field(default_factory=list)
-    num_pages: int = 0
-    num_pages_short: int = 0
-
-
-@dataclass(slots=True)
-class PageCommitResult:
-    req_id: str
-    status: OpStatus
+class PageCommitResult(PageOpResult):
     num_committed_tokens: int = 0
 
 
 @dataclass(slots=True)
-class PageFreeResult:
-    req_id: str
-    status: OpStatus
+class PageFreeResult(PageOpResult):
+    """A free produces nothing but its status."""
 
 
 @dataclass(slots=True)

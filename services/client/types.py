@@ -162,8 +162,9 @@ def delta_from_response(response: gateway_pb2.GenerateResponse) -> Delta:
                  usage=_usage(response.usage) if response.HasField("usage") else None)
 
 
-def completion_from_response(response: gateway_pb2.CompleteResponse) -> Completion:
-    """Converts a CompleteResponse into a Completion (zero usage when the message lacks it)."""
+def completion_from_response(response: gateway_pb2.GenerateResponse) -> Completion:
+    """Converts Complete's answer (one GenerateResponse holding the whole completion) into a Completion (zero
+    usage when the message lacks it)."""
     return Completion(req_id=response.req_id, text=response.text, token_ids=tuple(response.token_ids),
                       logprobs=_logprobs(response.logprobs), finish_reason=_finish_reason(response.finish_reason),
                       usage=_usage(response.usage))

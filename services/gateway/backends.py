@@ -9,13 +9,11 @@ Failures are typed (errors.py): KVManagerUnavailable / KVManagerFailed, WorkerUn
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from types import MappingProxyType
 from typing import Protocol
 
+from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
 from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
-
-NO_TRACES: Mapping[str, str] = MappingProxyType({})  # req_id -> W3C traceparent of its span, for traced requests
 
 
 class KVManagerBackend(Protocol):

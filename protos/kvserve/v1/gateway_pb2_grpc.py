@@ -49,7 +49,7 @@ class GatewayServiceStub:
         self.Complete = channel.unary_unary(
                 '/kvserve.v1.GatewayService/Complete',
                 request_serializer=kvserve_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_gateway__pb2.CompleteResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
 
 
@@ -72,7 +72,8 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Complete(self, request, context):
-        """The same generation as Generate, answered once when it finishes.
+        """The same generation as Generate, answered once when it finishes: one GenerateResponse that holds all of
+        it (the deltas' text and tokens joined, finish_reason and usage set).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -89,7 +90,7 @@ def add_GatewayServiceServicer_to_server(servicer, server):
             'Complete': grpc.unary_unary_rpc_method_handler(
                     servicer.Complete,
                     request_deserializer=kvserve_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_gateway__pb2.CompleteResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -152,7 +153,7 @@ class GatewayService:
             target,
             '/kvserve.v1.GatewayService/Complete',
             kvserve_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
-            kvserve_dot_v1_dot_gateway__pb2.CompleteResponse.FromString,
+            kvserve_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -79,7 +79,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     def Complete(self, request, context):
         handle = self._submit(request, context)
-        reply = gateway_pb2.CompleteResponse(req_id=handle.req.req_id)
+        reply = gateway_pb2.GenerateResponse(req_id=handle.req.req_id)
         text = []
         for delta in self._deltas(handle, context):
             text.append(delta.text)
