@@ -4,8 +4,38 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 namespace kvserve {
+
+// The query heads that share a kv head (a GQA group) are a template parameter of the attention kernels, so that
+// a group's queries and accumulators stay in registers. by_group(group, make) is make(std::integral_constant<
+// int, G>) for the runtime group size G in [1, kMaxGroup], and a null Fn outside it (the caller falls back).
+constexpr int kMaxGroup = 8;
+
+template <typename Fn, typename Make, int... G>
+Fn by_group_of(int64_t group, Make make, std::integer_sequence<int, G...>) {
+  const Fn table[] = {make(std::integral_constant<int, G + 1>{})...};
+  return group >= 1 && group <= kMaxGroup ? table[group - 1] : Fn{};
+}
+
+template <typename Fn, typename Make>
+Fn by_group(int64_t group, Make make) {
+  return by_group_of<Fn>(group, make, std::make_integer_sequence<int, kMaxGroup>{});
+}
+
+// by_head_dim(head_dim, make): make(std::integral_constant<int, NV>) for the head sizes the kernels specialise
+// (NV 16-float vectors a head: 16, 32, 64, 128), a null Fn for any other.
+template <typename Fn, typename Make>
+Fn by_head_dim(int64_t head_dim, Make make) {
+  switch (head_dim) {
+    case 16: return make(std::integral_constant<int, 1>{});
+    case 32: return make(std::integral_constant<int, 2>{});
+    case 64: return make(std::integral_constant<int, 4>{});
+    case 128: return make(std::integral_constant<int, 8>{});
+    default: return Fn{};
+  }
+}
 
 // 16 floats: GCC/Clang lower it to one AVX-512 register, two AVX2 ones, or four NEON ones. v16u is the same
 // at any float's alignment, for loads and stores of rows in the pool or in a panel.

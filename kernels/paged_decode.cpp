@@ -178,29 +178,13 @@ using FastFn = void (*)(const Shape&, const float*, const float*, const float*, 
 
 template <int NV>
 FastFn fast_for_group(int64_t group) {
-  switch (group) {
-    case 1: return decode_seq_fast<NV, 1>;
-    case 2: return decode_seq_fast<NV, 2>;
-    case 3: return decode_seq_fast<NV, 3>;
-    case 4: return decode_seq_fast<NV, 4>;
-    case 5: return decode_seq_fast<NV, 5>;
-    case 6: return decode_seq_fast<NV, 6>;
-    case 7: return decode_seq_fast<NV, 7>;
-    case 8: return decode_seq_fast<NV, 8>;
-    default: return nullptr;
-  }
+  return by_group<FastFn>(group, [](auto g) -> FastFn { return decode_seq_fast<NV, decltype(g)::value>; });
 }
 
 // The specialised kernel for this shape, or nullptr (the generic one then runs).
 FastFn fast_kernel(int64_t head_dim, int64_t group, int64_t page_size) {
   if (page_size > 64) return nullptr;
-  switch (head_dim) {
-    case 16: return fast_for_group<1>(group);
-    case 32: return fast_for_group<2>(group);
-    case 64: return fast_for_group<4>(group);
-    case 128: return fast_for_group<8>(group);
-    default: return nullptr;
-  }
+  return by_head_dim<FastFn>(head_dim, [group](auto nv) { return fast_for_group<decltype(nv)::value>(group); });
 }
 
 }  // namespace

@@ -168,27 +168,12 @@ constexpr RowsFn kRows[2] = {attend_rows<NV, G, 1>, attend_rows<NV, G, 2>};
 
 template <int NV>
 const RowsFn* rows_for_group(int64_t group) {
-  switch (group) {
-    case 1: return kRows<NV, 1>;
-    case 2: return kRows<NV, 2>;
-    case 3: return kRows<NV, 3>;
-    case 4: return kRows<NV, 4>;
-    case 5: return kRows<NV, 5>;
-    case 6: return kRows<NV, 6>;
-    case 7: return kRows<NV, 7>;
-    case 8: return kRows<NV, 8>;
-    default: return nullptr;
-  }
+  return by_group<const RowsFn*>(group, [](auto g) -> const RowsFn* { return kRows<NV, decltype(g)::value>; });
 }
 
 const RowsFn* rows_kernels(int64_t head_dim, int64_t group) {
-  switch (head_dim) {
-    case 16: return rows_for_group<1>(group);
-    case 32: return rows_for_group<2>(group);
-    case 64: return rows_for_group<4>(group);
-    case 128: return rows_for_group<8>(group);
-    default: return nullptr;
-  }
+  return by_head_dim<const RowsFn*>(head_dim,
+                                    [group](auto nv) { return rows_for_group<decltype(nv)::value>(group); });
 }
 
 }  // namespace

@@ -363,12 +363,17 @@ def test_kustomization_ships_the_grafana_dashboard_to_the_grafana_sidecar() -> N
 # --- kvmanager --------------------------------------------------------------------------------------------------
 
 
-def test_kvmanager_is_a_single_replica_never_two_at_once() -> None:
-    spec = _one("Deployment", "kvserve-kvmanager")["spec"]
+def _assert_one_replica_never_two(name: str) -> None:
+    """One replica, replaced by Recreate (never two at once during a rollout), and no autoscaler on it."""
+    spec = _one("Deployment", name)["spec"]
     assert spec["replicas"] == 1
     assert spec["strategy"] == {"type": "Recreate"}
     hpas = [doc for doc in _resources() if doc["kind"] == "HorizontalPodAutoscaler"]
-    assert not [h for h in hpas if h["spec"]["scaleTargetRef"]["name"] == "kvserve-kvmanager"]
+    assert not [h for h in hpas if h["spec"]["scaleTargetRef"]["name"] == name]
+
+
+def test_kvmanager_is_a_single_replica_never_two_at_once() -> None:
+    _assert_one_replica_never_two("kvserve-kvmanager")
 
 
 def test_kvmanager_deployment_runs_the_kvmanager_with_grpc_probes() -> None:
@@ -389,14 +394,21 @@ def test_kvmanager_admin_token_comes_from_the_secret() -> None:
         K8S_DIR / "kvmanager-deployment.yaml").read_text()
 
 
-def test_kvmanager_service_is_cluster_ip_on_the_grpc_port() -> None:
-    pod = _one("Deployment", "kvserve-kvmanager")["spec"]["template"]
-    (container,) = pod["spec"]["containers"]
-    service = _one("Service", "kvserve-kvmanager")
+def _cluster_ip_port(name: str) -> dict:
+    """The one port of Service ``name``: a ClusterIP (not headless) in front of Deployment ``name``'s pods."""
+    pod = _one("Deployment", name)["spec"]["template"]
+    service = _one("Service", name)
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
     assert service["spec"].get("clusterIP") != "None"
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     (port,) = service["spec"]["ports"]
+    return port
+
+
+def test_kvmanager_service_is_cluster_ip_on_the_grpc_port() -> None:
+    pod = _one("Deployment", "kvserve-kvmanager")["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    port = _cluster_ip_port("kvserve-kvmanager")
     assert port["port"] == KVMANAGER_PORT
     assert _container_port(container, port["targetPort"]) == KVMANAGER_PORT
 
@@ -439,11 +451,7 @@ def test_gateway_deployment_runs_the_gateway_with_grpc_probes() -> None:
 
 def test_gateway_is_a_single_replica_never_two_at_once() -> None:
     # One scheduling loop per worker: two gateways would each batch for every worker as if alone.
-    spec = _one("Deployment", "kvserve-gateway")["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
-    hpas = [doc for doc in _resources() if doc["kind"] == "HorizontalPodAutoscaler"]
-    assert not [h for h in hpas if h["spec"]["scaleTargetRef"]["name"] == "kvserve-gateway"]
+    _assert_one_replica_never_two("kvserve-gateway")
 
 
 def test_gateway_has_time_to_drain_after_sigterm() -> None:
@@ -505,11 +513,7 @@ def test_gateway_api_keys_come_from_a_secret_volume() -> None:
 def test_gateway_service_is_cluster_ip_on_the_grpc_port() -> None:
     pod = _one("Deployment", "kvserve-gateway")["spec"]["template"]
     (container,) = pod["spec"]["containers"]
-    service = _one("Service", "kvserve-gateway")
-    assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
-    assert service["spec"].get("clusterIP") != "None"
-    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-    (port,) = service["spec"]["ports"]
+    port = _cluster_ip_port("kvserve-gateway")
     assert (port["port"], port["name"], port.get("appProtocol")) == (GATEWAY_PORT, "grpc", "grpc")
     assert _container_port(container, port["targetPort"]) == GATEWAY_PORT
 
