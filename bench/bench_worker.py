@@ -17,18 +17,34 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
 import torch
 from results_io import write_results
 
 from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
 from kvserve.services.model_store import prepare_default_model
+from kvserve.v1 import worker_pb2_grpc
 from kvserve.worker.local_engine import GenerateParams, generate
 from kvserve.worker.runner import ModelRunner, RunnerConfig
+from kvserve.worker.server import start_worker_server
 
 PAGE_SIZE = 16
 
+
+
+@contextmanager
+def loopback_worker(runner: ModelRunner) -> Iterator[worker_pb2_grpc.WorkerServiceStub]:
+    """A real worker gRPC server on a free loopback port, and a stub talking to it."""
+    ws = start_worker_server(runner, "127.0.0.1", 0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{ws.port}") as channel:
+            yield worker_pb2_grpc.WorkerServiceStub(channel)
+    finally:
+        ws.stop(1.0)
 
 def timed(fn) -> float:
     t0 = time.perf_counter()
@@ -246,8 +262,6 @@ def main(argv=None) -> int:
                                       device="cpu", dtype="float32"))
     # All torch work, HF's included, runs on the runner's one compute thread (see ModelRunner.__init__).
     hf = runner.call(load_hf, model_dir)
-    from kvserve.services.bench_util import loopback_worker
-
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "quick": args.quick,
               "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                           "torch": torch.__version__, "python": platform.python_version(),
