@@ -1,5 +1,5 @@
 """kvmanager benchmark: latency and throughput of batched StepPages calls, domain core vs service vs gRPC,
-with and without Redis write-through.
+with and without persistence (the Redis call log).
 
     python bench/bench_kvmanager.py [--quick] [--profile] [--server-process] [--out bench/results/kvmanager-DATE.json]
 
@@ -23,21 +23,21 @@ carries a step_id (idempotency tracking on), as a gateway's would. Scenarios, ea
              free, extend past the headroom, or commit prompt pages); calls that admit and calls that do not are
              timed apart.
 
-Configurations: the domain core (KVManager.step), KVService over NullStore and over RedisStore (write-through
-to an embedded redis-server), and the real gRPC service (a server on 127.0.0.1 port 0 in this process, a real
-channel, StepPages) over each store; --server-process puts each server in a child process instead (measured: no
-difference). "Own core" is the call-log server in a child process pinned to one CPU, with the client thread
-pinned to the others while it drives it: the kvmanager's pod requests a CPU of its own, and on a shared 2-core
-machine the client, the server and Redis otherwise preempt one another mid-call. Last, the floor: the same
-server and servicer over a service that does no bookkeeping but appends each call to the Redis call log and
-answers with results of the right shape, i.e. what a call of that size costs before any page is looked at (the
-transport, the conversions, the log). A reference KVManager generates each round's calls, then every
-configuration replays the same calls on its own state, interleaved round by round (a shared 2-core machine is
-noisy), and every answer is checked against the reference. Latency is per call; requests/s is the number of
-distinct requests a call carries divided by the mean call time. The garbage collector stays on: the p99 of the
-big admit calls includes full collections over this process's heap, which holds six managers' state (about twice
-the pause a dedicated kvmanager would take). --profile adds a cProfile of the servicer called in-thread with
-Redis, per call kind. Writes JSON and a Markdown table next to it.
+Configurations: the domain core (KVManager.step), KVService over NullStore and over LoggedStore (the call log,
+in an embedded redis-server), and the real gRPC service (a server on 127.0.0.1 port 0 in this process, a real
+channel, StepPages) over each store; --server-process puts each server in a child process instead. "Own core"
+is the call-log server in a child process pinned to one CPU, with the client thread pinned to the others while
+it drives it: the kvmanager's pod requests a CPU of its own, and on a shared 2-core machine the client, the
+server and Redis otherwise preempt one another mid-call. Last, the floor: the same server and servicer over a
+service that does no bookkeeping but appends each call to the Redis call log and answers with results of the
+right shape, i.e. what a call of that size costs before any page is looked at (the transport, the conversions,
+the log). A reference KVManager generates each round's calls, then every configuration replays the same calls
+on its own state, interleaved round by round (a shared 2-core machine is noisy), and every answer is checked
+against the reference. Latency is per call; requests/s is the number of distinct requests a call carries
+divided by the mean call time. The garbage collector stays on: the p99 of the big admit calls includes full
+collections over this process's heap, which holds the state of the reference and of every in-process
+configuration (longer pauses than a dedicated kvmanager's). --profile adds a cProfile of the servicer called
+in-thread with Redis, per call kind. Writes JSON and a Markdown table next to it.
 """
 
 from __future__ import annotations
@@ -89,7 +89,6 @@ from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
 from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.kvmanager.servicer import KVManagerServicer
-from kvserve.kvmanager.store import RedisStore
 from kvserve.services.gateway.request import Request, RequestParams
 from kvserve.services.gateway.scheduler import Scheduler, SchedulerConfig
 from kvserve.v1 import kvmanager_pb2 as pb
@@ -117,11 +116,9 @@ GATEWAY_QUEUE = 4  # "gateway": requests kept waiting, so that a finished reques
 ADMIN_TOKEN = "bench-admin-token"
 TARGET_P50_MS = 2.0
 TARGET_SHARE = 0.03
-CONFIGS = ("core", "service", "service+redis", "service+log", "grpc", "grpc+redis", "grpc+log", "grpc+log-own-core",
-           "grpc+log-echo")
+CONFIGS = ("core", "service", "service+log", "grpc", "grpc+log", "grpc+log-own-core", "grpc+log-echo")
 CONFIG_TITLES = {"core": "domain core (KVManager.step)", "service": "KVService, NullStore",
-                 "service+redis": "KVService, Redis write-through", "grpc": "gRPC StepPages, NullStore",
-                 "grpc+redis": "gRPC StepPages, Redis write-through",
+                 "grpc": "gRPC StepPages, NullStore",
                  "service+log": "KVService, Redis call log (default)",
                  "grpc+log": "gRPC StepPages, Redis call log (default)",
                  "grpc+log-own-core": "the same, kvmanager process on its own core",
@@ -197,7 +194,6 @@ class Workload:
         self.num_calls += 1
         ops = dataclasses.replace(ops, step_id=self.step_id)
         res = self.ref.step(ops)
-        self.ref.take_changes()
         expect = fingerprint(res)
         assert expect[0] == 0, f"{self.scenario}: the workload ran out of pages or hit a stale op: {res}"
         ids = {o.req_id for group in (ops.allocations, ops.extensions, ops.commits, ops.frees) for o in group}
@@ -384,9 +380,6 @@ class CoreTarget(Target):
     def call(self, c):
         return self.mgr.step(c.ops)
 
-    def after(self):
-        self.mgr.take_changes()  # what KVService does after each call; outside the timed region
-
 
 class ServiceTarget(Target):
     def __init__(self, store, name):
@@ -399,16 +392,17 @@ class ServiceTarget(Target):
         return self.svc.step(c.ops)
 
     def extra_ms(self):
-        return self.svc.last_store_ms if isinstance(self.svc.store, RedisStore | LoggedStore) else None
+        return self.svc.last_store_ms if isinstance(self.svc.store, LoggedStore) else None
 
 
 class GrpcTarget(Target):
     """A real server on 127.0.0.1 port 0 (in this process, or with ``separate`` in a child process, as a
     deployed kvmanager is to its gateway), a real channel, StepPages."""
 
-    def __init__(self, name: str, redis_url: str | None, prefix: str, separate: bool, log: bool = False,
+    def __init__(self, name: str, redis_url: str | None, prefix: str, separate: bool,
                  service: KVService | None = None, cpus: tuple[set[int], set[int]] | None = None):
-        """``service``: serve this one (in this process) instead of a KVService over the store the flags name.
+        """``redis_url``: the call log's Redis (None: NullStore). ``service``: serve this one (in this process)
+        instead of a KVService over that store.
         ``cpus``: (the server's CPUs, the client's CPUs): a child process pinned to the first, the calling thread
         to the second while it drives this target."""
         self.name, self.child, self.server = name, None, None
@@ -416,12 +410,12 @@ class GrpcTarget(Target):
             separate, self.client_cpus = True, cpus[1]
         if separate:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--prefix", prefix] + (
-                ["--log"] if log else []) + (["--cpus", ",".join(map(str, sorted(cpus[0])))] if cpus else [])
+                ["--cpus", ",".join(map(str, sorted(cpus[0])))] if cpus else [])
             self.child = subprocess.Popen(cmd + (["--redis-url", redis_url] if redis_url else []),
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             port = int(self.child.stdout.readline())
         else:
-            service = service or KVService(KVManager(), make_store(redis_url, prefix, log))
+            service = service or KVService(KVManager(), make_store(redis_url, prefix))
             self.server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=ADMIN_TOKEN)
             port = self.server.port
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}",
@@ -464,7 +458,8 @@ class EchoService(KVService):
 
     def step(self, ops: StepOps) -> StepResults:
         with self.lock:
-            early = self.store.send_early(("step", ops))
+            record = ("step", ops)
+            early = self.store.send_early(record)
             results = StepResults(
                 allocations=[PageAllocationResult(a.req_id, OpStatus.OK, SPEC.worker_id, SPEC.epoch,
                                                   list(range(-(-len(a.token_ids) // PAGE_SIZE))), 0)
@@ -474,7 +469,7 @@ class EchoService(KVService):
                 commits=[PageCommitResult(c.req_id, OpStatus.OK, c.start_pos + len(c.token_ids)) for c in ops.commits],
                 frees=[PageFreeResult(f.req_id, OpStatus.OK) for f in ops.frees],
                 pools=[PoolSummary(SPEC.worker_id, SPEC.epoch, 0, 0)])
-            self._write_through(("step", ops), force=early)
+            self._persist(record, force=early)
             return results
 
 
@@ -485,19 +480,16 @@ class EchoTarget(GrpcTarget):
         super().__init__("grpc+log-echo", None, prefix, separate=False, service=EchoService(redis_url, prefix))
 
 
-def make_store(redis_url: str | None, prefix: str, log: bool):
-    if not redis_url:
-        return NullStore()
-    return LoggedStore(connect(redis_url), prefix) if log else RedisStore(connect(redis_url), prefix)
+def make_store(redis_url: str | None, prefix: str):
+    return LoggedStore(connect(redis_url), prefix) if redis_url else NullStore()
 
 
-def serve_child(redis_url: str | None, prefix: str, log: bool = False, cpus: str = "") -> int:
+def serve_child(redis_url: str | None, prefix: str, cpus: str = "") -> int:
     """--serve: a kvmanager server for GrpcTarget(separate=True); prints its port, serves until stdin closes.
     ``cpus``: comma-separated CPUs to pin this process (all its threads) to."""
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-    store = make_store(redis_url, prefix, log)
-    service = KVService(KVManager(), store)
+    service = KVService(KVManager(), make_store(redis_url, prefix))
     tune_gc_for_serving()  # as `kvserve kvmanager` does once its state is loaded
     server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=ADMIN_TOKEN)
     print(server.port, flush=True)
@@ -533,21 +525,19 @@ def make_targets(redis_url: str, scenario: str, separate: bool) -> list[Target]:
     prefix = f"bench-{scenario}"
     split = own_core_split()
     return [CoreTarget(), ServiceTarget(NullStore(), "service"),
-            ServiceTarget(RedisStore(connect(redis_url), prefix=f"{prefix}-svc"), "service+redis"),
             ServiceTarget(LoggedStore(connect(redis_url), prefix=f"{prefix}-svclog"), "service+log"),
-            GrpcTarget("grpc", None, prefix, separate), GrpcTarget("grpc+redis", redis_url, f"{prefix}-grpc", separate),
-            GrpcTarget("grpc+log", redis_url, f"{prefix}-grpclog", separate, log=True),
-            *([GrpcTarget("grpc+log-own-core", redis_url, f"{prefix}-grpclog-own", separate, log=True, cpus=split)]
+            GrpcTarget("grpc", None, prefix, separate),
+            GrpcTarget("grpc+log", redis_url, f"{prefix}-grpclog", separate),
+            *([GrpcTarget("grpc+log-own-core", redis_url, f"{prefix}-grpclog-own", separate, cpus=split)]
               if split else []),
             EchoTarget(redis_url, f"{prefix}-echo")]
 
 
 def replay(target: Target, calls: list[Call], samples: dict | None) -> None:
     """Runs ``calls`` on ``target``; timed ones append (seconds, extra_ms) to samples[kind]. Checks answers."""
-    after = getattr(target, "after", None)
     perf = time.perf_counter
     with pinned(target.client_cpus):
-        _replay(target, calls, samples, after, perf)
+        _replay(target, calls, samples, perf)
 
 
 @contextlib.contextmanager
@@ -564,13 +554,11 @@ def pinned(cpus: set[int] | None):
         os.sched_setaffinity(0, before)
 
 
-def _replay(target: Target, calls: list[Call], samples: dict | None, after, perf) -> None:
+def _replay(target: Target, calls: list[Call], samples: dict | None, perf) -> None:
     for c in calls:
         t0 = perf()
         res = target.call(c)
         t = perf() - t0
-        if after is not None:
-            after()
         got = fingerprint(res) if target.checks_answers else c.expect
         if got != c.expect:
             raise AssertionError(f"{target.name}: step {c.ops.step_id} answered {got}, the reference {c.expect}")
@@ -651,8 +639,8 @@ def markdown(report: dict) -> str:
                      f"| {r['p99_ms']:.3f} | {r['mean_ms']:.3f} | {r['requests_per_s']:,.0f} "
                      f"| {'' if inside is None else f'{inside:.3f}'} |")
     lines += ["", "Requests/s: distinct requests per call / mean call time. Inside: for gRPC, the server's own time "
-              "(StepPagesResponse.handle_ms: request conversion, the service, the store write); for the Redis "
-              "service, the store write (KVService.last_store_ms)."]
+              "(StepPagesResponse.handle_ms: request conversion, the service, the store write); for KVService "
+              "over the call log, the store write (KVService.last_store_ms)."]
     v = report["verdict"]
 
     def met_missed(verdict: dict) -> str:
@@ -770,7 +758,6 @@ def parse_args(argv=None):
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child of --server-process
     p.add_argument("--redis-url", default=None, help=argparse.SUPPRESS)
     p.add_argument("--prefix", default="bench", help=argparse.SUPPRESS)
-    p.add_argument("--log", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cpus", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -814,7 +801,7 @@ def run_scenario(scenario: str, redis_url: str, client, rounds: int, calls: int,
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.serve:
-        return serve_child(args.redis_url, args.prefix, args.log, args.cpus)
+        return serve_child(args.redis_url, args.prefix, args.cpus)
     plan = PLAN[args.quick]
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "quick": args.quick,
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpc": grpc.__version__,

@@ -82,7 +82,7 @@ class KVManagerMetrics:
         r = self.registry = CollectorRegistry()
         self.rpc = Histogram("kvserve:kvmanager_rpc_seconds", "Server-side time of a kvmanager RPC.", ["method"],
                              buckets=RPC_BUCKETS_S, registry=r)
-        self.redis_write = Histogram("kvserve:redis_write_seconds", "One write-through to Redis.",
+        self.redis_write = Histogram("kvserve:redis_write_seconds", "A call's write to Redis (log or snapshot).",
                                      buckets=RPC_BUCKETS_S, registry=r)
         r.register(_StateCollector(read_stats))
         if call_log is not None:

@@ -2,8 +2,8 @@
 
 Plain Python like the rest of the domain. Reads (``stats``, ``list_tenants``, ``inspect_tenant``, ``probe``,
 ``page_table``) change nothing at all: no ref_cnt, LRU order, counter, logical clock or ``mgr.changes``.
-Mutations (``evict_tenant``, ``pin``, ``unpin``, ``reset``) record what they change in ``mgr.changes`` so
-that the service writes it through to the store.
+Mutations (``evict_tenant``, ``pin``, ``unpin``, ``reset``, ``forget_worker``) mark ``mgr.changes`` when they
+change something, so that the service logs the call (one that changed nothing is not logged).
 """
 
 from __future__ import annotations
@@ -307,18 +307,14 @@ def evict_tenant(mgr: KVManager, tenant: str, worker_id: str = "", include_pinne
         for block in sorted((b for b in pool.index.values() if b.tenant == tenant), key=lambda b: b.page_id):
             if include_pinned and block.pinned:
                 pool.set_pinned(block, False)
-                _record(mgr, pool, block)
+                mgr.changes.changed = True
             if block.pinned or pool.ref_cnt[block.page_id] > 0:
                 kept += 1
                 continue
             pool.evict(block.page_id)
-            _record(mgr, pool, block)
+            mgr.changes.changed = True
             evicted += 1
     return EvictResult(evicted, kept)
-
-
-def _record(mgr: KVManager, pool: PagePool, block: Block) -> None:
-    mgr.changes.blocks[(pool.spec.worker_id, block.block_hash)] = block.tenant
 
 
 def _set_pinned(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str,
@@ -334,7 +330,7 @@ def _set_pinned(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_
                 pool.set_pinned(block, pinned)
                 if not pinned:  # it joins the LRU's most recent end; a reload orders the LRU by last_used
                     pool.touch(block, mgr.tick())
-                _record(mgr, pool, block)
+                mgr.changes.changed = True
                 changed += 1
         reached += len(blocks)
         best_tokens = max(best_tokens, len(blocks) * pool.spec.page_size)
@@ -376,9 +372,7 @@ def reset(mgr: KVManager, force: bool = False) -> ResetResult:
     mgr.tenants.clear()
     for worker_id, pool in mgr.pools.items():
         mgr.pools[worker_id] = PagePool(pool.spec)
-    mgr.changes.reset = True  # the store deletes everything, then writes what is named below
-    mgr.changes.pools |= set(mgr.pools)
-    mgr.changes.counters = True
+    mgr.changes.reset = True  # persisted as a snapshot of what is left, not as a log record
     return result
 
 

@@ -49,10 +49,7 @@ class KVManager:
         self.tenants: dict[str, TenantCounters] = {}
         self.load_penalty_pages = load_penalty_pages
         self.clock = 0  # logical time, one tick per event: block.last_used orders the LRU across restarts
-        self.changes = Changes()
-        # Whether changes name every block indexed, evicted or touched (a store that writes state needs them;
-        # the call log only needs to know that something changed). KVService sets it from its store.
-        self.track_block_changes = True
+        self.changes = Changes()  # whether calls changed state since the last durable write (service.py)
         # Answers that no live request record can hold (frees, OUT_OF_PAGES allocations), for retried calls:
         # (kind, req_id) -> (step_id, result). Bounded; not persisted (after a restart such ops re-evaluate).
         self.recent: OrderedDict[tuple[str, str], tuple[int, object]] = OrderedDict()
@@ -81,7 +78,7 @@ class KVManager:
         pool = PagePool(spec)  # first: if building it fails, the old pool is still whole
         dropped = self._drop_pool(old) if old is not None else ()
         self.pools[spec.worker_id] = pool
-        self.changes.pools.add(spec.worker_id)
+        self.changes.changed = True
         return RegisterResult(previous_epoch=old.spec.epoch if old else 0, dropped_req_ids=dropped)
 
     def req_ids_on(self, worker_id: str) -> tuple[str, ...]:
@@ -98,22 +95,18 @@ class KVManager:
     def _drop_pool(self, pool: PagePool) -> tuple[str, ...]:
         dropped = self.req_ids_on(pool.spec.worker_id)
         for req_id in dropped:
-            req = self.requests.pop(req_id)
-            self.stale[req_id] = req
-            self.changes.requests[req_id] = req.tenant
-        for block in pool.index.values():
-            self.changes.blocks[(pool.spec.worker_id, block.block_hash)] = block.tenant
+            self.stale[req_id] = self.requests.pop(req_id)
+        self.changes.changed = True
         return dropped
 
     def forget_pool(self, worker_id: str) -> tuple[str, ...]:
         """Removes a registered pool with its blocks and every request on it, live or stale (the worker may
         register again under any epoch: no record of it may outlive the pool). Returns the live req_ids."""
         pool = self.pool(worker_id)
-        dropped = self._drop_pool(pool)  # live requests become stale, blocks are recorded as dropped
+        dropped = self._drop_pool(pool)  # live requests become stale, then go with the stale ones below
         for req_id in [r for r, req in self.stale.items() if req.worker_id == worker_id]:
-            self.changes.requests[req_id] = self.stale.pop(req_id).tenant
+            del self.stale[req_id]
         del self.pools[worker_id]
-        self.changes.pools.add(worker_id)
         return dropped
 
     def pool(self, worker_id: str) -> PagePool:
@@ -202,10 +195,9 @@ class KVManager:
         self.stale.pop(op.req_id, None)  # a re-queued request may reuse the id of its dropped incarnation
         hit_pages = [b.page_id for b in hits]
         pool.acquire(hit_pages)
-        self._touch(spec.worker_id, hits)
+        self._touch(hits)
         num_pages = num_pages_for(len(op.token_ids), spec.page_size)
-        fresh, evicted = pool.allocate(num_pages - len(hits))
-        self._record_blocks(spec.worker_id, evicted)
+        fresh, _ = pool.allocate(num_pages - len(hits))
         num_cached = len(hits) * spec.page_size
         req = RequestPages(op.req_id, op.tenant, spec.worker_id, spec.epoch, hit_pages + fresh, seed,
                            [b.block_hash for b in hits], len(op.token_ids), num_cached, op.skip_prefix_cache)
@@ -215,8 +207,7 @@ class KVManager:
         if not op.skip_prefix_cache:
             counters.prefix_cache_queries += len(op.token_ids)
             counters.prefix_cache_hits += num_cached
-        self.changes.requests[op.req_id] = op.tenant
-        self.changes.counters = True
+        self.changes.changed = True
         touched.add(spec.worker_id)
         return PageAllocationResult(op.req_id, OpStatus.OK, spec.worker_id, spec.epoch, list(req.page_table),
                                     num_cached)
@@ -233,10 +224,9 @@ class KVManager:
         if pool.available() < need:
             return PageExtensionResult(op.req_id, OpStatus.OUT_OF_PAGES, [], len(req.page_table),
                                        need - pool.available())
-        fresh, evicted = pool.allocate(need)
-        self._record_blocks(req.worker_id, evicted)
+        fresh, _ = pool.allocate(need)
         req.page_table.extend(fresh)
-        self.changes.requests[req.req_id] = req.tenant
+        self.changes.changed = True
         return PageExtensionResult(op.req_id, OpStatus.OK, fresh, len(req.page_table))
 
     def _commit(self, op: PageCommit, touched: set[str]) -> PageCommitResult:
@@ -254,68 +244,41 @@ class KVManager:
             blocks = list(map(Block, new, [prev, *new[:-1]], repeat(req.tenant, k), req.page_table[first:first + k],
                               range(first, first + k), range(clock + 1, clock + k + 1)))
             self.clock += k
-            self._record_blocks(req.worker_id, pool.cache_blocks(blocks))
+            pool.cache_blocks(blocks)
             hashes.extend(new)
         req.num_committed_tokens += len(op.token_ids)
-        self.changes.requests[req.req_id] = req.tenant
+        self.changes.changed = True
         return PageCommitResult(op.req_id, OpStatus.OK, req.num_committed_tokens)
 
     def _free(self, op: PageFree, touched: set[str]) -> PageFreeResult:
         if op.req_id in self.stale:
-            req = self.stale.pop(op.req_id)
-            self.changes.requests[op.req_id] = req.tenant
+            del self.stale[op.req_id]
+            self.changes.changed = True
             return PageFreeResult(op.req_id, OpStatus.STALE_EPOCH)
         req = self.requests.pop(op.req_id, None)
         if req is None:
             return PageFreeResult(op.req_id, OpStatus.OK)  # freeing twice is harmless
         pool = self.pools[req.worker_id]
         # Tail first: the chain's end is evicted first. Blocks joining the LRU get their place in it stamped.
-        self._touch(req.worker_id, pool.release(reversed(req.page_table)))
+        self._touch(pool.release(reversed(req.page_table)))
         pool.num_requests -= 1
         touched.add(req.worker_id)
-        self.changes.requests[op.req_id] = req.tenant
+        self.changes.changed = True
         return PageFreeResult(op.req_id, OpStatus.OK)
 
-    def _record_blocks(self, worker_id: str, blocks: list[Block]) -> None:
-        """Blocks indexed or evicted: changes for a store that writes state (not for the call log)."""
-        if self.track_block_changes:
-            changed = self.changes.blocks
-            for block in blocks:
-                changed[(worker_id, block.block_hash)] = block.tenant
-
-    def _touch(self, worker_id: str, blocks: list[Block]) -> None:
-        """Stamps blocks as used now, one clock tick each in order (their LRU order after a restart)."""
+    def _touch(self, blocks: list[Block]) -> None:
+        """Stamps blocks as used now, one clock tick each in order (recovery derives an LRU order from it)."""
         clock = self.clock
         for block in blocks:
             clock += 1
             block.last_used = clock
         self.clock = clock
-        if self.track_block_changes:
-            touched = self.changes.touched
-            for block in blocks:
-                touched[(worker_id, block.block_hash)] = block.tenant
 
     # -- placement ------------------------------------------------------------------------------------
     def place(self, tenant: str, token_ids: tuple[int, ...], num_queued: dict[str, int]) -> Placement:
         """Where a new request should be queued (placement.py's rule), with the caller's queued requests counted
         as load. No side effect. Raises InvalidRequest, UnknownWorker."""
         return place(self.pools, tenant, token_ids, num_queued, self.load_penalty_pages)
-
-    # -- helpers for the store ------------------------------------------------------------------------
-    def take_changes(self) -> Changes:
-        changes, self.changes = self.changes, Changes()
-        return changes
-
-    def restore_changes(self, changes: Changes) -> None:
-        """Puts back changes whose write failed, merged under any newer ones."""
-        newer = self.changes
-        changes.requests.update(newer.requests)
-        changes.blocks.update(newer.blocks)
-        changes.touched.update(newer.touched)
-        changes.pools |= newer.pools
-        changes.counters |= newer.counters
-        changes.reset |= newer.reset
-        self.changes = changes
 
 
 MAX_POOL_PAGES = 1 << 24  # ~0.9 GB of bookkeeping here; an H200 of SmolLM2 K/V holds ~0.4M pages of 16 tokens

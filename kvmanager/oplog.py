@@ -1,11 +1,13 @@
-"""Write-ahead log persistence: each call that changed state is appended to a Redis list, and every
-``snapshot_every`` records (or ``snapshot_bytes`` of them, whichever comes first) the full state is written as
-a new generation and the log it covers deleted (snapshots.py: a forked child writes it, off the call path).
+"""The kvmanager's persistence, a write-ahead log: each call that changed state is appended to a Redis list,
+and every ``snapshot_every`` records (or ``snapshot_bytes`` of them, whichever comes first) the full state is
+written as a new generation and the log it covers deleted (snapshots.py: a forked child writes it, off the
+call path).
 
-Why: writing the resulting state costs one record per touched block (thousands when a step admits or frees
-long prompts); the call itself is one small append. Recovery loads the snapshot (RedisStore's tenant-namespaced
-layout) and replays the logged calls through the same KVManager code, which is deterministic: same state and
-same calls give the same pages, hits and answers (the restart tests check exactly that).
+Why a log of calls: a call is one small append, whatever it did, where its effect would be one record per
+block it touched (thousands when a step admits or frees long prompts). Recovery loads the snapshot
+(snapshot_layout.py's tenant-namespaced keys) and replays the logged calls through the same KVManager code,
+which is deterministic: same state and same calls give the same pages, hits and answers (the restart tests
+check exactly that).
 
     <prefix>:log:<g>   list of records after snapshot g, oldest first: a JSON header
                        {"k": "step"|"register"|"admin", ...}, then, for a step, its token ids as little-endian
@@ -31,10 +33,11 @@ import redis
 from kvserve.common.tokens import UINT32, le_uint32, unpack_uint32
 from kvserve.common.wire.pages import PageAllocation, PageCommit, PageExtension, PageFree, PoolSpec, StepOps
 from kvserve.kvmanager import admin, snapshots
+from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.snapshot_layout import SnapshotLayout
 from kvserve.kvmanager.snapshots import Child, GenerationKeys, claim
 from kvserve.kvmanager.state import Changes
-from kvserve.kvmanager.store import RedisStore
 
 log = logging.getLogger(__name__)
 ADMIN_MUTATIONS = {f.__name__: f for f in (admin.evict_tenant, admin.pin, admin.unpin, admin.reset,
@@ -52,10 +55,10 @@ OVERDUE = 4
 def encode(record: tuple) -> bytes:
     """One log record: a compact JSON header, a newline, then the token ids of the step's allocations and
     commits in header order (the header holds their counts). Binary because a call admitting 64 prompts of
-    2000 tokens carries 512 KB of token ids: as JSON text they cost milliseconds to encode and send. When every
+    2000 tokens carries 512 KB of token ids, which as JSON text would be slow to encode and send. When every
     id of the record fits in 16 bits (any vocabulary up to 65536, SmolLM2's 49152 included) they are stored
     as one little-endian uint16 array ("w": 2): half the bytes for Redis to take in and append to its AOF,
-    which costs it more than the call's other work for big records (512 KB: ~1.4-1.9 ms, 256 KB: ~0.55 ms)."""
+    which for a big record costs it more than the call's other work."""
     kind = record[0]
     blobs: list[bytes] = []
 
@@ -143,8 +146,6 @@ class LoggedStore:
     and snapshots.forking_is_safe() when the store is made; otherwise the call that makes it due writes it
     inline, as an admin reset always does."""
 
-    wants_block_changes = False  # a snapshot writes everything; the log holds calls, not their effects
-
     def __init__(self, client: redis.Redis, prefix: str = "kvserve", snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
                  snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES, background: bool | None = None):
         self.client = client
@@ -164,6 +165,7 @@ class LoggedStore:
         self.last_snapshot_s = 0.0  # fork to reaped, or the inline write
         self.pending: list[bytes] = []  # records whose append failed, in call order
         self.last_record = b""
+        self.queued_early: tuple | None = None  # the record send_early queued: write() must not queue it again
         self.in_flight: tuple | None = None  # (connection, number of records) of an RPUSH sent early
 
     @property
@@ -178,6 +180,7 @@ class LoggedStore:
         plain way). A call logged this way may turn out to change nothing: replaying it changes nothing
         either."""
         self._queue(record)
+        self.queued_early = record
         if not self.pending or self._inline_due():
             return False
         pool = self.client.connection_pool
@@ -195,13 +198,16 @@ class LoggedStore:
         self.in_flight = (conn, len(self.pending))
         return True
 
-    def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
+    def write(self, mgr: KVManager, record: tuple, reset: bool = False) -> None:
+        """Appends ``record`` (and any still pending) to the log, or completes the append send_early began;
+        writes a snapshot inline instead on ``reset`` or when _inline_due()."""
+        queued, self.queued_early = self.queued_early, None
         if self.in_flight is not None:
             self._finish_early()
         else:
-            if record is not None:
+            if record is not queued:  # a step whose early send did not go out is queued already
                 self._queue(record)
-            if changes.reset or record is None or self._inline_due():
+            if reset or self._inline_due():
                 self.snapshot(mgr)
                 return
             self._claim()
@@ -322,7 +328,7 @@ class LoggedStore:
         t0 = time.monotonic()
         gen = snapshots.new_generation(self.client, self.keys)
         switch = snapshots.switch_ops(self.keys, gen, self.log_gens, mgr)
-        RedisStore(self.client, self.keys.state_prefix(gen)).write(mgr, Changes(reset=True), also=switch)
+        SnapshotLayout(self.client, self.keys.state_prefix(gen)).write(mgr, also=switch)
         self.num_snapshots["inline"] += 1
         self.last_snapshot_s = time.monotonic() - t0
         self.gen, self.log_gens = gen, [gen]
@@ -336,10 +342,10 @@ class LoggedStore:
 
     def load(self, mgr: KVManager) -> None:
         """Claims the prefix, loads the current generation's snapshot, then replays its log and every newer
-        one. Raises as RedisStore.load."""
+        one. Raises as SnapshotLayout.load."""
         self.owner = None
         self._claim()
-        RedisStore(self.client, self.keys.state_prefix(self.gen)).load(mgr)
+        SnapshotLayout(self.client, self.keys.state_prefix(self.gen)).load(mgr)
         snapshots.restore_replay_state(self.client, self.keys, self.gen, mgr)
         self.num_logged = self.num_logged_bytes = 0
         for gen in self.log_gens:
@@ -348,9 +354,7 @@ class LoggedStore:
                 apply(mgr, raw)
             self.num_logged += len(records)
             self.num_logged_bytes += sum(map(len, records))
-        mgr.take_changes()
-        from kvserve.kvmanager.invariants import check_invariants
-
+        mgr.changes = Changes()  # what the replay changed is what the log holds
         check_invariants(mgr)
 
 

@@ -1,6 +1,7 @@
-"""Rebuilds a manager from what the store keeps: pools, cached blocks, requests, counters.
+"""Rebuilds a manager from what a snapshot keeps (snapshot_layout.py): pools, cached blocks, requests, counters.
 
-Ref_cnts, the free list and the LRU are not stored; they follow from the rest::
+Ref_cnts, the free list and the LRU are not in the layout; they follow from the rest (a generation's snapshot
+also holds the exact orders, which snapshots.restore_replay_state then puts back over the derived ones)::
 
     ref_cnt[p]  = number of live requests whose page_table holds p      (stale requests hold nothing)
     free list   = ref-0 pages without a block, ascending
@@ -31,7 +32,7 @@ class StoredBlock:
 
 @dataclass(slots=True)
 class StoredState:
-    """Everything the store read back, decoded, before it is placed into a manager."""
+    """Everything a snapshot held, decoded, before it is placed into a manager."""
 
     specs: list[PoolSpec] = field(default_factory=list)
     blocks: list[StoredBlock] = field(default_factory=list)
@@ -82,6 +83,8 @@ def _place_requests(mgr: KVManager, live: list[RequestPages], stale: list[Reques
         if pool is None or pool.spec.epoch != req.epoch:  # its pool was replaced: it can only be answered stale
             mgr.stale.setdefault(req.req_id, req)
             continue
+        n = pool.spec.num_pages
+        assert all(0 <= p < n for p in req.page_table), f"request {req.req_id!r} holds a page outside its pool"
         mgr.requests[req.req_id] = req
         for page_id in req.page_table:
             pool.ref_cnt[page_id] += 1

@@ -57,10 +57,9 @@ class AdminAuthInterceptor(grpc.ServerInterceptor):
 
 # Collector thresholds for a serving kvmanager process (CPython's default is 700, 10, 10). A call that commits
 # or admits long prompts creates thousands of container objects (a Block per page), and the state they join is
-# long-lived: at the default, such a call runs ~9 young collections and most of a middle one, and every few
-# calls a full one over the whole state. Garbage in this process is almost never cyclic (reference counting
-# frees it), so rarer collections cost little memory. Measured on the admit benchmark, the kvmanager on its
-# own core: prefill-commit p50 9.5 -> 8.1 ms, p99 54 -> 13 ms; the other calls unchanged.
+# long-lived: at the default, such a call runs several young collections and part of a middle one, and every
+# few calls a full one over the whole state, which shows in those calls' latency. Garbage in this process is
+# almost never cyclic (reference counting frees it), so rarer collections cost little memory.
 SERVING_GC_THRESHOLDS = (100_000, 50, 100)
 
 

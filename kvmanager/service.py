@@ -1,10 +1,10 @@
-"""The kvmanager service core: the in-memory manager plus write-through to a store, serialised by one lock.
+"""The kvmanager service core: the in-memory manager plus its persistence in a store, serialised by one lock.
 
-Every call that changes state writes its changes to the store (one pipelined, atomic write) before it
-answers. If that write fails, the change stays in memory, is kept for the next write, and the call raises
-StoreUnavailable (UNAVAILABLE): the caller retries with the same step_id and gets the remembered answer once
-the store is back. So an answer the caller sees is always durable, a page is never handed to two holders
-(memory is the single source of truth while the process lives), and a restarted kvmanager only ever
+Every call that changes state is made durable in the store (oplog.py: appended to the call log) before it is
+answered. If that write fails, the change stays in memory, the store keeps what it could not write, and the
+call raises StoreUnavailable (UNAVAILABLE): the caller retries with the same step_id and gets the remembered
+answer once the store is back. So an answer the caller sees is always durable, a page is never handed to two
+holders (memory is the single source of truth while the process lives), and a restarted kvmanager only ever
 reloads state that was written, never a block that was not committed.
 """
 
@@ -22,16 +22,12 @@ from kvserve.kvmanager.state import Changes
 
 
 class Store(Protocol):
-    """Persistence of the manager's state (kvmanager/store.py has the Redis one)."""
+    """Persistence of the manager's state (oplog.py's LoggedStore, or NullStore)."""
 
-    # Whether write() needs ``changes`` to name every block indexed, evicted or touched (a store that writes
-    # state does; one that logs calls does not, and naming them costs a dict entry per page on big calls).
-    wants_block_changes: bool
-
-    def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
-        """Persists a call's effect, atomically: ``changes`` names what changed (a state store writes its current
-        values), ``record`` is the call itself (("step", StepOps), ("register", PoolSpec, release_requests) or
-        ("admin", name, args)) for a store that logs calls. Raises on failure.
+    def write(self, mgr: KVManager, record: tuple, reset: bool = False) -> None:
+        """Makes a call durable, atomically: ``record`` is the call itself (("step", StepOps), ("register",
+        PoolSpec, release_requests) or ("admin", name, args)); ``reset``: the calls since the last write
+        dropped everything (an admin reset), so the store writes ``mgr``'s state whole. Raises on failure.
 
         A store may also have ``send_early(record) -> bool``: called with a validated step before it is applied;
         True means the record is on its way and the next write() completes it (it is then called even if the
@@ -46,9 +42,7 @@ class Store(Protocol):
 class NullStore:
     """No persistence (tests of the domain, --no-persistence)."""
 
-    wants_block_changes = False
-
-    def write(self, mgr: KVManager, changes: Changes, record: tuple | None = None) -> None:
+    def write(self, mgr: KVManager, record: tuple, reset: bool = False) -> None:
         pass
 
     def load(self, mgr: KVManager) -> None:
@@ -56,12 +50,11 @@ class NullStore:
 
 
 class KVService:
-    """Thread-safe entry point used by the servicers. ``last_store_ms`` is the latest write-through time."""
+    """Thread-safe entry point used by the servicers. ``last_store_ms`` is the latest store write's time."""
 
     def __init__(self, manager: KVManager | None = None, store: Store | None = None):
         self.manager = manager or KVManager()
         self.store = store or NullStore()
-        self.manager.track_block_changes = self.store.wants_block_changes
         self.lock = threading.Lock()
         self.store_ok = True
         self.last_store_ms = 0.0
@@ -74,7 +67,7 @@ class KVService:
     def register_worker(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
         with self.lock:
             result = self.manager.register_worker(spec, release_requests)
-            self._write_through(("register", spec, release_requests))
+            self._persist(("register", spec, release_requests))
             return result
 
     def step(self, ops: StepOps) -> StepResults:
@@ -82,18 +75,18 @@ class KVService:
             self.manager.check(ops)  # bad input raises here: nothing applied, nothing logged
             record = ("step", ops)
             send_early = getattr(self.store, "send_early", None)
-            # A store that logs calls can send this one before it is applied: Redis appends it while the
-            # manager works, and the answer still waits for Redis's reply (in _write_through).
+            # The call log can send this one before it is applied: Redis appends it while the manager works,
+            # and the answer still waits for Redis's reply (in _persist).
             early = send_early(record) if send_early is not None else False
             results = self.manager.apply_checked(ops)
-            self._write_through(record, force=early)
+            self._persist(record, force=early)
             return results
 
     def mutate(self, fn, *args):
-        """Runs an admin mutation ``fn(manager, *args)`` under the lock, with write-through."""
+        """Runs an admin mutation ``fn(manager, *args)`` under the lock, and persists it."""
         with self.lock:
             result = fn(self.manager, *args)
-            self._write_through(("admin", fn.__name__, args))
+            self._persist(("admin", fn.__name__, args))
             return result
 
     def read(self, fn, *args):
@@ -101,20 +94,21 @@ class KVService:
         with self.lock:
             return fn(self.manager, *args)
 
-    def _write_through(self, record: tuple, force: bool = False) -> None:
-        """Persists the call's changes; ``force``: also when nothing changed (a record sent early awaits its
-        reply)."""
-        changes = self.manager.take_changes()
+    def _persist(self, record: tuple, force: bool = False) -> None:
+        """Writes the call if it changed state; ``force``: also when it did not (a record sent early awaits its
+        reply). After a failed write ``manager.changes`` stays marked, so the next call writes (and with it what
+        the store kept) even if that call changes nothing."""
+        changes = self.manager.changes
         if changes.empty() and not force:
             return
         t0 = time.perf_counter()
         try:
-            self.store.write(self.manager, changes, record)
+            self.store.write(self.manager, record, reset=changes.reset)
         except Exception as e:  # any store failure: keep the change, answer UNAVAILABLE
-            self.manager.restore_changes(changes)
             self.store_ok = False
             raise StoreUnavailable(f"the state store cannot be written ({type(e).__name__}: {e}); "
                                    f"retry the same call") from e
+        self.manager.changes = Changes()
         self.store_ok = True
         elapsed_s = time.perf_counter() - t0
         self.last_store_ms = elapsed_s * 1000

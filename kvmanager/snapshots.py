@@ -1,24 +1,25 @@
 """Generations of the call log, and snapshots written by a forked child instead of by a call.
 
 The call log (oplog.py) is cut into generations. Generation g is a snapshot of the whole state, stored under
-``<prefix>:s<g>:`` in RedisStore's layout, plus the calls made after it, in the list ``<prefix>:log:<g>``.
-A restart loads the snapshot ``<prefix>:gen`` names, then replays that generation's log and every newer one,
-oldest first::
+``<prefix>:s<g>:`` in snapshot_layout.py's layout, plus the calls made after it, in the list
+``<prefix>:log:<g>``. A restart loads the snapshot ``<prefix>:gen`` names, then replays that generation's log
+and every newer one, oldest first::
 
-    <prefix>:gen        the generation a restart loads. Absent means 0: the layout from before generations,
-                        with the state directly under <prefix>: and the calls in <prefix>:log
+    <prefix>:gen        the generation a restart loads. Absent means 0: no snapshot yet, the calls in
+                        <prefix>:log (a kvmanager from before generations kept its snapshot directly under
+                        <prefix>:, and generation 0 loads it from there)
     <prefix>:gens       the counter that numbers new generations (a number is never reused)
     <prefix>:owner      the counter a kvmanager increments when it claims the prefix; a snapshot child
                         switches generations only while its parent's claim is the latest
     <prefix>:s<g>:...   the snapshot of generation g; <prefix>:s<g>:order:<worker> (each pool's free list
                         and LRU in their exact order) and <prefix>:s<g>:recent (remembered answers) hold
-                        what replaying the log depends on beyond RedisStore's records (replay_items)
+                        what replaying the log depends on beyond the layout's records (replay_items)
     <prefix>:log:<g>    the calls after snapshot g, oldest first
 
-Writing a snapshot means encoding and storing every block and request: for a pool of 16K blocks, 120-240 ms,
-and seconds for a GPU-sized pool. The call that makes one due therefore forks instead, as Redis does for
-BGSAVE, and pays only for the fork (about 2 ms at 90 MB). From that moment the kvmanager appends calls to
-the new generation's log. The child holds a copy-on-write image of the state as it was at the fork, and:
+Writing a snapshot means encoding and storing every block and request, which grows with the pool: for a big
+one, long enough to stall the call that writes it. The call that makes one due therefore forks instead, as
+Redis does for BGSAVE, and pays only for the fork. From that moment the kvmanager appends calls to the new
+generation's log. The child holds a copy-on-write image of the state as it was at the fork, and:
 
 1. deletes what earlier failed attempts left, then writes the state as the new generation's snapshot, in
    chunks, under keys nobody reads yet;
@@ -33,9 +34,8 @@ touches gRPC. It closes the descriptors it inherited, talks to Redis on a connec
 with os._exit.
 
 gRPC's C core registers fork handlers of its own unless GRPC_ENABLE_FORK_SUPPORT is false when grpc is
-imported; with them, a fork from inside an RPC handler killed the child with SIGSEGV in about 15% of forks
-(grpcio 1.85, 200 forks). ``kvserve kvmanager`` sets it to 0 before it imports grpc, and forking_is_safe()
-says whether a process can fork.
+imported; with them, a fork from inside an RPC handler can kill the child with SIGSEGV. ``kvserve kvmanager``
+sets it to 0 before it imports grpc, and forking_is_safe() says whether a process can fork.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ import redis
 
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.redis_server import die_with_parent
-from kvserve.kvmanager.store import (
+from kvserve.kvmanager.snapshot_layout import (
     BATCH,
     Keys,
-    RedisStore,
+    SnapshotLayout,
     dumps,
     glob_escape,
     key_segment,
@@ -86,11 +86,11 @@ class GenerationKeys:
         self.gen = f"{prefix}:gen"
         self.gens = f"{prefix}:gens"
         self.owner = f"{prefix}:owner"
-        self._legacy = Keys(prefix)
+        self._gen0 = Keys(prefix)  # generation 0's snapshot keys: directly under the prefix
         self._numbered = re.compile(re.escape(prefix) + r":(?:s(\d+):|log:(\d+)$)")
 
     def state_prefix(self, gen: int) -> str:
-        """The prefix of generation ``gen``'s snapshot keys, for RedisStore."""
+        """The prefix of generation ``gen``'s snapshot keys, for SnapshotLayout."""
         return self.prefix if gen == 0 else f"{self.prefix}:s{gen}"
 
     def log(self, gen: int) -> str:
@@ -117,7 +117,7 @@ class GenerationKeys:
             return ("state", int(m[1])) if m[1] is not None else ("log", int(m[2]))
         if key == self.log(0):
             return "log", 0
-        return ("state", 0) if self._legacy.kind(key) else None
+        return ("state", 0) if self._gen0.kind(key) else None
 
 
 def claim(client: redis.Redis, keys: GenerationKeys) -> tuple[int, int, list[int]]:
@@ -141,18 +141,18 @@ def write_state(client: redis.Redis, keys: GenerationKeys, gen: int, mgr: KVMana
     """The whole state as generation ``gen``'s snapshot, in chunks of BATCH keys (not one transaction: nobody
     reads these keys until switch() names them, and small commands keep Redis answering the parent's appends
     in between)."""
-    store = RedisStore(client, keys.state_prefix(gen))
-    upserts, tenants = store.snapshot_items(mgr)
+    layout = SnapshotLayout(client, keys.state_prefix(gen))
+    upserts, tenants = layout.items(mgr)
     items = [*upserts.items(), *replay_items(keys, gen, mgr).items()]
     for i in range(0, len(items), BATCH):
         client.mset(dict(items[i:i + BATCH]))
     if tenants:
-        client.sadd(store.keys.tenants, *sorted(tenants))
+        client.sadd(layout.keys.tenants, *sorted(tenants))
 
 
 def replay_items(keys: GenerationKeys, gen: int, mgr: KVManager) -> dict[str, str]:
-    """What replaying the log after generation ``gen``'s snapshot depends on, beyond RedisStore's records,
-    which are enough for a store that writes every call's effect. A call log replays the calls, on:
+    """What replaying the log after generation ``gen``'s snapshot depends on, beyond the layout's records
+    (from which recovery derives a free list and an LRU, and no remembered answers). The replay runs on:
 
     - each pool's free list and LRU in their exact order. Recovery derives them (free pages ascending, the
       LRU by last use), but the live ones drift from that, and an allocation takes the free list's first
@@ -170,7 +170,7 @@ def replay_items(keys: GenerationKeys, gen: int, mgr: KVManager) -> dict[str, st
 def restore_replay_state(client: redis.Redis, keys: GenerationKeys, gen: int, mgr: KVManager) -> None:
     """Puts back what replay_items() stored, over the freshly loaded state. Raises AssertionError when a stored
     order is not the same pages as the loaded state's (never serve from a state that could hand out a page
-    twice). Generation 0 (no snapshot: the log replays from nothing) has none."""
+    twice). Generation 0 has none (no snapshot, or one from before generations): its derived orders stand."""
     if not gen:
         return
     for worker_id, pool in mgr.pools.items():
@@ -292,7 +292,7 @@ def _detach(parent: int) -> None:
     from touching every object (each touched page is a copy), yields the CPU to the parent, and dies with it."""
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
     gc.disable()
-    try:  # run only when the CPU has nothing else to do: calls made meanwhile p90 1.6 ms, vs 2.3 at nice 10
+    try:  # run only when the CPU has nothing else to do: the parent's calls meanwhile wait less than at nice 10
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux
         with contextlib.suppress(OSError):

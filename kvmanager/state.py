@@ -1,4 +1,4 @@
-"""Per-request state and the record of changes since the last write-through to the store."""
+"""Per-request state, tenant counters, and what the calls since the last durable write changed."""
 
 from __future__ import annotations
 
@@ -40,15 +40,11 @@ class TenantCounters:
 
 @dataclass(slots=True)
 class Changes:
-    """What changed since the last successful write-through. Keys only: the store reads current values."""
+    """What the calls since the last durable write did, as far as the store needs to know: a call that changed
+    nothing is not logged, and a reset is persisted as a snapshot instead of a log record."""
 
-    requests: dict[str, str] = field(default_factory=dict)  # req_id -> tenant, upserted or deleted
-    blocks: dict[tuple[str, bytes], str] = field(default_factory=dict)  # (worker_id, hash) -> tenant
-    # blocks whose only change is last_used (a hit, or joining the LRU): written as one small per-pool hash
-    touched: dict[tuple[str, bytes], str] = field(default_factory=dict)
-    pools: set[str] = field(default_factory=set)  # worker_ids, upserted or deleted
-    counters: bool = False
-    reset: bool = False  # everything was dropped: the store deletes all before writing the rest
+    changed: bool = False
+    reset: bool = False  # an admin reset dropped every request, block and counter
 
     def empty(self) -> bool:
-        return not (self.requests or self.blocks or self.touched or self.pools or self.counters or self.reset)
+        return not (self.changed or self.reset)

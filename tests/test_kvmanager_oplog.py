@@ -1,4 +1,5 @@
-"""The write-ahead log store: calls appended, snapshots every N records, reload = snapshot + replay."""
+"""The write-ahead log store: calls appended, snapshots every N records, reload = snapshot + replay, and a
+failed write kept in memory, answered UNAVAILABLE, and logged once by the retry."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import json
 import signal
 
 import pytest
-from test_kvmanager_store import alloc, build_history, spec
+import redis
+from test_kvmanager_snapshot_layout import alloc, build_history, spec
 
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.wire.pages import OpStatus, PageCommit, PageExtension, PageFree, StepOps
@@ -103,19 +105,59 @@ def test_failed_append_is_kept_and_logged_once_when_the_retry_succeeds(tmp_path)
         svc.register_worker(spec("w0"))
         server.stop()
         ops = StepOps(1, allocations=(alloc("a", "A", range(9)),))
-        with pytest.raises(StoreUnavailable):
+        with pytest.raises(StoreUnavailable, match="retry the same call"):
             svc.step(ops)
-        assert "a" in svc.manager.requests  # applied in memory, not acknowledged
+        assert "a" in svc.manager.requests and not svc.store_ok  # applied in memory, not acknowledged
+        applied = exact(svc.manager)
+        with pytest.raises(StoreUnavailable):  # still down: the retry answers UNAVAILABLE again, applies nothing
+            svc.step(ops)
+        assert exact(svc.manager) == applied and len(store.pending) == 1
         server.start()
         store.client = connect(server.url)
         first = svc.step(ops)  # the retry replays the remembered answer and writes the kept record
-        assert first.allocations[0].page_table == [0, 1, 2]
+        assert first.allocations[0].page_table == [0, 1, 2] and svc.store_ok and exact(svc.manager) == applied
         svc.step(StepOps(2, commits=(PageCommit("a", 0, tuple(range(8)), 9),)))
         assert store.client.llen("kvserve:log") == 3
         loaded, _ = reload(server.url)
         assert exact(loaded) == exact(svc.manager)
     finally:
         server.stop()
+
+
+def test_a_store_on_a_closed_port_answers_unavailable_and_keeps_the_call():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the with block ends: nothing listens there
+    store = LoggedStore(connect(f"redis://127.0.0.1:{port}/0", timeout_s=0.5))
+    svc = KVService(KVManager(), store)
+    with pytest.raises(StoreUnavailable, match="ConnectionError"):
+        svc.register_worker(spec("w0"))
+    assert "w0" in svc.manager.pools and not svc.store_ok
+    assert not svc.manager.changes.empty() and len(store.pending) == 1  # kept: the next call writes it
+
+
+def test_a_step_whose_early_send_fails_is_logged_once_by_the_plain_write(redis_url, monkeypatch):
+    """send_early queues the record, then cannot send it; write() then sends it, once, also for a step without
+    a step_id (which the log cannot tell apart from the same call made twice)."""
+    client = connect(redis_url)
+    svc = KVService(KVManager(), LoggedStore(client))
+    svc.register_worker(spec("w0"))
+    pool, calls = client.connection_pool, []
+    get_connection = pool.get_connection
+
+    def fail_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise redis.ConnectionError("refused")
+        return get_connection(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "get_connection", fail_first)
+    assert svc.step(StepOps(0, allocations=(alloc("a", "A", range(9)),))).allocations[0].status is OpStatus.OK
+    assert len(calls) >= 2 and client.llen("kvserve:log") == 2  # the registration, and the step once
+    loaded, _ = reload(redis_url)
+    assert exact(loaded) == exact(svc.manager)
 
 
 @pytest.mark.parametrize("fault", ["redis killed before it appended", "reply lost after the append"])

@@ -27,6 +27,7 @@ from kvserve.kvmanager.errors import UnknownTenant
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.placement import Placement
+from kvserve.kvmanager.state import Changes
 
 try:
     from kvserve.kvmanager.invariants import check_invariants
@@ -63,7 +64,8 @@ def _block(b):
 
 
 def snapshot(mgr: KVManager, volatile: bool = True):
-    """Everything the manager holds, as plain data. ``volatile`` adds the clock and the unwritten changes."""
+    """Everything the manager holds, as plain data. ``volatile`` adds the clock and the changes not yet made
+    durable (whether the service would log a call)."""
     pools = {w: (p.spec, tuple(p.ref_cnt), tuple(map(_block, p.block_of)),
                  sorted((h, _block(b)) for h, b in p.index.items()), tuple(p.free), tuple(p.evictable),
                  p.num_requests, p.num_evicted) for w, p in mgr.pools.items()}
@@ -76,8 +78,7 @@ def snapshot(mgr: KVManager, volatile: bool = True):
     tenants = {t: (c.prefix_cache_queries, c.prefix_cache_hits) for t, c in mgr.tenants.items()}
     out = (pools, reqs(mgr.requests), reqs(mgr.stale), tenants, mgr.load_penalty_pages)
     if volatile:
-        ch = mgr.changes
-        out += (mgr.clock, dict(ch.requests), dict(ch.blocks), set(ch.pools), ch.counters, ch.reset)
+        out += (mgr.clock, mgr.changes.changed, mgr.changes.reset)
     return out
 
 
@@ -169,14 +170,21 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.check_all()  # after every call, also inside rules that make several
         return res
 
+    def baseline(self):
+        """snapshot() of the manager as KVService leaves it once a call is durable (its changes cleared), for a
+        call that must change nothing: one that marked changes would be logged."""
+        self.mgr.changes = Changes()
+        return snapshot(self.mgr)
+
     def retry(self) -> None:
         """The same call again: the same answers, and nothing applied twice."""
         ops, res, after = self.last
+        self.mgr.changes = Changes()
         again = self.mgr.step(ops)
         # pool summaries describe the pools now, not the ops: not compared
         assert (again.allocations, again.extensions, again.commits, again.frees) == (
             res.allocations, res.extensions, res.commits, res.frees)
-        assert snapshot(self.mgr, volatile=False) == after
+        assert snapshot(self.mgr, volatile=False) == after and self.mgr.changes.empty()
 
     def extend_to(self, rid: str, new_tokens: list[int]) -> PageExtension:
         self.pending[rid] = self.live[rid].tokens + list(new_tokens)
@@ -496,7 +504,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             self.last = None
             self.check_all()
             return
-        before = snapshot(self.mgr)
+        before = self.baseline()
         if kind == "same":  # idempotent: nothing dropped, nothing changed
             assert self.mgr.register_worker(spec_for(w, self.epoch[w], self.num_pages[w])).dropped_req_ids == ()
         elif self.epoch[w] > 1:
@@ -528,7 +536,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         tenant = data.draw(st.sampled_from(TENANTS))
         prompt = self.draw_prompt(data)
         queued = {w: data.draw(st.integers(0, 2)) for w in self.mgr.pools if data.draw(st.booleans())}
-        pre, before = self.pre_state(), snapshot(self.mgr)
+        pre, before = self.pre_state(), self.baseline()
         keys, hits = {}, {}
         for w, p in pre.items():
             hits[w] = self.model_hits(p, tenant, prompt)
@@ -567,7 +575,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         good_alloc = (self.alloc_op(data, self.new_id()),) if data.draw(st.booleans()) else ()
         step_id = bad.step_id if bad.step_id < 0 else self.num_steps + 1
         ops = StepOps(step_id, bad.allocations + good_alloc, bad.extensions, bad.commits, bad.frees + good_free)
-        before = snapshot(self.mgr)
+        before = self.baseline()
         with pytest.raises(DomainError):
             self.mgr.step(ops)
         assert snapshot(self.mgr) == before
@@ -575,7 +583,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: evict_tenant is not None)
     @rule(tenant=st.sampled_from(TENANTS))
     def evict_a_tenant(self, tenant):
-        before = snapshot(self.mgr)
+        before = self.baseline()
         cached = [sum(1 for b in p.index.values() if b.tenant == tenant and not p.ref_cnt[b.page_id])
                   for p in self.mgr.pools.values()]
         try:
@@ -584,6 +592,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert snapshot(self.mgr) == before
             return
         assert res.num_evicted_blocks == sum(cached)  # nothing is pinned here
+        assert self.mgr.changes.changed == bool(res.num_evicted_blocks)  # logged only if it evicted something
         self.last = None
         self.counters = {t: [c.prefix_cache_queries, c.prefix_cache_hits] for t, c in self.mgr.tenants.items()}
         for pool in self.mgr.pools.values():
@@ -634,7 +643,7 @@ def test_allocating_a_stale_req_id_again():
     m = _machine()
     m.call(StepOps(1, allocations=(PageAllocation("a", "A", (1, 2, 3, 4, 5), "w0"),)))
     m.register("w0", 2, 8)
-    before = snapshot(m.mgr)
+    before = m.baseline()
     try:
         m.call(StepOps(2, allocations=(PageAllocation("a", "A", (1, 2, 3, 4, 5), "w0"),)))
     except DomainError:

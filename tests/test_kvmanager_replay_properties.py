@@ -41,7 +41,7 @@ def redis_server(tmp_path_factory):
 
 
 class LoggedManager(KVManager):
-    """A KVManager whose calls are written through a KVService to the call log, as the servicer's are."""
+    """A KVManager whose calls go through a KVService to the call log, as the servicer's do."""
 
     def __init__(self, store: LoggedStore):
         super().__init__()
@@ -52,9 +52,7 @@ class LoggedManager(KVManager):
 
     def register_worker(self, spec, release_requests=False):
         result = super().register_worker(spec, release_requests)  # KVService.register_worker would call back here
-        changes = self.take_changes()
-        if not changes.empty():
-            self.service.store.write(self, changes, ("register", spec, release_requests))
+        self.service._persist(("register", spec, release_requests))
         return result
 
 

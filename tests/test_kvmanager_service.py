@@ -342,7 +342,7 @@ def test_evict_tenant_evicts_only_unheld_blocks(kv):
     s = kv.stats()
     assert s.num_evicted_blocks == 2 and {t.tenant: t.num_blocks for t in s.tenants} == {"A": 1, "Z": 1}
     assert (s.pools[0].num_cached_pages, s.pools[0].num_used_pages) == (1, 2)  # Z's block; held's 2 pages
-    assert kv.mgr.changes.empty()  # written through
+    assert kv.mgr.changes.empty()  # persisted: the service clears the mark once the store has the call
 
 
 def test_pin_prevents_eviction_under_memory_pressure_until_unpinned(kv):
@@ -437,10 +437,10 @@ def redis_url(tmp_path_factory):
 
 
 def _redis_service(url: str, prefix: str) -> KVService:
+    from kvserve.kvmanager.oplog import LoggedStore
     from kvserve.kvmanager.redis_server import connect
-    from kvserve.kvmanager.store import RedisStore
 
-    service = KVService(KVManager(), RedisStore(connect(url), prefix))
+    service = KVService(KVManager(), LoggedStore(connect(url), prefix))
     service.load()
     return service
 
@@ -474,7 +474,7 @@ def test_forget_worker_removes_a_gone_workers_pool_refusing_while_it_runs_reques
     assert not kv.mgr.requests and not kv.mgr.stale
 
 
-def test_admin_changes_are_written_through_and_survive_a_restart(redis_url):
+def test_admin_changes_are_logged_and_survive_a_restart(redis_url):
     with serving(_redis_service(redis_url, "admin-restart")) as kv:
         kv.register()
         cached_prompt(kv)
