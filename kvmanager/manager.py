@@ -87,9 +87,8 @@ class KVManager:
 
     def _release_requests(self, worker_id: str) -> tuple[str, ...]:
         released = self.req_ids_on(worker_id)
-        touched: set[str] = set()
         for req_id in released:
-            self._free(PageFree(req_id), touched)
+            self._free(PageFree(req_id))
         return released
 
     def _drop_pool(self, pool: PagePool) -> tuple[str, ...]:
@@ -133,19 +132,18 @@ class KVManager:
     def apply_checked(self, ops: StepOps) -> StepResults:
         """step() without its validation, for ops that check() just accepted on this same state."""
         out = StepResults()
-        touched: set[str] = set()
         sid = ops.step_id
         freeing = {f.req_id for f in ops.frees} if ops.frees and ops.commits else ()
-        final = {c.req_id: self._replay_or(sid, "commit", c.req_id, self._commit, c, touched)
+        final = {c.req_id: self._replay_or(sid, "commit", c.req_id, self._commit, c)
                  for c in ops.commits if c.req_id in freeing}
-        out.frees = [self._replay_or(sid, "free", f.req_id, self._free, f, touched) for f in ops.frees]
+        out.frees = [self._replay_or(sid, "free", f.req_id, self._free, f) for f in ops.frees]
         if sid:
             for req_id, result in final.items():  # its request is gone now: a retry finds the answer here
                 self._remember("commit", req_id, sid, result)
         out.commits = [final[c.req_id] if c.req_id in final else
-                       self._replay_or(sid, "commit", c.req_id, self._commit, c, touched) for c in ops.commits]
-        out.extensions = [self._replay_or(sid, "extend", e.req_id, self._extend, e, touched) for e in ops.extensions]
-        out.allocations = [self._replay_or(sid, "allocate", a.req_id, self._allocate, a, touched)
+                       self._replay_or(sid, "commit", c.req_id, self._commit, c) for c in ops.commits]
+        out.extensions = [self._replay_or(sid, "extend", e.req_id, self._extend, e) for e in ops.extensions]
+        out.allocations = [self._replay_or(sid, "allocate", a.req_id, self._allocate, a)
                            for a in ops.allocations]
         out.pools = [PoolSummary(w, p.spec.epoch, p.num_free, p.num_evictable) for w, p in sorted(self.pools.items())]
         return out
@@ -154,7 +152,7 @@ class KVManager:
         self.clock += 1
         return self.clock
 
-    def _replay_or(self, step_id: int, kind: str, req_id: str, apply, op, touched: set[str]):
+    def _replay_or(self, step_id: int, kind: str, req_id: str, apply, op):
         """The answer remembered for this (kind, req_id) from the call with this step_id, else apply(op)."""
         if step_id:
             req = self.requests.get(req_id) or self.stale.get(req_id)
@@ -163,7 +161,7 @@ class KVManager:
             remembered = self.recent.get((kind, req_id))
             if remembered is not None and remembered[0] == step_id:
                 return remembered[1]
-        result = apply(op, touched)
+        result = apply(op)
         if not step_id:
             return result
         req = self.requests.get(req_id) or self.stale.get(req_id)
@@ -186,7 +184,7 @@ class KVManager:
             self.recent.popitem(last=False)
 
     # -- ops ------------------------------------------------------------------------------------------
-    def _allocate(self, op: PageAllocation, touched: set[str]) -> PageAllocationResult:
+    def _allocate(self, op: PageAllocation) -> PageAllocationResult:
         pool = self.pools[op.worker_id]
         chosen = fit(pool, op)
         if chosen.num_pages_short:
@@ -197,7 +195,7 @@ class KVManager:
         pool.acquire(hit_pages)
         self._touch(hits)
         num_pages = num_pages_for(len(op.token_ids), spec.page_size)
-        fresh, _ = pool.allocate(num_pages - len(hits))
+        fresh = pool.allocate(num_pages - len(hits))
         num_cached = len(hits) * spec.page_size
         req = RequestPages(op.req_id, op.tenant, spec.worker_id, spec.epoch, hit_pages + fresh, seed,
                            [b.block_hash for b in hits], len(op.token_ids), num_cached, op.skip_prefix_cache)
@@ -208,34 +206,31 @@ class KVManager:
             counters.prefix_cache_queries += len(op.token_ids)
             counters.prefix_cache_hits += num_cached
         self.changes.changed = True
-        touched.add(spec.worker_id)
         return PageAllocationResult(op.req_id, OpStatus.OK, spec.worker_id, spec.epoch, list(req.page_table),
                                     num_cached)
 
-    def _extend(self, op: PageExtension, touched: set[str]) -> PageExtensionResult:
+    def _extend(self, op: PageExtension) -> PageExtensionResult:
         if op.req_id in self.stale:
             return PageExtensionResult(op.req_id, OpStatus.STALE_EPOCH)
         req = self.requests[op.req_id]
         pool = self.pools[req.worker_id]
         need = num_pages_for(op.num_tokens, pool.spec.page_size) - len(req.page_table)
-        touched.add(req.worker_id)
         if need <= 0:
             return PageExtensionResult(op.req_id, OpStatus.OK, [], len(req.page_table))
         if pool.available() < need:
             return PageExtensionResult(op.req_id, OpStatus.OUT_OF_PAGES, [], len(req.page_table),
                                        need - pool.available())
-        fresh, _ = pool.allocate(need)
+        fresh = pool.allocate(need)
         req.page_table.extend(fresh)
         self.changes.changed = True
         return PageExtensionResult(op.req_id, OpStatus.OK, fresh, len(req.page_table))
 
-    def _commit(self, op: PageCommit, touched: set[str]) -> PageCommitResult:
+    def _commit(self, op: PageCommit) -> PageCommitResult:
         if op.req_id in self.stale:
             return PageCommitResult(op.req_id, OpStatus.STALE_EPOCH)
         req = self.requests[op.req_id]
         pool = self.pools[req.worker_id]
         page_size = pool.spec.page_size
-        touched.add(req.worker_id)
         if not req.skip_prefix_cache:
             hashes = req.block_hashes
             prev = hashes[-1] if hashes else req.seed
@@ -250,7 +245,7 @@ class KVManager:
         self.changes.changed = True
         return PageCommitResult(op.req_id, OpStatus.OK, req.num_committed_tokens)
 
-    def _free(self, op: PageFree, touched: set[str]) -> PageFreeResult:
+    def _free(self, op: PageFree) -> PageFreeResult:
         if op.req_id in self.stale:
             del self.stale[op.req_id]
             self.changes.changed = True
@@ -262,7 +257,6 @@ class KVManager:
         # Tail first: the chain's end is evicted first. Blocks joining the LRU get their place in it stamped.
         self._touch(pool.release(reversed(req.page_table)))
         pool.num_requests -= 1
-        touched.add(req.worker_id)
         self.changes.changed = True
         return PageFreeResult(op.req_id, OpStatus.OK)
 

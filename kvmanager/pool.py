@@ -111,25 +111,24 @@ class PagePool:
                 evictable.pop(page_id, None)
             ref_cnt[page_id] += 1
 
-    def allocate(self, num: int) -> tuple[list[int], list[Block]]:
-        """``num`` fresh pages with ref_cnt 1, and the blocks evicted to get them. Caller checked available()."""
+    def allocate(self, num: int) -> list[int]:
+        """``num`` fresh pages with ref_cnt 1: free ones first, then the least recently used cached ones, whose
+        blocks leave the index. Caller checked available()."""
         assert num <= self.num_free + self.num_evictable
         free, ref_cnt = self.free, self.ref_cnt
         pages = [free.popleft() for _ in range(min(num, len(free)))]
-        evicted = []
-        if len(pages) < num:
+        num_evicted = num - len(pages)
+        if num_evicted:
             popitem, block_of, index = self.evictable.popitem, self.block_of, self.index
-            for _ in range(num - len(pages)):
+            for _ in range(num_evicted):
                 page_id = popitem(last=False)[0]
-                block = block_of[page_id]  # _drop_block, inlined: this loop runs once per evicted page
-                del index[block.block_hash]
+                del index[block_of[page_id].block_hash]  # _drop_block, inlined: this loop runs once per page
                 block_of[page_id] = None
-                evicted.append(block)
                 pages.append(page_id)
-            self.num_evicted += len(evicted)
+            self.num_evicted += num_evicted
         for page_id in pages:
             ref_cnt[page_id] = 1
-        return pages, evicted
+        return pages
 
     def release(self, page_ids) -> list[Block]:
         """One holder fewer for each page, in order; at ref_cnt 0 a page joins the LRU (cached, unpinned) or

@@ -4,8 +4,8 @@ Durability choice: ``appendonly yes`` with ``appendfsync everysec`` and no RDB s
 What gets ``kill -9``'d in practice is the kvmanager, not Redis: every write the kvmanager acknowledged is
 already in Redis' memory and AOF buffer, and Redis keeps running, so a kvmanager restart loses nothing.
 Only a crash of Redis itself (or of the machine) loses the last ~1 s of writes that were not yet fsynced;
-``appendfsync always`` would close that window at the cost of one fsync per RPC (milliseconds, far over the
-kvmanager's latency budget). A graceful stop (SIGTERM) flushes and fsyncs the AOF.
+``appendfsync always`` would close that window at the cost of one fsync per RPC, which takes longer than the
+calls themselves. A graceful stop (SIGTERM) flushes and fsyncs the AOF.
 """
 
 from __future__ import annotations

@@ -146,6 +146,12 @@ class ReplayMachine(KVManagerMachine):
     def forget(self, w: str):
         return self.mgr.service.mutate(admin.forget_worker, w, True)  # logged, as the admin RPC is
 
+    def log_mark(self) -> int:
+        return self.store.num_logged + len(self.store.pending)
+
+    def logged_since(self, mark: int) -> bool:
+        return self.log_mark() > mark
+
     @invariant()
     def a_restart_reloads_the_live_state(self):
         loaded = KVManager()
