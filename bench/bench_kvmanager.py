@@ -67,21 +67,8 @@ import numpy as np
 from results_io import write_results
 
 from kvserve.common.convert.pages import step_to_request_proto
-from kvserve.common.wire.pages import (
-    OpStatus,
-    PageAllocation,
-    PageAllocationResult,
-    PageCommit,
-    PageCommitResult,
-    PageExtension,
-    PageExtensionResult,
-    PageFree,
-    PageFreeResult,
-    PoolSpec,
-    PoolSummary,
-    StepOps,
-    StepResults,
-)
+from kvserve.common.pages import num_pages_for
+from kvserve.common.wire import pages as wire
 from kvserve.common.wire.worker import SampledToken
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
@@ -107,7 +94,7 @@ MIXED_CHURN = 4  # admissions (and frees) per mixed call: a request lives 16 cal
 CHURN = {"mixed": MIXED_CHURN, "steady": 1, "steady-sparse": 1}
 # "steady-sparse": the same stream, but the gateway sends an extension only for a request that needs a new page
 # (its copy of the page table tells it), as vLLM's scheduler allocates slots only when a block fills
-SPEC = PoolSpec("w0", 1, NUM_PAGES, PAGE_SIZE, "bench-model-fp", "float32", 2 * 30 * 9 * 64 * 4)
+SPEC = wire.PoolSpec("w0", 1, NUM_PAGES, PAGE_SIZE, "bench-model-fp", "float32", 2 * 30 * 9 * 64 * 4)
 # "gateway": tokens each request generates. The scheduler prefills ~450 prompt tokens a step next to 64 decodes,
 # one new request every ~3.3 steps (1,488 prompt tokens to compute on average): 256 generated tokens keep 64
 # running (64 would keep ~20).
@@ -129,7 +116,7 @@ CONFIG_TITLES = {"core": "domain core (KVManager.step)", "service": "KVService, 
 @dataclass(slots=True)
 class Call:
     kind: str | None  # the row it is timed under; None = untimed (setup, keeping the pool from running out)
-    ops: StepOps
+    ops: wire.StepOps
     expect: tuple  # fingerprint of the reference answer
     num_requests: int
     msg: pb.StepPagesRequest | None = None
@@ -146,9 +133,9 @@ class Running:
 
 def fingerprint(res) -> tuple:
     """(ops not OK, cached tokens, pages handed out) of a StepResults or a StepPagesResponse."""
-    if isinstance(res, StepResults):
+    if isinstance(res, wire.StepResults):
         groups = (res.allocations, res.extensions, res.commits, res.frees)
-        bad = sum(r.status is not OpStatus.OK for g in groups for r in g)
+        bad = sum(r.status is not wire.OpStatus.OK for g in groups for r in g)
         return (bad, sum(a.num_cached_tokens for a in res.allocations),
                 sum(len(a.page_table) for a in res.allocations) + sum(len(e.new_page_ids) for e in res.extensions))
     groups = (res.allocation_results, res.extension_results, res.commit_results, res.free_results)
@@ -158,7 +145,7 @@ def fingerprint(res) -> tuple:
             + sum(len(e.new_page_ids) for e in res.extension_results))
 
 
-def to_proto(ops: StepOps) -> pb.StepPagesRequest:
+def to_proto(ops: wire.StepOps) -> pb.StepPagesRequest:
     return step_to_request_proto(ops)  # what the gateway sends
 
 
@@ -185,10 +172,10 @@ class Workload:
     def _tokens(self, n: int) -> tuple[int, ...]:
         return tuple(self.rng.integers(100, 32000, n).tolist())
 
-    def _apply(self, kind: str | None, **lists) -> StepResults:
-        return self._call(kind, StepOps(**lists))
+    def _apply(self, kind: str | None, **lists) -> wire.StepResults:
+        return self._call(kind, wire.StepOps(**lists))
 
-    def _call(self, kind: str | None, ops: StepOps) -> StepResults:
+    def _call(self, kind: str | None, ops: wire.StepOps) -> wire.StepResults:
         """Applies ``ops`` (renumbered with this workload's step_id) to the reference and records the call."""
         self.step_id += 1
         self.num_calls += 1
@@ -200,7 +187,7 @@ class Workload:
         self.calls.append(Call(kind, ops, expect, len(ids)))
         return res
 
-    def _new_requests(self, n: int, hit_every: int = 2, offset: int = 0) -> list[tuple[PageAllocation, bool]]:
+    def _new_requests(self, n: int, hit_every: int = 2, offset: int = 0) -> list[tuple[wire.PageAllocation, bool]]:
         """n new requests; those with (i + offset) % hit_every == 0 start with a cached shared prefix."""
         out = []
         for i in range(n):
@@ -210,13 +197,13 @@ class Workload:
                 tenant, prefix = self.prefixes[self.hit_turn % len(self.prefixes)]
                 self.hit_turn += 1
                 tokens = prefix + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS)
-                out.append((PageAllocation(req_id, tenant, tokens, SPEC.worker_id), True))
+                out.append((wire.PageAllocation(req_id, tenant, tokens, SPEC.worker_id), True))
             else:
                 tenant = TENANTS[int(self.rng.integers(len(TENANTS)))]
-                out.append((PageAllocation(req_id, tenant, self._tokens(PROMPT_TOKENS), SPEC.worker_id), False))
+                out.append((wire.PageAllocation(req_id, tenant, self._tokens(PROMPT_TOKENS), SPEC.worker_id), False))
         return out
 
-    def _admit(self, kind: str | None, new: list[tuple[PageAllocation, bool]], **other) -> list[Running]:
+    def _admit(self, kind: str | None, new: list[tuple[wire.PageAllocation, bool]], **other) -> list[Running]:
         res = self._apply(kind, allocations=tuple(a for a, _ in new), **other)
         admitted = []
         for (a, hit), r in zip(new, res.allocations, strict=True):
@@ -227,21 +214,21 @@ class Workload:
         return admitted
 
     @staticmethod
-    def _prompt_commit(run: Running) -> PageCommit:
-        op = PageCommit(run.req_id, run.committed, tuple(run.tokens[run.committed:PROMPT_TOKENS]), PROMPT_TOKENS)
+    def _prompt_commit(run: Running) -> wire.PageCommit:
+        op = wire.PageCommit(run.req_id, run.committed, tuple(run.tokens[run.committed:PROMPT_TOKENS]), PROMPT_TOKENS)
         run.n = run.committed = PROMPT_TOKENS
         return op
 
-    def _decode_ops(self, runs) -> tuple[list[PageExtension], list[PageCommit]]:
+    def _decode_ops(self, runs) -> tuple[list[wire.PageExtension], list[wire.PageCommit]]:
         """One decode step of ``runs``: extend each to cover position n; commit pages that filled."""
         exts, commits = [], []
         for run in runs:
             full = run.n // PAGE_SIZE * PAGE_SIZE
             if full > run.committed:
-                commits.append(PageCommit(run.req_id, run.committed, tuple(run.tokens[run.committed:full]), run.n))
+                commits.append(wire.PageCommit(run.req_id, run.committed, tuple(run.tokens[run.committed:full]), run.n))
                 run.committed = full
             if not self.scenario.endswith("-sparse") or run.n % PAGE_SIZE == 0:
-                exts.append(PageExtension(run.req_id, run.n + 1))
+                exts.append(wire.PageExtension(run.req_id, run.n + 1))
         return exts, commits
 
     def _advance(self, runs) -> None:
@@ -250,14 +237,14 @@ class Workload:
             run.tokens.append(int(self.rng.integers(100, 32000)))
 
     def _free(self, kind: str | None, req_ids) -> None:
-        self._apply(kind, frees=tuple(PageFree(r) for r in req_ids))
+        self._apply(kind, frees=tuple(wire.PageFree(r) for r in req_ids))
         for r in req_ids:
             del self.running[r]
 
     # -- scenarios: setup (untimed) and one round's calls --------------------------------------------------
     def setup(self) -> None:
         # An earlier request of each tenant commits each shared prefix.
-        seeds = [(PageAllocation(f"seed-{i}", t, p + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS), SPEC.worker_id),
+        seeds = [(wire.PageAllocation(f"seed-{i}", t, p + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS), SPEC.worker_id),
                   False)
                  for i, (t, p) in enumerate(self.prefixes)]
         runs = self._admit(None, seeds)
@@ -272,7 +259,7 @@ class Workload:
             for i, run in enumerate(runs):  # stagger: request i has generated i % 16 tokens
                 for _ in range(i % PAGE_SIZE):
                     self._advance([run])
-            self._apply(None, commits=commits, extensions=tuple(PageExtension(r.req_id, r.n) for r in runs))
+            self._apply(None, commits=commits, extensions=tuple(wire.PageExtension(r.req_id, r.n) for r in runs))
         elif self.scenario in CHURN:
             while self.ref.pools["w0"].num_free > 0 or len(self.running) < BATCH:
                 self._mixed_call(None)
@@ -319,7 +306,7 @@ class Workload:
                               RequestParams(max_tokens=GATEWAY_GEN_TOKENS, ignore_eos=True)))
         out = sched.schedule()
         if out.ops is None:
-            results = StepResults()
+            results = wire.StepResults()
         else:
             results = self._call(kind and ("gateway: admits" if out.ops.allocations else kind), out.ops)
         batch = sched.assign(out, results)
@@ -344,7 +331,7 @@ class Workload:
         exts, decode_commits = self._decode_ops(fresh + decoding)
         for r in done:
             del self.running[r]
-        self._admit(kind, self._new_requests(churn, offset=now % 2), frees=tuple(PageFree(r) for r in done),
+        self._admit(kind, self._new_requests(churn, offset=now % 2), frees=tuple(wire.PageFree(r) for r in done),
                     commits=tuple(commits + decode_commits), extensions=tuple(exts))
         self._advance(fresh + decoding)
 
@@ -456,19 +443,20 @@ class EchoService(KVService):
     def __init__(self, redis_url: str, prefix: str):
         super().__init__(KVManager(), LoggedStore(connect(redis_url), prefix, snapshot_every=1 << 62))
 
-    def step(self, ops: StepOps) -> StepResults:
+    def step(self, ops: wire.StepOps) -> wire.StepResults:
         with self.lock:
             record = ("step", ops)
             early = self.store.send_early(record)
-            results = StepResults(
-                allocations=[PageAllocationResult(a.req_id, OpStatus.OK, SPEC.worker_id, SPEC.epoch,
-                                                  list(range(-(-len(a.token_ids) // PAGE_SIZE))), 0)
+            ok = wire.OpStatus.OK
+            results = wire.StepResults(
+                allocations=[wire.PageAllocationResult(a.req_id, ok, SPEC.worker_id, SPEC.epoch,
+                                                       list(range(num_pages_for(len(a.token_ids), PAGE_SIZE))), 0)
                              for a in ops.allocations],
-                extensions=[PageExtensionResult(e.req_id, OpStatus.OK, [], -(-e.num_tokens // PAGE_SIZE))
+                extensions=[wire.PageExtensionResult(e.req_id, ok, [], num_pages_for(e.num_tokens, PAGE_SIZE))
                             for e in ops.extensions],
-                commits=[PageCommitResult(c.req_id, OpStatus.OK, c.start_pos + len(c.token_ids)) for c in ops.commits],
-                frees=[PageFreeResult(f.req_id, OpStatus.OK) for f in ops.frees],
-                pools=[PoolSummary(SPEC.worker_id, SPEC.epoch, 0, 0)])
+                commits=[wire.PageCommitResult(c.req_id, ok, c.start_pos + len(c.token_ids)) for c in ops.commits],
+                frees=[wire.PageFreeResult(f.req_id, ok) for f in ops.frees],
+                pools=[wire.PoolSummary(SPEC.worker_id, SPEC.epoch, 0, 0)])
             self._persist(record, force=early)
             return results
 

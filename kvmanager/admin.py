@@ -139,13 +139,9 @@ class PageTable:
 
 
 @dataclass(slots=True)
-class ResetResult:
-    num_dropped_requests: int
-    num_dropped_blocks: int
+class DropResult:
+    """What a reset or a forgotten worker dropped."""
 
-
-@dataclass(slots=True)
-class ForgetResult:
     num_dropped_requests: int
     num_dropped_blocks: int
 
@@ -353,7 +349,7 @@ def unpin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: st
     return _set_pinned(mgr, tenant, token_ids, worker_id, False)[1]
 
 
-def reset(mgr: KVManager, force: bool = False) -> ResetResult:
+def reset(mgr: KVManager, force: bool = False) -> DropResult:
     """Drops every request (live and stale), block and counter. Pools stay registered with every page free.
 
     Refused (RequestsRunning) while requests are live, unless ``force``: a gateway may still be computing them
@@ -366,7 +362,7 @@ def reset(mgr: KVManager, force: bool = False) -> ResetResult:
             "to new requests while a worker may still write them. Stop the gateway first (it frees them), drop "
             "cached blocks with evict, or, if no gateway serves them any more, reset with force "
             "(kvserve admin reset --yes --force)")
-    result = ResetResult(len(mgr.requests), sum(len(p.index) for p in mgr.pools.values()))
+    result = DropResult(len(mgr.requests), sum(len(p.index) for p in mgr.pools.values()))
     mgr.requests.clear()
     mgr.stale.clear()
     mgr.tenants.clear()
@@ -376,7 +372,7 @@ def reset(mgr: KVManager, force: bool = False) -> ResetResult:
     return result
 
 
-def forget_worker(mgr: KVManager, worker_id: str, force: bool = False) -> ForgetResult:
+def forget_worker(mgr: KVManager, worker_id: str, force: bool = False) -> DropResult:
     """Removes a worker's pool and its blocks, for a worker gone for good. Refused (RequestsRunning) while
     requests are live on it, unless ``force``: they are forgotten with it (KVManager.forget_pool).
 
@@ -388,4 +384,4 @@ def forget_worker(mgr: KVManager, worker_id: str, force: bool = False) -> Forget
         raise RequestsRunning(f"{live} requests are running on worker {worker_id!r}: is it still serving? Stop "
                               "its gateway first, or forget it with force if it is gone for good")
     num_blocks = len(pool.index)
-    return ForgetResult(len(mgr.forget_pool(worker_id)), num_blocks)
+    return DropResult(len(mgr.forget_pool(worker_id)), num_blocks)

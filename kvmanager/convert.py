@@ -39,7 +39,7 @@ def page_table_to_proto(t: admin.PageTable) -> pb.GetPageTableResponse:
 
 
 def input_of(request) -> tuple[tuple[int, ...] | None, str | None]:
-    """(token_ids, None) or (None, text) from a ProbeRequest / PinRequest / UnpinRequest's ``input`` oneof;
+    """(token_ids, None) or (None, text) from a PrefixRequest's ``input`` oneof;
     (None, None) when neither is set."""
     which = request.WhichOneof("input")
     if which == "token_ids":

@@ -34,13 +34,13 @@ class StoredBlock:
 class StoredState:
     """Everything a snapshot held, decoded, before it is placed into a manager."""
 
+    clock: int = 0
     specs: list[PoolSpec] = field(default_factory=list)
+    num_evicted: dict[str, int] = field(default_factory=dict)  # worker_id -> evictions so far
+    tenants: dict[str, TenantCounters] = field(default_factory=dict)
     blocks: list[StoredBlock] = field(default_factory=list)
     requests: list[RequestPages] = field(default_factory=list)
     stale: list[RequestPages] = field(default_factory=list)
-    tenants: dict[str, TenantCounters] = field(default_factory=dict)
-    num_evicted: dict[str, int] = field(default_factory=dict)  # worker_id -> evictions so far
-    clock: int = 0
 
 
 def rebuild(mgr: KVManager, state: StoredState) -> list[StoredBlock]:

@@ -122,9 +122,8 @@ def _request(args):
         return "Reset", pb.ResetRequest(confirm=True, force=args.force)
     if c == "forget-worker":
         return "ForgetWorker", pb.ForgetWorkerRequest(worker_id=args.worker_id, force=args.force)
-    rpc, message = {"probe": ("Probe", pb.ProbeRequest), "pin": ("Pin", pb.PinRequest),
-                    "unpin": ("Unpin", pb.UnpinRequest)}[c]
-    return rpc, message(**_prefix_fields(args))
+    rpc = {"probe": "Probe", "pin": "Pin", "unpin": "Unpin"}[c]
+    return rpc, pb.PrefixRequest(**_prefix_fields(args))
 
 
 def _token_file(args) -> Path:

@@ -448,27 +448,27 @@ class KVManagerMachine(RuleBasedStateMachine):
         op = PageAllocation(self.new_id(), data.draw(st.sampled_from(TENANTS)), tokens, w, data.draw(st.booleans()))
         self.call(StepOps(self.next_step(data), allocations=(op,)))
 
+    def call_on_live_or_stale(self, data, kind: str, on_live, on_stale) -> None:
+        """One op (``kind``: "extensions" or "commits") on a live or a stale request, in a call of its own; a
+        stale one's op answers STALE_EPOCH. ``on_live(rid, data)`` may make no op (None)."""
+        rid = data.draw(st.sampled_from(sorted(self.live) + sorted(self.stale)))
+        op = on_stale(self.stale[rid], rid) if rid in self.stale else on_live(rid, data)
+        if op is not None:
+            self.call(StepOps(self.next_step(data), **{kind: (op,)}))
+
     @precondition(lambda self: self.live or self.stale)
     @rule(data=st.data())
     def extend(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.live) + sorted(self.stale)))
-        if rid in self.stale:
-            op = PageExtension(rid, len(self.stale[rid].tokens) + 1)
-        else:
-            op = self.extend_op(rid, data)
-        if op is not None:
-            self.call(StepOps(self.next_step(data), extensions=(op,)))
+        self.call_on_live_or_stale(data, "extensions", self.extend_op,
+                                   lambda m, rid: PageExtension(rid, len(m.tokens) + 1))
 
     @precondition(lambda self: self.live or self.stale)
     @rule(data=st.data())
     def commit(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.live) + sorted(self.stale)))
-        if rid in self.stale:
-            m = self.stale[rid]
-            op = PageCommit(rid, m.num_committed, tuple(m.tokens[m.num_committed : m.num_committed + PS]), 0)
-        else:
-            op = self.commit_op(rid, data)
-        self.call(StepOps(self.next_step(data), commits=(op,)))
+        def stale_commit(m, rid):
+            return PageCommit(rid, m.num_committed, tuple(m.tokens[m.num_committed : m.num_committed + PS]), 0)
+
+        self.call_on_live_or_stale(data, "commits", self.commit_op, stale_commit)
 
     @rule(data=st.data())
     def free(self, data):

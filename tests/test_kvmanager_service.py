@@ -306,12 +306,12 @@ def test_probe_reports_hits_per_worker_with_no_side_effect(kv):
     cached_prompt(kv, "b", tokens=P1[:4] + [5, 5, 5, 5], worker="w1")
     kv.alloc("held", P1[:8] + [3], worker="w0")  # hits and holds 2 of the blocks
     before, stats_before = _snapshot(kv.mgr), kv.stats()
-    r = kv.admin.Probe(pb.ProbeRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1)))
+    r = kv.admin.Probe(pb.PrefixRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1)))
     assert (r.num_query_tokens, r.num_cached_tokens, r.worker_id) == (12, 12, "w0")  # uncapped
     assert [(h.worker_id, h.epoch, h.num_cached_tokens) for h in r.hits] == [("w0", 1, 12), ("w1", 1, 4)]
-    one = kv.admin.Probe(pb.ProbeRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1), worker_id="w1"))
+    one = kv.admin.Probe(pb.PrefixRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1), worker_id="w1"))
     assert (one.num_cached_tokens, one.worker_id, len(one.hits)) == (4, "w1", 1)
-    miss = kv.admin.Probe(pb.ProbeRequest(tenant="B", token_ids=pb.TokenIds(token_ids=P1)))
+    miss = kv.admin.Probe(pb.PrefixRequest(tenant="B", token_ids=pb.TokenIds(token_ids=P1)))
     assert (miss.num_cached_tokens, miss.worker_id) == (0, "")  # another tenant never hits
     assert _snapshot(kv.mgr) == before and kv.stats() == stats_before
 
@@ -320,14 +320,14 @@ def test_probe_text_uses_the_tokenizer_and_needs_one(kv):
     kv.register()
     words = [WORDS.index(w) + 1 for w in "the cat sat on a mat".split()]
     cached_prompt(kv, tokens=words[:4])
-    r = kv.admin.Probe(pb.ProbeRequest(tenant="A", text="the cat sat on a mat"))
+    r = kv.admin.Probe(pb.PrefixRequest(tenant="A", text="the cat sat on a mat"))
     assert (r.num_query_tokens, r.num_cached_tokens) == (6, 4)
     bare = KVService()
     server = start_kvmanager_server(bare, admin_token=TOKEN)  # no tokenizer
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        err = rpc_error(Admin(channel).Probe, pb.ProbeRequest(tenant="A", text="the cat"))
+        err = rpc_error(Admin(channel).Probe, pb.PrefixRequest(tenant="A", text="the cat"))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "--model" in err.details()
-        err = rpc_error(Admin(channel).Probe, pb.ProbeRequest(tenant="A"))
+        err = rpc_error(Admin(channel).Probe, pb.PrefixRequest(tenant="A"))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids or text" in err.details()
     server.stop(0)
 
@@ -349,16 +349,16 @@ def test_pin_prevents_eviction_under_memory_pressure_until_unpinned(kv):
     kv.register()
     cached_prompt(kv)  # 3 cached blocks in pages 0 1 2
     tokens = pb.TokenIds(token_ids=P1 + [1, 2])
-    pin = kv.admin.Pin(pb.PinRequest(tenant="A", token_ids=tokens))
+    pin = kv.admin.Pin(pb.PrefixRequest(tenant="A", token_ids=tokens))
     assert (pin.num_pinned_blocks, pin.num_pinned_tokens) == (3, 12)
     assert kv.stats().pools[0].num_pinned_pages == 3
     assert kv.alloc("big", list(range(500, 520))).status == OK  # 5 pages: every unpinned page
     short = kv.alloc("more", [1, 2])
     assert (short.status, short.num_pages_short) == (OOP, 1)  # pinned blocks are not evictable
     assert kv.admin.EvictTenant(pb.EvictTenantRequest(tenant="A")).num_kept_blocks == 3
-    assert kv.admin.Probe(pb.ProbeRequest(tenant="A", token_ids=tokens)).num_cached_tokens == 12
-    assert kv.admin.Unpin(pb.UnpinRequest(tenant="A", token_ids=tokens)).num_unpinned_blocks == 3
-    assert kv.admin.Unpin(pb.UnpinRequest(tenant="A", token_ids=tokens)).num_unpinned_blocks == 0
+    assert kv.admin.Probe(pb.PrefixRequest(tenant="A", token_ids=tokens)).num_cached_tokens == 12
+    assert kv.admin.Unpin(pb.PrefixRequest(tenant="A", token_ids=tokens)).num_unpinned_blocks == 3
+    assert kv.admin.Unpin(pb.PrefixRequest(tenant="A", token_ids=tokens)).num_unpinned_blocks == 0
     more = kv.alloc("more", [1, 2])
     assert (more.status, list(more.page_table)) == (OK, [2])  # the LRU head: the chain's end
     assert kv.stats().num_evicted_blocks == 1
@@ -368,7 +368,7 @@ def test_page_table_dumps_pages_with_ref_cnt_and_block_hash(kv):
     kv.register()
     cached_prompt(kv)
     kv.alloc("r", P1[:8] + [1, 2], step_id=3)  # hits pages 0 1, fresh page 4 (free list: 4 5 6 7 3)
-    kv.admin.Pin(pb.PinRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1[:4])))
+    kv.admin.Pin(pb.PrefixRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1[:4])))
     t = kv.admin.GetPageTable(pb.GetPageTableRequest(req_id="r"))
     hashes = [h.hex() for h in chain_hashes(kv.mgr.pools["w0"].seed_for("A"), P1, PS)]
     assert (t.req_id, t.tenant, t.worker_id, t.epoch, list(t.page_table)) == ("r", "A", "w0", 1, [0, 1, 4])
@@ -464,7 +464,7 @@ def test_forget_worker_removes_a_gone_workers_pool_refusing_while_it_runs_reques
     r = kv.admin.ForgetWorker(pb.ForgetWorkerRequest(worker_id="w1", force=True))
     assert (r.num_dropped_requests, r.num_dropped_blocks) == (1, 3)
     assert [p.worker_id for p in kv.stats().pools] == ["w0"]
-    probe = kv.admin.Probe(pb.ProbeRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1 + [1])))
+    probe = kv.admin.Probe(pb.PrefixRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1 + [1])))
     assert probe.num_cached_tokens == 0 and [h.worker_id for h in probe.hits] == ["w0"]  # no hit on a gone pool
     assert kv.free("live", step_id=4).status == OK  # forgotten with its pool: a free finds nothing
     err = rpc_error(kv.step, 5, (), [pb.PageExtension(req_id="live", num_tokens=9)])
@@ -481,8 +481,8 @@ def test_admin_changes_are_logged_and_survive_a_restart(redis_url):
         cached_prompt(kv, "b", tokens=[5] * 8)
         cached_prompt(kv, "z", tenant="Z", tokens=[6] * 4)
         kv.alloc("held", P1[:4] + [1])
-        kv.admin.Pin(pb.PinRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1)))
-        kv.admin.Unpin(pb.UnpinRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1[:8])))
+        kv.admin.Pin(pb.PrefixRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1)))
+        kv.admin.Unpin(pb.PrefixRequest(tenant="A", token_ids=pb.TokenIds(token_ids=P1[:8])))
         assert kv.admin.EvictTenant(pb.EvictTenantRequest(tenant="Z")).num_evicted_blocks == 1
         view = _durable_view(kv.mgr)
     reloaded = _redis_service(redis_url, "admin-restart")

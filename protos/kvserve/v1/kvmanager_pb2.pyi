@@ -355,7 +355,7 @@ class InspectTenantResponse(_message.Message):
     prefixes: _containers.RepeatedCompositeFieldContainer[CachedPrefix]
     def __init__(self, stats: _Optional[_Union[TenantStats, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., prefixes: _Optional[_Iterable[_Union[CachedPrefix, _Mapping]]] = ...) -> None: ...
 
-class ProbeRequest(_message.Message):
+class PrefixRequest(_message.Message):
     __slots__ = ("tenant", "token_ids", "text", "worker_id")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -407,18 +407,6 @@ class EvictTenantResponse(_message.Message):
     num_kept_blocks: int
     def __init__(self, num_evicted_blocks: _Optional[int] = ..., num_kept_blocks: _Optional[int] = ...) -> None: ...
 
-class PinRequest(_message.Message):
-    __slots__ = ("tenant", "token_ids", "text", "worker_id")
-    TENANT_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    tenant: str
-    token_ids: TokenIds
-    text: str
-    worker_id: str
-    def __init__(self, tenant: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
-
 class PinResponse(_message.Message):
     __slots__ = ("num_pinned_blocks", "num_pinned_tokens")
     NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -426,18 +414,6 @@ class PinResponse(_message.Message):
     num_pinned_blocks: int
     num_pinned_tokens: int
     def __init__(self, num_pinned_blocks: _Optional[int] = ..., num_pinned_tokens: _Optional[int] = ...) -> None: ...
-
-class UnpinRequest(_message.Message):
-    __slots__ = ("tenant", "token_ids", "text", "worker_id")
-    TENANT_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    tenant: str
-    token_ids: TokenIds
-    text: str
-    worker_id: str
-    def __init__(self, tenant: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class UnpinResponse(_message.Message):
     __slots__ = ("num_unpinned_blocks",)

@@ -229,7 +229,7 @@ class KVAdminServiceStub:
                 _registered_method=True)
         self.Probe = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/Probe',
-                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ProbeRequest.SerializeToString,
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ProbeResponse.FromString,
                 _registered_method=True)
         self.EvictTenant = channel.unary_unary(
@@ -239,12 +239,12 @@ class KVAdminServiceStub:
                 _registered_method=True)
         self.Pin = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/Pin',
-                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PinRequest.SerializeToString,
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PinResponse.FromString,
                 _registered_method=True)
         self.Unpin = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/Unpin',
-                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.UnpinRequest.SerializeToString,
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.UnpinResponse.FromString,
                 _registered_method=True)
         self.GetPageTable = channel.unary_unary(
@@ -372,7 +372,7 @@ def add_KVAdminServiceServicer_to_server(servicer, server):
             ),
             'Probe': grpc.unary_unary_rpc_method_handler(
                     servicer.Probe,
-                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ProbeRequest.FromString,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ProbeResponse.SerializeToString,
             ),
             'EvictTenant': grpc.unary_unary_rpc_method_handler(
@@ -382,12 +382,12 @@ def add_KVAdminServiceServicer_to_server(servicer, server):
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
-                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PinRequest.FromString,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PinResponse.SerializeToString,
             ),
             'Unpin': grpc.unary_unary_rpc_method_handler(
                     servicer.Unpin,
-                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.UnpinRequest.FromString,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.UnpinResponse.SerializeToString,
             ),
             'GetPageTable': grpc.unary_unary_rpc_method_handler(
@@ -514,7 +514,7 @@ class KVAdminService:
             request,
             target,
             '/kvserve.v1.KVAdminService/Probe',
-            kvserve_dot_v1_dot_kvmanager__pb2.ProbeRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.SerializeToString,
             kvserve_dot_v1_dot_kvmanager__pb2.ProbeResponse.FromString,
             options,
             channel_credentials,
@@ -568,7 +568,7 @@ class KVAdminService:
             request,
             target,
             '/kvserve.v1.KVAdminService/Pin',
-            kvserve_dot_v1_dot_kvmanager__pb2.PinRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.SerializeToString,
             kvserve_dot_v1_dot_kvmanager__pb2.PinResponse.FromString,
             options,
             channel_credentials,
@@ -595,7 +595,7 @@ class KVAdminService:
             request,
             target,
             '/kvserve.v1.KVAdminService/Unpin',
-            kvserve_dot_v1_dot_kvmanager__pb2.UnpinRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.SerializeToString,
             kvserve_dot_v1_dot_kvmanager__pb2.UnpinResponse.FromString,
             options,
             channel_credentials,
