@@ -1,1 +1,2 @@
-"""The gateway: public API, continuous batching and the engine loops that drive the kvmanager and workers."""
+"""The gateway: the transport-free core (continuous batching, one engine loop per worker, request lifecycle,
+placement and admission) over the backend protocols of backends.py, and rpc/, its gRPC clients and front-end."""
