@@ -10,10 +10,10 @@
 
 from __future__ import annotations
 
+from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
 from kvserve.common.wire.worker import SampledToken, StepBatch, StepOutput, WorkerInfo
 from kvserve.kvmanager.manager import KVManager
-from kvserve.services.gateway.backends import NO_TRACES
 from kvserve.services.gateway.errors import KVManagerUnavailable, WorkerRestarted
 from kvserve.worker.validate import validate_batch
 

@@ -14,9 +14,9 @@ import grpc
 from kvserve.common.convert import pages as kv_convert
 from kvserve.common.convert import worker as worker_convert
 from kvserve.common.grpc_server import CHANNEL_OPTIONS
+from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
 from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
-from kvserve.services.gateway.backends import NO_TRACES
 from kvserve.services.gateway.errors import (
     KVManagerFailed,
     KVManagerUnavailable,
