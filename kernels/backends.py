@@ -14,18 +14,24 @@ from kvserve.kernels.reference import ReferenceBackend
 log = logging.getLogger(__name__)
 
 
-def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> PagedAttentionBackend:
-    """Returns the backend called ``name``: "reference", "cpu" (the in-place decode kernel, float32 on CPU), or
-    "auto": "cpu" where it applies and builds, else "reference"."""
+def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                kv_dtype: str = "float32") -> PagedAttentionBackend:
+    """Returns the backend called ``name`` for a model of ``dtype`` on ``device`` over pages of ``kv_dtype``:
+    "reference", "cpu" (the in-place kernels: float32 compute on CPU, over float32, int8 or fp8 pages), or
+    "auto": "cpu" where it applies and builds, else "reference". ValueError for a backend that cannot serve."""
     if name == "reference":
         return ReferenceBackend()
     if name in ("cpu", "auto"):
-        applies = device.type == "cpu" and dtype == torch.float32
-        reason = cpu_paged.unavailable_reason() if applies else f"it runs float32 on CPU, not {dtype} on {device}"
+        kinds = cpu_paged.CPUPagedBackend.kv_dtypes
+        applies = device.type == "cpu" and dtype == torch.float32 and kv_dtype in kinds
+        reason = cpu_paged.unavailable_reason() if applies else (
+            f"it reads {', '.join(kinds)} pages, not {kv_dtype}" if kv_dtype not in kinds else
+            f"it runs float32 on CPU, not {dtype} on {device}")
         if reason is None:
             return cpu_paged.CPUPagedBackend()
         if name == "cpu":
-            raise ValueError(f"the cpu attention backend is not available: {reason}")
+            raise ValueError(f"the cpu attention backend is not available: {reason} (--attention-backend "
+                             f"reference serves every KV cache dtype)")
         if applies:
             log.warning("attention backend: the cpu kernel is not available (%s); using the reference", reason)
         return ReferenceBackend()

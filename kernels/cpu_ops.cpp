@@ -4,12 +4,16 @@
 // kvserve/kernels/cpu_paged.py builds the files into one module.
 #include <torch/extension.h>
 
+#include <optional>
+
 namespace kvserve {
-torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& tables,
+torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                           const std::optional<torch::Tensor>& kv_scales, const torch::Tensor& tables,
                            const torch::Tensor& seq_lens, double scale);
 int64_t parallel_threads(int64_t num_tasks);
 bool paged_prefill_supports(int64_t head_dim, int64_t num_heads, int64_t num_kv_heads, int64_t page_size);
-torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& tables,
+torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                            const std::optional<torch::Tensor>& kv_scales, const torch::Tensor& tables,
                             const torch::Tensor& row_start, const torch::Tensor& q_lens,
                             const torch::Tensor& start_pos, double scale, torch::Tensor& out);
 torch::Tensor pack_panels(const torch::Tensor& w);
@@ -21,14 +25,18 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& w, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
-                         int64_t Hkv, torch::Tensor& kv_cache, const torch::Tensor& slot_mapping);
+                         int64_t Hkv, torch::Tensor& kv_cache, const std::optional<torch::Tensor>& kv_scales,
+                         const torch::Tensor& slot_mapping);
 std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(const torch::Tensor& logits);
 }  // namespace kvserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &kvserve::paged_decode, "paged decode attention, K/V read in place (CPU, float32)");
+  m.def("paged_decode", &kvserve::paged_decode,
+        "paged decode attention, K/V read in place: float32 q, a float32 / int8 / float8 pool with its kv_scales "
+        "or None (CPU)");
   m.def("paged_prefill", &kvserve::paged_prefill,
-        "causal attention of prefill chunks' rows of q over their pages, written into out (CPU, float32)");
+        "causal attention of prefill chunks' rows of q over their pages, written into out: float32 q, a float32 / "
+        "int8 / float8 pool with its kv_scales or None (CPU)");
   m.def("paged_prefill_supports", &kvserve::paged_prefill_supports,
         "whether paged_prefill takes (head_dim, num_heads, num_kv_heads, page_size)");
   m.def("parallel_threads", &kvserve::parallel_threads, "intra-op threads one parallel_for ran on (a build check)");
@@ -41,6 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &kvserve::add_rms_norm_, "x += delta in place, then RMSNorm of x (CPU, float32)");
   m.def("silu_mul", &kvserve::silu_mul, "gate_up [M, 2I] -> silu(gate) * up [M, I] (CPU, float32)");
   m.def("rope_store", &kvserve::rope_store,
-        "RoPE on qkv's q and k heads; k and v stored in their cache slots; returns q [M, H, D] (CPU, float32)");
+        "RoPE on qkv's q and k heads; k and v stored in their cache slots, quantised into a 1-byte cache (scales "
+        "into kv_scales unless None); returns q [M, H, D] (CPU, float32)");
   m.def("argmax_logsumexp", &kvserve::argmax_logsumexp, "per row of logits: (argmax, logsumexp) (CPU, float32)");
 }

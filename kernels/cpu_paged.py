@@ -11,6 +11,10 @@ much as all the GEMMs. The kernel walks each sequence's page table once, with an
 intra-op (OpenMP) threads. For prefill chunks the reference made a dozen small torch ops per chunk and layer;
 the prefill kernel reads the pages in place, two rows and one kv head per work item.
 
+The pool is float32, or 1-byte elements (int8, float8_e4m3fn, float8_e5m2: ``kernels/kv_quant.py``) with one
+scale per token and kv head in ``kv_scales`` or none (the tensor scheme). The kernels read those elements in
+place as well, and ``rope_store`` quantises on write, byte for byte as ``kv_quant`` does in torch.
+
 The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja), cached
 under torch's extension directory, and built ahead by ``make kernels`` (``python -m kvserve.kernels.cpu_paged``).
 When it cannot be built, ``get_backend("auto", cpu)`` falls back to the reference backend and says why.
@@ -51,13 +55,14 @@ BLOCK_BITS = (4, 8)  # the block formats pack_weight tries, in order (block_line
 def _build_name(cflags: list[str]) -> str:
     """The extension's name, which keys torch's build cache: ``-march=native`` code must not be reused on a
     machine with other instruction sets (a shared home directory), so the CPU's flags are part of it, and so is
-    the shared header's text (torch rebuilds only when a listed source changes)."""
+    the text of every source and header: torch's JIT build does not watch included headers, and two checkouts of
+    different sources (a worktree beside the main one) must not rebuild one shared directory under each other."""
     flags = ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-    headers = "".join(h.read_text() for h in HEADERS)  # torch's JIT build does not watch included headers
-    digest = hashlib.sha256(f"{platform.machine()} {flags} {cflags} {headers}".encode()).hexdigest()[:12]
+    texts = "".join(f.read_text() for f in [*SOURCES, *HEADERS])
+    digest = hashlib.sha256(f"{platform.machine()} {flags} {cflags} {texts}".encode()).hexdigest()[:12]
     return f"kvserve_paged_decode_{digest}"
 
 
@@ -162,8 +167,8 @@ class CPUState:
 
 
 class CPUPagedBackend:
-    """float32 on CPU. Decodes and prefill chunks: the in-place kernels (prefill chunks of shapes the kernel
-    does not take: the reference backend's groups). Linear
+    """float32 on CPU, over float32, int8 or float8 pages (``kv_dtypes``). Decodes and prefill chunks: the
+    in-place kernels (prefill chunks of shapes the kernel does not take: the reference backend's groups). Linear
     layers: weights packed once into panels of 32 output columns (``kernels/packed_linear.cpp``); MKL's sgemm
     repacks them on every call, which costs a decode step more than the product. A weight that is exact 4- or
     8-bit blocks is kept as those blocks and unpacked into panels in cache, per call (``block_linear.cpp``):
@@ -172,6 +177,7 @@ class CPUPagedBackend:
     comparisons."""
 
     name = "cpu"
+    kv_dtypes = ("float32", "int8", "fp8_e4m3", "fp8_e5m2")
 
     def __init__(self, block_weights: bool | None = None, prefill_kernel: bool | None = None):
         self.ext = load_extension()
@@ -228,25 +234,27 @@ class CPUPagedBackend:
         return self.ext.argmax_logsumexp(logits.float().contiguous())
 
     def qkv_attention(self, qkv, cos, sin, kv_cache, meta, state, scale: float, num_heads: int,
-                      num_kv_heads: int) -> torch.Tensor:
-        """RoPE, the K/V write and the split into heads in one pass (``kernels/layer_ops.cpp``), then forward's
-        attention."""
+                      num_kv_heads: int, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """RoPE, the K/V write (quantised into a 1-byte cache, with the scales into ``kv_scales`` unless it is
+        None) and the split into heads in one pass (``kernels/layer_ops.cpp``), then forward's attention."""
         q = self.ext.rope_store(qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_heads, num_kv_heads,
-                                kv_cache, meta.slot_mapping)
-        return self._attend(q, kv_cache, state, scale)
+                                kv_cache, kv_scales, meta.slot_mapping)
+        return self._attend(q, kv_cache, state, scale, kv_scales)
 
-    def forward(self, q, k, v, kv_cache, meta, state, scale: float) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)  # the kernel checks dtypes (float32 only) and shapes
-        return self._attend(q, kv_cache, state, scale)
+    def forward(self, q, k, v, kv_cache, meta, state, scale: float,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        # a 1-byte cache: kv_quant.write_kv_quantised; the kernels check dtypes and shapes
+        write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
+        return self._attend(q, kv_cache, state, scale, kv_scales)
 
-    def _attend(self, q, kv_cache, state: CPUState, scale: float) -> torch.Tensor:
+    def _attend(self, q, kv_cache, state: CPUState, scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:
         if state.chunks is None:
-            return self.ext.paged_decode(q.contiguous(), kv_cache, state.tables, state.seq_lens, scale)
+            return self.ext.paged_decode(q.contiguous(), kv_cache, kv_scales, state.tables, state.seq_lens, scale)
         q = q.contiguous()
         out = torch.empty_like(q)
         if state.decode_index.numel():
             q_dec = q.index_select(0, state.decode_index)
-            out.index_copy_(0, state.decode_index, self.ext.paged_decode(q_dec, kv_cache, state.tables,
+            out.index_copy_(0, state.decode_index, self.ext.paged_decode(q_dec, kv_cache, kv_scales, state.tables,
                                                                           state.seq_lens, scale))
         if state.native_prefill is None:
             _, heads, head_dim = q.shape
@@ -254,10 +262,11 @@ class CPUPagedBackend:
                 head_dim, heads, kv_cache.shape[3], kv_cache.shape[2])
         c = state.chunks
         if state.native_prefill:
-            return self.ext.paged_prefill(q, kv_cache, c.tables, c.row_start, c.q_lens, c.start_pos, scale, out)
+            return self.ext.paged_prefill(q, kv_cache, kv_scales, c.tables, c.row_start, c.q_lens, c.start_pos,
+                                          scale, out)
         if state.prefill is None:
             state.prefill = ReferenceState([group_state(state.meta, [i]) for i in c.seqs])
-        return attend_groups(q, kv_cache, state.prefill.groups, scale, out)
+        return attend_groups(q, kv_cache, state.prefill.groups, scale, out, kv_scales=kv_scales)
 
 
 def main() -> int:

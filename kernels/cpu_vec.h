@@ -1,9 +1,21 @@
 // What the cpu backend's C++ files share: 16-float vectors, their loads and stores at any float's alignment,
-// lane reductions, and the float32 panel layout of the packed linear layers (kernels/cpu_paged.py keys its
-// build cache on this file's text too, since torch's JIT build watches only the .cpp sources).
+// lane reductions, the float32 panel layout of the packed linear layers, and the element types of the KV pool
+// with their loads as 16 floats (kernels/cpu_paged.py keys its build cache on this file's text too, since
+// torch's JIT build watches only the .cpp sources).
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include <cstdint>
+#include <optional>
+#include <type_traits>
 #include <utility>
 
 namespace kvserve {
@@ -78,6 +90,193 @@ inline float hmax(v16 x) {
 
 // The attention kernels' "minus infinity" for masked scores: finite, since the build uses -ffast-math.
 constexpr float kMinScore = -1e30f;
+
+// The KV pool's element formats (kernels/kv_quant.py): float32, whose elements are the values, or 1-byte int8,
+// float8_e4m3fn and float8_e5m2 elements whose value is float(stored) * scale. The attention kernels are
+// templates over the element's storage type, float or uint8_t (by_kv_storage): one instance reads all three
+// 1-byte formats and tells them apart per row of head_dim elements (load_row: a branch that goes the same way
+// for a whole call), so that each kernel is compiled twice rather than four times.
+enum class KVFormat : uint8_t { kFloat32, kInt8, kE4M3, kE5M2 };
+
+inline KVFormat kv_format_of(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return KVFormat::kFloat32;
+    case at::kChar: return KVFormat::kInt8;
+    case at::kFloat8_e4m3fn: return KVFormat::kE4M3;
+    case at::kFloat8_e5m2: return KVFormat::kE5M2;
+    default: TORCH_CHECK(false, "kv_cache: float32, int8, float8_e4m3fn or float8_e5m2, not ", dtype);
+  }
+}
+
+template <typename T>
+struct KVType {
+  using type = T;
+};
+
+template <typename T>
+constexpr bool kQuantised = !std::is_same_v<T, float>;
+
+// make(KVType<float>{}) for a float32 pool, make(KVType<uint8_t>{}) for the 1-byte ones.
+template <typename Make>
+void by_kv_storage(KVFormat format, Make make) {
+  if (format == KVFormat::kFloat32) {
+    make(KVType<float>{});
+  } else {
+    make(KVType<uint8_t>{});
+  }
+}
+
+// 16 pool elements as 16 floats: their stored values (the caller applies the row's scale). With AVX2 and F16C,
+// in intrinsics (GCC's generic vectors convert bytes to wider lanes one byte at a time there): int8 by vpmovsxbd
+// and vcvtdq2ps; float8 through float16, exactly (vcvtph2ps, subnormal halves included): e5m2 is the high byte of
+// a float16, and e4m3's 7 bits below the sign, at bits 13..7 of a float16, make one of the same mantissa and an
+// exponent 8 less (normal and subnormal alike), so that times 256 it is the e4m3 value.
+#if defined(__AVX2__) && defined(__F16C__)
+inline v16 join8(__m256 lo, __m256 hi) {
+  v16 out;
+  __builtin_memcpy(&out, &lo, sizeof(lo));
+  __builtin_memcpy(reinterpret_cast<char*>(&out) + sizeof(lo), &hi, sizeof(hi));
+  return out;
+}
+
+inline __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+inline v16 load16_int8(const uint8_t* p) {
+  const __m128i x = load_bytes(p);
+  return join8(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)),
+               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(x, x))));
+}
+
+inline v16 halves_to_float(__m256i h) {
+  return join8(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+}
+
+inline v16 load16_e5m2(const uint8_t* p) {
+  return halves_to_float(_mm256_slli_epi16(_mm256_cvtepu8_epi16(load_bytes(p)), 8));
+}
+
+// The byte s eeee mmm, shifted to the high byte of 16 bits and then right by 1 with its sign (s s eeee mmm 000
+// 0000), with bit 14 cleared: the float16 s 0 eeee mmm 000 0000.
+inline v16 load16_e4m3(const uint8_t* p) {
+  const __m256i high = _mm256_slli_epi16(_mm256_cvtepu8_epi16(load_bytes(p)), 8);
+  const __m256i half = _mm256_and_si256(_mm256_srai_epi16(high, 1), _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
+  return halves_to_float(half) * 256.f;
+}
+#else
+typedef uint8_t v16u8u __attribute__((vector_size(16), aligned(1), may_alias));
+typedef int8_t v16i8u __attribute__((vector_size(16), aligned(1), may_alias));
+typedef int32_t v16i32 __attribute__((vector_size(64)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+inline v16 load16_int8(const uint8_t* p) {
+  return __builtin_convertvector(__builtin_convertvector(*reinterpret_cast<const v16i8u*>(p), v16i32), v16);
+}
+
+// float8 with M mantissa bits and exponent bias B, from its bits: sign << 31, and for em = byte & 0x7f a
+// normal number's bits (em << (23 - M)) + ((127 - B) << 23) (em >= 2^M) or a subnormal's value em * unit (em <
+// 2^M, unit = 2^(1 - B - M)). Every intermediate is a normal float or 0: nothing to flush where DAZ is on.
+template <int M, int B>
+inline v16 load16_fp8(const uint8_t* p, float unit) {
+  const v16u32 u = __builtin_convertvector(*reinterpret_cast<const v16u8u*>(p), v16u32);
+  const v16u32 em = u & 0x7fu;
+  const v16u32 normal = (em << (23 - M)) + ((127u - B) << 23);
+  const v16 sub = __builtin_convertvector((v16i32)em, v16) * unit;  // vector casts keep the bits
+  const v16u32 bits = (em >= v16u32{} + (1u << M) ? normal : (v16u32)sub) | ((u & 0x80u) << 24);
+  return (v16)bits;
+}
+
+inline v16 load16_e5m2(const uint8_t* p) { return load16_fp8<2, 15>(p, 0x1p-16f); }
+inline v16 load16_e4m3(const uint8_t* p) { return load16_fp8<3, 7>(p, 0x1p-9f); }
+#endif
+
+inline v16 load16(const float* p, KVFormat) { return load(p); }
+
+inline v16 load16(const uint8_t* p, KVFormat format) {
+  switch (format) {
+    case KVFormat::kInt8: return load16_int8(p);
+    case KVFormat::kE4M3: return load16_e4m3(p);
+    default: return load16_e5m2(p);
+  }
+}
+
+// A row of 16 * NV pool elements as NV vectors, with one branch on the format per row.
+template <int NV>
+inline void load_row(const float* p, KVFormat, v16* row) {
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) row[i] = load(p + 16 * i);
+}
+
+template <int NV>
+inline void load_row(const uint8_t* p, KVFormat format, v16* row) {
+  switch (format) {
+    case KVFormat::kInt8:
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i) row[i] = load16_int8(p + 16 * i);
+      return;
+    case KVFormat::kE4M3:
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i) row[i] = load16_e4m3(p + 16 * i);
+      return;
+    default:
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i) row[i] = load16_e5m2(p + 16 * i);
+  }
+}
+
+// One element's stored value, for the kernels' scalar paths (c10's conversions).
+inline float element(const float* p, int64_t d, KVFormat) { return p[d]; }
+
+inline float element(const uint8_t* p, int64_t d, KVFormat format) {
+  switch (format) {
+    case KVFormat::kInt8: return static_cast<int8_t>(p[d]);
+    case KVFormat::kE4M3: return static_cast<float>(c10::Float8_e4m3fn(p[d], c10::Float8_e4m3fn::from_bits()));
+    default: return static_cast<float>(c10::Float8_e5m2(p[d], c10::Float8_e5m2::from_bits()));
+  }
+}
+
+// Where the kernels read the scales of a pool of 1-byte elements: key (or value) row t of page `page` and kv
+// head h has its scale at k[(page * page_size + t) * slot_stride + h * head_stride]. The kv_scales tensor
+// [2, num_pages, page_size, num_kv_heads] float32 gives strides (num_kv_heads, 1); the tensor scheme (no
+// kv_scales) gives (0, 0) over a single 1.0.
+struct KVScales {
+  const float* k;
+  const float* v;
+  int64_t slot_stride, head_stride;
+
+  const float* k_at(int64_t slot, int64_t h) const { return k + slot * slot_stride + h * head_stride; }
+  const float* v_at(int64_t slot, int64_t h) const { return v + slot * slot_stride + h * head_stride; }
+};
+
+// The scale of row t, with the rows' scales at scale[t * slot_stride]: a constant 1 for float32 pools, which
+// have none, so that their kernels' multiplications by it compile away.
+template <typename T>
+inline float row_scale(const float* scale, int64_t t, int64_t slot_stride) {
+  if constexpr (kQuantised<T>) {
+    return scale[t * slot_stride];
+  } else {
+    return 1.f;
+  }
+}
+
+// Checks kv_scales against one layer's kv_cache [2, num_pages, page_size, num_kv_heads, head_dim]: none for a
+// float32 cache; for a 1-byte one none (the tensor scheme) or a contiguous float32 [2, num_pages, page_size,
+// num_kv_heads].
+inline void check_kv_scales(const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales) {
+  if (!kv_scales.has_value()) return;
+  const at::Tensor& s = *kv_scales;
+  TORCH_CHECK(kv_cache.element_size() == 1, "kv_scales: only a 1-byte cache has scales");
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 4 && s.size(0) == 2 &&
+                  s.size(1) == kv_cache.size(1) && s.size(2) == kv_cache.size(2) && s.size(3) == kv_cache.size(3),
+              "kv_scales: a contiguous float32 [2, num_pages, page_size, num_kv_heads]");
+}
+
+inline KVScales kv_scales_of(const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales) {
+  static const float one = 1.f;
+  check_kv_scales(kv_cache, kv_scales);
+  if (!kv_scales.has_value()) return {&one, &one, 0, 0};
+  const float* k = kv_scales->data_ptr<float>();
+  return {k, k + kv_scales->numel() / 2, kv_cache.size(3), 1};
+}
 
 // packed_linear.cpp: y[:, 0:32 count] = x [M, K] @ panels (count = 1 or 2 adjacent float32 panels [K, 32]).
 void panel_rows(const float* x, int64_t M, int64_t K, const float* panels, int count, float* y, int64_t ldy);

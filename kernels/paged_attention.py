@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from kvserve.kernels.kv_quant import write_kv_quantised
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -89,9 +91,14 @@ class PagedAttentionBackend(Protocol):
     applies RoPE and splits the heads first) once per layer. A backend also owns the layout of the linear layers'
     weights (``pack_weight`` runs once per weight at load, and the model calls ``linear`` with what it returned)
     and the small ops around them (``rms_norm``, ``add_rms_norm_``, ``silu_mul``, and the sampler's
-    ``argmax_logsumexp``), which a CPU backend runs as one pass each."""
+    ``argmax_logsumexp``), which a CPU backend runs as one pass each.
+
+    The layer cache's dtype is the pool's element type (kernels/kv_quant.py): float32, bfloat16 or float16
+    values, or 1-byte int8 / fp8 elements, quantised on write, with ``kv_scales`` (one float32 per token and kv
+    head, for K and for V) or without (a per-tensor scale of 1.0). ``kv_dtypes`` names the ones it serves."""
 
     name: str
+    kv_dtypes: tuple[str, ...]
 
     def pack_weight(self, w: torch.Tensor) -> torch.Tensor:
         """w [out_features, in_features] in the layout ``linear`` reads (w itself for F.linear)."""
@@ -123,7 +130,7 @@ class PagedAttentionBackend(Protocol):
 
     def qkv_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                       meta: AttentionMetadata, state: object, scale: float, num_heads: int,
-                      num_kv_heads: int) -> torch.Tensor:
+                      num_kv_heads: int, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """The fused projection's output [tokens, (H + 2 Hkv) * D]: RoPE (cos, sin [tokens, D]) on q and k, k and
         v into their slots, then forward's attention; returns [tokens, H, D]."""
         ...
@@ -137,13 +144,19 @@ class PagedAttentionBackend(Protocol):
         meta: AttentionMetadata,
         state: object,
         scale: float,
+        kv_scales: torch.Tensor | None = None,  # [2, num_pages, page_size, num_kv_heads] float32, or None
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Writes k and v into their slots, then attends each new token to its sequence's cached prefix."""
         ...
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Stores the new tokens' K/V in their cache slots (in place)."""
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scales: torch.Tensor | None = None) -> None:
+    """Stores the new tokens' K/V in their cache slots (in place); a 1-byte cache gets them quantised
+    (kernels/kv_quant.py), with their scales in ``kv_scales`` unless that is None (the tensor scheme)."""
+    if kv_cache.element_size() == 1:
+        write_kv_quantised(k, v, kv_cache, kv_scales, slot_mapping)
+        return
     _, num_pages, page_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_pages * page_size, num_kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))

@@ -8,8 +8,17 @@
 // and pages of up to 64 tokens take a kernel specialised at compile time (decode_seq_fast); any other shape
 // takes decode_seq_generic.
 //
+// A pool of 1-byte elements (int8, float8_e4m3fn, float8_e5m2: kernels/kv_quant.py) is read in place too, 16
+// elements at a time as floats (load_row in cpu_vec.h); a key's score is multiplied by its K scale and a
+// value's softmax weight by its V scale, once per row. Both kernels are templates over the element's storage
+// type (float, or uint8_t for the three 1-byte formats); for float32 the scale is a constant 1 that compiles
+// away.
+//
 //   q           [num_seqs, num_heads, head_dim]                      float32, contiguous
-//   kv_cache    [2, num_pages, page_size, num_kv_heads, head_dim]     float32, contiguous (one layer)
+//   kv_cache    [2, num_pages, page_size, num_kv_heads, head_dim]     float32, int8 or float8, contiguous (one
+//                                                                    layer)
+//   kv_scales   [2, num_pages, page_size, num_kv_heads] float32, or None (float32 pools, and the tensor scheme:
+//                                                                    every scale 1)
 //   tables      [num_seqs, max_pages]                                int64 page ids
 //   seq_lens    [num_seqs]                                           int64: keys 0 .. seq_len - 1 are visible
 //   returns     [num_seqs, num_heads, head_dim]                      float32
@@ -33,20 +42,34 @@ struct Shape {
   float scale;
 };
 
-// Page p of a sequence of n tokens: how many of its tokens are visible, and the first key and value rows of
-// the kv head at kv_offset.
-struct PageRows {
-  int64_t tokens;
-  const float* k;
-  const float* v;
+// One layer's pool as the kernels read it: K and V rows of elements stored as T in `format`, and their scales.
+template <typename T>
+struct Pool {
+  const T* k;
+  const T* v;
+  KVScales scales;
+  KVFormat format;
 };
 
-inline PageRows page_rows(const Shape& s, const int64_t* table, int64_t p, int64_t n, const float* k_ptr,
-                          const float* v_ptr, int64_t kv_offset) {
+// Page p of a sequence of n tokens: how many of its tokens are visible, the first key and value rows of kv head
+// kvh, and their scales (row t's at k_scale[t * slot_stride]).
+template <typename T>
+struct PageRows {
+  int64_t tokens;
+  const T* k;
+  const T* v;
+  const float* k_scale;
+  const float* v_scale;
+};
+
+template <typename T>
+inline PageRows<T> page_rows(const Shape& s, const Pool<T>& pool, const int64_t* table, int64_t p, int64_t n,
+                             int64_t kvh) {
   const int64_t page = table[p];
   TORCH_CHECK(page >= 0 && page < s.num_pages, "page id outside the pool");
-  const int64_t first = page * s.page_size * s.token_stride + kv_offset;
-  return {std::min(s.page_size, n - p * s.page_size), k_ptr + first, v_ptr + first};
+  const int64_t first = page * s.page_size * s.token_stride + kvh * s.head_dim, slot = page * s.page_size;
+  return {std::min(s.page_size, n - p * s.page_size), pool.k + first, pool.v + first,
+          pool.scales.k_at(slot, kvh), pool.scales.v_at(slot, kvh)};
 }
 
 // One sequence, the fast path: head_dim = 16 * NV, and the G query heads that share a kv head are computed
@@ -55,10 +78,11 @@ inline PageRows page_rows(const Shape& s, const int64_t* table, int64_t p, int64
 // scores, an online-softmax update (running max and sum, earlier pages rescaled), the weighted sum of the
 // values; the same rows of the next page are prefetched meanwhile. Walking the pages once for all kv heads
 // instead would keep the accumulators in memory between pages, which is slower on a cold pool.
-template <int NV, int G>
-void decode_seq_fast(const Shape& s, const float* qb, const float* k_ptr, const float* v_ptr,
-                     const int64_t* table, int64_t n, float* ob) {
-  constexpr int D = 16 * NV;
+template <typename T, int NV, int G>
+void decode_seq_fast(const Shape& s, const float* qb, const Pool<T>& pool, const int64_t* table, int64_t n,
+                     float* ob) {
+  constexpr int D = 16 * NV, kLine = 64 / sizeof(T);  // elements of a cache line
+  const int64_t ss = kQuantised<T> ? pool.scales.slot_stride : 0;  // float32: no scales
   for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
     v16 q[G][NV], acc[G][NV];
     float run_max[G], run_sum[G];
@@ -72,42 +96,45 @@ void decode_seq_fast(const Shape& s, const float* qb, const float* k_ptr, const 
       run_max[g] = kMinScore;
       run_sum[g] = 0.f;
     }
-    const int64_t kv_offset = kvh * D;
     for (int64_t p = 0; p * s.page_size < n; ++p) {
-      const auto [tokens, kp, vp] = page_rows(s, table, p, n, k_ptr, v_ptr, kv_offset);
+      const PageRows<T> rows = page_rows(s, pool, table, p, n, kvh);
       if ((p + 1) * s.page_size < n) {  // the next page is elsewhere in the pool: fetch this head's rows now
+        // (here, not in a function of its own: GCC finds that one free of side effects and drops its calls)
         const int64_t next = table[p + 1];
         if (next >= 0 && next < s.num_pages) {
-          const float* nk = k_ptr + next * s.page_size * s.token_stride + kv_offset;
-          const float* nv = v_ptr + next * s.page_size * s.token_stride + kv_offset;
+          const int64_t first = next * s.page_size * s.token_stride + kvh * D;
           for (int64_t t = 0; t < s.page_size; ++t) {
-            for (int i = 0; i < D; i += 16) {
-              __builtin_prefetch(nk + t * s.token_stride + i);
-              __builtin_prefetch(nv + t * s.token_stride + i);
+            for (int i = 0; i < D; i += kLine) {
+              __builtin_prefetch(pool.k + first + t * s.token_stride + i);
+              __builtin_prefetch(pool.v + first + t * s.token_stride + i);
             }
+          }
+          for (int64_t i = 0; i < s.page_size * ss; i += 16) {  // the page's scales (none for ss = 0)
+            __builtin_prefetch(pool.scales.k_at(next * s.page_size, 0) + i);
+            __builtin_prefetch(pool.scales.v_at(next * s.page_size, 0) + i);
           }
         }
       }
       float w[G][64];  // scores, then softmax weights (page_size <= 64 on this path)
-      for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t t = 0; t < rows.tokens; ++t) {
         v16 krow[NV];
-#pragma GCC unroll 16
-        for (int i = 0; i < NV; ++i) krow[i] = load(kp + t * s.token_stride + 16 * i);
+        load_row<NV>(rows.k + t * s.token_stride, pool.format, krow);
+        const float k_scale = row_scale<T>(rows.k_scale, t, ss);
 #pragma GCC unroll 16
         for (int g = 0; g < G; ++g) {
           v16 dot = q[g][0] * krow[0];
 #pragma GCC unroll 16
           for (int i = 1; i < NV; ++i) dot += q[g][i] * krow[i];
-          w[g][t] = hsum(dot);
+          w[g][t] = hsum(dot) * k_scale;
         }
       }
 #pragma GCC unroll 16
       for (int g = 0; g < G; ++g) {
         float page_max = kMinScore;
-        for (int64_t t = 0; t < tokens; ++t) page_max = std::max(page_max, w[g][t]);
+        for (int64_t t = 0; t < rows.tokens; ++t) page_max = std::max(page_max, w[g][t]);
         const float new_max = std::max(run_max[g], page_max);
         float page_sum = 0.f;
-        for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t t = 0; t < rows.tokens; ++t) {
           w[g][t] = std::exp(w[g][t] - new_max);
           page_sum += w[g][t];
         }
@@ -117,14 +144,16 @@ void decode_seq_fast(const Shape& s, const float* qb, const float* k_ptr, const 
 #pragma GCC unroll 16
         for (int i = 0; i < NV; ++i) acc[g][i] *= correction;
       }
-      for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t t = 0; t < rows.tokens; ++t) {
         v16 vrow[NV];
+        load_row<NV>(rows.v + t * s.token_stride, pool.format, vrow);
+        const float v_scale = row_scale<T>(rows.v_scale, t, ss);
 #pragma GCC unroll 16
-        for (int i = 0; i < NV; ++i) vrow[i] = load(vp + t * s.token_stride + 16 * i);
+        for (int g = 0; g < G; ++g) {
+          const float weight = w[g][t] * v_scale;
 #pragma GCC unroll 16
-        for (int g = 0; g < G; ++g)
-#pragma GCC unroll 16
-          for (int i = 0; i < NV; ++i) acc[g][i] += w[g][t] * vrow[i];
+          for (int i = 0; i < NV; ++i) acc[g][i] += weight * vrow[i];
+        }
       }
     }
 #pragma GCC unroll 16
@@ -136,28 +165,29 @@ void decode_seq_fast(const Shape& s, const float* qb, const float* k_ptr, const 
   }
 }
 
-// Any head_dim and group size: one query head at a time, with scalar loops the compiler vectorises.
-void decode_seq_generic(const Shape& s, const float* qb, const float* k_ptr, const float* v_ptr,
-                        const int64_t* table, int64_t n, float* ob, float* w, float* acc) {
-  const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
+// Any head_dim and group size: one query head at a time, with scalar loops the compiler vectorises (float32;
+// the 1-byte formats convert element by element).
+template <typename T>
+void decode_seq_generic(const Shape& s, const float* qb, const Pool<T>& pool, const int64_t* table, int64_t n,
+                        float* ob, float* w, float* acc) {
+  const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim, ss = pool.scales.slot_stride;
   for (int64_t h = 0; h < s.num_heads; ++h) {
     const float* qh = qb + h * D;
-    const int64_t kv_offset = (h / group) * D;
     float run_max = kMinScore, run_sum = 0.f;
     std::fill(acc, acc + D, 0.f);
     for (int64_t p = 0; p * s.page_size < n; ++p) {
-      const auto [tokens, kp, vp] = page_rows(s, table, p, n, k_ptr, v_ptr, kv_offset);
+      const PageRows<T> rows = page_rows(s, pool, table, p, n, h / group);
       float page_max = kMinScore;
-      for (int64_t t = 0; t < tokens; ++t) {
-        const float* k = kp + t * s.token_stride;
+      for (int64_t t = 0; t < rows.tokens; ++t) {
+        const T* k = rows.k + t * s.token_stride;
         float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
-        w[t] = dot * s.scale;
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * element(k, d, pool.format);
+        w[t] = dot * s.scale * row_scale<T>(rows.k_scale, t, ss);
         page_max = std::max(page_max, w[t]);
       }
       const float new_max = std::max(run_max, page_max);
       float page_sum = 0.f;
-      for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t t = 0; t < rows.tokens; ++t) {
         w[t] = std::exp(w[t] - new_max);
         page_sum += w[t];
       }
@@ -165,55 +195,39 @@ void decode_seq_generic(const Shape& s, const float* qb, const float* k_ptr, con
       run_sum = run_sum * correction + page_sum;
       run_max = new_max;
       for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
-      for (int64_t t = 0; t < tokens; ++t) {
-        const float* v = vp + t * s.token_stride;
-        for (int64_t d = 0; d < D; ++d) acc[d] += w[t] * v[d];
+      for (int64_t t = 0; t < rows.tokens; ++t) {
+        const T* v = rows.v + t * s.token_stride;
+        const float weight = w[t] * row_scale<T>(rows.v_scale, t, ss);
+        for (int64_t d = 0; d < D; ++d) acc[d] += weight * element(v, d, pool.format);
       }
     }
     for (int64_t d = 0; d < D; ++d) ob[h * D + d] = acc[d] / run_sum;
   }
 }
 
-using FastFn = void (*)(const Shape&, const float*, const float*, const float*, const int64_t*, int64_t, float*);
+template <typename T>
+using FastFn = void (*)(const Shape&, const float*, const Pool<T>&, const int64_t*, int64_t, float*);
 
-template <int NV>
-FastFn fast_for_group(int64_t group) {
-  return by_group<FastFn>(group, [](auto g) -> FastFn { return decode_seq_fast<NV, decltype(g)::value>; });
+template <typename T, int NV>
+FastFn<T> fast_for_group(int64_t group) {
+  return by_group<FastFn<T>>(group,
+                             [](auto g) -> FastFn<T> { return decode_seq_fast<T, NV, decltype(g)::value>; });
 }
 
 // The specialised kernel for this shape, or nullptr (the generic one then runs).
-FastFn fast_kernel(int64_t head_dim, int64_t group, int64_t page_size) {
+template <typename T>
+FastFn<T> fast_kernel(int64_t head_dim, int64_t group, int64_t page_size) {
   if (page_size > 64) return nullptr;
-  return by_head_dim<FastFn>(head_dim, [group](auto nv) { return fast_for_group<decltype(nv)::value>(group); });
+  return by_head_dim<FastFn<T>>(head_dim,
+                                [group](auto nv) { return fast_for_group<T, decltype(nv)::value>(group); });
 }
 
-}  // namespace
-
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tables,
-                           const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && tables.dim() == 2 && seq_lens.dim() == 1, "bad ranks");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables and lengths");
-  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && tables.is_contiguous(), "contiguous inputs only");
-  Shape s{q.size(1), q.size(2), kv_cache.size(1), kv_cache.size(2), kv_cache.size(3), tables.size(1), 0,
-          static_cast<float>(scale)};
-  const int64_t num_seqs = q.size(0);
-  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == s.head_dim && s.num_heads % s.num_kv_heads == 0,
-              "shapes");
-  TORCH_CHECK(tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs, "one table and length per sequence");
-  s.token_stride = s.num_kv_heads * s.head_dim;
-  const int64_t group = s.num_heads / s.num_kv_heads;
-  const FastFn fast = fast_kernel(s.head_dim, group, s.page_size);
-
-  auto out = at::empty_like(q);
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = kv_cache.data_ptr<float>();
-  const float* v_ptr = k_ptr + s.num_pages * s.page_size * s.token_stride;
-  const int64_t* table_ptr = tables.data_ptr<int64_t>();
-  const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
-  float* out_ptr = out.data_ptr<float>();
-
-  // Longest sequences first, each claimed by whichever thread is free: the costs differ with the lengths.
+// Every sequence of the step, longest first, each claimed by whichever thread is free: the costs differ with
+// the lengths.
+template <typename T>
+void decode_all(const Shape& s, const float* q_ptr, const Pool<T>& pool, const int64_t* table_ptr,
+                const int64_t* len_ptr, int64_t num_seqs, float* out_ptr) {
+  const FastFn<T> fast = fast_kernel<T>(s.head_dim, s.num_heads / s.num_kv_heads, s.page_size);
   std::vector<int64_t> order(num_seqs);
   for (int64_t b = 0; b < num_seqs; ++b) order[b] = b;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
@@ -227,10 +241,37 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
     float* ob = out_ptr + b * s.num_heads * s.head_dim;
     const int64_t* table = table_ptr + b * s.max_pages;
     if (fast != nullptr) {
-      fast(s, qb, k_ptr, v_ptr, table, n, ob);
+      fast(s, qb, pool, table, n, ob);
     } else {
-      decode_seq_generic(s, qb, k_ptr, v_ptr, table, n, ob, scratch.data(), scratch.data() + s.page_size);
+      decode_seq_generic(s, qb, pool, table, n, ob, scratch.data(), scratch.data() + s.page_size);
     }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales,
+                        const at::Tensor& tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && tables.dim() == 2 && seq_lens.dim() == 1, "bad ranks");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q: float32");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables and lengths");
+  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && tables.is_contiguous(), "contiguous inputs only");
+  Shape s{q.size(1), q.size(2), kv_cache.size(1), kv_cache.size(2), kv_cache.size(3), tables.size(1), 0,
+          static_cast<float>(scale)};
+  const int64_t num_seqs = q.size(0);
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == s.head_dim && s.num_heads % s.num_kv_heads == 0,
+              "shapes");
+  TORCH_CHECK(tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs, "one table and length per sequence");
+  s.token_stride = s.num_kv_heads * s.head_dim;
+  const KVScales scales = kv_scales_of(kv_cache, kv_scales);
+  auto out = at::empty_like(q);
+  const KVFormat format = kv_format_of(kv_cache.scalar_type());
+  by_kv_storage(format, [&](auto type) {
+    using T = typename decltype(type)::type;
+    const T* k_ptr = static_cast<const T*>(kv_cache.data_ptr());
+    const Pool<T> pool{k_ptr, k_ptr + s.num_pages * s.page_size * s.token_stride, scales, format};
+    decode_all(s, q.data_ptr<float>(), pool, tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), num_seqs,
+               out.data_ptr<float>());
   });
   return out;
 }

@@ -13,8 +13,16 @@
 // Pages of 16 tokens, head_dim in {16, 32, 64, 128} and up to 8 query heads per kv head; other shapes keep the
 // reference path (kernels/cpu_paged.py decides).
 //
+// A pool of 1-byte elements (int8, float8_e4m3fn, float8_e5m2: kernels/kv_quant.py): pass 1 writes the keys
+// into the scratch as floats times their K scales; pass 2 reads the V rows in place, 16 elements at a time as
+// floats (load_row in cpu_vec.h), and multiplies each value's softmax weight by its V scale. attend_rows is a
+// template over the element's storage type (float, or uint8_t for the three 1-byte formats); for float32 the
+// scale is a constant 1 that compiles away.
+//
 //   q, out      [num_tokens, num_heads, head_dim]                  float32, contiguous; the step's flat rows
-//   kv_cache    [2, num_pages, 16, num_kv_heads, head_dim]          float32, contiguous (one layer)
+//   kv_cache    [2, num_pages, 16, num_kv_heads, head_dim]          float32, int8 or float8, contiguous (one layer)
+//   kv_scales   [2, num_pages, 16, num_kv_heads] float32, or None (float32 pools, and the tensor scheme: every
+//               scale 1)
 //   tables      [num_chunks, max_pages]                            int64 page ids
 //   row_start   [num_chunks]   int64: the chunk's first row in q and out
 //   q_lens      [num_chunks]   int64: its rows
@@ -75,12 +83,21 @@ inline v16 exp16(v16 x) {
 #endif
 }
 
+// The pool's V rows of one kv head as attend_rows reads them: row t of page `page` at rows[(page * 16 + t) *
+// token_stride], its scale at scale[(page * 16 + t) * slot_stride] (KVScales in cpu_vec.h).
+template <typename T>
+struct ValueRows {
+  const T* rows;
+  const float* scale;
+  int64_t token_stride, slot_stride;
+  KVFormat format;
+};
+
 // R (1 or 2) rows x G heads of one chunk against one kv head. kt: the chunk's pages, transposed, for this kv
-// head at page stride kt_stride; v_ptr: the pool's V rows of this kv head (offset applied).
-template <int NV, int G, int R>
+// head at page stride kt_stride; v: the pool's V rows of this kv head.
+template <typename T, int NV, int G, int R>
 void attend_rows(const float* q, float* out, int64_t row_stride, const float* kt, int64_t kt_stride,
-                 const float* v_ptr, int64_t token_stride, const int64_t* table, int64_t first_pos,
-                 int64_t kv_head, float scale) {
+                 const ValueRows<T>& v, const int64_t* table, int64_t first_pos, int64_t kv_head, float scale) {
   constexpr int D = 16 * NV;
   v16 acc[R][G][NV];
   float run_max[R][G], run_sum[R][G];
@@ -136,18 +153,21 @@ void attend_rows(const float* q, float* out, int64_t row_stride, const float* kt
         run_sum[r][g] += hsum(e);
       }
     }
-    const float* vp = v_ptr + table[p] * kPage * token_stride;
+    const T* vp = v.rows + table[p] * kPage * v.token_stride;
+    const float* vs = v.scale + table[p] * kPage * v.slot_stride;
     const int keys = R == 2 ? std::max(visible[0], visible[R - 1]) : visible[0];
     for (int t = 0; t < keys; ++t) {
       v16 vrow[NV];
-#pragma GCC unroll 16
-      for (int i = 0; i < NV; ++i) vrow[i] = load(vp + t * token_stride + 16 * i);
+      load_row<NV>(vp + t * v.token_stride, v.format, vrow);
+      const float v_scale = row_scale<T>(vs, t, v.slot_stride);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
-        for (int g = 0; g < G; ++g)
+        for (int g = 0; g < G; ++g) {
+          const float weight = w[r][g][t] * v_scale;
 #pragma GCC unroll 16
-          for (int i = 0; i < NV; ++i) acc[r][g][i] += w[r][g][t] * vrow[i];
+          for (int i = 0; i < NV; ++i) acc[r][g][i] += weight * vrow[i];
+        }
     }
   }
 #pragma GCC unroll 16
@@ -160,53 +180,105 @@ void attend_rows(const float* q, float* out, int64_t row_stride, const float* kt
     }
 }
 
-using RowsFn = void (*)(const float*, float*, int64_t, const float*, int64_t, const float*, int64_t, const int64_t*,
+template <typename T>
+using RowsFn = void (*)(const float*, float*, int64_t, const float*, int64_t, const ValueRows<T>&, const int64_t*,
                         int64_t, int64_t, float);
 
-template <int NV, int G>
-constexpr RowsFn kRows[2] = {attend_rows<NV, G, 1>, attend_rows<NV, G, 2>};
+template <typename T, int NV, int G>
+constexpr RowsFn<T> kRows[2] = {attend_rows<T, NV, G, 1>, attend_rows<T, NV, G, 2>};
 
-template <int NV>
-const RowsFn* rows_for_group(int64_t group) {
-  return by_group<const RowsFn*>(group, [](auto g) -> const RowsFn* { return kRows<NV, decltype(g)::value>; });
+template <typename T, int NV>
+const RowsFn<T>* rows_for_group(int64_t group) {
+  return by_group<const RowsFn<T>*>(group,
+                                    [](auto g) -> const RowsFn<T>* { return kRows<T, NV, decltype(g)::value>; });
 }
 
-const RowsFn* rows_kernels(int64_t head_dim, int64_t group) {
-  return by_head_dim<const RowsFn*>(head_dim,
-                                    [group](auto nv) { return rows_for_group<decltype(nv)::value>(group); });
+template <typename T>
+const RowsFn<T>* rows_kernels(int64_t head_dim, int64_t group) {
+  return by_head_dim<const RowsFn<T>*>(head_dim,
+                                       [group](auto nv) { return rows_for_group<T, decltype(nv)::value>(group); });
 }
 
-}  // namespace
-
-bool paged_prefill_supports(int64_t head_dim, int64_t num_heads, int64_t num_kv_heads, int64_t page_size) {
-  return page_size == kPage && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
-         rows_kernels(head_dim, num_heads / num_kv_heads) != nullptr;
+// Page `page`'s keys as floats times their scales, transposed per kv head: dst[kv_head][d][16 keys].
+template <typename T>
+void transpose_keys(const T* k_ptr, KVFormat format, const KVScales& scales, int64_t page, int64_t num_kv_heads,
+                    int64_t head_dim, float* dst) {
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const T* src = k_ptr + page * kPage * token_stride;
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    const float* ks = scales.k_at(page * kPage, h);
+    for (int t = 0; t < kPage; ++t) {
+      const float k_scale = row_scale<T>(ks, t, scales.slot_stride);
+      for (int64_t d = 0; d < head_dim; d += 16) {
+        const v16 x = load16(src + t * token_stride + h * head_dim + d, format) * k_scale;
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) dst[(h * head_dim + d + j) * kPage + t] = x[j];
+      }
+    }
+  }
 }
 
-at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& tables,
-                         const at::Tensor& row_start, const at::Tensor& q_lens, const at::Tensor& start_pos,
-                         double scale, at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && tables.dim() == 2, "bad ranks");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && tables.is_contiguous() && out.is_contiguous() &&
-                  out.sizes() == q.sizes() && out.scalar_type() == at::kFloat, "contiguous q and out of one shape");
-  TORCH_CHECK(tables.scalar_type() == at::kLong && row_start.scalar_type() == at::kLong &&
-                  q_lens.scalar_type() == at::kLong && start_pos.scalar_type() == at::kLong, "int64 metadata");
-  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_pages = kv_cache.size(1), page_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == head_dim, "kv_cache: [2, pages, 16, kv_heads, head_dim]");
-  TORCH_CHECK(paged_prefill_supports(head_dim, num_heads, num_kv_heads, page_size),
-              "paged_prefill: pages of 16, head_dim 16/32/64/128 and up to 8 query heads per kv head only");
+// The step's chunks, as paged_prefill checked them, and where their rows are.
+struct Step {
+  std::vector<Chunk> chunks;
+  int64_t kt_pages;  // pages in the transposed-keys buffer
+  int64_t num_heads, head_dim, num_pages, num_kv_heads;
+  float scale;
+};
+
+// Pass 1 (every page a chunk reads, transposed) and pass 2 (pairs of rows x kv heads, the latest rows, which
+// read the most keys, first) over a pool of element type T.
+template <typename T>
+void prefill_all(const Step& st, const float* q_ptr, const T* k_ptr, KVFormat format, const KVScales& scales,
+                 float* out_ptr) {
+  const int64_t token_stride = st.num_kv_heads * st.head_dim;
+  const int64_t kt_page = st.num_kv_heads * st.head_dim * kPage;  // floats of one transposed page
+  std::vector<std::pair<int64_t, int64_t>> pages;  // (chunk, page index)
+  pages.reserve(st.kt_pages);
+  for (int64_t c = 0; c < static_cast<int64_t>(st.chunks.size()); ++c)
+    for (int64_t p = 0; p < st.chunks[c].num_pages; ++p) pages.emplace_back(c, p);
+  std::vector<float> kt(st.kt_pages * kt_page);
+  parallel_items(st.kt_pages, [&](int64_t i) {
+    const auto [c, p] = pages[i];
+    const Chunk& ch = st.chunks[c];
+    transpose_keys(k_ptr, format, scales, ch.table[p], st.num_kv_heads, st.head_dim,
+                   kt.data() + (ch.kt_offset + p) * kt_page);
+  });
+
+  std::vector<Item> items;
+  for (int64_t c = 0; c < static_cast<int64_t>(st.chunks.size()); ++c)
+    for (int64_t r = 0; r < st.chunks[c].q_len; r += 2)
+      for (int64_t h = 0; h < st.num_kv_heads; ++h) items.push_back({c, r, h});
+  const auto position = [&](const Item& it) { return st.chunks[it.chunk].start_pos + it.row; };  // keys it reads
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const Item& a, const Item& b) { return position(a) > position(b); });
+  const RowsFn<T>* kernels = rows_kernels<T>(st.head_dim, st.num_heads / st.num_kv_heads);
+  const T* v_ptr = k_ptr + st.num_pages * kPage * token_stride;
+  const int64_t row_stride = st.num_heads * st.head_dim;
+  parallel_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Item& it = items[i];
+    const Chunk& ch = st.chunks[it.chunk];
+    const int rows = it.row + 1 < ch.q_len ? 2 : 1;
+    const int64_t row = ch.row_start + it.row;
+    const ValueRows<T> v{v_ptr + it.kv_head * st.head_dim, scales.v_at(0, it.kv_head), token_stride,
+                         scales.slot_stride, format};
+    kernels[rows - 1](q_ptr + row * row_stride, out_ptr + row * row_stride, row_stride,
+                      kt.data() + ch.kt_offset * kt_page + it.kv_head * st.head_dim * kPage, kt_page, v, ch.table,
+                      ch.start_pos + it.row, it.kv_head, st.scale);
+  });
+}
+
+// The chunks of a step, checked against q's rows and the pool's pages, with their places in the scratch.
+std::vector<Chunk> step_chunks(const at::Tensor& tables, const at::Tensor& row_start, const at::Tensor& q_lens,
+                               const at::Tensor& start_pos, int64_t num_tokens, int64_t num_pages,
+                               int64_t& kt_pages) {
   const int64_t num_chunks = tables.size(0), max_pages = tables.size(1);
   TORCH_CHECK(row_start.numel() == num_chunks && q_lens.numel() == num_chunks && start_pos.numel() == num_chunks,
               "one row_start, q_len and start_pos per chunk");
-  const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
-  const int64_t kt_page = num_kv_heads * head_dim * kPage;  // floats of one transposed page
-
   const auto rs = row_start.contiguous(), ql = q_lens.contiguous(), sp = start_pos.contiguous();
   const int64_t *rs_ptr = rs.data_ptr<int64_t>(), *ql_ptr = ql.data_ptr<int64_t>(), *sp_ptr = sp.data_ptr<int64_t>();
   std::vector<Chunk> chunks(num_chunks);
-  int64_t kt_pages = 0;
+  kt_pages = 0;
   for (int64_t c = 0; c < num_chunks; ++c) {
     Chunk& ch = chunks[c];
     ch.row_start = rs_ptr[c];
@@ -222,45 +294,37 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const 
     ch.kt_offset = kt_pages;
     kt_pages += ch.num_pages;
   }
-  const float* k_ptr = kv_cache.data_ptr<float>();
-  const float* v_ptr = k_ptr + num_pages * page_size * token_stride;
+  return chunks;
+}
 
-  // Pass 1: every page a chunk reads, transposed per kv head: kt[page][kv_head][d][16 keys].
-  std::vector<std::pair<int64_t, int64_t>> pages;  // (chunk, page index)
-  pages.reserve(kt_pages);
-  for (int64_t c = 0; c < num_chunks; ++c)
-    for (int64_t p = 0; p < chunks[c].num_pages; ++p) pages.emplace_back(c, p);
-  std::vector<float> kt(kt_pages * kt_page);
-  parallel_items(kt_pages, [&](int64_t i) {
-    const auto [c, p] = pages[i];
-    const float* src = k_ptr + chunks[c].table[p] * kPage * token_stride;
-    float* dst = kt.data() + (chunks[c].kt_offset + p) * kt_page;
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int t = 0; t < kPage; ++t)
-        for (int64_t d = 0; d < head_dim; ++d) dst[(h * head_dim + d) * kPage + t] = src[t * token_stride + h * head_dim + d];
-  });
+}  // namespace
 
-  // Pass 2: pairs of rows x kv heads, the latest rows (the most keys) first.
-  std::vector<Item> items;
-  for (int64_t c = 0; c < num_chunks; ++c)
-    for (int64_t r = 0; r < chunks[c].q_len; r += 2)
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({c, r, h});
-  const auto position = [&](const Item& it) { return chunks[it.chunk].start_pos + it.row; };  // keys it reads
-  std::stable_sort(items.begin(), items.end(),
-                   [&](const Item& a, const Item& b) { return position(a) > position(b); });
-  const RowsFn* kernels = rows_kernels(head_dim, group);
-  const float* q_ptr = q.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  const int64_t row_stride = num_heads * head_dim;
-  parallel_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
-    const Item& it = items[i];
-    const Chunk& ch = chunks[it.chunk];
-    const int rows = it.row + 1 < ch.q_len ? 2 : 1;
-    const int64_t row = ch.row_start + it.row;
-    kernels[rows - 1](q_ptr + row * row_stride, out_ptr + row * row_stride, row_stride,
-                      kt.data() + ch.kt_offset * kt_page + it.kv_head * head_dim * kPage, kt_page,
-                      v_ptr + it.kv_head * head_dim, token_stride, ch.table, ch.start_pos + it.row, it.kv_head,
-                      static_cast<float>(scale));
+bool paged_prefill_supports(int64_t head_dim, int64_t num_heads, int64_t num_kv_heads, int64_t page_size) {
+  return page_size == kPage && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
+         rows_kernels<float>(head_dim, num_heads / num_kv_heads) != nullptr;
+}
+
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales,
+                         const at::Tensor& tables, const at::Tensor& row_start, const at::Tensor& q_lens,
+                         const at::Tensor& start_pos, double scale, at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && tables.dim() == 2, "bad ranks");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q: float32");
+  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && tables.is_contiguous() && out.is_contiguous() &&
+                  out.sizes() == q.sizes() && out.scalar_type() == at::kFloat, "contiguous q and out of one shape");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && row_start.scalar_type() == at::kLong &&
+                  q_lens.scalar_type() == at::kLong && start_pos.scalar_type() == at::kLong, "int64 metadata");
+  Step st{{}, 0, q.size(1), q.size(2), kv_cache.size(1), kv_cache.size(3), static_cast<float>(scale)};
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == st.head_dim,
+              "kv_cache: [2, pages, 16, kv_heads, head_dim]");
+  TORCH_CHECK(paged_prefill_supports(st.head_dim, st.num_heads, st.num_kv_heads, kv_cache.size(2)),
+              "paged_prefill: pages of 16, head_dim 16/32/64/128 and up to 8 query heads per kv head only");
+  st.chunks = step_chunks(tables, row_start, q_lens, start_pos, q.size(0), st.num_pages, st.kt_pages);
+  const KVScales scales = kv_scales_of(kv_cache, kv_scales);
+  const KVFormat format = kv_format_of(kv_cache.scalar_type());
+  by_kv_storage(format, [&](auto type) {
+    using T = typename decltype(type)::type;
+    prefill_all(st, q.data_ptr<float>(), static_cast<const T*>(kv_cache.data_ptr()), format, scales,
+                out.data_ptr<float>());
   });
   return out;
 }

@@ -1,4 +1,5 @@
-"""The reference paged-attention backend: gather pages, padded SDPA calls with a length mask.
+"""The reference paged-attention backend: gather pages (dequantising a quantised cache's), padded SDPA calls
+with a length mask.
 
 A step's sequences are split into groups of like shape, so that padding never multiplies the work: all decode
 sequences (one query each) form one group, and every prefill chunk is a group of its own (a 512-token chunk
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.common.pages import num_pages_for
+from kvserve.kernels.kv_quant import FORMATS, dequantise
 from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
 from kvserve.kernels.rotary import apply_rotary
 
@@ -130,6 +132,7 @@ class ReferenceBackend:
     """Runs on any device; fp32 on CPU. Exact, not fast: the yardstick for the other backends."""
 
     name = "reference"
+    kv_dtypes = tuple(FORMATS)
 
     def pack_weight(self, w: torch.Tensor) -> torch.Tensor:
         return w
@@ -151,9 +154,9 @@ class ReferenceBackend:
         return argmax_logsumexp(logits)
 
     def qkv_attention(self, qkv, cos, sin, kv_cache, meta, state, scale: float, num_heads: int,
-                      num_kv_heads: int) -> torch.Tensor:
+                      num_kv_heads: int, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = rope_split(qkv, cos, sin, num_heads, num_kv_heads)
-        return self.forward(q, k, v, kv_cache, meta, state, scale)
+        return self.forward(q, k, v, kv_cache, meta, state, scale, kv_scales)
 
     def prepare(self, meta: AttentionMetadata) -> ReferenceState:
         q_lens = meta.q_lens.tolist()
@@ -175,22 +178,25 @@ class ReferenceBackend:
         meta: AttentionMetadata,
         state: ReferenceState,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
-        return self.attend(q, kv_cache, state, scale)
+        write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
+        return self.attend(q, kv_cache, state, scale, kv_scales)
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, state: ReferenceState, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, state: ReferenceState, scale: float,
+               kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """forward() after its write: the new tokens' K/V are already in their slots."""
         if len(state.groups) == 1 and state.groups[0].token_index is None:
-            return _attend(q, kv_cache, state.groups[0], scale)
-        return attend_groups(q, kv_cache, state.groups, scale, torch.empty_like(q))
+            return _attend(q, kv_cache, state.groups[0], scale, kv_scales)
+        return attend_groups(q, kv_cache, state.groups, scale, torch.empty_like(q), kv_scales)
 
 
 def attend_groups(q: torch.Tensor, kv_cache: torch.Tensor, groups: list[GroupState], scale: float,
-                  out: torch.Tensor) -> torch.Tensor:
+                  out: torch.Tensor, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Writes each group's attention into its rows of ``out`` (flat tokens, like ``q``) and returns ``out``."""
     for group in groups:  # index_select / index_copy_, not []: a cheaper path on CPU
-        out.index_copy_(0, group.token_index, _attend(q.index_select(0, group.token_index), kv_cache, group, scale))
+        out.index_copy_(0, group.token_index,
+                        _attend(q.index_select(0, group.token_index), kv_cache, group, scale, kv_scales))
     return out
 
 
@@ -199,22 +205,35 @@ def _gather(kv_cache: torch.Tensor, g: GroupState) -> torch.Tensor:
 
     The layer's cache is viewed as rows of one page's K (or V), so the gather is one index_select over a
     contiguous 2-D tensor (about twice the bandwidth of selecting along dim 1 of the 5-D cache), into a buffer
-    that every layer of the step reuses (no fresh multi-megabyte allocation per layer)."""
+    that every layer of the step reuses (no fresh multi-megabyte allocation per layer). fp8 pages are gathered
+    as their bytes (torch selects no fp8 tensors)."""
     _, num_pages, *page_shape = kv_cache.shape
     if g.kv_rows is None:
         g.kv_rows = torch.cat([g.page_ids, g.page_ids + num_pages])
-    rows = kv_cache.view(2 * num_pages, -1)
-    if g.kv_buf is None or g.kv_buf.dtype != kv_cache.dtype:
+    stored = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
+    rows = stored.view(2 * num_pages, -1)
+    if g.kv_buf is None or g.kv_buf.dtype != rows.dtype:
         g.kv_buf = rows.new_empty((g.kv_rows.shape[0], rows.shape[1]))
     torch.index_select(rows, 0, g.kv_rows, out=g.kv_buf)
-    return g.kv_buf.view(2, -1, *page_shape)
+    return g.kv_buf.view(kv_cache.dtype).view(2, -1, *page_shape)
 
 
-def _attend(q: torch.Tensor, kv_cache: torch.Tensor, g: GroupState, scale: float) -> torch.Tensor:
+def _gather_dequantised(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, g: GroupState,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """_gather's K and V in ``dtype``: a quantised cache's elements times their scales (dequantise on gather)."""
+    kv = _gather(kv_cache, g)
+    if kv_scales is None:
+        return kv.to(dtype)
+    scales = kv_scales.view(kv_scales.shape[0] * kv_scales.shape[1], -1).index_select(0, g.kv_rows)
+    return dequantise(kv, scales.view(kv.shape[:-1]), dtype)
+
+
+def _attend(q: torch.Tensor, kv_cache: torch.Tensor, g: GroupState, scale: float,
+            kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one group's queries ``q`` [group_tokens, heads, d] over its sequences' pages."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
-    kv = _gather(kv_cache, g).to(q.dtype)
+    kv = _gather_dequantised(kv_cache, kv_scales, g, q.dtype)
     kv = kv.view(2, g.num_seqs, g.num_keys, num_kv_heads, head_dim).transpose(2, 3)  # [2, seqs, kv_heads, k, d]
     if g.padded:
         q_pad = q.new_zeros((g.num_seqs * g.max_q_len, num_heads, head_dim))
