@@ -9,8 +9,14 @@ Multi-head latent attention (DeepSeek-V2/V3) caches one compressed latent per to
 
     bytes_per_token = num_layers * (kv_lora_rank + qk_rope_head_dim) * bytes_per_element
 
-A sequence holds ``tokens * bytes_per_token``; a batch ``batch`` of them. On top of that: int8's per-token scales,
-page padding (``ceil(tokens / page_size)`` whole pages), a sliding window with attention sinks (only
+A quantised cache (int8, fp8 e4m3 / e5m2: 1-byte elements) with the default ``token_head`` scales also stores one
+fp32 scale per token per KV head per layer, for K and for V::
+
+    bytes_per_token = 2 * num_layers * num_kv_heads * (head_dim * 1 + 4)
+
+(``tensor`` scales: one per-tensor scale of 1.0, nothing stored per token). A sequence holds
+``tokens * bytes_per_token``; a batch ``batch`` of them. On top of that: page padding (``ceil(tokens / page_size)``
+whole pages), a sliding window with attention sinks (only
 ``min(seq_len, window + sinks)`` tokens kept), and the reverse question: given GPU memory and weights, how many
 tokens, or requests of a given length, fit.
 
@@ -37,9 +43,11 @@ class KvMemError(ValueError):
     """Bad calculator input: an unknown model or dtype, a non-positive size, weights that do not fit."""
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Exact KV-cache bytes of one token: K and V, every layer, every KV head. The worker's pool uses this."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                       scale_bytes: int = 0) -> int:
+    """Exact KV-cache bytes of one token: K and V, every layer, every KV head, each head's elements and its scale
+    (``scale_bytes``: 4 for a quantised cache's per-token-head fp32 scale, else 0). The worker's pool uses this."""
+    return 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
 
 
 def mla_bytes_per_token(num_layers: int, latent_dim: int, dtype_bytes: int) -> int:
@@ -55,20 +63,30 @@ class KvDtype:
     name: str
     bytes: int
     note: str = ""
-    scale_bytes: int = 0  # bytes of one scale (int8: one fp32 per token per KV head per layer, for K and for V)
+    scale_bytes: int = 0  # bytes of one per-(token, KV head) scale of a quantised cache (fp32), for K and for V
 
 
+SCALE_SCHEMES = ("token_head", "tensor")
+_QUANTISED = ("with token_head scales (the default), one fp32 scale per token per KV head per layer for K and one "
+              "for V (MLA: one per token per layer), counted as scale overhead; with tensor scales one per-tensor "
+              "scale, nothing per token")
 DTYPES: dict[str, KvDtype] = {
     "fp32": KvDtype("fp32", 4),
     "bf16": KvDtype("bf16", 2),
     "fp16": KvDtype("fp16", 2),
-    "fp8": KvDtype("fp8", 1, note="fp8 (e4m3) uses one scale per layer: a few bytes per model, negligible, "
-                   "not counted"),
-    "int8": KvDtype("int8", 1, scale_bytes=4, note="int8 stores one fp32 scale per token per KV head per layer "
-                    "for K and one for V (MLA: one per token per layer), counted as scale overhead"),
+    "fp8_e4m3": KvDtype("fp8_e4m3", 1, scale_bytes=4, note=f"fp8_e4m3 stores 1-byte elements {_QUANTISED}"),
+    "fp8_e5m2": KvDtype("fp8_e5m2", 1, scale_bytes=4, note=f"fp8_e5m2 stores 1-byte elements {_QUANTISED}"),
+    "int8": KvDtype("int8", 1, scale_bytes=4, note=f"int8 stores 1-byte elements {_QUANTISED}"),
 }
 DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
-                 "fp8_e4m3": "fp8", "fp8-e4m3": "fp8", "e4m3": "fp8", "float8_e4m3fn": "fp8"}
+                 "fp8": "fp8_e4m3", "fp8-e4m3": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+                 "fp8-e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2"}
+
+
+def check_scales(scales: str) -> str:
+    if scales not in SCALE_SCHEMES:
+        raise KvMemError(f"unknown --kv-scales {scales!r}; known: {', '.join(SCALE_SCHEMES)}")
+    return scales
 
 
 def get_dtype(name: str, what: str = "--kv-dtype") -> KvDtype:
@@ -85,7 +103,7 @@ def get_dtype(name: str, what: str = "--kv-dtype") -> KvDtype:
 @dataclass(frozen=True, slots=True)
 class PerToken:
     kv_bytes: int  # the cached elements
-    scale_bytes: int  # int8's scales, else 0
+    scale_bytes: int  # a quantised dtype's per-token scales, else 0
     bytes: int  # kv_bytes + scale_bytes
     formula: str
     scale_formula: str = ""
@@ -127,6 +145,7 @@ class Capacity:
 class KvMemReport:
     model: ModelSpec
     kv_dtype: KvDtype
+    kv_scales: str  # the scale scheme of a quantised dtype, "" for the others
     per_token: PerToken
     batch: int
     seq_len: int
@@ -145,6 +164,7 @@ class KvMemReport:
         return {
             "model": self.model.to_dict(),
             "kv_dtype": self.kv_dtype.name,
+            "kv_scales": self.kv_scales,
             "dtype_bytes": self.kv_dtype.bytes,
             "per_token": asdict(self.per_token),
             "bytes_per_token": self.per_token.bytes,
@@ -175,22 +195,25 @@ def _check_non_negative(value, what: str) -> int:
     return value
 
 
-def per_token(model: ModelSpec, dtype: KvDtype) -> PerToken:
-    """Bytes of one cached token, with the formula filled in."""
+def per_token(model: ModelSpec, dtype: KvDtype, scales: str = "token_head") -> PerToken:
+    """Bytes of one cached token, with the formula filled in; ``scales`` is the scheme of a quantised dtype."""
     b, L = dtype.bytes, model.num_layers
+    scale_bytes = dtype.scale_bytes if check_scales(scales) == "token_head" else 0
     elem = f"{b} B ({dtype.name})"
     if model.attention == "mla":
         kv = mla_bytes_per_token(L, model.latent_dim, b)
         formula = f"{L} layers x {model.latent_dim} latent x {elem} = {kv:,} B"
-        scales = L * dtype.scale_bytes
-        scale_formula = f"{L} layers x {dtype.scale_bytes} B (fp32 scale) = {scales:,} B" if scales else ""
+        scale_total = L * scale_bytes
+        scale_formula = f"{L} layers x {scale_bytes} B (fp32 scale) = {scale_total:,} B" if scale_total else ""
+        total = kv + scale_total
     else:
         kv = kv_bytes_per_token(L, model.num_kv_heads, model.head_dim, b)
         formula = f"2 x {L} layers x {model.num_kv_heads} kv heads x {model.head_dim} head_dim x {elem} = {kv:,} B"
-        scales = 2 * L * model.num_kv_heads * dtype.scale_bytes
-        scale_formula = (f"2 x {L} layers x {model.num_kv_heads} kv heads x {dtype.scale_bytes} B (fp32 scale) "
-                         f"= {scales:,} B" if scales else "")
-    return PerToken(kv_bytes=kv, scale_bytes=scales, bytes=kv + scales, formula=formula, scale_formula=scale_formula)
+        total = kv_bytes_per_token(L, model.num_kv_heads, model.head_dim, b, scale_bytes)
+        scale_total = total - kv
+        scale_formula = (f"2 x {L} layers x {model.num_kv_heads} kv heads x {scale_bytes} B (fp32 scale) "
+                         f"= {scale_total:,} B" if scale_total else "")
+    return PerToken(kv_bytes=kv, scale_bytes=scale_total, bytes=total, formula=formula, scale_formula=scale_formula)
 
 
 def kept_tokens(seq_len: int, window: int | None, sinks: int) -> int:
@@ -208,6 +231,7 @@ def calculate(
     batch: int = 1,
     seq_len: int | None = None,
     kv_dtype: str | None = None,
+    kv_scales: str = "token_head",
     page_size: int | None = None,
     sliding_window: int | None = None,
     sinks: int = 0,
@@ -218,6 +242,7 @@ def calculate(
     reserve: int = 0,
 ) -> KvMemReport:
     """The full answer. ``seq_len`` None: the model's max context. ``kv_dtype`` None: the model's own dtype.
+    ``kv_scales``: the scale scheme of a quantised dtype (token_head or tensor).
     ``sliding_window`` None: the model's own window; 0: none. ``gpu_memory`` set: also the reverse question.
 
     Raises KvMemError on bad input, or when weights + reserve exceed the usable GPU memory.
@@ -248,7 +273,7 @@ def calculate(
         notes.append(f"sliding window {window:,} + {sinks} sinks: a sequence keeps its first {sinks} tokens and "
                      f"its last {window:,} (StreamingLLM)")
 
-    pt = per_token(model, dtype)
+    pt = per_token(model, dtype, kv_scales)
     tokens = kept_tokens(seq_len, window, sinks)
     paging = None
     if page_size is not None:
@@ -268,7 +293,8 @@ def calculate(
                              weights_bytes=weights_bytes, weights_dtype=weights_dtype,
                              memory_utilization=memory_utilization, reserve=reserve)
     return KvMemReport(
-        model=model, kv_dtype=dtype, per_token=pt, batch=batch, seq_len=seq_len, sliding_window=window, sinks=sinks,
+        model=model, kv_dtype=dtype, kv_scales=kv_scales if dtype.scale_bytes else "", per_token=pt, batch=batch,
+        seq_len=seq_len, sliding_window=window, sinks=sinks,
         tokens_per_sequence=tokens, bytes_per_sequence=tokens * pt.bytes, total_tokens=batch * tokens,
         total_bytes=batch * tokens * pt.bytes, paging=paging, capacity=capacity, notes=tuple(notes),
     )

@@ -100,13 +100,15 @@ class _StateCollector:
 
     def collect(self):
         stats = self.read_stats()
+        labels = ["worker_id", "kv_dtype"]
         usage = GaugeMetricFamily("kvserve:kv_cache_usage_perc", "Used pages / pages, per worker pool (0-1).",
-                                  labels=["worker_id"])
+                                  labels=labels)
         cached = GaugeMetricFamily("kvserve:num_cached_pages", "Cached evictable-or-pinned pages, per pool.",
-                                   labels=["worker_id"])
+                                   labels=labels)
         for p in stats.pools:
-            usage.add_metric([p.worker_id], p.num_used_pages / p.num_pages if p.num_pages else 0.0)
-            cached.add_metric([p.worker_id], p.num_cached_pages)
+            pool = [p.worker_id, p.kv_dtype]
+            usage.add_metric(pool, p.num_used_pages / p.num_pages if p.num_pages else 0.0)
+            cached.add_metric(pool, p.num_cached_pages)
         queries = CounterMetricFamily("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix "
                                       "index, per tenant.", labels=["tenant"])
         hits = CounterMetricFamily("kvserve:prefix_cache_hits", "Prompt tokens found cached, per tenant.",

@@ -40,6 +40,7 @@ class PoolStats:
     pool_bytes: int
     used_bytes: int
     cached_bytes: int
+    kv_scales: str
 
 
 @dataclass(slots=True)
@@ -153,7 +154,8 @@ def _pool_stats(pool: PagePool) -> PoolStats:
     num_cached = pool.num_cached
     return PoolStats(s.worker_id, s.epoch, s.model_fingerprint, s.kv_dtype, s.page_size, s.num_pages,
                      pool.num_used, num_cached, pool.num_free, sum(b.pinned for b in pool.index.values()),
-                     pool.num_requests, page_bytes * s.num_pages, page_bytes * pool.num_used, page_bytes * num_cached)
+                     pool.num_requests, page_bytes * s.num_pages, page_bytes * pool.num_used, page_bytes * num_cached,
+                     s.kv_scales)
 
 
 def _tenant_stats(mgr: KVManager) -> dict[str, TenantStats]:

@@ -230,11 +230,12 @@ def _tenants_table(tenants) -> str:
 
 
 def _render_stats(r, args) -> str:
-    pools = table(["WORKER", "EPOCH", "PAGE_SIZE", "PAGES", "USED", "CACHED", "FREE", "PINNED", "REQUESTS",
-                   "POOL_BYTES", "USED_BYTES", "CACHED_BYTES"],
-                  [[p.worker_id, p.epoch, p.page_size, p.num_pages, p.num_used_pages, p.num_cached_pages,
-                    p.num_free_pages, p.num_pinned_pages, p.num_requests, p.pool_bytes, p.used_bytes,
-                    p.cached_bytes] for p in r.pools]) if r.pools else "(no pools registered)"
+    pools = table(["WORKER", "EPOCH", "KV_DTYPE", "KV_SCALES", "PAGE_SIZE", "PAGES", "USED", "CACHED", "FREE",
+                   "PINNED", "REQUESTS", "POOL_BYTES", "USED_BYTES", "CACHED_BYTES"],
+                  [[p.worker_id, p.epoch, p.kv_dtype, p.kv_scales or "-", p.page_size, p.num_pages,
+                    p.num_used_pages, p.num_cached_pages, p.num_free_pages, p.num_pinned_pages, p.num_requests,
+                    p.pool_bytes, p.used_bytes, p.cached_bytes] for p in r.pools]
+                  ) if r.pools else "(no pools registered)"
     total = (f"prefix cache: {r.prefix_cache_hits} of {r.prefix_cache_queries} query tokens hit "
              f"({_rate(r.prefix_cache_hits, r.prefix_cache_queries)}), {r.num_evicted_blocks} blocks evicted, "
              f"store {'ok' if r.store_ok else 'FAILING'}")

@@ -68,7 +68,10 @@ def add_commands(sub) -> None:
     p.add_argument("--batch", type=positive_int, default=1, help="sequences (default 1)")
     p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: max context)")
     p.add_argument("--kv-dtype", default=_env("kv_dtype"),
-                   help="fp32, bf16, fp16, fp8 or int8 (default: the model's dtype)")
+                   help="fp32, bf16, fp16, fp8_e4m3 (fp8), fp8_e5m2 or int8 (default: the model's dtype)")
+    p.add_argument("--kv-scales", default="token_head",
+                   help="scales of a quantised dtype: token_head (default: one fp32 per token per KV head, as "
+                        "kvserve's workers store them) or tensor (one per-tensor scale, nothing per token)")
     p.add_argument("--page-size", type=positive_int, default=None, help="tokens per page: pages and padding waste")
     p.add_argument("--sliding-window", type=_non_negative_int, default=None,
                    help="attention window in tokens (default: the model's own; 0 = none)")
@@ -119,7 +122,8 @@ def run_kv_mem(args) -> int:
             raise KvMemError(f"{', '.join(given)} only apply with --gpu-memory")
         model = find_model(args.model or _default_model())
         report = calculate(
-            model, batch=args.batch, seq_len=args.seq_len, kv_dtype=args.kv_dtype, page_size=args.page_size,
+            model, batch=args.batch, seq_len=args.seq_len, kv_dtype=args.kv_dtype, kv_scales=args.kv_scales,
+            page_size=args.page_size,
             sliding_window=args.sliding_window, sinks=args.sinks, gpu_memory=args.gpu_memory,
             weights_bytes=args.weights_bytes, weights_dtype=args.weights_dtype or "bf16",
             memory_utilization=0.9 if args.memory_utilization is None else args.memory_utilization,

@@ -33,6 +33,7 @@ def add_commands(sub) -> None:
     from kvserve.services.cli_flags import parse_bytes, positive_int
     from kvserve.services.cli_gateway import DEFAULT_GATEWAY_PORT, add_gateway_flags
     from kvserve.services.cli_kvmanager import DEFAULT_KVMANAGER_PORT
+    from kvserve.services.cli_worker import add_kv_format_flags
 
     u = sub.add_parser("up", help="run the whole stack: embedded Redis, kvmanager, workers, gateway")
     u.add_argument("--host", default="127.0.0.1")
@@ -48,6 +49,7 @@ def add_commands(sub) -> None:
     size.add_argument("--kv-cache-bytes", type=parse_bytes, help="KV pool budget per worker (default 512MiB)")
     size.add_argument("--num-pages", type=positive_int, help="KV pool pages per worker")
     u.add_argument("--page-size", type=positive_int, default=16)
+    add_kv_format_flags(u, "auto", "token_head")
     add_gateway_flags(u)
     u.set_defaults(func=run_up)
 
@@ -109,7 +111,8 @@ def _kvmanager_argv(args, model_dir: Path) -> list[str]:
 
 def _worker_argv(args, i: int) -> list[str]:
     argv = ["worker", "--host", args.host, "--port", "0", "--worker-id", f"worker-{i}",
-            "--page-size", str(args.page_size)]
+            "--page-size", str(args.page_size), "--kv-cache-dtype", args.kv_cache_dtype, "--kv-scales",
+            args.kv_scales]
     argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)] if args.kv_cache_bytes else []
     argv += ["--num-pages", str(args.num_pages)] if args.num_pages else []
     return argv + _model_argv(args)
@@ -165,7 +168,13 @@ def run_up(args) -> int:
     from kvserve.common.grpc_server import install_stop_signals
     from kvserve.services.cli_kvmanager import ADMIN_TOKEN_FILE, default_data_dir
     from kvserve.services.model_store import ModelNotFound
+    from kvserve.worker.kv_pool import check_kv_format
 
+    try:  # checked before anything starts, not by each worker a minute later
+        check_kv_format(args.kv_cache_dtype, args.kv_scales)
+    except ValueError as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return 2
     if args.api_keys_file:  # checked before anything starts, not by the gateway a minute later
         from kvserve.services.gateway.auth import load_keys
 

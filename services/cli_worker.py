@@ -25,6 +25,17 @@ class _PoolSize(argparse.Action):
         setattr(namespace, "num_pages" if self.dest == "kv_cache_bytes" else "kv_cache_bytes", None)
 
 
+def add_kv_format_flags(p: argparse.ArgumentParser, dtype_default: str, scales_default: str) -> None:
+    """--kv-cache-dtype and --kv-scales. Checked when the pool is sized, before anything is allocated, so that a
+    bad value is one line (kvserve: unknown KV cache dtype ...) and exit code 2."""
+    p.add_argument("--kv-cache-dtype", default=dtype_default,
+                   help="element type of the KV pool: auto (the model dtype), float32, bfloat16, float16, or the "
+                        "1-byte int8, fp8_e4m3, fp8_e5m2 (quantised on write, dequantised in the kernel)")
+    p.add_argument("--kv-scales", default=scales_default,
+                   help="scales of a quantised KV pool: token_head (default: one per token and kv head, computed "
+                        "on write) or tensor (one per-tensor scale of 1.0, as vLLM without calibration)")
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     from kvserve.services.cli_flags import parse_bytes, positive_int
 
@@ -39,6 +50,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     size.add_argument("--kv-cache-bytes", type=parse_bytes, default=_env("kv_cache_bytes"), action=_PoolSize,
                       help="KV pool budget, e.g. 512MiB (default 512MiB)")
     size.add_argument("--num-pages", type=positive_int, default=_env("num_pages"), action=_PoolSize)
+    add_kv_format_flags(p, _env("kv_cache_dtype", "auto"), _env("kv_scales", "token_head"))
     p.add_argument("--attention-backend", default=_env("attention_backend", "auto"),
                    choices=["auto", "cpu", "reference"],
                    help="auto (default): cpu for float32 on CPU when its C++ module builds, else reference; "
@@ -85,7 +97,8 @@ def _runner_config(args, **extra):
     num_pages = int(args.num_pages) if args.num_pages is not None else None
     return RunnerConfig(model_dir=resolve_model(args.model, args.cache_dir), device=args.device, dtype=args.dtype,
                         page_size=args.page_size, kv_cache_bytes=kv_bytes, num_pages=num_pages,
-                        attention_backend=args.attention_backend, **extra)
+                        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+                        kv_scales=args.kv_scales, **extra)
 
 
 def _make_runner(args, **extra):
@@ -122,9 +135,10 @@ def run_worker(args) -> int:
     from kvserve.worker.model import describe_weights
 
     i = runner.info
+    scales = f", {i.kv_scales} scales" if i.kv_scales else ""
     print(f"kvserve worker {i.worker_id} ready on {args.host}:{ws.port}: model {i.model_name} on {i.device}, "
           f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
-          f"({i.kv_dtype}); linear weights: {describe_weights(runner.model.weights)}"
+          f"({i.kv_dtype}{scales}); linear weights: {describe_weights(runner.model.weights)}"
           f"{metrics_note(args.host, metrics_port)}", flush=True)
     serve_until_signal(ws, stop, "worker")
     shutdown_tracing()

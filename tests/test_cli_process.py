@@ -120,6 +120,13 @@ BAD_WORKER_FLAGS = [
      "kvserve: model folder /nonexistent does not exist"),
     ("bad env page count", [], {"KVSERVE_NUM_PAGES": "many"}, "argument --num-pages: not an integer: 'many'"),
     ("bad env page size", [], {"KVSERVE_PAGE_SIZE": "big"}, "argument --page-size: not an integer: 'big'"),
+    ("unknown KV cache dtype", ["--kv-cache-dtype", "fp4"], {},
+     "kvserve: unknown KV cache dtype 'fp4'; known: auto, float32, bfloat16, float16, int8, fp8_e4m3, fp8_e5m2"),
+    ("unknown KV scales", ["--kv-cache-dtype", "int8", "--kv-scales", "row"], {},
+     "kvserve: unknown KV scales 'row'; known: token_head, tensor"),
+    ("KV pages the cpu backend cannot read", ["--attention-backend", "cpu", "--kv-cache-dtype", "bfloat16"], {},
+     "kvserve: the cpu attention backend is not available: it reads float32, int8, fp8_e4m3, fp8_e5m2 pages, not "
+     "bfloat16 (--attention-backend reference serves every KV cache dtype)"),
 ]
 
 
@@ -129,6 +136,8 @@ def test_bad_worker_settings_exit_2_with_a_message_and_serve_nothing(args, env, 
     out = run_cli("worker", "--port", "0", *args, env=cli_env(**env))
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr
+    if message.startswith("kvserve:"):  # checked by kvserve, not argparse (which prints its usage too)
+        assert len(out.stderr.strip().splitlines()) == 1  # one clear line
     assert "ready" not in out.stdout
 
 
@@ -138,6 +147,7 @@ BAD_GENERATE_FLAGS = [
     ("zero max tokens from a gateway", ["--max-tokens", "0"], "argument --max-tokens: must be positive, got 0"),
     ("zero timeout", ["--timeout", "0"], "argument --timeout: must be positive, got 0"),
     ("negative seed", ["--seed", "-3", "--gateway", "127.0.0.1:1"], "seed=-3 does not fit"),
+    ("unknown KV cache dtype", ["--local", "--kv-cache-dtype", "e4m3"], "kvserve: unknown KV cache dtype 'e4m3'"),
 ]
 
 
@@ -154,6 +164,14 @@ def test_up_with_a_missing_api_keys_file_exits_2_before_starting_anything(tmp_pa
     out = run_cli("up", "--data-dir", str(tmp_path / "data"), "--api-keys-file", str(tmp_path / "nope.json"))
     assert out.returncode == 2 and f"--api-keys-file {tmp_path / 'nope.json'}" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "data").exists()  # no kvmanager ever ran
+
+
+def test_up_with_an_unknown_kv_cache_dtype_exits_2_before_starting_anything(tmp_path):
+    out = run_cli("up", "--data-dir", str(tmp_path / "data"), "--kv-cache-dtype", "fp6")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == ("kvserve: unknown KV cache dtype 'fp6'; known: auto, float32, bfloat16, float16, "
+                                  "int8, fp8_e4m3, fp8_e5m2")
+    assert not (tmp_path / "data").exists()  # no kvmanager ever ran
 
 
 def test_generate_without_a_gateway_says_which_address_it_tried_and_exits_1():

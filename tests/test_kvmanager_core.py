@@ -6,6 +6,7 @@ import pytest
 
 from kvserve.common.errors import InvalidRequest, StaleEpoch
 from kvserve.common.wire.pages import OpStatus, PageAllocation, PageCommit, PageExtension, PageFree, PoolSpec, StepOps
+from kvserve.kvmanager import admin
 from kvserve.kvmanager.errors import StaleStep, UnknownRequest, UnknownWorker
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
 from kvserve.kvmanager.manager import KVManager
@@ -14,8 +15,8 @@ from kvserve.kvmanager.placement import Placement
 PS = 4  # page size
 
 
-def spec(worker="w0", epoch=1, num_pages=8, fingerprint="fp"):
-    return PoolSpec(worker, epoch, num_pages, PS, fingerprint, "float32", 100)
+def spec(worker="w0", epoch=1, num_pages=8, fingerprint="fp", kv_dtype="float32", kv_scales=""):
+    return PoolSpec(worker, epoch, num_pages, PS, fingerprint, kv_dtype, 100, kv_scales)
 
 
 def mgr_with(*specs) -> KVManager:
@@ -47,11 +48,16 @@ def test_hash_chain_is_stable_and_namespaced():
     tokens = list(range(10))
     assert chain_hashes(seed, tokens, 4) == chain_hashes(seed, tokens[:8], 4)  # partial tail ignored
     assert len(chain_hashes(seed, tokens, 4)) == 2 and len(seed) == 16
-    # stable across processes: a pinned value (xxh3-128 has no per-process seed)
-    assert seed.hex() == namespace_seed("t", "fp", "float32", 4).hex()
-    for other in (namespace_seed("u", "fp", "float32", 4), namespace_seed("t", "fp2", "float32", 4),
-                  namespace_seed("t", "fp", "bfloat16", 4), namespace_seed("t", "fp", "float32", 8)):
-        assert chain_hashes(other, tokens, 4)[0] != chain_hashes(seed, tokens, 4)[0]
+    # stable across processes and releases: a pinned value (xxh3-128 has no per-process seed), which an
+    # unquantised pool's empty scale scheme leaves as it was, so the caches persisted before it stay valid
+    assert seed.hex() == "954bc5e5f22a32b2e8d83369929e3c1d" == namespace_seed("t", "fp", "float32", 4, "").hex()
+    others = [namespace_seed("u", "fp", "float32", 4), namespace_seed("t", "fp2", "float32", 4),
+              namespace_seed("t", "fp", "bfloat16", 4), namespace_seed("t", "fp", "float32", 8),
+              namespace_seed("t", "fp", "int8", 4, "token_head"), namespace_seed("t", "fp", "int8", 4, "tensor"),
+              namespace_seed("t", "fp", "fp8_e4m3", 4, "token_head"),
+              namespace_seed("t", "fp", "fp8_e5m2", 4, "token_head")]
+    firsts = {chain_hashes(other, tokens, 4)[0] for other in [seed, *others]}
+    assert len(firsts) == len(others) + 1  # all different
     # a block's hash depends on everything before it
     assert chain_hashes(seed, [9, 9, 9, 9] + tokens[4:8], 4)[1] != chain_hashes(seed, tokens, 4)[1]
 
@@ -257,6 +263,25 @@ def test_placement_prefers_the_longest_hit_balanced_against_load():
     m.load_penalty_pages = 1  # now 3 - 2 > 0 - 2 (b runs on w1): the hit wins
     r = placed("c", prompt)
     assert r.worker_id == "w0" and r.num_cached_tokens == 12
+
+
+def test_pools_of_different_kv_formats_share_one_kvmanager_but_never_a_block():
+    formats = {"w0": ("float32", ""), "w1": ("int8", "token_head"), "w2": ("int8", "tensor"),
+               "w3": ("fp8_e4m3", "token_head")}
+    m = mgr_with(*(spec(w, kv_dtype=d, kv_scales=s) for w, (d, s) in formats.items()))
+    prompt = list(range(13))
+    for i, worker in enumerate(formats):  # the same prompt written into every pool, each its own blocks
+        r = alloc(m, f"r{i}", prompt, worker=worker)
+        assert r.num_cached_tokens == 0, f"{worker} was served a block written under another KV format"
+        commit(m, f"r{i}", 0, prompt[:12])
+        free(m, f"r{i}")
+    for worker in formats:  # now each pool hits only its own blocks
+        assert alloc(m, f"again-{worker}", prompt, worker=worker).num_cached_tokens == 12
+    hashes = {w: set(m.pools[w].index) for w in formats}
+    assert all(len(h) == 3 for h in hashes.values())
+    assert not set.intersection(*hashes.values())  # no block hash is shared between two formats
+    stats = {p.worker_id: (p.kv_dtype, p.kv_scales) for p in admin.stats(m).pools}
+    assert stats == formats
 
 
 def test_an_allocation_names_its_worker_and_is_only_tried_there():

@@ -55,17 +55,22 @@ def test_deepseek_v3_mla_caches_one_576_latent_per_layer():
     assert pt.formula == "61 layers x 576 latent x 2 B (bf16) = 70,272 B"
 
 
-def test_dtypes_and_int8_scale_overhead_exact():
+def test_dtypes_and_quantised_scale_overhead_exact():
     m = lookup_model("Llama-3-8B")
-    assert [per_token(m, get_dtype(d)).bytes for d in ("fp32", "bf16", "fp16", "fp8")] == [262_144, 131_072,
-                                                                                           131_072, 65_536]
-    int8 = per_token(m, get_dtype("int8"))
-    assert (int8.kv_bytes, int8.scale_bytes, int8.bytes) == (65_536, 2 * 32 * 8 * 4, 65_536 + 2048)
+    assert [per_token(m, get_dtype(d)).bytes for d in ("fp32", "bf16", "fp16")] == [262_144, 131_072, 131_072]
+    for name in ("int8", "fp8_e4m3", "fp8_e5m2"):  # token_head scales: one fp32 per token, layer, kv head, K and V
+        q = per_token(m, get_dtype(name))
+        assert (q.kv_bytes, q.scale_bytes, q.bytes) == (65_536, 2 * 32 * 8 * 4, 65_536 + 2048)
+        assert per_token(m, get_dtype(name), "tensor").bytes == 65_536  # one per-tensor scale, nothing per token
     mla = per_token(lookup_model("DeepSeek-V3"), get_dtype("int8"))
     assert (mla.kv_bytes, mla.scale_bytes) == (61 * 576, 61 * 4)
-    assert per_token(m, get_dtype("fp8")).scale_bytes == 0
-    assert any("negligible" in n for n in calculate(m, seq_len=1, kv_dtype="fp8").notes)
+    assert get_dtype("fp8").name == "fp8_e4m3" and get_dtype("float8_e5m2").name == "fp8_e5m2"
     assert get_dtype("BFloat16").name == "bf16"
+    report = calculate(m, seq_len=1, kv_dtype="fp8", kv_scales="tensor")
+    assert report.kv_scales == "tensor" and report.per_token.bytes == 65_536
+    assert calculate(m, seq_len=1, kv_dtype="bf16").kv_scales == ""
+    with pytest.raises(KvMemError, match="unknown --kv-scales 'channel'"):
+        calculate(m, seq_len=1, kv_dtype="int8", kv_scales="channel")
 
 
 def test_names_are_case_insensitive_with_aliases():
@@ -208,6 +213,28 @@ def test_worker_pool_bytes_equal_the_calculator(model_dir):
         assert spec.pool_bytes == calculate(m, kv_dtype=name, seq_len=48, page_size=16).paging.total_allocated_bytes
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_scales", ["token_head", "tensor"])
+def test_a_quantised_worker_pool_is_the_calculators_bytes_to_the_byte(model_dir, kv_dtype, kv_scales):
+    from kvserve.worker.runner import ModelRunner, RunnerConfig
+
+    m = load_hf_config(model_dir)
+    budget = 512 << 20
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=budget, kv_cache_dtype=kv_dtype,
+                                      kv_scales=kv_scales, device="cpu", dtype="float32"))
+    i = runner.info
+    calc = calculate(m, kv_dtype=kv_dtype, kv_scales=kv_scales, seq_len=16, page_size=16, gpu_memory=budget,
+                     weights_bytes=0, memory_utilization=1.0)
+    scales_bytes = 0 if runner.kv_scales is None else runner.kv_scales.nbytes
+    assert (i.kv_dtype, i.kv_scales) == (kv_dtype, kv_scales)
+    assert i.bytes_per_token == calc.per_token.bytes == 11_520 + (720 if kv_scales == "token_head" else 0)
+    assert i.num_pages == calc.capacity.max_pages and i.num_pages * 16 == calc.capacity.max_tokens
+    assert i.pool_bytes == runner.kv_cache.nbytes + scales_bytes == i.num_pages * 16 * i.bytes_per_token
+    assert runner.kv_cache.element_size() == 1 and (runner.kv_scales is None) == (kv_scales == "tensor")
+    float_pages = budget // (16 * 46_080)
+    assert i.num_pages >= 3.5 * float_pages  # the 1-byte pool holds ~3.8x (token_head) or 4x the tokens
+
+
 def test_params_estimate_matches_the_real_checkpoint(model_dir):
     from safetensors import safe_open
 
@@ -266,10 +293,12 @@ def test_cli_config_json_path(tmp_path):
     (["gpt-5"], "unknown model 'gpt-5'"),
     (["llama-3-8b", "--batch", "0"], "--batch: must be positive"),
     (["llama-3-8b", "--seq-len", "-5"], "--seq-len: must be positive"),
-    (["llama-3-8b", "--kv-dtype", "fp4"], "unknown --kv-dtype 'fp4'; known: fp32, bf16, fp16, fp8, int8"),
+    (["llama-3-8b", "--kv-dtype", "fp4"],
+     "unknown --kv-dtype 'fp4'; known: fp32, bf16, fp16, fp8_e4m3, fp8_e5m2, int8"),
     (["llama-3-70b", "--gpu-memory", "80GiB"], "do not fit in the usable GPU memory"),
     (["llama-3-8b", "--gpu-memory", "80GiB", "--weights-bytes", "100GiB"], "do not fit"),
     (["llama-3-8b", "--page-size", "x"], "--page-size: not an integer"),
+    (["llama-3-8b", "--kv-dtype", "int8", "--kv-scales", "row"], "unknown --kv-scales 'row'"),
     (["llama-3-8b", "--reserve", "1GiB"], "--reserve only apply with --gpu-memory"),
 ])
 def test_cli_bad_input_is_one_clear_line_and_exit_2(args, message):

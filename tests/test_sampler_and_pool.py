@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from kvserve.common.wire.worker import SamplingParams
+from kvserve.kernels.kv_quant import kv_format
 from kvserve.worker.config import ModelConfig
-from kvserve.worker.kv_pool import allocate_pool, size_pool
+from kvserve.worker.kv_pool import allocate_pool, allocate_scales, size_pool
 from kvserve.worker.sampler import sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0, 0.0]])
@@ -77,6 +78,21 @@ def test_pool_from_byte_budget_rounds_down_to_whole_pages(dtype, per_token):
     assert pool.count_nonzero() == 0
 
 
+@pytest.mark.parametrize("kv_dtype,kv_scales,per_token,scale_shape", [
+    ("int8", "token_head", 2 * 30 * 3 * (64 + 4), (30, 2, 10, 16, 3)),
+    ("fp8_e4m3", "token_head", 2 * 30 * 3 * (64 + 4), (30, 2, 10, 16, 3)),
+    ("fp8_e5m2", "tensor", 2 * 30 * 3 * 64, None),
+    ("float16", "token_head", 23040, None),  # scales apply to the quantised dtypes only
+])
+def test_a_quantised_pool_counts_its_scales_in_its_bytes(kv_dtype, kv_scales, per_token, scale_shape):
+    spec = size_pool(SMOL, kv_dtype, 16, kv_scales=kv_scales, num_pages=10)
+    assert spec.bytes_per_token == per_token and spec.pool_bytes == 10 * 16 * per_token
+    pool, scales = allocate_pool(SMOL, spec, torch.device("cpu")), allocate_scales(SMOL, spec, torch.device("cpu"))
+    assert pool.shape == (30, 2, 10, 16, 3, 64) and pool.dtype == kv_format(kv_dtype).dtype
+    assert (None if scales is None else tuple(scales.shape)) == scale_shape
+    assert pool.nbytes + (0 if scales is None else scales.nbytes) == spec.pool_bytes
+
+
 def test_pool_sizing_errors():
     with pytest.raises(ValueError, match="holds no page"):
         size_pool(SMOL, torch.float32, 16, kv_cache_bytes=1000)
@@ -84,3 +100,8 @@ def test_pool_sizing_errors():
         size_pool(SMOL, torch.float32, 16)
     with pytest.raises(ValueError, match="exactly one"):
         size_pool(SMOL, torch.float32, 16, kv_cache_bytes=10**9, num_pages=4)
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'; known: auto, float32, bfloat16, float16, "
+                                         "int8, fp8_e4m3, fp8_e5m2"):
+        size_pool(SMOL, "int4", 16, num_pages=4)
+    with pytest.raises(ValueError, match="unknown KV scales 'channel'; known: token_head, tensor"):
+        size_pool(SMOL, "int8", 16, kv_scales="channel", num_pages=4)

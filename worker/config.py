@@ -70,9 +70,10 @@ class ModelConfig:
     def from_folder(cls, folder: Path) -> ModelConfig:
         return cls.from_dict(json.loads((Path(folder) / "config.json").read_text()))
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Exact KV-cache bytes of one token: K and V, every layer, every KV head (kvserve kv-mem's formula)."""
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """Exact KV-cache bytes of one token: K and V, every layer, every KV head, elements and per-head scale
+        (kvserve kv-mem's formula)."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes, scale_bytes)
 
 
 def _rope_scaling(raw: dict) -> dict | None:

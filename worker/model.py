@@ -80,6 +80,7 @@ class LlamaDecoder:
         token_ids: torch.Tensor,  # [num_tokens] int64
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
+        kv_scales: torch.Tensor | None = None,  # [num_layers, 2, num_pages, page_size, num_kv_heads] or None
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = embedding(token_ids, self.weights)  # the residual stream: updated in place by add_rms_norm_
         dtype = x.dtype
@@ -89,7 +90,9 @@ class LlamaDecoder:
         b, eps, layers = self.backend, self.cfg.rms_norm_eps, self.weights.layers
         h = b.rms_norm(x, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
-            h = b.add_rms_norm_(x, self._attention(h, layer, cos, sin, kv_cache[i], meta, state), layer.post_norm, eps)
+            scales = None if kv_scales is None else kv_scales[i]
+            h = b.add_rms_norm_(x, self._attention(h, layer, cos, sin, kv_cache[i], scales, meta, state),
+                                layer.post_norm, eps)
             following = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.final_norm
             h = b.add_rms_norm_(x, self._mlp(h, layer), following, eps)
         return h
@@ -98,11 +101,11 @@ class LlamaDecoder:
         """[n, hidden] -> [n, vocab] in fp32."""
         return self.linear(hidden, self.weights.lm_head).float()
 
-    def _attention(self, x, layer: LayerWeights, cos, sin, kv_cache, meta, state) -> torch.Tensor:
+    def _attention(self, x, layer: LayerWeights, cos, sin, kv_cache, kv_scales, meta, state) -> torch.Tensor:
         cfg = self.cfg
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)
         out = self.backend.qkv_attention(qkv, cos, sin, kv_cache, meta, state, self.scale, cfg.num_heads,
-                                         cfg.num_kv_heads)
+                                         cfg.num_kv_heads, kv_scales)
         return self.linear(out.reshape(-1, self.q_size), layer.o)
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:

@@ -16,9 +16,10 @@ import torch
 from kvserve.common.errors import InvalidRequest, StaleEpoch
 from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
 from kvserve.kernels.backends import get_backend
+from kvserve.kernels.kv_quant import FORMAT_OF_DTYPE, KVFormat, kv_format
 from kvserve.kernels.paged_attention import build_metadata
 from kvserve.worker.config import ModelConfig
-from kvserve.worker.kv_pool import allocate_pool, size_pool
+from kvserve.worker.kv_pool import allocate_pool, allocate_scales, size_pool
 from kvserve.worker.model import LlamaDecoder
 from kvserve.worker.sampler import sample
 from kvserve.worker.validate import validate_batch
@@ -39,6 +40,13 @@ class RunnerConfig:
     num_pages: int | None = None
     attention_backend: str = "auto"
     max_step_tokens: int = 16384
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype; or a name in kernels/kv_quant.py's FORMATS
+    kv_scales: str = "token_head"  # scales of a quantised cache: "token_head" (stored per token, kv head) or "tensor"
+
+
+def resolve_kv_format(kv_cache_dtype: str, dtype: torch.dtype) -> KVFormat:
+    """The pool's element type: ``auto`` is the model dtype's. ValueError on an unknown name."""
+    return FORMAT_OF_DTYPE[dtype] if kv_cache_dtype == "auto" else kv_format(kv_cache_dtype)
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -70,17 +78,19 @@ class ModelRunner:
         budget = cfg.kv_cache_bytes
         if budget is None and cfg.num_pages is None:
             budget = DEFAULT_KV_CACHE_BYTES
-        self.pool_size = size_pool(self.model_cfg, self.dtype, cfg.page_size,
-                                   kv_cache_bytes=budget, num_pages=cfg.num_pages)
+        self.pool_size = size_pool(self.model_cfg, resolve_kv_format(cfg.kv_cache_dtype, self.dtype), cfg.page_size,
+                                   kv_scales=cfg.kv_scales, kv_cache_bytes=budget, num_pages=cfg.num_pages)
         self.epoch = time.time_ns()
         self.call(self._load)
         self.info = self._describe(model_fingerprint(cfg.model_dir))
 
     def _load(self) -> None:
         self._compute_thread = threading.get_ident()
+        # the backend first: one that cannot read this pool's element type fails before any pool is allocated
+        backend = get_backend(self.cfg.attention_backend, self.device, self.dtype, self.pool_size.fmt.name)
         self.kv_cache = allocate_pool(self.model_cfg, self.pool_size, self.device)
+        self.kv_scales = allocate_scales(self.model_cfg, self.pool_size, self.device)
         weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
-        backend = get_backend(self.cfg.attention_backend, self.device, self.dtype)
         self.model = LlamaDecoder(self.model_cfg, weights, backend)
         self._rng = torch.Generator(device=self.device).manual_seed(self.epoch & 0x7FFFFFFF)
 
@@ -96,7 +106,7 @@ class ModelRunner:
         return WorkerInfo(
             worker_id=self.cfg.worker_id, epoch=self.epoch, model_name=Path(self.cfg.model_dir).name,
             model_fingerprint=fingerprint, page_size=s.page_size, num_pages=s.num_pages,
-            kv_dtype=str(s.dtype).removeprefix("torch."), bytes_per_token=s.bytes_per_token,
+            kv_dtype=s.fmt.name, kv_scales=s.kv_scales, bytes_per_token=s.bytes_per_token,
             pool_bytes=s.pool_bytes, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
             num_heads=m.num_heads, head_dim=m.head_dim, vocab_size=m.vocab_size,
             max_model_len=m.max_position_embeddings, eos_token_ids=m.eos_token_ids,
@@ -120,7 +130,7 @@ class ModelRunner:
         meta = build_metadata([i.start_pos for i in items], [len(i.token_ids) for i in items],
                               [list(i.page_table) for i in items], self.pool_size.page_size, self.device)
         tokens = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.int64, device=self.device)
-        hidden = self.model.forward(tokens, meta, self.kv_cache)
+        hidden = self.model.forward(tokens, meta, self.kv_cache, self.kv_scales)
         rows = [r for r, i in enumerate(items) if i.sample]
         if not rows:
             return []

@@ -20,12 +20,13 @@ class PoolSpec:
     model_fingerprint: str
     kv_dtype: str
     bytes_per_token: int
+    kv_scales: str = ""  # a quantised pool's scale scheme ("" for the others); with kv_dtype, the KV format
 
     @classmethod
     def of(cls, info: WorkerInfo) -> PoolSpec:
         """The pool a worker's Info describes, as the kvmanager registers it."""
         return cls(info.worker_id, info.epoch, info.num_pages, info.page_size, info.model_fingerprint,
-                   info.kv_dtype, info.bytes_per_token)
+                   info.kv_dtype, info.bytes_per_token, info.kv_scales)
 
 
 class OpStatus(enum.Enum):

@@ -79,3 +79,4 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     device: str
     attention_backend: str
+    kv_scales: str = ""  # a quantised pool's scale scheme: "token_head" or "tensor"; "" for the others

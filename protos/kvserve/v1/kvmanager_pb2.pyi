@@ -21,7 +21,7 @@ PAGE_OP_STATUS_STALE_EPOCH: PageOpStatus
 PAGE_OP_STATUS_UNKNOWN_REQUEST: PageOpStatus
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests")
+    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests", "kv_scales")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class RegisterWorkerRequest(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RELEASE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     num_pages: int
@@ -38,7 +39,8 @@ class RegisterWorkerRequest(_message.Message):
     kv_dtype: str
     bytes_per_token: int
     release_requests: bool
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ...) -> None: ...
+    kv_scales: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ..., kv_scales: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("ok", "previous_epoch", "dropped_req_ids", "released_req_ids")
@@ -228,7 +230,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("worker_id", "epoch", "model_fingerprint", "kv_dtype", "page_size", "num_pages", "num_used_pages", "num_cached_pages", "num_free_pages", "num_pinned_pages", "num_requests", "pool_bytes", "used_bytes", "cached_bytes")
+    __slots__ = ("worker_id", "epoch", "model_fingerprint", "kv_dtype", "page_size", "num_pages", "num_used_pages", "num_cached_pages", "num_free_pages", "num_pinned_pages", "num_requests", "pool_bytes", "used_bytes", "cached_bytes", "kv_scales")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +245,7 @@ class PoolStats(_message.Message):
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     model_fingerprint: str
@@ -257,7 +260,8 @@ class PoolStats(_message.Message):
     pool_bytes: int
     used_bytes: int
     cached_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ...) -> None: ...
+    kv_scales: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., kv_scales: _Optional[str] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "num_blocks", "num_pinned_blocks", "num_requests", "prefix_cache_queries", "prefix_cache_hits")
