@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap clean
+.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-kvquant clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -72,6 +72,11 @@ bench-ab: model kernels
 # The gateway's page ops overlapped with compute vs waited for, alternated over 8 rounds.
 bench-overlap: model kernels
 	$(PY) bench/overlap_ab.py
+
+# Quantised KV pools (int8, fp8 e4m3 and e5m2) vs float32, one run: perplexity, KL and greedy agreement; memory
+# and concurrency through `kvserve up`; decode and burst speed. bench/bench_kvquant.py --quick: a smaller run.
+bench-kvquant: model kernels
+	$(PY) bench/bench_kvquant.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
