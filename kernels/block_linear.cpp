@@ -62,6 +62,28 @@ inline v16i widen(const void* p) {
 #endif
 }
 
+// 16 bytes as floats: their low and high nibbles (4 bits), or their signed values (8 bits). With AVX2 (the
+// v16 pair of cpu_vec.h) in intrinsics, two 8-lane halves at a time.
+#ifdef KVSERVE_V16_PAIR
+inline void nibbles(const uint8_t* p, v16& low, v16& high) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i b0 = _mm256_cvtepu8_epi32(b), b1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b));
+  const __m256i mask = _mm256_set1_epi32(15);
+  low = join8(_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)));
+  high = join8(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)));
+}
+
+inline v16 signed_bytes(const int8_t* p) { return load16_int8(reinterpret_cast<const uint8_t*>(p)); }
+#else
+inline void nibbles(const uint8_t* p, v16& low, v16& high) {
+  const v16i bytes = widen<false>(p);
+  low = __builtin_convertvector(bytes & 15, v16);
+  high = __builtin_convertvector(bytes >> 4, v16);
+}
+
+inline v16 signed_bytes(const int8_t* p) { return __builtin_convertvector(widen<true>(p), v16); }
+#endif
+
 inline float half_round(float x) { return static_cast<float>(c10::Half(x)); }
 inline bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
 
@@ -113,13 +135,14 @@ inline void block_scales(const float* d, const float* m, int64_t num_blocks, int
 template <bool kFour>
 inline void weights_row(const void* q, int64_t K, int64_t p, int64_t k, const v16* dv, const v16* mv, v16* w) {
   if constexpr (kFour) {
-    const v16i bytes = widen<false>(static_cast<const uint8_t*>(q) + (p * K + k) * 16);
-    w[0] = __builtin_convertvector(bytes & 15, v16) * dv[0] + mv[0];
-    w[1] = __builtin_convertvector(bytes >> 4, v16) * dv[1] + mv[1];
+    v16 low, high;
+    nibbles(static_cast<const uint8_t*>(q) + (p * K + k) * 16, low, high);
+    w[0] = low * dv[0] + mv[0];
+    w[1] = high * dv[1] + mv[1];
   } else {
     const int8_t* row = static_cast<const int8_t*>(q) + (p * K + k) * kPanel;
-    w[0] = __builtin_convertvector(widen<true>(row), v16) * dv[0];
-    w[1] = __builtin_convertvector(widen<true>(row + 16), v16) * dv[1];
+    w[0] = signed_bytes(row) * dv[0];
+    w[1] = signed_bytes(row + 16) * dv[1];
   }
 }
 
@@ -171,13 +194,15 @@ void fused_kernel(const float* x, int64_t ldx, const void* q, const float* d, co
 
 using FusedKernel = void (*)(const float*, int64_t, const void*, const float*, const float*, int64_t, int64_t,
                              float*, int64_t);
-constexpr int kFusedRows = 8;  // rows per pass: 16 accumulators, 2 weight vectors, 4 scale vectors
+// Rows per pass: 8 with AVX-512 (16 accumulators, 2 weight vectors, 4 scale vectors in 32 registers); 3 where
+// 8 registers hold 16 floats (6 accumulators, and the unpacking's vectors; 2 and 4 measured slower).
+constexpr int kFusedRows = kVectorRegs >= 32 ? 8 : 3;
 // Up to this many rows of x, passes of 8 rows unpack the weights in registers (each pass unpacks them again);
 // beyond, through the buffer, once: unpacking again per pass stops paying for the skipped buffer as the rows
 // grow. Passes of 12 rows (24 accumulators) spill and lose to 8.
 constexpr int kFusedMaxRows = 32;
 template <bool kFour>
-constexpr FusedKernel kFused[kFusedRows + 1] = {
+constexpr FusedKernel kFused[8 + 1] = {
     nullptr, fused_kernel<1, kFour>, fused_kernel<2, kFour>, fused_kernel<3, kFour>, fused_kernel<4, kFour>,
     fused_kernel<5, kFour>, fused_kernel<6, kFour>, fused_kernel<7, kFour>, fused_kernel<8, kFour>};
 

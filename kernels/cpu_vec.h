@@ -49,22 +49,74 @@ Fn by_head_dim(int64_t head_dim, Make make) {
   }
 }
 
-// 16 floats: GCC/Clang lower it to one AVX-512 register, two AVX2 ones, or four NEON ones. v16u is the same
-// at any float's alignment, for loads and stores of rows in the pool or in a panel.
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// 16 floats, the kernels' vector. With AVX-512 (and on targets other than x86), GCC's generic 64-byte vector:
+// one zmm register. With AVX2 it is two 8-float vectors in a struct: GCC has no machine mode for a 64-byte
+// vector there and keeps one in memory, every operation and every broadcast going through the stack (an
+// order of magnitude slower), while a struct of two ymm halves stays in registers. Both are written alike:
+// v16{} is zero, + - * between vectors and with a float, +=, *=, x[i], and select_lt for a lane-wise a < b ?
+// x : y.
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#define KVSERVE_V16_PAIR 1
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+
+struct v16 {
+  v8 lo, hi;
+  float operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+  float& operator[](int i) { return reinterpret_cast<float*>(this)[i]; }
+  v16& operator+=(v16 b) {
+    lo += b.lo;
+    hi += b.hi;
+    return *this;
+  }
+  v16& operator*=(float s) {
+    lo *= s;
+    hi *= s;
+    return *this;
+  }
+};
+
+inline v16 operator+(v16 a, v16 b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline v16 operator-(v16 a, v16 b) { return {a.lo - b.lo, a.hi - b.hi}; }
+inline v16 operator*(v16 a, v16 b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline v16 operator+(v16 a, float s) { return {a.lo + s, a.hi + s}; }
+inline v16 operator-(v16 a, float s) { return {a.lo - s, a.hi - s}; }
+inline v16 operator*(v16 a, float s) { return {a.lo * s, a.hi * s}; }
+inline v16 operator*(float s, v16 a) { return {s * a.lo, s * a.hi}; }
+inline v16 select_lt(v16 a, v16 b, v16 x, v16 y) { return {a.lo < b.lo ? x.lo : y.lo, a.hi < b.hi ? x.hi : y.hi}; }
+
+inline v16 load(const float* p) {
+  return {*reinterpret_cast<const v8u*>(p), *reinterpret_cast<const v8u*>(p + 8)};
+}
+inline void store(float* p, v16 v) {
+  *reinterpret_cast<v8u*>(p) = v.lo;
+  *reinterpret_cast<v8u*>(p + 8) = v.hi;
+}
+#else
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+inline v16 select_lt(v16 a, v16 b, v16 x, v16 y) { return a < b ? x : y; }
+#endif
 
 constexpr int kPanel = 32;  // output columns per packed weight panel: two vectors
+
+// How many 16-float vectors the register file holds, which sizes the kernels' register tiles: 32 with AVX-512
+// (one zmm each); 8 with AVX2 (16 ymm, two a vector) and NEON (32 q registers, four a vector). A tile sized
+// for AVX-512 spills most of its accumulators to the stack elsewhere, and runs many times slower.
+#ifdef __AVX512F__
+constexpr int kVectorRegs = 32;
+#else
+constexpr int kVectorRegs = 8;
+#endif
 
 // Rows of x per work item of the panel GEMMs (packed_linear.cpp, block_linear.cpp): a multiple of panel_rows'
 // 6-row tile; a 512-token prefill chunk makes 6 items per pair of panels, so the two threads end together.
 constexpr int64_t kRowChunk = 96;
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
 
 // A reduction of a vector's 16 lanes as a tree of halves: four dependent steps, not fifteen.
 template <typename Op>
@@ -133,10 +185,14 @@ void by_kv_storage(KVFormat format, Make make) {
 // exponent 8 less (normal and subnormal alike), so that times 256 it is the e4m3 value.
 #if defined(__AVX2__) && defined(__F16C__)
 inline v16 join8(__m256 lo, __m256 hi) {
+#ifdef KVSERVE_V16_PAIR
+  return {reinterpret_cast<v8>(lo), reinterpret_cast<v8>(hi)};
+#else
   v16 out;
   __builtin_memcpy(&out, &lo, sizeof(lo));
   __builtin_memcpy(reinterpret_cast<char*>(&out) + sizeof(lo), &hi, sizeof(hi));
   return out;
+#endif
 }
 
 inline __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }

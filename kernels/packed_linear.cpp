@@ -6,9 +6,10 @@
 //
 //   panels      [num_panels = N / 32, K, 32]   float32, contiguous: panels[p, k, j] = w[32 p + j, k]
 //
-// so a panel streams from memory in order. A micro-kernel takes two adjacent panels and up to 6 rows of x and
-// keeps the 6 x 64 block of y in registers while it walks k: per k, four vector loads of the panels, one
-// broadcast per row, 4 FMAs per row (an 8 x 32 kernel handles an odd last panel). A work item is a pair of
+// so a panel streams from memory in order. With AVX-512, a micro-kernel takes two adjacent panels and up to 6
+// rows of x and keeps the 6 x 64 block of y in registers while it walks k: per k, four vector loads of the
+// panels, one broadcast per row, 4 FMAs per row (an 8 x 32 kernel handles an odd last panel). With the 16
+// registers of AVX2 (or NEON's 32 of 4 floats), a 3 x 32 kernel takes one panel at a time. A work item is a pair of
 // panels over up to 96 rows of x, claimed by whichever intra-op thread is free (cpu_parallel.h); the pair stays
 // in L2 while the item's row tiles pass over it. It needs no second copy of the weights, and is compared with
 // MKL's sgemm on the model's shapes, from a decode step's rows to a prefill chunk's, by bench/bench_worker.py.
@@ -26,7 +27,9 @@
 namespace kvserve {
 namespace {
 
-constexpr int kMaxRows = 8;  // rows of x per call of the one-panel kernel: 16 accumulators
+// Rows of x per call of the one-panel kernel: 8 (16 accumulators) with AVX-512's 32 registers, 3 (6
+// accumulators, and the panel row's two vectors) with 8 (4 measured slower).
+constexpr int kMaxRows = kVectorRegs >= 32 ? 8 : 3;
 
 // y[0:R, 0:32P] = x[0:R, :] @ [panel_0 .. panel_P-1]: P adjacent panels (2P vectors per row, R x 2P
 // accumulators in registers); each broadcast of x feeds 2P FMAs.
@@ -55,13 +58,14 @@ void micro_kernel(const float* x, int64_t ldx, const float* panels, int64_t K, f
 }
 
 using MicroKernel = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
-// Two panels at once, up to 6 rows (24 accumulators): four FMAs per broadcast. An odd last panel: one panel,
-// up to 8 rows (16 accumulators).
+// Two panels at once, up to 6 rows (24 accumulators): four FMAs per broadcast, where 32 registers hold them.
+// An odd last panel, and every panel where they do not: one panel, up to kMaxRows rows.
+constexpr bool kWidePairs = kVectorRegs >= 32;
 constexpr int kWideRows = 6;
 constexpr MicroKernel kWide[kWideRows + 1] = {nullptr,             micro_kernel<1, 2>, micro_kernel<2, 2>,
                                              micro_kernel<3, 2>, micro_kernel<4, 2>, micro_kernel<5, 2>,
                                              micro_kernel<6, 2>};
-constexpr MicroKernel kNarrow[kMaxRows + 1] = {nullptr,             micro_kernel<1, 1>, micro_kernel<2, 1>,
+constexpr MicroKernel kNarrow[8 + 1] = {nullptr,             micro_kernel<1, 1>, micro_kernel<2, 1>,
                                                micro_kernel<3, 1>, micro_kernel<4, 1>, micro_kernel<5, 1>,
                                                micro_kernel<6, 1>, micro_kernel<7, 1>, micro_kernel<8, 1>};
 
@@ -74,6 +78,11 @@ at::Tensor pack_panels(const at::Tensor& w) {
 }
 
 void panel_rows(const float* x, int64_t M, int64_t K, const float* panels, int count, float* y, int64_t ldy) {
+  if (count == 2 && !kWidePairs) {  // each panel on its own: the same FMAs in the same order per column
+    panel_rows(x, M, K, panels, 1, y, ldy);
+    panel_rows(x, M, K, panels + K * kPanel, 1, y + kPanel, ldy);
+    return;
+  }
   const int max_rows = count == 2 ? kWideRows : kMaxRows;
   const MicroKernel* kernels = count == 2 ? kWide : kNarrow;
   for (int64_t m = 0; m < M; m += max_rows) {
