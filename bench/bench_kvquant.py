@@ -341,19 +341,20 @@ def scrape(url: str) -> str:
 def capacity_prompts(tok: Tokenizer, corpus: list[int], num: int, request_tokens: int) -> list[tuple[str, int]]:
     """``num`` distinct prompts of request_tokens - 15 .. request_tokens - 5 tokens (as the gateway tokenises them),
     each with max_tokens making it exactly ``request_tokens``: every prompt needs all of its request's pages at
-    admission, so nothing that is admitted needs a page later."""
-    prompts, start, width = [], 0, request_tokens - 10
-    while len(prompts) < num:
-        if start + width > len(corpus):
-            raise RuntimeError(f"the corpus holds only {len(prompts)} prompts of {width} tokens")
+    admission, so nothing that is admitted needs a page later. Windows of ``corpus``, cut again after re-encoding
+    (decoded text re-encodes to a few more tokens)."""
+    prompts, width = [], request_tokens - 10
+    for start in range(0, len(corpus) - width + 1, width):
         text = tok.decode(corpus[start:start + width])
-        n = len(tok.encode(text))
-        if request_tokens - PAGE_SIZE + 1 <= n <= request_tokens - 5:
-            prompts.append((text, request_tokens - n))
-            start += width
-        else:
-            start += 97
-    return prompts
+        for _ in range(4):
+            ids = tok.encode(text)
+            if request_tokens - PAGE_SIZE + 1 <= len(ids) <= request_tokens - 5:
+                prompts.append((text, request_tokens - len(ids)))
+                break
+            text = tok.decode(ids[:width])
+        if len(prompts) == num:
+            return prompts
+    raise RuntimeError(f"the corpus holds only {len(prompts)} prompts of {width} tokens, not {num}")
 
 
 def run_request(client: Client, text: str, max_tokens: int) -> dict:
