@@ -4,9 +4,11 @@
 // decode step moves its K/V three times (read, write the copy, read the copy). Here each sequence walks its
 // page table and reads each key and value once, with an online softmax (running max and sum, rescaled per
 // page) so no score matrix is materialised. Sequences are claimed, longest first, by whichever intra-op
-// thread is free (cpu_parallel.h). Shapes with head_dim in {16, 32, 64, 128}, up to 8 query heads per kv head
-// and pages of up to 64 tokens take a kernel specialised at compile time (decode_seq_fast); any other shape
-// takes decode_seq_generic.
+// thread is free (cpu_parallel.h). A step of fewer sequences than twice the threads (one long conversation)
+// is split instead into (sequence, kv head, range of pages) parts whose partial softmax states are merged
+// (flash decoding), so that every thread reads K/V. Shapes with head_dim in {16, 32, 64, 128}, up to 8 query
+// heads per kv head and pages of up to 64 tokens take a kernel specialised at compile time (decode_part); any
+// other shape takes decode_seq_generic.
 //
 // A pool of 1-byte elements (int8, float8_e4m3fn, float8_e5m2: kernels/kv_quant.py) is read in place too, 16
 // elements at a time as floats (load_row in cpu_vec.h); a key's score is multiplied by its K scale and a
@@ -72,95 +74,120 @@ inline PageRows<T> page_rows(const Shape& s, const Pool<T>& pool, const int64_t*
           pool.scales.k_at(slot, kvh), pool.scales.v_at(slot, kvh)};
 }
 
-// One sequence, the fast path: head_dim = 16 * NV, and the G query heads that share a kv head are computed
-// together, so each key and value row is loaded once for the group, and the group's queries and accumulators
-// stay in registers while the sequence's pages go by. For each kv head, page by page: the G x page_size
-// scores, an online-softmax update (running max and sum, earlier pages rescaled), the weighted sum of the
-// values; the same rows of the next page are prefetched meanwhile. Walking the pages once for all kv heads
-// instead would keep the accumulators in memory between pages, which is slower on a cold pool.
+// The fast path's partial result for one kv head over a range of a sequence's pages: the G query heads'
+// unnormalised weighted sums of values (acc, G x head_dim), running max and sum of the online softmax. A whole
+// sequence is one part per kv head; a long sequence in a small batch is split into several (flash decoding),
+// merged by merge_parts.
+struct Part {
+  float* acc;
+  float* run_max;
+  float* run_sum;
+};
+
+// One kv head's G query heads over pages [p0, p1) of a sequence of n tokens, the fast path: head_dim = 16 * NV,
+// and the G query heads that share the kv head are computed together, so each key and value row is loaded
+// once for the group, and the group's queries and accumulators stay in registers while the pages go by. Page
+// by page: the G x page_size scores, an online-softmax update (running max and sum, earlier pages rescaled),
+// the weighted sum of the values; the same rows of the next page are prefetched meanwhile.
+template <typename T, int NV, int G>
+void decode_part(const Shape& s, const float* qb, const Pool<T>& pool, const int64_t* table, int64_t n,
+                 int64_t kvh, int64_t p0, int64_t p1, const Part& out) {
+  constexpr int D = 16 * NV, kLine = 64 / sizeof(T);  // elements of a cache line
+  const int64_t ss = kQuantised<T> ? pool.scales.slot_stride : 0;  // float32: no scales
+  v16 q[G][NV], acc[G][NV];
+  float run_max[G], run_sum[G];
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+      q[g][i] = load(qb + (kvh * G + g) * D + 16 * i) * s.scale;
+      acc[g][i] = v16{};
+    }
+    run_max[g] = kMinScore;
+    run_sum[g] = 0.f;
+  }
+  for (int64_t p = p0; p < p1; ++p) {
+    const PageRows<T> rows = page_rows(s, pool, table, p, n, kvh);
+    if (p + 1 < p1) {  // the next page is elsewhere in the pool: fetch this head's rows now
+      // (here, not in a function of its own: GCC finds that one free of side effects and drops its calls)
+      const int64_t next = table[p + 1];
+      if (next >= 0 && next < s.num_pages) {
+        const int64_t first = next * s.page_size * s.token_stride + kvh * D;
+        for (int64_t t = 0; t < s.page_size; ++t) {
+          for (int i = 0; i < D; i += kLine) {
+            __builtin_prefetch(pool.k + first + t * s.token_stride + i);
+            __builtin_prefetch(pool.v + first + t * s.token_stride + i);
+          }
+        }
+        for (int64_t i = 0; i < s.page_size * ss; i += 16) {  // the page's scales (none for ss = 0)
+          __builtin_prefetch(pool.scales.k_at(next * s.page_size, 0) + i);
+          __builtin_prefetch(pool.scales.v_at(next * s.page_size, 0) + i);
+        }
+      }
+    }
+    float w[G][64];  // scores, then softmax weights (page_size <= 64 on this path)
+    for (int64_t t = 0; t < rows.tokens; ++t) {
+      v16 krow[NV];
+      load_row<NV>(rows.k + t * s.token_stride, pool.format, krow);
+      const float k_scale = row_scale<T>(rows.k_scale, t, ss);
+#pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) {
+        v16 dot = q[g][0] * krow[0];
+#pragma GCC unroll 16
+        for (int i = 1; i < NV; ++i) dot += q[g][i] * krow[i];
+        w[g][t] = hsum(dot) * k_scale;
+      }
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+      float page_max = kMinScore;
+      for (int64_t t = 0; t < rows.tokens; ++t) page_max = std::max(page_max, w[g][t]);
+      const float new_max = std::max(run_max[g], page_max);
+      float page_sum = 0.f;
+      for (int64_t t = 0; t < rows.tokens; ++t) {
+        w[g][t] = std::exp(w[g][t] - new_max);
+        page_sum += w[g][t];
+      }
+      const float correction = std::exp(run_max[g] - new_max);  // rescale what earlier pages summed
+      run_sum[g] = run_sum[g] * correction + page_sum;
+      run_max[g] = new_max;
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i) acc[g][i] *= correction;
+    }
+    for (int64_t t = 0; t < rows.tokens; ++t) {
+      v16 vrow[NV];
+      load_row<NV>(rows.v + t * s.token_stride, pool.format, vrow);
+      const float v_scale = row_scale<T>(rows.v_scale, t, ss);
+#pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) {
+        const float weight = w[g][t] * v_scale;
+#pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) acc[g][i] += weight * vrow[i];
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) store(out.acc + g * D + 16 * i, acc[g][i]);
+    out.run_max[g] = run_max[g];
+    out.run_sum[g] = run_sum[g];
+  }
+}
+
+// One sequence, every kv head as one part, written normalised into ob.
 template <typename T, int NV, int G>
 void decode_seq_fast(const Shape& s, const float* qb, const Pool<T>& pool, const int64_t* table, int64_t n,
                      float* ob) {
-  constexpr int D = 16 * NV, kLine = 64 / sizeof(T);  // elements of a cache line
-  const int64_t ss = kQuantised<T> ? pool.scales.slot_stride : 0;  // float32: no scales
+  constexpr int D = 16 * NV;
+  const int64_t num_pages = (n + s.page_size - 1) / s.page_size;
+  float run_max[G], run_sum[G];
   for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
-    v16 q[G][NV], acc[G][NV];
-    float run_max[G], run_sum[G];
-#pragma GCC unroll 16
-    for (int g = 0; g < G; ++g) {
-#pragma GCC unroll 16
-      for (int i = 0; i < NV; ++i) {
-        q[g][i] = load(qb + (kvh * G + g) * D + 16 * i) * s.scale;
-        acc[g][i] = v16{};
-      }
-      run_max[g] = kMinScore;
-      run_sum[g] = 0.f;
-    }
-    for (int64_t p = 0; p * s.page_size < n; ++p) {
-      const PageRows<T> rows = page_rows(s, pool, table, p, n, kvh);
-      if ((p + 1) * s.page_size < n) {  // the next page is elsewhere in the pool: fetch this head's rows now
-        // (here, not in a function of its own: GCC finds that one free of side effects and drops its calls)
-        const int64_t next = table[p + 1];
-        if (next >= 0 && next < s.num_pages) {
-          const int64_t first = next * s.page_size * s.token_stride + kvh * D;
-          for (int64_t t = 0; t < s.page_size; ++t) {
-            for (int i = 0; i < D; i += kLine) {
-              __builtin_prefetch(pool.k + first + t * s.token_stride + i);
-              __builtin_prefetch(pool.v + first + t * s.token_stride + i);
-            }
-          }
-          for (int64_t i = 0; i < s.page_size * ss; i += 16) {  // the page's scales (none for ss = 0)
-            __builtin_prefetch(pool.scales.k_at(next * s.page_size, 0) + i);
-            __builtin_prefetch(pool.scales.v_at(next * s.page_size, 0) + i);
-          }
-        }
-      }
-      float w[G][64];  // scores, then softmax weights (page_size <= 64 on this path)
-      for (int64_t t = 0; t < rows.tokens; ++t) {
-        v16 krow[NV];
-        load_row<NV>(rows.k + t * s.token_stride, pool.format, krow);
-        const float k_scale = row_scale<T>(rows.k_scale, t, ss);
-#pragma GCC unroll 16
-        for (int g = 0; g < G; ++g) {
-          v16 dot = q[g][0] * krow[0];
-#pragma GCC unroll 16
-          for (int i = 1; i < NV; ++i) dot += q[g][i] * krow[i];
-          w[g][t] = hsum(dot) * k_scale;
-        }
-      }
-#pragma GCC unroll 16
-      for (int g = 0; g < G; ++g) {
-        float page_max = kMinScore;
-        for (int64_t t = 0; t < rows.tokens; ++t) page_max = std::max(page_max, w[g][t]);
-        const float new_max = std::max(run_max[g], page_max);
-        float page_sum = 0.f;
-        for (int64_t t = 0; t < rows.tokens; ++t) {
-          w[g][t] = std::exp(w[g][t] - new_max);
-          page_sum += w[g][t];
-        }
-        const float correction = std::exp(run_max[g] - new_max);  // rescale what earlier pages summed
-        run_sum[g] = run_sum[g] * correction + page_sum;
-        run_max[g] = new_max;
-#pragma GCC unroll 16
-        for (int i = 0; i < NV; ++i) acc[g][i] *= correction;
-      }
-      for (int64_t t = 0; t < rows.tokens; ++t) {
-        v16 vrow[NV];
-        load_row<NV>(rows.v + t * s.token_stride, pool.format, vrow);
-        const float v_scale = row_scale<T>(rows.v_scale, t, ss);
-#pragma GCC unroll 16
-        for (int g = 0; g < G; ++g) {
-          const float weight = w[g][t] * v_scale;
-#pragma GCC unroll 16
-          for (int i = 0; i < NV; ++i) acc[g][i] += weight * vrow[i];
-        }
-      }
-    }
-#pragma GCC unroll 16
+    float* acc = ob + kvh * G * D;
+    decode_part<T, NV, G>(s, qb, pool, table, n, kvh, 0, num_pages, {acc, run_max, run_sum});
     for (int g = 0; g < G; ++g) {
       const float inv = 1.f / run_sum[g];
-#pragma GCC unroll 16
-      for (int i = 0; i < NV; ++i) store(ob + (kvh * G + g) * D + 16 * i, acc[g][i] * inv);
+      for (int d = 0; d < D; ++d) acc[g * D + d] *= inv;
     }
   }
 }
@@ -207,27 +234,101 @@ void decode_seq_generic(const Shape& s, const float* qb, const Pool<T>& pool, co
 
 template <typename T>
 using FastFn = void (*)(const Shape&, const float*, const Pool<T>&, const int64_t*, int64_t, float*);
+template <typename T>
+using PartFn = void (*)(const Shape&, const float*, const Pool<T>&, const int64_t*, int64_t, int64_t, int64_t,
+                        int64_t, const Part&);
+
+template <typename T>
+struct FastFns {
+  FastFn<T> seq = nullptr;
+  PartFn<T> part = nullptr;
+};
 
 template <typename T, int NV>
-FastFn<T> fast_for_group(int64_t group) {
-  return by_group<FastFn<T>>(group,
-                             [](auto g) -> FastFn<T> { return decode_seq_fast<T, NV, decltype(g)::value>; });
+FastFns<T> fast_for_group(int64_t group) {
+  return by_group<FastFns<T>>(group, [](auto g) -> FastFns<T> {
+    return {decode_seq_fast<T, NV, decltype(g)::value>, decode_part<T, NV, decltype(g)::value>};
+  });
 }
 
-// The specialised kernel for this shape, or nullptr (the generic one then runs).
+// The specialised kernels for this shape, or nulls (the generic one then runs).
 template <typename T>
-FastFn<T> fast_kernel(int64_t head_dim, int64_t group, int64_t page_size) {
-  if (page_size > 64) return nullptr;
-  return by_head_dim<FastFn<T>>(head_dim,
-                                [group](auto nv) { return fast_for_group<T, decltype(nv)::value>(group); });
+FastFns<T> fast_kernel(int64_t head_dim, int64_t group, int64_t page_size) {
+  if (page_size > 64) return {};
+  return by_head_dim<FastFns<T>>(head_dim,
+                                 [group](auto nv) { return fast_for_group<T, decltype(nv)::value>(group); });
+}
+
+// Pages per part when a step's few sequences are split (flash decoding): at least this many, so that a part's
+// reads stay long runs and the merge stays negligible.
+constexpr int64_t kMinPartPages = 16;
+
+// A step of fewer sequences than twice the threads: items of (sequence, kv head, range of pages), so that both
+// threads read K/V even for one long sequence, whose parts merge_parts combines. Parts per (sequence, kv head):
+// enough for four items per thread in all, each of at least kMinPartPages pages.
+template <typename T>
+void decode_split(const Shape& s, const float* q_ptr, const Pool<T>& pool, const int64_t* table_ptr,
+                  const int64_t* len_ptr, int64_t num_seqs, float* out_ptr, PartFn<T> part) {
+  const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim, threads = at::get_num_threads();
+  const int64_t wanted = (4 * threads + num_seqs * s.num_kv_heads - 1) / (num_seqs * s.num_kv_heads);
+  struct Item {
+    int64_t seq, kvh, p0, p1, slot;  // slot: its partial result's index
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> first_slot(num_seqs * s.num_kv_heads + 1, 0);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t n = len_ptr[b];
+    TORCH_CHECK(n > 0 && n <= s.max_pages * s.page_size, "seq_len outside its page table");
+    const int64_t pages = (n + s.page_size - 1) / s.page_size;
+    const int64_t parts = std::clamp<int64_t>(std::min(wanted, pages / kMinPartPages), 1, pages);
+    for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+      const int64_t key = b * s.num_kv_heads + h;
+      first_slot[key + 1] = first_slot[key] + parts;
+      for (int64_t i = 0; i < parts; ++i)
+        items.push_back({b, h, pages * i / parts, pages * (i + 1) / parts, first_slot[key] + i});
+    }
+  }
+  const int64_t num_parts = first_slot.back();
+  std::vector<float> acc(num_parts * group * D), run_max(num_parts * group), run_sum(num_parts * group);
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.p1 - a.p0 > b.p1 - b.p0; });
+  parallel_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Item& it = items[i];
+    part(s, q_ptr + it.seq * s.num_heads * D, pool, table_ptr + it.seq * s.max_pages, len_ptr[it.seq], it.kvh,
+         it.p0, it.p1, {acc.data() + it.slot * group * D, run_max.data() + it.slot * group,
+                        run_sum.data() + it.slot * group});
+  });
+  // merge: each query head's parts rescaled to their common max, then normalised
+  for (int64_t key = 0; key < num_seqs * s.num_kv_heads; ++key) {
+    const int64_t b = key / s.num_kv_heads, h = key % s.num_kv_heads;
+    for (int64_t g = 0; g < group; ++g) {
+      float m = kMinScore;
+      for (int64_t slot = first_slot[key]; slot < first_slot[key + 1]; ++slot) m = std::max(m, run_max[slot * group + g]);
+      float* o = out_ptr + b * s.num_heads * D + (h * group + g) * D;
+      std::fill(o, o + D, 0.f);
+      float sum = 0.f;
+      for (int64_t slot = first_slot[key]; slot < first_slot[key + 1]; ++slot) {
+        const float c = std::exp(run_max[slot * group + g] - m);
+        sum += run_sum[slot * group + g] * c;
+        const float* a = acc.data() + (slot * group + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += a[d] * c;
+      }
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
 }
 
 // Every sequence of the step, longest first, each claimed by whichever thread is free: the costs differ with
-// the lengths.
+// the lengths. Fewer sequences than twice the threads: decode_split.
 template <typename T>
 void decode_all(const Shape& s, const float* q_ptr, const Pool<T>& pool, const int64_t* table_ptr,
                 const int64_t* len_ptr, int64_t num_seqs, float* out_ptr) {
-  const FastFn<T> fast = fast_kernel<T>(s.head_dim, s.num_heads / s.num_kv_heads, s.page_size);
+  const FastFns<T> fns = fast_kernel<T>(s.head_dim, s.num_heads / s.num_kv_heads, s.page_size);
+  const FastFn<T> fast = fns.seq;
+  if (fns.part != nullptr && num_seqs < 2 * at::get_num_threads()) {
+    decode_split(s, q_ptr, pool, table_ptr, len_ptr, num_seqs, out_ptr, fns.part);
+    return;
+  }
   std::vector<int64_t> order(num_seqs);
   for (int64_t b = 0; b < num_seqs; ++b) order[b] = b;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });

@@ -5,10 +5,13 @@
 // per layer a dozen small torch ops per chunk, and scores for masked keys too. Here, in two passes:
 //   1. each page a chunk reads is transposed, per kv head, into a scratch buffer as [head_dim][16 keys], so
 //      that one vector holds one dimension of the page's 16 keys;
-//   2. a work item is one or two adjacent query rows of one chunk and one kv head, with the G query heads that
-//      share it: page by page, the scores of those 2 x G queries against the page's 16 keys (one vector each,
-//      a key per lane), the causal mask, an online-softmax update (running max and sum, earlier pages rescaled,
-//      as in paged_decode.cpp) and the weighted sum of the visible values, all in registers.
+//   2. a work item is a block of up to 16 adjacent query rows of one chunk and one kv head, with the G query
+//      heads that share it: page by page, and for each pair of the block's rows that sees the page while it
+//      is in L1, the scores of those 2 x G queries against the page's 16 keys (one vector each, a key per
+//      lane), the causal mask, an online-softmax update (running max and sum, earlier pages rescaled, as in
+//      paged_decode.cpp) and the weighted sum of the visible values. A page read from memory thus serves 16
+//      rows (flash attention's tiling of rows against pages), which keeps a chunk over a long cached context
+//      bound by its arithmetic rather than by reading every cached page again for each pair of rows.
 // Items are claimed most expensive (latest rows) first by whichever intra-op thread is free (cpu_parallel.h).
 // Pages of 16 tokens, head_dim in {16, 32, 64, 128} and up to 8 query heads per kv head; other shapes keep the
 // reference path (kernels/cpu_paged.py decides).
@@ -53,7 +56,7 @@ struct Chunk {
 };
 
 struct Item {
-  int64_t chunk, row, kv_head;  // rows row and row + 1 (if any) of the chunk
+  int64_t chunk, row, kv_head;  // rows row .. row + kBlockRows - 1 of the chunk (those it has)
 };
 
 // e^x of 16 lanes. With AVX-512: n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' expf
@@ -119,72 +122,84 @@ struct ValueRows {
   KVFormat format;
 };
 
-// R (1 or 2) rows x G heads of one chunk against one kv head. kt: the chunk's pages, transposed, for this kv
-// head at page stride kt_stride; v: the pool's V rows of this kv head.
+// Query rows per work item. Each page of keys and values that an item reads from memory then serves this many
+// rows from L1 (the transposed keys and the values of one kv head: 8 KiB for head_dim 64), instead of two rows:
+// a chunk over a long cached context read every cached page once per pair of rows, from memory, and its time
+// grew with rows x context x bytes rather than with the arithmetic.
+constexpr int kBlockRows = 16;
+
+// The running state of 2 rows x G heads between pages: accumulators, running max and sum (online softmax).
+template <int NV, int G>
+struct PairState {
+  v16 acc[2][G][NV];
+  float run_max[2][G], run_sum[2][G];
+};
+
+// The value vectors that attend_page's weighted sum keeps in registers per (row, head): all NV where the R x
+// G x NV accumulators and a value row fit in the register file (AVX-512, for the default model's shape), else
+// the largest power of two that does. Each pass over the page's values then updates R x G x NC accumulators
+// from NC vectors of each value row; with all of them at once on AVX2 (48 ymm for 2 rows x 3 heads x 64
+// dimensions) every FMA spilled an accumulator and reloaded it.
+constexpr int value_chunk(int nv, int accumulators_per_vector) {
+  int nc = nv;
+  while (nc > 1 && (accumulators_per_vector + 1) * nc > kVectorRegs - 1) nc /= 2;
+  return nc;
+}
+
+// Page p for R (1 or 2) rows x G heads of one chunk against one kv head: the scores of the rows' queries qr
+// against the page's 16 keys (ktp: the page transposed, one vector per dimension), the causal mask, the
+// online-softmax update and the weighted sum of the visible values, into the pair's state.
 template <typename T, int NV, int G, int R>
-void attend_rows(const float* q, float* out, int64_t row_stride, const float* kt, int64_t kt_stride,
-                 const ValueRows<T>& v, const int64_t* table, int64_t first_pos, int64_t kv_head, float scale) {
-  constexpr int D = 16 * NV;
-  v16 acc[R][G][NV];
-  float run_max[R][G], run_sum[R][G];
+inline void attend_page(PairState<NV, G>& state, const float* const* qr, const float* ktp, const T* vp,
+                        const float* vs, const ValueRows<T>& v, int64_t first_pos, int64_t p, float scale, v16 lane) {
+  constexpr int D = 16 * NV, NC = value_chunk(NV, R * G);
+  v16 sc[R][G];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
-    for (int g = 0; g < G; ++g) {
-#pragma GCC unroll 16
-      for (int i = 0; i < NV; ++i) acc[r][g][i] = v16{};
-      run_max[r][g] = kMinScore;
-      run_sum[r][g] = 0.f;
-    }
-  const float* qr[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) qr[r] = q + r * row_stride + kv_head * G * D;
-  v16 lane;
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
-  const int64_t last_pos = first_pos + R - 1;
-  for (int64_t p = 0; p * kPage <= last_pos; ++p) {
-    const float* ktp = kt + p * kt_stride;
-    v16 sc[R][G];
+    for (int g = 0; g < G; ++g) sc[r][g] = v16{};
+  for (int d = 0; d < D; ++d) {
+    const v16 k = load(ktp + d * kPage);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
-      for (int g = 0; g < G; ++g) sc[r][g] = v16{};
-    for (int d = 0; d < D; ++d) {
-      const v16 k = load(ktp + d * kPage);
+      for (int g = 0; g < G; ++g) sc[r][g] += qr[r][g * D + d] * k;
+  }
+  alignas(64) float w[R][G][kPage];
+  int visible[R];
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
+    visible[r] = static_cast<int>(std::clamp<int64_t>(first_pos + r + 1 - p * kPage, 0, kPage));
+    const v16 limit = v16{} + static_cast<float>(visible[r]);
 #pragma GCC unroll 16
-        for (int g = 0; g < G; ++g) sc[r][g] += qr[r][g * D + d] * k;
-    }
-    alignas(64) float w[R][G][kPage];
-    int visible[R];
+    for (int g = 0; g < G; ++g) {
+      const v16 s = select_lt(lane, limit, sc[r][g] * scale, v16{} + kMinScore);
+      const float run_max = state.run_max[r][g];
+      const float new_max = std::max(run_max, hmax(s));
+      const v16 e = exp16(s - new_max);
+      store(w[r][g], e);
+      if (new_max != run_max) {  // rescale what earlier pages summed (after the first few, rarely)
+        const float correction = std::exp(run_max - new_max);
+        state.run_sum[r][g] *= correction;
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      visible[r] = static_cast<int>(std::clamp<int64_t>(first_pos + r + 1 - p * kPage, 0, kPage));
-      const v16 limit = v16{} + static_cast<float>(visible[r]);
-#pragma GCC unroll 16
-      for (int g = 0; g < G; ++g) {
-        const v16 s = select_lt(lane, limit, sc[r][g] * scale, v16{} + kMinScore);
-        const float new_max = std::max(run_max[r][g], hmax(s));
-        const v16 e = exp16(s - new_max);
-        store(w[r][g], e);
-        if (new_max != run_max[r][g]) {  // rescale what earlier pages summed (after the first few, rarely)
-          const float correction = std::exp(run_max[r][g] - new_max);
-          run_sum[r][g] *= correction;
-#pragma GCC unroll 16
-          for (int i = 0; i < NV; ++i) acc[r][g][i] *= correction;
-          run_max[r][g] = new_max;
-        }
-        run_sum[r][g] += hsum(e);
+        for (int i = 0; i < NV; ++i) state.acc[r][g][i] *= correction;
+        state.run_max[r][g] = new_max;
       }
+      state.run_sum[r][g] += hsum(e);
     }
-    const T* vp = v.rows + table[p] * kPage * v.token_stride;
-    const float* vs = v.scale + table[p] * kPage * v.slot_stride;
-    const int keys = R == 2 ? std::max(visible[0], visible[R - 1]) : visible[0];
+  }
+  const int keys = R == 2 ? std::max(visible[0], visible[R - 1]) : visible[0];
+  for (int c = 0; c < NV; c += NC) {  // the values' columns, NC vectors at a time
+    v16 acc[R][G][NC];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+        for (int i = 0; i < NC; ++i) acc[r][g][i] = state.acc[r][g][c + i];
     for (int t = 0; t < keys; ++t) {
-      v16 vrow[NV];
-      load_row<NV>(vp + t * v.token_stride, v.format, vrow);
+      v16 vrow[NC];
+      load_row<NC>(vp + t * v.token_stride + 16 * c, v.format, vrow);
       const float v_scale = row_scale<T>(vs, t, v.slot_stride);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r)
@@ -192,37 +207,75 @@ void attend_rows(const float* q, float* out, int64_t row_stride, const float* kt
         for (int g = 0; g < G; ++g) {
           const float weight = w[r][g][t] * v_scale;
 #pragma GCC unroll 16
-          for (int i = 0; i < NV; ++i) acc[r][g][i] += weight * vrow[i];
+          for (int i = 0; i < NC; ++i) acc[r][g][i] += weight * vrow[i];
         }
     }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+        for (int i = 0; i < NC; ++i) state.acc[r][g][c + i] = acc[r][g][i];
   }
+}
+
+// Up to kBlockRows rows of one chunk (the first at position first_pos) x the G query heads of one kv head:
+// page by page, each pair of rows that sees the page takes it (attend_page) while it is in L1. kt: the chunk's
+// pages, transposed, for this kv head at page stride kt_stride; v: the pool's V rows of this kv head.
+template <typename T, int NV, int G>
+void attend_block(const float* q, float* out, int64_t row_stride, const float* kt, int64_t kt_stride,
+                  const ValueRows<T>& v, const int64_t* table, int64_t first_pos, int rows, int64_t kv_head,
+                  float scale) {
+  constexpr int D = 16 * NV;
+  PairState<NV, G> state[kBlockRows / 2];
+  const int pairs = (rows + 1) / 2;
+  for (int pr = 0; pr < pairs; ++pr)
+    for (int r = 0; r < 2; ++r)
+      for (int g = 0; g < G; ++g) {
+        for (int i = 0; i < NV; ++i) state[pr].acc[r][g][i] = v16{};
+        state[pr].run_max[r][g] = kMinScore;
+        state[pr].run_sum[r][g] = 0.f;
+      }
+  v16 lane;
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 16
-    for (int g = 0; g < G; ++g) {
-      const float inv = 1.f / run_sum[r][g];
-#pragma GCC unroll 16
-      for (int i = 0; i < NV; ++i) store(out + r * row_stride + (kv_head * G + g) * D + 16 * i, acc[r][g][i] * inv);
+  for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
+  const int64_t last_pos = first_pos + rows - 1;
+  for (int64_t p = 0; p * kPage <= last_pos; ++p) {
+    const float* ktp = kt + p * kt_stride;
+    const T* vp = v.rows + table[p] * kPage * v.token_stride;
+    const float* vs = v.scale + table[p] * kPage * v.slot_stride;
+    for (int pr = 0; pr < pairs; ++pr) {
+      const int64_t pos = first_pos + 2 * pr;
+      const int r = 2 * pr + 1 < rows ? 2 : 1;
+      if (p * kPage > pos + r - 1) continue;  // the page is after this pair's rows
+      const float* qr[2] = {q + 2 * pr * row_stride + kv_head * G * D, q + (2 * pr + 1) * row_stride + kv_head * G * D};
+      if (r == 2) attend_page<T, NV, G, 2>(state[pr], qr, ktp, vp, vs, v, pos, p, scale, lane);
+      else attend_page<T, NV, G, 1>(state[pr], qr, ktp, vp, vs, v, pos, p, scale, lane);
     }
+  }
+  for (int row = 0; row < rows; ++row) {
+    const PairState<NV, G>& st = state[row / 2];
+    for (int g = 0; g < G; ++g) {
+      const float inv = 1.f / st.run_sum[row % 2][g];
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i)
+        store(out + row * row_stride + (kv_head * G + g) * D + 16 * i, st.acc[row % 2][g][i] * inv);
+    }
+  }
 }
 
 template <typename T>
-using RowsFn = void (*)(const float*, float*, int64_t, const float*, int64_t, const ValueRows<T>&, const int64_t*,
-                        int64_t, int64_t, float);
-
-template <typename T, int NV, int G>
-constexpr RowsFn<T> kRows[2] = {attend_rows<T, NV, G, 1>, attend_rows<T, NV, G, 2>};
+using BlockFn = void (*)(const float*, float*, int64_t, const float*, int64_t, const ValueRows<T>&, const int64_t*,
+                         int64_t, int, int64_t, float);
 
 template <typename T, int NV>
-const RowsFn<T>* rows_for_group(int64_t group) {
-  return by_group<const RowsFn<T>*>(group,
-                                    [](auto g) -> const RowsFn<T>* { return kRows<T, NV, decltype(g)::value>; });
+BlockFn<T> block_for_group(int64_t group) {
+  return by_group<BlockFn<T>>(group, [](auto g) -> BlockFn<T> { return attend_block<T, NV, decltype(g)::value>; });
 }
 
 template <typename T>
-const RowsFn<T>* rows_kernels(int64_t head_dim, int64_t group) {
-  return by_head_dim<const RowsFn<T>*>(head_dim,
-                                       [group](auto nv) { return rows_for_group<T, decltype(nv)::value>(group); });
+BlockFn<T> block_kernel(int64_t head_dim, int64_t group) {
+  return by_head_dim<BlockFn<T>>(head_dim, [group](auto nv) { return block_for_group<T, decltype(nv)::value>(group); });
 }
 
 // Page `page`'s keys as floats times their scales, transposed per kv head: dst[kv_head][d][16 keys].
@@ -273,24 +326,26 @@ void prefill_all(const Step& st, const float* q_ptr, const T* k_ptr, KVFormat fo
 
   std::vector<Item> items;
   for (int64_t c = 0; c < static_cast<int64_t>(st.chunks.size()); ++c)
-    for (int64_t r = 0; r < st.chunks[c].q_len; r += 2)
+    for (int64_t r = 0; r < st.chunks[c].q_len; r += kBlockRows)
       for (int64_t h = 0; h < st.num_kv_heads; ++h) items.push_back({c, r, h});
-  const auto position = [&](const Item& it) { return st.chunks[it.chunk].start_pos + it.row; };  // keys it reads
+  const auto rows_of = [&](const Item& it) { return std::min<int64_t>(kBlockRows, st.chunks[it.chunk].q_len - it.row); };
+  const auto last_position = [&](const Item& it) {  // the keys its last row reads
+    return st.chunks[it.chunk].start_pos + it.row + rows_of(it) - 1;
+  };
   std::stable_sort(items.begin(), items.end(),
-                   [&](const Item& a, const Item& b) { return position(a) > position(b); });
-  const RowsFn<T>* kernels = rows_kernels<T>(st.head_dim, st.num_heads / st.num_kv_heads);
+                   [&](const Item& a, const Item& b) { return last_position(a) > last_position(b); });
+  const BlockFn<T> kernel = block_kernel<T>(st.head_dim, st.num_heads / st.num_kv_heads);
   const T* v_ptr = k_ptr + st.num_pages * kPage * token_stride;
   const int64_t row_stride = st.num_heads * st.head_dim;
   parallel_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& it = items[i];
     const Chunk& ch = st.chunks[it.chunk];
-    const int rows = it.row + 1 < ch.q_len ? 2 : 1;
     const int64_t row = ch.row_start + it.row;
     const ValueRows<T> v{v_ptr + it.kv_head * st.head_dim, scales.v_at(0, it.kv_head), token_stride,
                          scales.slot_stride, format};
-    kernels[rows - 1](q_ptr + row * row_stride, out_ptr + row * row_stride, row_stride,
-                      kt.data() + ch.kt_offset * kt_page + it.kv_head * st.head_dim * kPage, kt_page, v, ch.table,
-                      ch.start_pos + it.row, it.kv_head, st.scale);
+    kernel(q_ptr + row * row_stride, out_ptr + row * row_stride, row_stride,
+           kt.data() + ch.kt_offset * kt_page + it.kv_head * st.head_dim * kPage, kt_page, v, ch.table,
+           ch.start_pos + it.row, static_cast<int>(rows_of(it)), it.kv_head, st.scale);
   });
 }
 
@@ -327,7 +382,7 @@ std::vector<Chunk> step_chunks(const at::Tensor& tables, const at::Tensor& row_s
 
 bool paged_prefill_supports(int64_t head_dim, int64_t num_heads, int64_t num_kv_heads, int64_t page_size) {
   return page_size == kPage && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
-         rows_kernels<float>(head_dim, num_heads / num_kv_heads) != nullptr;
+         block_kernel<float>(head_dim, num_heads / num_kv_heads) != nullptr;
 }
 
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales,

@@ -89,6 +89,25 @@ def test_mixed_batch_of_prefills_chunks_and_decodes(page_size, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_chunks_over_thousands_of_cached_tokens_match_dense_attention(backend):
+    """Chunks on top of long cached contexts, as a long prompt's later chunks are: the cached part ending on a
+    page boundary (2,048) and off one (1,203, 3,001), chunks of more rows than one work item of the prefill
+    kernel (16) and not a multiple of it, with a decode of a long sequence in the same step."""
+    lengths = [2048 + 100, 1203 + 33, 3001 + 17, 2500]
+    cached = [2048, 1203, 3001, 2499]
+    run_case(lengths, cached, heads=9, kv_heads=3, page_size=16, seed=7, backend=backend, head_dim=64)
+
+
+@pytest.mark.parametrize("lengths", [[4000], [2049, 17], [1, 300, 3001]])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+def test_a_few_long_decodes_split_over_the_threads_match_dense_attention(lengths, heads, kv_heads):
+    """Fewer sequences than twice the threads: the cpu kernel splits each into parts over ranges of its pages
+    and merges their softmax states (a part of a one-token sequence included)."""
+    run_case(lengths, [n - 1 for n in lengths], heads, kv_heads, 16, seed=len(lengths) + heads, backend="cpu",
+             head_dim=64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (6, 1)])
 def test_a_decode_step_of_many_lengths_matches_dense_attention(page_size, heads, kv_heads, backend):
