@@ -56,6 +56,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def add_observability_flags(p: argparse.ArgumentParser) -> None:
     """--metrics-port (Prometheus text on http://HOST:PORT/metrics). Tracing is configured by the standard
     OTEL_* environment variables (common/telemetry.py)."""

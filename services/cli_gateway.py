@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 DEFAULT_GATEWAY_PORT = 50050
+# The cap on a prefill chunk in steps that also decode (README, "Long prompts": measured with bench/bench_long.py)
+DEFAULT_LONG_PREFILL_THRESHOLD = "0"
 
 
 def _env(name, default=None):
@@ -21,12 +23,16 @@ def _env(name, default=None):
 
 def add_gateway_flags(p) -> None:
     """Scheduling and API flags, shared by ``kvserve gateway`` and ``kvserve up``."""
-    from kvserve.services.cli_flags import positive_int
+    from kvserve.services.cli_flags import non_negative_int, positive_int
 
     p.add_argument("--max-num-seqs", type=positive_int, default=_env("max_num_seqs", "64"),
                    help="requests running at once per worker")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=_env("max_num_batched_tokens", "512"),
                    help="tokens computed per step per worker (decodes + prefill chunks)")
+    p.add_argument("--long-prefill-token-threshold", type=non_negative_int,
+                   default=_env("long_prefill_token_threshold", DEFAULT_LONG_PREFILL_THRESHOLD),
+                   help="in a step that also decodes, a prefill chunk computes at most this many tokens, so that "
+                        "a long prompt does not stall the running requests (0 = no cap)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    default=_env("no_prefix_caching", "") not in ("", "0", "false"),
                    help="never reuse cached prefixes (for comparisons)")
@@ -61,6 +67,7 @@ def gateway_config(args):
     return GatewayConfig(model_dir=resolve_model(args.model, args.cache_dir),
                          max_num_seqs=int(args.max_num_seqs), max_num_batched_tokens=int(args.max_num_batched_tokens),
                          prefix_caching=not args.no_prefix_caching, overlap_page_ops=not args.no_overlap_page_ops,
+                         long_prefill_token_threshold=int(args.long_prefill_token_threshold),
                          default_max_tokens=int(args.default_max_tokens),
                          max_tokens_limit=int(args.max_tokens_limit))
 

@@ -127,6 +127,7 @@ def _gateway_argv(args, kvmanager: Child, workers: list[Child]) -> list[str]:
     argv = ["gateway", "--host", args.host, "--port", str(args.port), "--kvmanager", kvmanager.address,
             "--workers", ",".join(w.address for w in workers), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
             "--default-max-tokens", str(args.default_max_tokens), "--max-tokens-limit", str(args.max_tokens_limit)]
     argv += ["--no-prefix-caching"] if args.no_prefix_caching else []
     argv += ["--no-overlap-page-ops"] if args.no_overlap_page_ops else []

@@ -14,11 +14,12 @@ from kvserve.services.gateway.scheduler import Scheduler, SchedulerConfig
 PS = 4
 
 
-def setup(num_pages=16, budget=8, max_num_seqs=8, prefix_caching=True):
+def setup(num_pages=16, budget=8, max_num_seqs=8, prefix_caching=True, long_prefill=0):
     mgr = KVManager()
     mgr.register_worker(PoolSpec("w0", 1, num_pages, PS, "fp", "float32", 1))
     cfg = SchedulerConfig("w0", PS, num_pages, max_model_len=1000, eos_token_ids=(0,), max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=budget, prefix_caching=prefix_caching)
+                          max_num_batched_tokens=budget, prefix_caching=prefix_caching,
+                          long_prefill_token_threshold=long_prefill)
     return mgr, Scheduler(cfg)
 
 
@@ -73,6 +74,33 @@ def test_chunked_prefill_then_decode_exact_chunks_and_pages():
     out, _ = run_step(mgr, sched)  # frees it
     assert [f.req_id for f in out.ops.frees] == ["a"]
     assert mgr.pools["w0"].num_used == 0
+
+
+def test_a_long_prompt_is_chunked_at_the_threshold_only_while_others_decode():
+    """long_prefill_token_threshold caps a prefill chunk in steps that also decode (so that the decodes' time
+    per token stays near a decode step's), and not when the prompt has the worker to itself."""
+    mgr, sched = setup(num_pages=32, budget=16, long_prefill=3)
+    alone = request("alone", range(1, 21), max_tokens=2)
+    sched.add(alone)
+    _, step = run_step(mgr, sched)
+    assert [len(i.token_ids) for i in step.items] == [16]  # nothing decodes: the whole budget
+    drain(mgr, sched)
+    short = request("short", range(1, 3), max_tokens=6)
+    sched.add(short)
+    run_step(mgr, sched)  # its prompt; it decodes from the next step on
+    long = request("long", range(30, 50), max_tokens=2)  # 20 prompt tokens
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < 20:
+        _, step = run_step(mgr, sched)
+        by_id = {i.req_id: len(i.token_ids) for i in step.items}
+        decoding = "short" in by_id
+        chunks.append((by_id.get("long"), decoding))
+    assert all(n <= 3 for n, decoding in chunks if decoding)  # capped while "short" decodes
+    assert any(n > 3 for n, decoding in chunks if not decoding)  # the rest in full-budget chunks once it is done
+    assert sum(n for n, _ in chunks) == 20
+    drain(mgr, sched)
+    assert long.output_token_ids == [100 + 20, 100 + 21] and mgr.pools["w0"].num_used == 0
 
 
 def test_second_request_hits_the_first_ones_cached_pages():

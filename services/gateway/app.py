@@ -31,6 +31,7 @@ class GatewayConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0  # SchedulerConfig's: a prefill chunk's cap in steps that also decode
     overlap_page_ops: bool = True  # a call that only commits and tops up headroom runs while the worker computes
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
@@ -73,7 +74,9 @@ class Gateway:
                  info.page_size, info.epoch)
         return EngineLoop(worker, info, self.kv, self.tokenizer, max_num_seqs=self.cfg.max_num_seqs,
                           max_num_batched_tokens=self.cfg.max_num_batched_tokens,
-                          prefix_caching=self.cfg.prefix_caching, overlap_page_ops=self.cfg.overlap_page_ops,
+                          prefix_caching=self.cfg.prefix_caching,
+                          long_prefill_token_threshold=self.cfg.long_prefill_token_threshold,
+                          overlap_page_ops=self.cfg.overlap_page_ops,
                           observer=self.observe)
 
     def submit(self, inp: GenerateInput, tenant: str, trace_parent=None) -> RequestHandle:

@@ -61,7 +61,8 @@ class EngineStats:
 class EngineLoop:
     def __init__(self, worker: WorkerBackend, info: WorkerInfo, kv: KVManagerBackend, tokenizer: Tokenizer, *,
                  max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
-                 overlap_page_ops: bool = True, observer: Observer | None = None):
+                 long_prefill_token_threshold: int = 0, overlap_page_ops: bool = True,
+                 observer: Observer | None = None):
         self.worker, self.info, self.kv, self.tokenizer = worker, info, kv, tokenizer
         self.overlap_page_ops = overlap_page_ops
         self._kv_thread = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{info.worker_id}")  # overlapped calls
@@ -69,7 +70,7 @@ class EngineLoop:
         self.scheduler = Scheduler(SchedulerConfig(
             info.worker_id, info.page_size, info.num_pages, info.max_model_len, info.eos_token_ids,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            prefix_caching=prefix_caching))
+            prefix_caching=prefix_caching, long_prefill_token_threshold=long_prefill_token_threshold))
         self.stats = EngineStats()
         self.handles: dict[str, RequestHandle] = {}  # loop thread only, as the three below
         self.texts: dict[str, TextStream] = {}

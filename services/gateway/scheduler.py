@@ -61,6 +61,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # running requests at once
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes + prefill chunks
     prefix_caching: bool = True
+    # In a step that also decodes, a prefill chunk computes at most this many tokens (0: no cap), so that a
+    # long prompt's chunks do not stretch every running request's time per output token to a full budget's
+    # prefill. vLLM's option of this name caps every chunk; here only chunks that share a step with decodes.
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass(slots=True)
@@ -195,10 +199,11 @@ class Scheduler:
         final_commits, self.pending_frees, self.final_commits = self.final_commits, [], []
         commits = [c for c in map(self._commit_for, self.running) if c is not None]
         running, extensions, pages_needed = [], [], 0
+        cap = self._prefill_cap()
         for req in self.running:
             if budget == 0:
                 break
-            n = min(req.num_uncomputed_tokens, budget)
+            n = min(req.num_uncomputed_tokens, budget, cap)
             budget -= n
             running.append(Chunk(req, n, req.num_computed_tokens))
             end = req.num_computed_tokens + n
@@ -206,7 +211,7 @@ class Scheduler:
                 extensions.append(PageExtension(req.req_id, end))
                 pages_needed += num_pages_for(end, page_size) - len(req.page_table)
         spare = self.num_available_pages - pages_needed
-        admitted = self._admit(budget, spare, freeing)
+        admitted = self._admit(budget, spare, freeing, cap)
         prompt_commits = any(c.start_pos < len(self.requests[c.req_id].prompt_token_ids) for c in commits)
         if not (frees or admitted or extensions or prompt_commits):
             return SchedulerOutput(None, running, admitted)
@@ -241,6 +246,14 @@ class Scheduler:
                 out.append(PageExtension(req.req_id, needed[req.req_id]))
         return out, frozenset(headroom_only)
 
+    def _prefill_cap(self) -> int:
+        """The most tokens one prefill chunk computes this step: long_prefill_token_threshold when a running
+        request decodes in it (and the threshold is set), else the whole budget. A decode's one token is never
+        capped."""
+        threshold = self.cfg.long_prefill_token_threshold
+        decoding = any(r.num_computed_tokens >= len(r.prompt_token_ids) for r in self.running)
+        return threshold if threshold > 0 and decoding else self.cfg.max_num_batched_tokens
+
     def _commit_for(self, req: Request) -> PageCommit | None:
         """The request's pages that became full since its last commit, if prefix caching is on."""
         if not self.cfg.prefix_caching:
@@ -251,7 +264,7 @@ class Scheduler:
         tokens = req.token_ids(req.num_committed_tokens, full)
         return PageCommit(req.req_id, req.num_committed_tokens, tokens, req.num_computed_tokens)
 
-    def _admit(self, budget: int, available: int, freeing: set[str]) -> list[Chunk]:
+    def _admit(self, budget: int, available: int, freeing: set[str], cap: int) -> list[Chunk]:
         """Waiting requests, first come first served, while sequences, tokens and (pessimistically, as if
         nothing hit the cache) pages last. With nothing running, the first one is always tried."""
         admitted: list[Chunk] = []
@@ -263,7 +276,7 @@ class Scheduler:
             if need > available and (self.running or admitted):
                 break
             self.waiting.popleft()
-            n = min(req.num_tokens, budget)
+            n = min(req.num_tokens, budget, cap)
             budget -= n
             available -= need
             admitted.append(Chunk(req, n))
