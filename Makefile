@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-kvquant clean
+.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-kvquant bench-long clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -77,6 +77,11 @@ bench-overlap: model kernels
 # and concurrency through `kvserve up`; decode and burst speed. bench/bench_kvquant.py --quick: a smaller run.
 bench-kvquant: model kernels
 	$(PY) bench/bench_kvquant.py
+
+# Long prompts (256 to 8k tokens): TTFT and time per output token, kvserve vs HF vs kvserve's reference prefill
+# path, and the decodes that run while a 4k-token prompt prefills.
+bench-long: model kernels
+	$(PY) bench/bench_long.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
