@@ -185,3 +185,20 @@ def test_model_prepare_prints_the_prepared_folder(model_dir):
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip()) == Path(model_dir)
     assert (Path(model_dir) / "config.json").is_file()
+
+
+def test_up_with_a_negative_long_prefill_threshold_exits_2_before_starting_anything(tmp_path):
+    out = run_cli("up", "--data-dir", str(tmp_path / "data"), "--long-prefill-token-threshold", "-1")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "argument --long-prefill-token-threshold: must be 0 or more, got -1" in out.stderr
+    assert not (tmp_path / "data").exists()  # no kvmanager ever ran
+
+
+def test_the_long_prefill_threshold_reaches_the_gateways_config(model_dir):
+    from kvserve.services.cli import build_parser
+    from kvserve.services.cli_gateway import gateway_config
+
+    args = build_parser().parse_args(["gateway", "--model", str(model_dir), "--long-prefill-token-threshold", "64"])
+    assert gateway_config(args).long_prefill_token_threshold == 64
+    default = build_parser().parse_args(["gateway", "--model", str(model_dir)])
+    assert gateway_config(default).long_prefill_token_threshold == 0  # off unless asked for, as in vLLM
