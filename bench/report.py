@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_gateway as bg  # noqa: E402
+import bench_long as bl  # noqa: E402
 import bench_worker as bw  # noqa: E402
 import hf_reference as hf  # noqa: E402
 import report_output  # noqa: E402
@@ -174,6 +175,9 @@ class Report:
         self.load_text = [t for t, _ in bg.as_text(self.tok, hf.make_workload(
             32, seed=3, min_prompt=64, max_prompt=256, corpus=corpus))[0]]
         self.load_shape = (2, 16) if quick else (4, 32)  # (requests per client, max_tokens)
+        # one long prompt, prefilled fresh (the prefix-caching-off stack): a slice of the corpus, as text
+        self.long_text = self.tok.decode(corpus[3000:3000 + (2048 if quick else 4096)])
+        self.long_ids = self.tok.encode(self.long_text)
         self.out: dict = {"quick": quick, "date": str(dt.date.today())}
 
     def stages(self):
@@ -204,6 +208,8 @@ class Report:
     def kvserve_off(self) -> None:
         with bg.stack("--num-pages", "1024", "--no-prefix-caching") as (gateway, _):
             self.out["prefix"]["kvserve_off"] = bg.kvserve_prefix(gateway, self.prefix_prompts)
+            self.out["long_prompt"] = {"kvserve": bl.kvserve_one(gateway, self.long_text),
+                                       "prompt_tokens": len(self.long_ids), "new_tokens": bl.NEW_TOKENS}
 
     def tracing(self) -> None:
         self.out["tracing"] = bg.tracing_overhead(self.conc_text, rounds=5)
@@ -236,7 +242,8 @@ class Report:
                                               else self.prefix_prompts)},
                 "latency": {"hf_generate": [hf_latency_under_load(model, load_ids, c, *self.load_shape)
                                             for c in CLIENT_COUNTS]},
-                "memory": {"bytes_per_token_hf_measured": hf_bytes_per_token(model)}}
+                "memory": {"bytes_per_token_hf_measured": hf_bytes_per_token(model)},
+                "long_prompt": {"hf": bl.hf_one(model, self.long_ids)}}
 
     def run(self) -> dict:
         stages = self.stages()

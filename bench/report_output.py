@@ -113,6 +113,14 @@ def markdown(out: dict, plot_names: list[str]) -> str:
             f"| KV slots holding a token: pages of 16 vs padding to the longest | "
             f"{mem['pages']['paged_utilisation']:.1%} | {mem['pages']['padded_utilisation']:.1%} | |"]
     rows.append(f"| bytes per token, HF's DynamicCache measured | | {mem['bytes_per_token_hf_measured']:,.0f} | |")
+    if "long_prompt" in out:  # reports before 2026-12-01 have none
+        lp = out["long_prompt"]
+        ours, theirs = lp["kvserve"], lp["hf"]
+        rows.append(f"| long prompt ({lp['prompt_tokens']:,} tokens, fresh): TTFT vs HF `generate()` | "
+                    f"{ours['ttft_s']:.2f} s | {theirs['ttft_s']:.2f} s | {ours['ttft_s'] / theirs['ttft_s']:.2f}x |")
+        rows.append(f"| long prompt: time per output token after it (HF's / kvserve's) | "
+                    f"{1e3 * ours['tpot_s']:.1f} ms | {1e3 * theirs['tpot_s']:.1f} ms | "
+                    f"{theirs['tpot_s'] / ours['tpot_s']:.2f}x |")
     if "tracing" in out:
         tr = out["tracing"]
         rows.append(f"| tracing on vs off, tok/s | {tr['on_tokens_per_s']:.1f} | {tr['off_tokens_per_s']:.1f} | "
