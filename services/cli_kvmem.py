@@ -20,15 +20,6 @@ def _env(name, default=None):
     return env_default(name, default)
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
 
 def _non_negative_bytes(text: str) -> int:
     from kvserve.services.cli_flags import parse_bytes
@@ -54,7 +45,7 @@ def _one_line_error(message: str):
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli_flags import parse_bytes, positive_int
+    from kvserve.services.cli_flags import non_negative_int, parse_bytes, positive_int
 
     p = sub.add_parser(
         "kv-mem", help="exact KV-cache memory: bytes per token / sequence / batch, pages, and what fits in a GPU",
@@ -73,9 +64,9 @@ def add_commands(sub) -> None:
                    help="scales of a quantised dtype: token_head (default: one fp32 per token per KV head, as "
                         "kvserve's workers store them) or tensor (one per-tensor scale, nothing per token)")
     p.add_argument("--page-size", type=positive_int, default=None, help="tokens per page: pages and padding waste")
-    p.add_argument("--sliding-window", type=_non_negative_int, default=None,
+    p.add_argument("--sliding-window", type=non_negative_int, default=None,
                    help="attention window in tokens (default: the model's own; 0 = none)")
-    p.add_argument("--sinks", type=_non_negative_int, default=0,
+    p.add_argument("--sinks", type=non_negative_int, default=0,
                    help="attention-sink tokens kept besides the window (StreamingLLM)")
     rev = p.add_argument_group("what fits (the reverse question)")
     rev.add_argument("--gpu-memory", type=parse_bytes, default=_env("gpu_memory"),
