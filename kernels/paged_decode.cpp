@@ -74,14 +74,16 @@ inline PageRows<T> page_rows(const Shape& s, const Pool<T>& pool, const int64_t*
           pool.scales.k_at(slot, kvh), pool.scales.v_at(slot, kvh)};
 }
 
-// The fast path's partial result for one kv head over a range of a sequence's pages: the G query heads'
-// unnormalised weighted sums of values (acc, G x head_dim), running max and sum of the online softmax. A whole
-// sequence is one part per kv head; a long sequence in a small batch is split into several (flash decoding),
-// merged by merge_parts.
+// Where decode_part writes its result for one kv head over a range of a sequence's pages. A whole sequence is
+// one part per kv head, written as the attention output (normalised: acc divided by the softmax sum, and no
+// run_max or run_sum); a long sequence in a small batch is split into several parts (flash decoding), each
+// writing the G query heads' unnormalised weighted sums of values (acc, G x head_dim) and the running max and
+// sum of its online softmax, which decode_split merges.
 struct Part {
   float* acc;
-  float* run_max;
+  float* run_max;  // unused when normalised
   float* run_sum;
+  bool normalised;
 };
 
 // One kv head's G query heads over pages [p0, p1) of a sequence of n tokens, the fast path: head_dim = 16 * NV,
@@ -168,10 +170,13 @@ void decode_part(const Shape& s, const float* qb, const Pool<T>& pool, const int
   }
 #pragma GCC unroll 16
   for (int g = 0; g < G; ++g) {
+    const float inv = out.normalised ? 1.f / run_sum[g] : 1.f;
 #pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) store(out.acc + g * D + 16 * i, acc[g][i]);
-    out.run_max[g] = run_max[g];
-    out.run_sum[g] = run_sum[g];
+    for (int i = 0; i < NV; ++i) store(out.acc + g * D + 16 * i, acc[g][i] * inv);
+    if (!out.normalised) {
+      out.run_max[g] = run_max[g];
+      out.run_sum[g] = run_sum[g];
+    }
   }
 }
 
@@ -179,17 +184,9 @@ void decode_part(const Shape& s, const float* qb, const Pool<T>& pool, const int
 template <typename T, int NV, int G>
 void decode_seq_fast(const Shape& s, const float* qb, const Pool<T>& pool, const int64_t* table, int64_t n,
                      float* ob) {
-  constexpr int D = 16 * NV;
   const int64_t num_pages = (n + s.page_size - 1) / s.page_size;
-  float run_max[G], run_sum[G];
-  for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh) {
-    float* acc = ob + kvh * G * D;
-    decode_part<T, NV, G>(s, qb, pool, table, n, kvh, 0, num_pages, {acc, run_max, run_sum});
-    for (int g = 0; g < G; ++g) {
-      const float inv = 1.f / run_sum[g];
-      for (int d = 0; d < D; ++d) acc[g * D + d] *= inv;
-    }
-  }
+  for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh)
+    decode_part<T, NV, G>(s, qb, pool, table, n, kvh, 0, num_pages, {ob + kvh * G * 16 * NV, nullptr, nullptr, true});
 }
 
 // Any head_dim and group size: one query head at a time, with scalar loops the compiler vectorises (float32;
@@ -264,7 +261,7 @@ FastFns<T> fast_kernel(int64_t head_dim, int64_t group, int64_t page_size) {
 constexpr int64_t kMinPartPages = 16;
 
 // A step of fewer sequences than twice the threads: items of (sequence, kv head, range of pages), so that both
-// threads read K/V even for one long sequence, whose parts merge_parts combines. Parts per (sequence, kv head):
+// threads read K/V even for one long sequence, whose parts are merged here. Parts per (sequence, kv head):
 // enough for four items per thread in all, each of at least kMinPartPages pages.
 template <typename T>
 void decode_split(const Shape& s, const float* q_ptr, const Pool<T>& pool, const int64_t* table_ptr,
@@ -295,14 +292,15 @@ void decode_split(const Shape& s, const float* q_ptr, const Pool<T>& pool, const
     const Item& it = items[i];
     part(s, q_ptr + it.seq * s.num_heads * D, pool, table_ptr + it.seq * s.max_pages, len_ptr[it.seq], it.kvh,
          it.p0, it.p1, {acc.data() + it.slot * group * D, run_max.data() + it.slot * group,
-                        run_sum.data() + it.slot * group});
+                        run_sum.data() + it.slot * group, false});
   });
   // merge: each query head's parts rescaled to their common max, then normalised
   for (int64_t key = 0; key < num_seqs * s.num_kv_heads; ++key) {
     const int64_t b = key / s.num_kv_heads, h = key % s.num_kv_heads;
     for (int64_t g = 0; g < group; ++g) {
       float m = kMinScore;
-      for (int64_t slot = first_slot[key]; slot < first_slot[key + 1]; ++slot) m = std::max(m, run_max[slot * group + g]);
+      for (int64_t slot = first_slot[key]; slot < first_slot[key + 1]; ++slot)
+        m = std::max(m, run_max[slot * group + g]);
       float* o = out_ptr + b * s.num_heads * D + (h * group + g) * D;
       std::fill(o, o + D, 0.f);
       float sum = 0.f;
