@@ -11,6 +11,10 @@ reference prefill path, in one run; and the decodes that run while a long prompt
   bandwidth decode attention at 7k context, one layer in-process (the cpu kernel), batch 1 and 16: the K/V
             bytes it reads per second, against the machine's read bandwidth measured in the same run (a sum
             over a 1 GiB tensor: one read of every byte); median of repeats
+  floor     the least a prefill can cost on this machine (the model's multiply-adds at its float32 GEMM rate),
+            against HF's TTFT at the longest length (bench/long_floor.py)
+  steps     one 512-token prefill step over 0 to 6.5k cached tokens, in-process: the paged prefill kernel vs the
+            reference path, alternated (bench/long_floor.py)
   decodes   16 short requests decoding (64-token prompts, 192 new tokens) when a 4k-token prompt arrives:
             the short requests' time per output token before it arrives, while it prefills (its arrival to its
             first token) and after; the long request's TTFT; for a 512- and a 2,048-token step budget, and for
@@ -37,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_gateway as bg  # noqa: E402
 import hf_reference as hf  # noqa: E402
+import long_floor  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 from kvserve.common.tokenizer import Tokenizer  # noqa: E402
@@ -226,11 +231,12 @@ def decodes_section(sz: Sizes, prompts: Prompts) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-    lines = ["One request at a time, greedy, 64 new tokens, prefix caching off; medians of "
+    header = ["One request at a time, greedy, 64 new tokens, prefix caching off; medians of "
              f"{report['sizes']['repeats']} alternated repeats. TTFT in seconds, time per output token (TPOT) in ms.",
              "", "| prompt tokens | kvserve TTFT | reference path TTFT | HF TTFT | kvserve / HF | kvserve / reference "
              "| kvserve TPOT | reference TPOT | HF TPOT | HF / kvserve TPOT |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = header if report["lengths"]["rows"] else []
     for r in report["lengths"]["rows"]:
         lines.append(f"| {r['prompt_tokens']:,} | {r['kvserve_ttft_s']:.2f} | {r['kvserve_reference_ttft_s']:.2f} | "
                      f"{r['hf_ttft_s']:.2f} | {r['ttft_vs_hf']:.2f}x | {r['ttft_vs_reference']:.2f}x | "
@@ -250,6 +256,9 @@ def markdown(report: dict) -> str:
             lines.append(f"| {b['batch']} | {b['ms_per_layer']:.2f} | {b['kv_bytes'] / 1e6:.1f} MB | {b['gbs']:.1f} | "
                          f"{100 * b['of_machine']:.0f}% |")
         lines.append("")
+    lines += long_floor.markdown(report.get("floor"), report.get("steps", []))
+    if not report["decodes"]:
+        return "\n".join(lines) + "\n"
     lines += ["", f"{report['sizes']['num_short']} short requests decoding when a long prompt arrives (their time "
               "per output token, median of the inter-token gaps in each window, ms):", "",
               "| step budget | long-prefill threshold | long prompt tokens | its TTFT s | TPOT before | TPOT while it "
@@ -288,8 +297,8 @@ def plot(report: dict, path: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="two short lengths, one repeat (a smoke run)")
-    p.add_argument("--sections", default="lengths,bandwidth,decodes",
-                   help="comma-separated subset of lengths,bandwidth,decodes")
+    p.add_argument("--sections", default="lengths,bandwidth,floor,steps,decodes",
+                   help="comma-separated subset of lengths,bandwidth,floor,steps,decodes")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt lengths instead of the default")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--out", type=Path, default=None)
@@ -308,10 +317,16 @@ def main(argv=None) -> int:
               "sizes": sz.__dict__ | {"lengths": list(sz.lengths), "budgets": list(sz.budgets),
                                      "thresholds": list(sz.thresholds)},
               "lengths": {"rows": []}, "decodes": []}
+    hf_model = hf.load_hf(model_dir) if sections & {"lengths", "floor"} else None
     if "lengths" in sections:
-        report["lengths"] = lengths_section(sz, prompts, hf.load_hf(model_dir))
+        report["lengths"] = lengths_section(sz, prompts, hf_model)
     if "bandwidth" in sections:
         report["bandwidth"] = bandwidth_section()
+    if "floor" in sections:
+        report["floor"] = long_floor.floor_section(model_dir, sz.lengths,
+                                                   lambda n: hf.hf_ttft_s(hf_model, prompts.take(n)[1]))
+    if "steps" in sections:
+        report["steps"] = long_floor.steps_section(model_dir, repeats=2 if args.quick else 5)
     if "decodes" in sections:
         report["decodes"] = decodes_section(sz, prompts)
     out = write_results(report, "long-quick" if args.quick else "long", markdown(report), args.out)
