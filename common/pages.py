@@ -9,3 +9,34 @@ from __future__ import annotations
 def num_pages_for(num_tokens: int, page_size: int) -> int:
     """Pages that hold ``num_tokens`` tokens (positions [0, num_tokens)): the ceiling of the quotient."""
     return -(-num_tokens // page_size)
+
+
+# A page-table entry that holds no page: a page a sliding window has left behind, released during the request
+# (vLLM's null page). Positions in it are never read again.
+HOLE = -1
+
+
+def num_sink_pages(sinks: int, page_size: int) -> int:
+    """Leading pages that hold the first ``sinks`` tokens (attention sinks): pinned to the request."""
+    return num_pages_for(sinks, page_size)
+
+
+def first_window_page(pos: int, window: int, page_size: int) -> int:
+    """The first page a query at position ``pos`` reads inside a window of ``window`` tokens (itself and the
+    ``window - 1`` before it)."""
+    return max(0, pos - window + 1) // page_size
+
+
+def releasable_pages(next_pos: int, window: int, sinks: int, page_size: int) -> range:
+    """Pages no query from ``next_pos`` on reads: after the sink pages, those wholly before the window of the
+    query at ``next_pos``::
+
+        page_size 4, window 6, sinks 0, next_pos 13: the query at 13 reads 8..13 -> pages 0 and 1 releasable
+    """
+    return range(num_sink_pages(sinks, page_size), first_window_page(next_pos, window, page_size))
+
+
+def max_window_pages(window: int, sinks: int, page_size: int, chunk: int = 1) -> int:
+    """The most pages a windowed request holds while a step computes ``chunk`` new tokens (1: a decode): the
+    sink pages, and the window of the chunk's first token through its last, not page-aligned."""
+    return num_sink_pages(sinks, page_size) + num_pages_for(window - 1 + chunk, page_size) + 1

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
-from kvserve.kernels.reference import ReferenceBackend, ReferenceState, attend_groups, group_state
+from kvserve.kernels.reference import ReferenceBackend, ReferenceState, attend_groups, group_state, sink_query
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / name
@@ -209,7 +209,9 @@ class CPUPagedBackend:
             y = self.ext.linear_packed(x.contiguous(), w)
         return y if bias is None else y.add_(bias)
 
-    def prepare(self, meta: AttentionMetadata) -> CPUState:
+    def prepare(self, meta: AttentionMetadata) -> CPUState | ReferenceState:
+        if meta.window:  # sliding windows and sinks: the reference's gather of the pages read (kernels/window.py)
+            return self.reference.prepare(meta)
         q_lens = meta.q_lens.tolist()
         prefills = [i for i, n in enumerate(q_lens) if n > 1]
         if not prefills:
@@ -234,17 +236,21 @@ class CPUPagedBackend:
         return self.ext.argmax_logsumexp(logits.float().contiguous())
 
     def qkv_attention(self, qkv, cos, sin, kv_cache, meta, state, scale: float, num_heads: int,
-                      num_kv_heads: int, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                      num_kv_heads: int, kv_scales: torch.Tensor | None = None, sink_rope=None) -> torch.Tensor:
         """RoPE, the K/V write (quantised into a 1-byte cache, with the scales into ``kv_scales`` unless it is
         None) and the split into heads in one pass (``kernels/layer_ops.cpp``), then forward's attention."""
         q = self.ext.rope_store(qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_heads, num_kv_heads,
                                 kv_cache, kv_scales, meta.slot_mapping)
+        if isinstance(state, ReferenceState):
+            return self.reference.attend(q, kv_cache, state, scale, kv_scales, sink_query(qkv, sink_rope, num_heads))
         return self._attend(q, kv_cache, state, scale, kv_scales)
 
     def forward(self, q, k, v, kv_cache, meta, state, scale: float,
-                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None = None, q_sink: torch.Tensor | None = None) -> torch.Tensor:
         # a 1-byte cache: kv_quant.write_kv_quantised; the kernels check dtypes and shapes
         write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
+        if isinstance(state, ReferenceState):
+            return self.reference.attend(q, kv_cache, state, scale, kv_scales, q_sink)
         return self._attend(q, kv_cache, state, scale, kv_scales)
 
     def _attend(self, q, kv_cache, state: CPUState, scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from kvserve.kernels.kv_quant import write_kv_quantised
+from kvserve.kernels.window import sink_positions
 
 
 @dataclass(slots=True)
@@ -39,6 +40,9 @@ class AttentionMetadata:
     page_tables: torch.Tensor  # [num_seqs, max_pages] int64, page ids, padded with 0
     max_q_len: int
     max_seq_len: int
+    window: int = 0  # sliding window in tokens (0: none); page tables may then hold HOLEs (kernels/window.py)
+    sinks: int = 0  # attention sinks: the first tokens every query sees besides its window
+    sink_positions: torch.Tensor | None = None  # [num_tokens] int64, each query's in-cache position (sinks only)
 
     @property
     def num_seqs(self) -> int:
@@ -50,11 +54,13 @@ class AttentionMetadata:
 
 
 def build_metadata(
-    start_pos: list[int], q_lens: list[int], page_tables: list[list[int]], page_size: int, device: torch.device
+    start_pos: list[int], q_lens: list[int], page_tables: list[list[int]], page_size: int, device: torch.device,
+    window: int = 0, sinks: int = 0,
 ) -> AttentionMetadata:
     """Builds the step metadata from plain lists (one entry per sequence).
 
-    Callers validate first: every page table must cover ``start_pos + q_len`` positions.
+    Callers validate first: every page table must cover ``start_pos + q_len`` positions (with a window: the
+    pages those positions are written to and the ones they read are not holes).
     """
     num_seqs = len(q_lens)
     max_pages = max(len(t) for t in page_tables)
@@ -83,6 +89,9 @@ def build_metadata(
         page_tables=tables.to(device),
         max_q_len=max(q_lens),
         max_seq_len=int(seq_lens.max()),
+        window=window,
+        sinks=sinks,
+        sink_positions=sink_positions(positions, window, sinks).to(device) if sinks else None,
     )
 
 
@@ -130,9 +139,11 @@ class PagedAttentionBackend(Protocol):
 
     def qkv_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                       meta: AttentionMetadata, state: object, scale: float, num_heads: int,
-                      num_kv_heads: int, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                      num_kv_heads: int, kv_scales: torch.Tensor | None = None,
+                      sink_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The fused projection's output [tokens, (H + 2 Hkv) * D]: RoPE (cos, sin [tokens, D]) on q and k, k and
-        v into their slots, then forward's attention; returns [tokens, H, D]."""
+        v into their slots, then forward's attention; returns [tokens, H, D]. With attention sinks, sink_rope
+        is (cos, sin) at ``meta.sink_positions``: q rotated there scores the sink keys (kernels/window.py)."""
         ...
 
     def forward(

@@ -27,6 +27,7 @@ from kvserve.common.pages import num_pages_for
 from kvserve.kernels.kv_quant import FORMATS, dequantise
 from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
 from kvserve.kernels.rotary import apply_rotary
+from kvserve.kernels.window import sink_attention, visible, window_keys
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class GroupState:
     mask: torch.Tensor  # [num_seqs, 1, max_q_len, num_keys] bool, True = may attend; see additive_mask
     kv_rows: torch.Tensor | None = None  # rows of the layer cache viewed as [2 * num_pages, page]: K rows, V rows
     kv_buf: torch.Tensor | None = None  # the gathered pages, reused by every layer of the step
+    sink_keys: torch.Tensor | None = None  # [num_seqs, 1, 1, num_keys] bool: attention sinks (kernels/window.py)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask as SDPA would convert it (0 = may attend, -inf = may not), once per step rather than in
@@ -81,10 +83,24 @@ def group_state(meta: AttentionMetadata, seqs: list[int] | None) -> GroupState:
     num_keys = num_pages * meta.page_size
     key_pos = torch.arange(num_keys, device=device)
     query_pos = start_pos[:, None] + torch.arange(max_q, device=device)[None, :]  # [num_seqs, max_q]
-    visible = key_pos[None, None, :] <= query_pos[:, :, None]
-    visible &= key_pos[None, None, :] < seq_lens[:, None, None]
+    if meta.window:
+        page_ids, key_pos, sink_keys = _window_keys(meta, tables, start_pos, seq_lens)
+        query_pos = torch.minimum(query_pos, seq_lens[:, None] - 1)  # padded rows: as the last row (never empty)
+        seen = visible(key_pos[:, None, :], query_pos[:, :, None], meta.window, meta.sinks)
+        return GroupState(token_index, q_index, page_ids, int(q_lens.shape[0]), max_q, key_pos.shape[1],
+                          seen.unsqueeze(1), sink_keys=sink_keys)
+    seen = key_pos[None, None, :] <= query_pos[:, :, None]
+    seen &= key_pos[None, None, :] < seq_lens[:, None, None]
     return GroupState(token_index, q_index, tables[:, :num_pages].reshape(-1), int(q_lens.shape[0]), max_q,
-                      num_keys, visible.unsqueeze(1))
+                      num_keys, seen.unsqueeze(1))
+
+
+def _window_keys(meta: AttentionMetadata, tables: torch.Tensor, start_pos: torch.Tensor, seq_lens: torch.Tensor):
+    """Under a sliding window each sequence gathers only the pages its rows read (its tables may hold holes):
+    the page ids, every gathered key's position, and which keys are attention sinks (kernels/window.py)."""
+    page_ids, key_pos = window_keys(start_pos.tolist(), seq_lens.tolist(), tables, meta.window, meta.sinks,
+                                    meta.page_size)
+    return page_ids, key_pos, (key_pos < meta.sinks)[:, None, None, :] if meta.sinks else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -154,9 +170,10 @@ class ReferenceBackend:
         return argmax_logsumexp(logits)
 
     def qkv_attention(self, qkv, cos, sin, kv_cache, meta, state, scale: float, num_heads: int,
-                      num_kv_heads: int, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                      num_kv_heads: int, kv_scales: torch.Tensor | None = None, sink_rope=None) -> torch.Tensor:
         q, k, v = rope_split(qkv, cos, sin, num_heads, num_kv_heads)
-        return self.forward(q, k, v, kv_cache, meta, state, scale, kv_scales)
+        write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
+        return self.attend(q, kv_cache, state, scale, kv_scales, sink_query(qkv, sink_rope, num_heads))
 
     def prepare(self, meta: AttentionMetadata) -> ReferenceState:
         q_lens = meta.q_lens.tolist()
@@ -179,24 +196,38 @@ class ReferenceBackend:
         state: ReferenceState,
         scale: float,
         kv_scales: torch.Tensor | None = None,
+        q_sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
-        return self.attend(q, kv_cache, state, scale, kv_scales)
+        return self.attend(q, kv_cache, state, scale, kv_scales, q_sink)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, state: ReferenceState, scale: float,
-               kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """forward() after its write: the new tokens' K/V are already in their slots."""
+               kv_scales: torch.Tensor | None = None, q_sink: torch.Tensor | None = None) -> torch.Tensor:
+        """forward() after its write: the new tokens' K/V are already in their slots. q_sink: the queries
+        rotated at their in-cache positions, with attention sinks (kernels/window.py)."""
         if len(state.groups) == 1 and state.groups[0].token_index is None:
-            return _attend(q, kv_cache, state.groups[0], scale, kv_scales)
-        return attend_groups(q, kv_cache, state.groups, scale, torch.empty_like(q), kv_scales)
+            return _attend(q, kv_cache, state.groups[0], scale, kv_scales, q_sink)
+        return attend_groups(q, kv_cache, state.groups, scale, torch.empty_like(q), kv_scales, q_sink)
+
+
+def sink_query(qkv: torch.Tensor, sink_rope, num_heads: int) -> torch.Tensor | None:
+    """The fused projection's queries rotated at their in-cache positions (sink_rope's cos and sin), or None
+    without attention sinks."""
+    if sink_rope is None:
+        return None
+    cos, sin = sink_rope
+    head_dim = cos.shape[-1]
+    return apply_rotary(qkv[:, :num_heads * head_dim].reshape(-1, num_heads, head_dim), cos, sin)
 
 
 def attend_groups(q: torch.Tensor, kv_cache: torch.Tensor, groups: list[GroupState], scale: float,
-                  out: torch.Tensor, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor, kv_scales: torch.Tensor | None = None,
+                  q_sink: torch.Tensor | None = None) -> torch.Tensor:
     """Writes each group's attention into its rows of ``out`` (flat tokens, like ``q``) and returns ``out``."""
     for group in groups:  # index_select / index_copy_, not []: a cheaper path on CPU
+        qs = None if q_sink is None else q_sink.index_select(0, group.token_index)
         out.index_copy_(0, group.token_index,
-                        _attend(q.index_select(0, group.token_index), kv_cache, group, scale, kv_scales))
+                        _attend(q.index_select(0, group.token_index), kv_cache, group, scale, kv_scales, qs))
     return out
 
 
@@ -228,20 +259,29 @@ def _gather_dequantised(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, 
     return dequantise(kv, scales.view(kv.shape[:-1]), dtype)
 
 
-def _attend(q: torch.Tensor, kv_cache: torch.Tensor, g: GroupState, scale: float,
-            kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of one group's queries ``q`` [group_tokens, heads, d] over its sequences' pages."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[3]
-    kv = _gather_dequantised(kv_cache, kv_scales, g, q.dtype)
-    kv = kv.view(2, g.num_seqs, g.num_keys, num_kv_heads, head_dim).transpose(2, 3)  # [2, seqs, kv_heads, k, d]
+def _padded(q: torch.Tensor, g: GroupState) -> torch.Tensor:
+    """The group's flat queries as [num_seqs, heads, max_q_len, d]."""
+    _, num_heads, head_dim = q.shape
     if g.padded:
         q_pad = q.new_zeros((g.num_seqs * g.max_q_len, num_heads, head_dim))
         q_pad.index_copy_(0, g.q_index, q)
     else:  # every sequence has max_q tokens (e.g. a pure decode batch): no scatter needed
         q_pad = q
-    q_pad = q_pad.view(g.num_seqs, g.max_q_len, num_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q_pad, kv[0], kv[1], attn_mask=g.additive_mask(q.dtype), scale=scale,
-                                         enable_gqa=True)
+    return q_pad.view(g.num_seqs, g.max_q_len, num_heads, head_dim).transpose(1, 2)
+
+
+def _attend(q: torch.Tensor, kv_cache: torch.Tensor, g: GroupState, scale: float,
+            kv_scales: torch.Tensor | None = None, q_sink: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one group's queries ``q`` [group_tokens, heads, d] over its sequences' pages."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    kv = _gather_dequantised(kv_cache, kv_scales, g, q.dtype)
+    kv = kv.view(2, g.num_seqs, g.num_keys, num_kv_heads, head_dim).transpose(2, 3)  # [2, seqs, kv_heads, k, d]
+    q_pad = _padded(q, g)
+    if g.sink_keys is not None:
+        out = sink_attention(q_pad, _padded(q_sink, g), kv[0], kv[1], g.additive_mask(q.dtype), g.sink_keys, scale)
+    else:
+        out = F.scaled_dot_product_attention(q_pad, kv[0], kv[1], attn_mask=g.additive_mask(q.dtype), scale=scale,
+                                             enable_gqa=True)
     out = out.transpose(1, 2).reshape(g.num_seqs * g.max_q_len, num_heads, head_dim)  # [seqs * max_q, heads, d]
     return out.index_select(0, g.q_index) if g.padded else out

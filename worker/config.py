@@ -35,6 +35,7 @@ class ModelConfig:
     rope_scaling: dict | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    sliding_window: int = 0  # every layer attends to the last W positions (Mistral; Qwen2's use_sliding_window)
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
@@ -64,6 +65,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling(raw),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            sliding_window=_sliding_window(raw, model_type),
         )
 
     @classmethod
@@ -74,6 +76,48 @@ class ModelConfig:
         """Exact KV-cache bytes of one token: K and V, every layer, every KV head, elements and per-head scale
         (kvserve kv-mem's formula)."""
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes, scale_bytes)
+
+
+def _sliding_window(raw: dict, model_type: str) -> int:
+    """The window every layer attends with (0: full attention). A layout of full and sliding layers mixed
+    (Qwen2's max_window_layers, a layer_types list of both kinds) is refused: it would be served wrongly."""
+    window = raw.get("sliding_window")
+    if model_type == "llama" or (model_type == "qwen2" and not raw.get("use_sliding_window", False)):
+        window = None  # their HF models ignore the field
+    kinds = set(raw.get("layer_types") or [])
+    if model_type == "qwen2" and window and not kinds:
+        first = int(raw.get("max_window_layers", 0))  # HF Qwen2: layers from this index on slide
+        kinds = {"sliding_attention"} if first == 0 else \
+            {"full_attention"} | ({"sliding_attention"} if first < int(raw["num_hidden_layers"]) else set())
+    if kinds - {"full_attention", "sliding_attention"}:
+        raise UnsupportedModel(f"layer_types {sorted(kinds)} are not supported; only full_attention and "
+                               "sliding_attention")
+    if len(kinds) > 1 and window:
+        raise UnsupportedModel("this model mixes full-attention and sliding-window layers; kvserve serves one "
+                               "attention layout for every layer")
+    if kinds == {"full_attention"} or not window:
+        return 0
+    if int(window) <= 0:
+        raise UnsupportedModel(f"sliding_window must be > 0, got {window}")
+    return int(window)
+
+
+def resolve_window(model: ModelConfig, sliding_window: int, sinks: int, page_size: int) -> tuple[int, int]:
+    """The (window, sinks) a worker serves: the model's own window, or --sliding-window for a model trained
+    with full attention (with --attention-sinks, StreamingLLM). Raises ValueError on a bad combination."""
+    if sliding_window < 0 or sinks < 0:
+        raise ValueError(f"--sliding-window and --attention-sinks must be positive, got {sliding_window} and {sinks}")
+    window = model.sliding_window
+    if sliding_window:
+        if window and sliding_window != window:
+            raise ValueError(f"the model declares sliding_window {window}; --sliding-window {sliding_window} "
+                             "would serve it wrongly (leave it out)")
+        window = sliding_window
+    if sinks and not window:
+        raise ValueError("--attention-sinks needs --sliding-window (the window kept beside the sinks)")
+    if window and window < page_size:
+        raise ValueError(f"a sliding window of {window} tokens is smaller than a page ({page_size} tokens)")
+    return window, sinks
 
 
 def _rope_scaling(raw: dict) -> dict | None:

@@ -67,8 +67,8 @@ class LlamaDecoder:
         self.backend = backend
         self.linear = backend.linear
         device = weights.lm_head.device
-        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = cos_sin_table(inv_freq, cfg.max_position_embeddings)
+        self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = cos_sin_table(self.inv_freq, cfg.max_position_embeddings)
         self.cos, self.sin = cos.to(device), sin.to(device)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -84,14 +84,18 @@ class LlamaDecoder:
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = embedding(token_ids, self.weights)  # the residual stream: updated in place by add_rms_norm_
         dtype = x.dtype
+        if meta.max_seq_len > self.cos.shape[0]:  # attention sinks: positions past the model's context
+            self._grow_rope(meta.max_seq_len)
         cos = self.cos[meta.positions].to(dtype)
         sin = self.sin[meta.positions].to(dtype)
+        sink_rope = None if meta.sink_positions is None else \
+            (self.cos[meta.sink_positions].to(dtype), self.sin[meta.sink_positions].to(dtype))
         state = self.backend.prepare(meta)
         b, eps, layers = self.backend, self.cfg.rms_norm_eps, self.weights.layers
         h = b.rms_norm(x, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
             scales = None if kv_scales is None else kv_scales[i]
-            h = b.add_rms_norm_(x, self._attention(h, layer, cos, sin, kv_cache[i], scales, meta, state),
+            h = b.add_rms_norm_(x, self._attention(h, layer, cos, sin, kv_cache[i], scales, meta, state, sink_rope),
                                 layer.post_norm, eps)
             following = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.final_norm
             h = b.add_rms_norm_(x, self._mlp(h, layer), following, eps)
@@ -101,11 +105,24 @@ class LlamaDecoder:
         """[n, hidden] -> [n, vocab] in fp32."""
         return self.linear(hidden, self.weights.lm_head).float()
 
-    def _attention(self, x, layer: LayerWeights, cos, sin, kv_cache, kv_scales, meta, state) -> torch.Tensor:
+    def _grow_rope(self, positions: int) -> None:
+        """Extends the cos/sin tables to cover ``positions`` (doubling; the first rows stay the same floats)."""
+        size = self.cos.shape[0]
+        while size < positions:
+            size *= 2
+        cos, sin = cos_sin_table(self.inv_freq, size)
+        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+
+    def _attention(self, x, layer: LayerWeights, cos, sin, kv_cache, kv_scales, meta, state,
+                   sink_rope) -> torch.Tensor:
         cfg = self.cfg
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)
-        out = self.backend.qkv_attention(qkv, cos, sin, kv_cache, meta, state, self.scale, cfg.num_heads,
-                                         cfg.num_kv_heads, kv_scales)
+        if sink_rope is None:  # the backends' signature without attention sinks
+            out = self.backend.qkv_attention(qkv, cos, sin, kv_cache, meta, state, self.scale, cfg.num_heads,
+                                             cfg.num_kv_heads, kv_scales)
+        else:
+            out = self.backend.qkv_attention(qkv, cos, sin, kv_cache, meta, state, self.scale, cfg.num_heads,
+                                             cfg.num_kv_heads, kv_scales, sink_rope=sink_rope)
         return self.linear(out.reshape(-1, self.q_size), layer.o)
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:

@@ -18,7 +18,7 @@ from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
 from kvserve.kernels.backends import get_backend
 from kvserve.kernels.kv_quant import FORMAT_OF_DTYPE, KVFormat, kv_format
 from kvserve.kernels.paged_attention import build_metadata
-from kvserve.worker.config import ModelConfig
+from kvserve.worker.config import ModelConfig, resolve_window
 from kvserve.worker.kv_pool import allocate_pool, allocate_scales, size_pool
 from kvserve.worker.model import LlamaDecoder
 from kvserve.worker.sampler import sample
@@ -26,6 +26,9 @@ from kvserve.worker.validate import validate_batch
 from kvserve.worker.weights import load_weights, model_fingerprint
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
+# With attention sinks the positions a model sees stay below sinks + window however long a request runs, so a
+# worker takes requests of any length: its max_model_len is this (an int32 field on the wire).
+MAX_SINK_POSITIONS = (1 << 31) - 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,6 +45,8 @@ class RunnerConfig:
     max_step_tokens: int = 16384
     kv_cache_dtype: str = "auto"  # "auto" = the model dtype; or a name in kernels/kv_quant.py's FORMATS
     kv_scales: str = "token_head"  # scales of a quantised cache: "token_head" (stored per token, kv head) or "tensor"
+    sliding_window: int = 0  # attend to the last W positions (0: the model's own window, if it has one)
+    attention_sinks: int = 0  # with sliding_window: the first S tokens stay visible (StreamingLLM)
 
 
 def resolve_kv_format(kv_cache_dtype: str, dtype: torch.dtype) -> KVFormat:
@@ -75,6 +80,8 @@ class ModelRunner:
         self._compute = compute or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-compute")
         self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
         self.model_cfg = ModelConfig.from_folder(cfg.model_dir)
+        self.window, self.sinks = resolve_window(self.model_cfg, cfg.sliding_window, cfg.attention_sinks,
+                                                 cfg.page_size)
         budget = cfg.kv_cache_bytes
         if budget is None and cfg.num_pages is None:
             budget = DEFAULT_KV_CACHE_BYTES
@@ -109,7 +116,8 @@ class ModelRunner:
             kv_dtype=s.fmt.name, kv_scales=s.kv_scales, bytes_per_token=s.bytes_per_token,
             pool_bytes=s.pool_bytes, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
             num_heads=m.num_heads, head_dim=m.head_dim, vocab_size=m.vocab_size,
-            max_model_len=m.max_position_embeddings, eos_token_ids=m.eos_token_ids,
+            max_model_len=MAX_SINK_POSITIONS if self.sinks else m.max_position_embeddings,
+            eos_token_ids=m.eos_token_ids,
             device=str(self.device), attention_backend=self.model.backend.name,
         )
 
@@ -119,7 +127,8 @@ class ModelRunner:
             raise StaleEpoch(f"step addressed epoch {batch.epoch}, but this worker is epoch {self.epoch}")
         info = self.info
         validate_batch(batch, vocab_size=info.vocab_size, num_pages=info.num_pages, page_size=info.page_size,
-                       max_model_len=info.max_model_len, max_step_tokens=self.cfg.max_step_tokens)
+                       max_model_len=info.max_model_len, max_step_tokens=self.cfg.max_step_tokens,
+                       window=self.window, sinks=self.sinks)
         t0 = time.perf_counter()
         sampled = self.call(self._run, batch)
         ms = (time.perf_counter() - t0) * 1000
@@ -128,7 +137,8 @@ class ModelRunner:
     def _run(self, batch: StepBatch):
         items = batch.items
         meta = build_metadata([i.start_pos for i in items], [len(i.token_ids) for i in items],
-                              [list(i.page_table) for i in items], self.pool_size.page_size, self.device)
+                              [list(i.page_table) for i in items], self.pool_size.page_size, self.device,
+                              self.window, self.sinks)
         tokens = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.int64, device=self.device)
         hidden = self.model.forward(tokens, meta, self.kv_cache, self.kv_scales)
         rows = [r for r, i in enumerate(items) if i.sample]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from kvserve.common.errors import InvalidRequest
-from kvserve.common.pages import num_pages_for
+from kvserve.common.pages import HOLE, num_pages_for
 from kvserve.common.tokens import check_token_ids
 from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
 
@@ -13,8 +13,9 @@ MAX_TOP_LOGPROBS = 20
 
 
 def validate_batch(batch: StepBatch, *, vocab_size: int, num_pages: int, page_size: int,
-                   max_model_len: int, max_step_tokens: int) -> None:
-    """Raises InvalidRequest naming the first problem found."""
+                   max_model_len: int, max_step_tokens: int, window: int = 0, sinks: int = 0) -> None:
+    """Raises InvalidRequest naming the first problem found. With a sliding window (kernels/window.py) a page
+    table may hold HOLEs where no position of the item is read or written."""
     if not batch.items:
         raise InvalidRequest("empty batch: a step needs at least one item")
     seen: set[str] = set()
@@ -22,14 +23,15 @@ def validate_batch(batch: StepBatch, *, vocab_size: int, num_pages: int, page_si
         if item.req_id in seen:
             raise InvalidRequest(f"duplicate req_id {item.req_id!r} in one step")
         seen.add(item.req_id)
-        _check_item(item, vocab_size, num_pages, page_size, max_model_len)
+        _check_item(item, vocab_size, num_pages, page_size, max_model_len, window, sinks)
     num_tokens = sum(len(i.token_ids) for i in batch.items)
     if num_tokens > max_step_tokens:
         raise InvalidRequest(f"step has {num_tokens} tokens; this worker takes at most {max_step_tokens}")
     _check_no_shared_slots(batch.items, page_size)
 
 
-def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int, max_model_len: int) -> None:
+def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int, max_model_len: int,
+                window: int, sinks: int) -> None:
     where = f"item {item.req_id!r}"
     if not item.req_id:
         raise InvalidRequest("an item has an empty req_id")
@@ -44,15 +46,28 @@ def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int,
             f"{where}: page_table has {len(item.page_table)} pages but positions [0, {item.end_pos}) "
             f"need {pages_needed} of {page_size} tokens"
         )
-    bad = [p for p in item.page_table if not 0 <= p < num_pages]
+    pages = [p for p in item.page_table if p != HOLE] if window else item.page_table
+    bad = [p for p in pages if not 0 <= p < num_pages]
     if bad:
         raise InvalidRequest(f"{where}: page id {bad[0]} is out of range [0, {num_pages})")
-    if len(set(item.page_table)) != len(item.page_table):  # also bounds a table's length by the pool's
+    if window and len(pages) != len(item.page_table):
+        _check_holes(where, item, window, sinks, page_size)
+    if len(set(pages)) != len(pages):  # also bounds a table's length by the pool's
         seen: set[int] = set()
-        twice = next(p for p in item.page_table if p in seen or seen.add(p))
+        twice = next(p for p in pages if p in seen or seen.add(p))
         raise InvalidRequest(f"{where}: page {twice} appears twice in its page_table")
     if item.sample:
         validate_sampling(where, item.sampling)
+
+
+def _check_holes(where: str, item: StepItem, window: int, sinks: int, page_size: int) -> None:
+    """A hole (a page the window released) only where the item neither reads nor writes."""
+    from kvserve.kernels.window import pages_read
+
+    for index in pages_read(item.start_pos, item.end_pos, window, sinks, page_size):
+        if item.page_table[index] == HOLE:
+            raise InvalidRequest(f"{where}: page_table[{index}] is a hole, but positions {item.start_pos}.."
+                                 f"{item.end_pos - 1} read it (window {window}, sinks {sinks})")
 
 
 def validate_sampling(where: str, p: SamplingParams) -> None:

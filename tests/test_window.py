@@ -1,0 +1,156 @@
+"""Sliding-window attention and attention sinks in the worker (kernels/window.py): a tiny random Mistral with a
+window of 40 tokens generates exactly what HF's MistralForCausalLM does, through chunked prefill and decode,
+with the pages the window leaves behind released as it goes; attention sinks on a tiny Llama match a slow
+StreamingLLM reference, past the model's context; bad settings are refused before anything is allocated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from window_models import paged_logits, run_windowed, save_tiny, streaming_reference_logits
+
+from kvserve.common.pages import max_window_pages, num_pages_for
+from kvserve.worker.runner import ModelRunner, RunnerConfig
+
+WINDOW, PAGE = 40, 16
+PROMPT_LENGTHS = (130, 37, 100)
+NEW_TOKENS = 60
+BACKENDS = ("reference", "cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, model_dir):
+    root = tmp_path_factory.mktemp("tiny")
+    return {"mistral": save_tiny(root / "mistral", "mistral", model_dir, sliding_window=WINDOW),
+            "llama": save_tiny(root / "llama", "llama", model_dir)}
+
+
+def make_runner(folder, backend: str, **kw) -> ModelRunner:
+    return ModelRunner(RunnerConfig(model_dir=folder, num_pages=96, page_size=PAGE, device="cpu", dtype="float32",
+                                    attention_backend=backend, **kw))
+
+
+def hf_model(folder, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True, **overrides)
+    model.generation_config.eos_token_id = None  # the loop here never stops early either
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_generate(model, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_greedy_matches_hf_mistral_and_holds_a_window_of_pages(tiny, backend):
+    runner = make_runner(tiny["mistral"], backend)
+    assert runner.window == WINDOW and runner.sinks == 0  # read from the model's config
+    seqs = run_windowed(runner, prompts(), NEW_TOKENS, budget=48)
+    hf = hf_model(tiny["mistral"])
+    for s in seqs:
+        assert s.output == hf_generate(hf, s.prompt)
+        assert s.most_decode_pages <= num_pages_for(WINDOW, PAGE) + 1  # ceil(W / page_size) + 1
+        assert s.most_pages <= max_window_pages(WINDOW, 0, PAGE, chunk=48)
+        assert len(s.page_table) > num_pages_for(WINDOW, PAGE) + 1  # it did outgrow the window
+
+
+def test_the_window_decides_the_tokens(tiny):
+    """The tiny model is one where the window matters: without it, HF generates other tokens (so the test above
+    would catch a worker that ignored the window)."""
+    windowed, dense = hf_model(tiny["mistral"]), hf_model(tiny["mistral"], sliding_window=None)
+    p = prompts()[0]
+    assert hf_generate(windowed, p) != hf_generate(dense, p)
+
+
+SINKS, SINK_WINDOW = 4, 32
+CHUNKS = [37, 5, 64, 1, 1, 1, 100, 16, 1, 64]  # crossing pages, windows and the sink/window seam; then 64s
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_sinks_match_a_streaming_reference_past_the_models_context(tiny, backend):
+    runner = make_runner(tiny["llama"], backend, sliding_window=SINK_WINDOW, attention_sinks=SINKS)
+    tokens = torch.randint(3, 49152, (1100,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert len(tokens) > runner.model_cfg.max_position_embeddings  # sinks run past the model's context
+    assert runner.info.max_model_len > len(tokens)
+    got = paged_logits(runner, tokens, CHUNKS)
+    hf = hf_model(tiny["llama"])
+    want = streaming_reference_logits(hf, tokens, SINK_WINDOW, SINKS)
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    without_sinks = streaming_reference_logits(hf, tokens[:300], SINK_WINDOW + SINKS, 0)
+    assert (got[:300] - without_sinks).abs().max() > 1e-2 * want.abs().max()  # the sinks change the answer
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"sliding_window": 8}, "smaller than a page"),
+    ({"attention_sinks": 4}, "needs --sliding-window"),
+    ({"sliding_window": -1}, "must be positive"),
+    ({"sliding_window": 64, "attention_sinks": -2}, "must be positive"),
+])
+def test_bad_window_settings_are_refused_before_a_pool_exists(tiny, kw, message):
+    with pytest.raises(ValueError, match=message):
+        make_runner(tiny["llama"], "reference", **kw)
+
+
+def test_a_window_other_than_the_models_is_refused(tiny):
+    with pytest.raises(ValueError, match="declares sliding_window 40"):
+        make_runner(tiny["mistral"], "reference", sliding_window=64)
+
+
+def config(**kw) -> dict:
+    base = {"model_type": "mistral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4}
+    return base | kw
+
+
+@pytest.mark.parametrize(("raw", "window"), [
+    (config(sliding_window=4096), 4096),
+    (config(sliding_window=None), 0),
+    (config(model_type="llama", sliding_window=4096), 0),  # HF's Llama ignores the field
+    (config(model_type="qwen2", sliding_window=4096), 0),  # ... and Qwen2 without use_sliding_window
+    (config(model_type="qwen2", sliding_window=512, use_sliding_window=True, max_window_layers=0), 512),
+    (config(model_type="qwen2", sliding_window=512, use_sliding_window=True, max_window_layers=4), 0),
+    (config(sliding_window=256, layer_types=["sliding_attention"] * 4), 256),
+])
+def test_the_window_a_config_declares(raw, window):
+    from kvserve.worker.config import ModelConfig
+
+    assert ModelConfig.from_dict(raw).sliding_window == window
+
+
+@pytest.mark.parametrize("raw", [
+    config(model_type="qwen2", sliding_window=512, use_sliding_window=True, max_window_layers=2),
+    config(sliding_window=256, layer_types=["full_attention", "sliding_attention"] * 2),
+    config(sliding_window=256, layer_types=["chunked_attention"] * 4),
+])
+def test_a_window_layout_kvserve_would_serve_wrongly_is_refused(raw):
+    from kvserve.worker.config import ModelConfig, UnsupportedModel
+
+    with pytest.raises(UnsupportedModel):
+        ModelConfig.from_dict(raw)
+
+
+def test_holes_are_accepted_only_where_the_window_reads_nothing(tiny):
+    from kvserve.common.errors import InvalidRequest
+    from kvserve.common.pages import HOLE
+    from kvserve.common.wire.worker import StepBatch, StepItem
+
+    runner = make_runner(tiny["mistral"], "reference")
+    prompt = prompts()[0][:64]
+    table = tuple(range(num_pages_for(65, PAGE)))  # 5 pages; a decode at 64 reads 25..64: pages 1 to 4
+    ok = StepItem("a", (prompt[0],), 64, (HOLE, *table[1:]))
+    runner.call(runner._run, StepBatch((StepItem("a", tuple(prompt), 0, table, sample=False),)))
+    assert runner.step(StepBatch((ok,))).sampled[0].req_id == "a"
+    with pytest.raises(InvalidRequest, match=r"page_table\[1\] is a hole"):
+        runner.step(StepBatch((StepItem("a", (prompt[0],), 64, (HOLE, HOLE, *table[2:])),)))
+    dense = make_runner(tiny["llama"], "reference")
+    with pytest.raises(InvalidRequest, match="out of range"):
+        dense.step(StepBatch((ok,)))
