@@ -36,6 +36,18 @@ def releasable_pages(next_pos: int, window: int, sinks: int, page_size: int) -> 
     return range(num_sink_pages(sinks, page_size), first_window_page(next_pos, window, page_size))
 
 
+def window_pages_held(num_tokens: int, window: int, sinks: int, page_size: int) -> int:
+    """Pages a windowed request holds while the step that computes its token at position ``num_tokens - 1``
+    runs, its earlier pages released (``releasable_pages``): its sink pages and the pages of that token's
+    window, ``kvserve kv-mem --page-size --sliding-window --sinks``'s pages per sequence::
+
+        page_size 4, window 6, sinks 2, num_tokens 14: pages 0 (sinks) and 2, 3 (positions 8 .. 13): 3 pages
+    """
+    pages = num_pages_for(num_tokens, page_size)
+    sink_pages = min(num_sink_pages(sinks, page_size), pages)
+    return sink_pages + pages - max(sink_pages, first_window_page(num_tokens - 1, window, page_size))
+
+
 def max_window_pages(window: int, sinks: int, page_size: int, chunk: int = 1) -> int:
     """The most pages a windowed request holds while a step computes ``chunk`` new tokens (1: a decode): the
     sink pages, and the window of the chunk's first token through its last, not page-aligned."""

@@ -154,3 +154,25 @@ def test_holes_are_accepted_only_where_the_window_reads_nothing(tiny):
     dense = make_runner(tiny["llama"], "reference")
     with pytest.raises(InvalidRequest, match="out of range"):
         dense.step(StepBatch((ok,)))
+
+
+def test_kv_mem_counts_the_pages_a_windowed_request_really_holds(tiny):
+    """`kvserve kv-mem --page-size --sliding-window --sinks` for the tiny model's folder equals the pages a live
+    request with sinks holds in its last decode step, for lengths that end on and off a page boundary."""
+    import json
+    import subprocess
+    import sys
+
+    runner = make_runner(tiny["llama"], "reference", sliding_window=SINK_WINDOW, attention_sinks=SINKS)
+    for prompt_len in (90, 103):
+        (s,) = run_windowed(runner, [prompts()[0][:prompt_len]], 23, budget=48)
+        seq_len = prompt_len + 23 - 1  # the last step computes position seq_len - 1 (its token is not fed back)
+        held = sum(p >= 0 for p in s.page_table)
+        out = subprocess.run([sys.executable, "-m", "kvserve.services.cli", "kv-mem", str(tiny["llama"]),
+                              "--seq-len", str(seq_len), "--page-size", str(PAGE), "--sliding-window",
+                              str(SINK_WINDOW), "--sinks", str(SINKS), "--json"], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        assert report["paging"]["pages_per_sequence"] == held
+        assert s.most_decode_pages <= max_window_pages(SINK_WINDOW, SINKS, PAGE)  # the window not page-aligned
+        assert report["tokens_per_sequence"] == SINKS + SINK_WINDOW
