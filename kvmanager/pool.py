@@ -65,7 +65,8 @@ class PagePool:
     def seed_for(self, tenant: str) -> bytes:
         """h_0 of the tenant's prefix chains on this pool (hashing.py)."""
         s = self.spec
-        return namespace_seed(tenant, s.model_fingerprint, s.kv_dtype, s.page_size, s.kv_scales)
+        return namespace_seed(tenant, s.model_fingerprint, s.kv_dtype, s.page_size, s.kv_scales, s.sliding_window,
+                              s.attention_sinks)
 
     def available(self, hit_pages: list[int] = ()) -> int:
         """Pages an allocation could take, not counting cached pages it is about to reuse."""

@@ -24,7 +24,7 @@ OK = pb.PAGE_OP_STATUS_OK
 # -- the kvmanager's side: requests in, answers out -----------------------------------------------------------
 def spec_from_proto(r: pb.RegisterWorkerRequest) -> wire.PoolSpec:
     return wire.PoolSpec(r.worker_id, r.epoch, r.num_pages, r.page_size, r.model_fingerprint, r.kv_dtype,
-                         r.bytes_per_token, r.kv_scales)
+                         r.bytes_per_token, r.kv_scales, r.sliding_window, r.attention_sinks)
 
 
 def register_to_proto(r: wire.RegisterResult) -> pb.RegisterWorkerResponse:

@@ -21,12 +21,14 @@ class PoolSpec:
     kv_dtype: str
     bytes_per_token: int
     kv_scales: str = ""  # a quantised pool's scale scheme ("" for the others); with kv_dtype, the KV format
+    sliding_window: int = 0  # tokens of the attention window; 0 = none. Pages older than it may be released
+    attention_sinks: int = 0  # leading tokens never released (their pages stay with the request); 0 = none
 
     @classmethod
     def of(cls, info: WorkerInfo) -> PoolSpec:
         """The pool a worker's Info describes, as the kvmanager registers it."""
         return cls(info.worker_id, info.epoch, info.num_pages, info.page_size, info.model_fingerprint,
-                   info.kv_dtype, info.bytes_per_token, info.kv_scales)
+                   info.kv_dtype, info.bytes_per_token, info.kv_scales, info.sliding_window, info.attention_sinks)
 
 
 class OpStatus(enum.Enum):

@@ -21,7 +21,7 @@ PAGE_OP_STATUS_STALE_EPOCH: PageOpStatus
 PAGE_OP_STATUS_UNKNOWN_REQUEST: PageOpStatus
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests", "kv_scales")
+    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests", "kv_scales", "sliding_window", "attention_sinks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class RegisterWorkerRequest(_message.Message):
     BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RELEASE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     num_pages: int
@@ -40,7 +42,9 @@ class RegisterWorkerRequest(_message.Message):
     bytes_per_token: int
     release_requests: bool
     kv_scales: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ..., kv_scales: _Optional[str] = ...) -> None: ...
+    sliding_window: int
+    attention_sinks: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("ok", "previous_epoch", "dropped_req_ids", "released_req_ids")
