@@ -68,7 +68,7 @@ def snapshot(mgr: KVManager, volatile: bool = True):
     durable (whether the service would log a call)."""
     pools = {w: (p.spec, tuple(p.ref_cnt), tuple(map(_block, p.block_of)),
                  sorted((h, _block(b)) for h, b in p.index.items()), tuple(p.free), tuple(p.evictable),
-                 p.num_requests, p.num_evicted) for w, p in mgr.pools.items()}
+                 p.num_requests, p.num_evicted, p.num_window_released) for w, p in mgr.pools.items()}
 
     def reqs(d):
         return {k: (r.tenant, r.worker_id, r.epoch, tuple(r.page_table), r.seed, tuple(r.block_hashes),

@@ -8,10 +8,35 @@ their persistence (call log replay, snapshots, recovery).
 
 from __future__ import annotations
 
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
 from kvserve.common.convert import pages as page_cv
 from kvserve.common.convert import worker as worker_cv
-from kvserve.common.wire.pages import PoolSpec
+from kvserve.common.errors import InvalidRequest
+from kvserve.common.pages import HOLE
+from kvserve.common.wire.pages import (
+    OpStatus,
+    PageAllocation,
+    PageCommit,
+    PageExtension,
+    PageFree,
+    PageRelease,
+    PoolSpec,
+    StepOps,
+    StepResults,
+)
 from kvserve.common.wire.worker import WorkerInfo
+from kvserve.kvmanager.errors import StaleStep, UnknownRequest
+from kvserve.kvmanager.hashing import chain_hashes
+from kvserve.kvmanager.invariants import check_invariants
+from kvserve.kvmanager.manager import KVManager
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kvmanager_soak import snapshot  # noqa: E402
 
 PS = 4  # page size
 
@@ -30,3 +55,216 @@ def test_a_windowed_pools_spec_crosses_the_wire_from_worker_info_to_registration
     dense = WorkerInfo("w1", 1, "llama", "fp", PS, 16, "float32", 100, 100 * PS * 16, 2, 2, 4, 8, 1000, 4096,
                        (2,), "cpu", "reference")
     assert page_cv.spec_from_proto(page_cv.spec_to_proto(PoolSpec.of(dense))).sliding_window == 0
+
+
+# -- releases in the domain -------------------------------------------------------------------------------------
+def wspec(worker="w0", epoch=1, num_pages=12, window=8, sinks=4) -> PoolSpec:
+    return PoolSpec(worker, epoch, num_pages, PS, "fp", "float32", 100, "", window, sinks)
+
+
+def mgr_with(*specs) -> KVManager:
+    m = KVManager()
+    for s in specs or (wspec(),):
+        m.register_worker(s)
+    return m
+
+
+def step(m: KVManager, step_id=0, **ops) -> StepResults:
+    """One call, then the invariants (hole-aware) in full."""
+    out = m.step(StepOps(step_id, **{k: tuple(v) for k, v in ops.items()}))
+    check_invariants(m)
+    return out
+
+
+def alloc(m, req_id, tokens, tenant="t", worker="w0", step_id=0):
+    return step(m, step_id, allocations=[PageAllocation(req_id, tenant, tuple(tokens), worker)]).allocations[0]
+
+
+def commit(m, req_id, start, tokens, computed=None, step_id=0):
+    op = PageCommit(req_id, start, tuple(tokens), computed if computed is not None else start + len(tokens))
+    return step(m, step_id, commits=[op]).commits[0]
+
+
+def release(m, req_id, *indices, step_id=0):
+    return step(m, step_id, releases=[PageRelease(req_id, indices)]).releases[0]
+
+
+PROMPT = tuple(range(100, 118))  # 18 tokens: 4 full pages and 2 tokens of a fifth
+
+
+def test_a_release_makes_holes_its_committed_pages_join_the_lru_still_indexed_and_they_still_hit():
+    m = mgr_with()
+    pool = m.pools["w0"]
+    assert alloc(m, "a", PROMPT).page_table == [0, 1, 2, 3, 4]
+    commit(m, "a", 0, PROMPT[:16], computed=18)  # blocks in pages 0..3
+    r = release(m, "a", 1, 2)
+    assert (r.status, r.num_released) == (OpStatus.OK, 2)
+    assert m.requests["a"].page_table == [0, HOLE, HOLE, 3, 4]
+    assert pool.ref_cnt[:5] == [1, 0, 0, 1, 1] and list(pool.evictable) == [1, 2]  # in the order given
+    assert list(pool.free) == list(range(5, 12)) and pool.num_window_released == 2
+    assert pool.block_of[1] is not None and pool.block_of[1].block_index == 1  # still indexed
+    assert (pool.num_used, pool.num_cached, pool.num_free) == (3, 2, 7)
+    # an uncommitted page goes to the free list's end
+    assert alloc(m, "b", range(500, 513)).page_table == [5, 6, 7, 8]
+    assert release(m, "b", 1).num_released == 1 and list(pool.free)[-1] == 6
+    # the same prompt hits all 4 blocks: pages 0 and 3 held by a, 1 and 2 taken back from the LRU
+    c = alloc(m, "c", PROMPT)
+    assert c.num_cached_tokens == 16 and c.page_table == [0, 1, 2, 3, 9]
+    assert pool.ref_cnt[:4] == [2, 1, 1, 2] and not pool.evictable and pool.num_window_released == 3
+
+
+def test_a_retried_release_returns_the_remembered_answer_and_a_hole_released_again_releases_nothing():
+    m = mgr_with()
+    alloc(m, "a", PROMPT, step_id=1)
+    first = release(m, "a", 1, 2, step_id=2)
+    before = (list(m.pools["w0"].ref_cnt), list(m.pools["w0"].free), list(m.pools["w0"].evictable))
+    assert release(m, "a", 1, 2, step_id=2) == first  # the retry: answered from memory
+    assert (list(m.pools["w0"].ref_cnt), list(m.pools["w0"].free), list(m.pools["w0"].evictable)) == before
+    assert m.requests["a"].last_ops["release"] == (2, first)
+    again = release(m, "a", 1, 2, step_id=3)  # a new call naming holes: idempotent, nothing released
+    assert (again.status, again.num_released) == (OpStatus.OK, 0) and m.pools["w0"].num_window_released == 2
+    with pytest.raises(StaleStep, match="older than step 3"):
+        release(m, "a", 3, step_id=2)
+
+
+def test_a_free_of_a_request_with_holes_releases_only_the_pages_it_still_holds_tail_first():
+    m = mgr_with()
+    alloc(m, "a", PROMPT)
+    commit(m, "a", 0, PROMPT[:16], computed=18)
+    release(m, "a", 1, 2)
+    step(m, frees=[PageFree("a")])  # pool.release would assert on a page released twice
+    pool = m.pools["w0"]
+    assert list(pool.evictable) == [1, 2, 3, 0] and list(pool.free)[-1] == 4 and not any(pool.ref_cnt)
+    assert pool.num_requests == 0 and "a" not in m.requests
+
+
+def test_a_late_commit_of_released_pages_extends_the_chain_without_caching_their_blocks():
+    m = mgr_with()
+    pool = m.pools["w0"]
+    alloc(m, "a", PROMPT)
+    commit(m, "a", 0, PROMPT[:4], computed=18)
+    release(m, "a", 1, 2)  # uncommitted: to the free list
+    assert list(pool.free)[-2:] == [1, 2]
+    r = commit(m, "a", 4, PROMPT[4:16], computed=18)
+    assert r.num_committed_tokens == 16
+    hashes = chain_hashes(pool.seed_for("t"), PROMPT[:16], PS)
+    assert m.requests["a"].block_hashes == hashes  # the whole chain: block 3's hash depends on blocks 1 and 2
+    assert {b.page_id: b.block_index for b in pool.index.values()} == {0: 0, 3: 3}
+    assert pool.index[hashes[3]].parent_hash == hashes[2]
+    assert pool.block_of[1] is None and pool.block_of[2] is None  # pages 1 and 2 may hold anything by now
+    # the chain walk stops at the first block not cached: only page 0 hits, though block 3 is indexed
+    assert alloc(m, "b", PROMPT).num_cached_tokens == 4
+
+
+def test_a_hit_never_uses_an_evicted_middle_block_of_a_released_request():
+    m = mgr_with()
+    pool = m.pools["w0"]
+    alloc(m, "a", PROMPT)
+    commit(m, "a", 0, PROMPT[:16], computed=18)
+    release(m, "a", 1, 2)  # LRU [1, 2]
+    # 8 pages: the 7 free ones, then the LRU head, page 1: block 1 is evicted, block 2 stays cached
+    c = alloc(m, "c", range(700, 732))
+    assert c.page_table == [5, 6, 7, 8, 9, 10, 11, 1] and pool.num_evicted == 1
+    hashes = chain_hashes(pool.seed_for("t"), PROMPT[:16], PS)
+    assert hashes[1] not in pool.index and pool.index[hashes[2]].page_id == 2
+    step(m, frees=[PageFree("c")])
+    d = alloc(m, "d", PROMPT)
+    assert d.num_cached_tokens == 4 and d.page_table[0] == 0 and 2 not in d.page_table  # block 0 only
+    assert pool.ref_cnt[2] == 0 and 2 in pool.evictable
+
+
+def test_in_one_step_a_page_committed_then_released_lands_in_the_lru_indexed():
+    m = mgr_with()
+    pool = m.pools["w0"]
+    alloc(m, "a", PROMPT)
+    out = step(m, 1, commits=[PageCommit("a", 0, PROMPT[:16], 18)], releases=[PageRelease("a", (1, 2))],
+               extensions=[PageExtension("a", 21)])
+    assert out.commits[0].num_committed_tokens == 16 and out.releases[0].num_released == 2
+    assert out.extensions[0].new_page_ids == [5]  # the free list first
+    assert list(pool.evictable) == [1, 2] and [pool.block_of[p].block_index for p in (1, 2)] == [1, 2]
+    assert m.requests["a"].page_table == [0, HOLE, HOLE, 3, 4, 5]
+
+
+def test_pages_released_in_a_step_serve_its_extensions_and_allocations():
+    m = mgr_with(wspec(num_pages=6))
+    prompt = tuple(range(100, 121))  # 21 tokens: all 6 pages
+    assert alloc(m, "a", prompt).page_table == [0, 1, 2, 3, 4, 5]
+    out = step(m, 1, commits=[PageCommit("a", 0, prompt[:20], 21)], releases=[PageRelease("a", (1, 2))],
+               extensions=[PageExtension("a", 25)], allocations=[PageAllocation("b", "t", (1, 2, 3), "w0")])
+    # released before the extension and the allocation take pages: the LRU head (page 1), then page 2
+    assert (out.extensions[0].status, out.extensions[0].new_page_ids) == (OpStatus.OK, [1])
+    assert (out.allocations[0].status, out.allocations[0].page_table) == (OpStatus.OK, [2])
+    assert m.pools["w0"].num_evicted == 2 and m.requests["a"].page_table == [0, HOLE, HOLE, 3, 4, 5, 1]
+
+
+def test_sink_pages_round_up_to_whole_pages():
+    m = mgr_with(wspec(sinks=5))  # 5 sink tokens: pages 0 and 1
+    alloc(m, "a", PROMPT)
+    assert m.pools["w0"].num_sink_pages == 2
+    with pytest.raises(InvalidRequest, match="page index 1 holds a sink and cannot be released"):
+        release(m, "a", 1)
+    assert release(m, "a", 2).num_released == 1
+    m = mgr_with(wspec(sinks=0))  # a window without sinks: page 0 may go
+    alloc(m, "a", PROMPT)
+    assert release(m, "a", 0).num_released == 1 and m.requests["a"].page_table[0] == HOLE
+
+
+def test_a_release_of_a_request_whose_epoch_was_replaced_answers_stale_epoch():
+    m = mgr_with()
+    alloc(m, "a", PROMPT)
+    m.register_worker(wspec(epoch=2))
+    r = release(m, "a", 1)
+    assert r.status is OpStatus.STALE_EPOCH and r.num_released == 0
+    assert m.stale["a"].page_table == [0, 1, 2, 3, 4] and m.pools["w0"].num_window_released == 0
+
+
+BAD = [
+    (dict(releases=[PageRelease("live", (5,))]), InvalidRequest, "page index 5 is outside its page table [0, 5)"),
+    (dict(releases=[PageRelease("live", (-1,))]), InvalidRequest, "page index -1 is outside"),
+    (dict(releases=[PageRelease("live", (0,))]), InvalidRequest, "page index 0 holds a sink and cannot be released"),
+    (dict(releases=[PageRelease("live", (4,))]), InvalidRequest, "page index 4 is the last page of its table"),
+    (dict(releases=[PageRelease("live", (1, 2, 1))]), InvalidRequest, "a page index appears twice"),
+    (dict(releases=[PageRelease("dense", (0,))]), InvalidRequest,
+     "pool 'w1' has no sliding window: nothing to release"),
+    (dict(releases=[PageRelease("ghost", (1,))]), UnknownRequest, "'ghost' is not live"),
+    (dict(releases=[PageRelease("live", (1,)), PageRelease("live", (2,))]), InvalidRequest,
+     "'live' appears twice in releases"),
+    (dict(releases=[PageRelease("live", (1,))], frees=[PageFree("live")]), InvalidRequest, "another list"),
+    (dict(releases=[PageRelease("live", (1,))], allocations=[PageAllocation("live", "t", (1,), "w0")]),
+     InvalidRequest, "another list"),
+]
+
+
+@pytest.mark.parametrize("ops,error,message", BAD, ids=[b[2] for b in BAD])
+def test_a_bad_release_is_rejected_with_a_clear_message_and_changes_nothing(ops, error, message):
+    m = mgr_with(wspec(), PoolSpec("w1", 1, 8, PS, "fp", "float32", 100))
+    alloc(m, "live", PROMPT)
+    alloc(m, "other", range(300, 310))
+    alloc(m, "dense", PROMPT, worker="w1")
+    release(m, "live", 1)  # a hole already
+    ops = {**ops, "releases": [*ops.get("releases", ()), PageRelease("other", (1,))]}  # a valid op in the call
+    before = snapshot(m)
+    with pytest.raises(error, match=re.escape(message)):
+        m.step(StepOps(7, **{k: tuple(v) for k, v in ops.items()}))
+    assert snapshot(m) == before
+
+
+def test_a_streaming_request_decodes_far_past_the_pool_holding_only_its_sinks_and_window():
+    """A 6-page pool (24 token slots), window 8, one sink page: 100 tokens decode, one extension per token, the
+    pages wholly older than the window released as they fall out of it."""
+    m = mgr_with(wspec(num_pages=6))
+    alloc(m, "s", range(1, 6), step_id=1)  # 5 prompt tokens
+    pool, window = m.pools["w0"], 8
+    for n in range(5, 100):  # n tokens computed; this step computes token n, which attends [n + 1 - window, n]
+        table = m.requests["s"].page_table
+        old = [j for j in range(pool.num_sink_pages, len(table) - 1)
+               if (j + 1) * PS <= n + 1 - window and table[j] != HOLE]
+        out = step(m, n, releases=[PageRelease("s", tuple(old))] if old else [],
+                   extensions=[PageExtension("s", n + 1)])
+        assert out.extensions[0].status is OpStatus.OK
+        held = [p for p in m.requests["s"].page_table if p != HOLE]
+        assert len(held) <= pool.num_sink_pages + window // PS + 1  # sinks, the window, the next token's page
+    table = m.requests["s"].page_table
+    # the last step computed token 99 (attending 92..99): pages 1..22 hold only older positions
+    assert len(table) == 25 and table[0] != HOLE and table[1:23] == [HOLE] * 22
+    assert pool.num_window_released == 22 and pool.num_used == 3
