@@ -8,6 +8,7 @@ their persistence (call log replay, snapshots, recovery).
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -34,6 +35,10 @@ from kvserve.kvmanager.errors import StaleStep, UnknownRequest
 from kvserve.kvmanager.hashing import chain_hashes
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.oplog import LoggedStore, _read_binary
+from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.service import KVService
+from kvserve.kvmanager.snapshot_layout import SnapshotLayout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kvmanager_soak import snapshot  # noqa: E402
@@ -268,3 +273,116 @@ def test_a_streaming_request_decodes_far_past_the_pool_holding_only_its_sinks_an
     # the last step computed token 99 (attending 92..99): pages 1..22 hold only older positions
     assert len(table) == 25 and table[0] != HOLE and table[1:23] == [HOLE] * 22
     assert pool.num_window_released == 22 and pool.num_used == 3
+
+
+# -- persistence: the call log, snapshots, recovery --------------------------------------------------------------
+@pytest.fixture
+def redis_url(tmp_path):
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        yield server.url
+
+
+def windowed_history(svc: KVService) -> None:
+    """Releases of committed and uncommitted pages (one in the step that commits them), a retried release, a
+    window without sinks, an eviction of a released page, a free of a request with holes, a hit stopped by the
+    evicted block, a release answered STALE_EPOCH, and a late commit of a released page. Every call goes through
+    the service (and its store)."""
+    svc.register_worker(wspec("w0"))  # 12 pages, one sink page
+    svc.register_worker(wspec("w1", num_pages=8, sinks=0))
+    r = svc.step(StepOps(1, allocations=(PageAllocation("a", "t", PROMPT, "w0"),
+                                         PageAllocation("b", "t", tuple(range(500, 513)), "w0"),
+                                         PageAllocation("c", "u", tuple(range(900, 910)), "w1"))))
+    assert [x.page_table for x in r.allocations] == [[0, 1, 2, 3, 4], [5, 6, 7, 8], [0, 1, 2]]
+    ops = StepOps(2, commits=(PageCommit("a", 0, PROMPT[:16], 18),), extensions=(PageExtension("a", 21),),
+                  releases=(PageRelease("a", (1, 2)), PageRelease("b", (1,))))
+    first = svc.step(ops)
+    assert [x.num_released for x in first.releases] == [2, 1] and first.extensions[0].new_page_ids == [9]
+    assert svc.step(ops).releases == first.releases  # a retry: answered from memory, applied once
+    assert svc.step(StepOps(3, releases=(PageRelease("c", (0,)),))).releases[0].num_released == 1
+    # e takes the free pages 10, 11, 6, then evicts the LRU head: a's released page 1 (block 1)
+    r = svc.step(StepOps(4, allocations=(PageAllocation("e", "t", tuple(range(700, 716)), "w0"),)))
+    assert r.allocations[0].page_table == [10, 11, 6, 1] and svc.manager.pools["w0"].num_evicted == 1
+    svc.step(StepOps(5, frees=(PageFree("a"),)))
+    r = svc.step(StepOps(6, allocations=(PageAllocation("f", "t", PROMPT, "w0"),)))
+    assert r.allocations[0].num_cached_tokens == 4  # block 0 only: block 1 was evicted
+    svc.register_worker(wspec("w1", epoch=2, num_pages=8, sinks=0))  # c becomes stale
+    assert svc.step(StepOps(7, releases=(PageRelease("c", (1,)),))).releases[0].status is OpStatus.STALE_EPOCH
+    r = svc.step(StepOps(8, commits=(PageCommit("b", 0, tuple(range(500, 512)), 13),)))
+    assert r.commits[0].num_committed_tokens == 12
+    pool = svc.manager.pools["w0"]
+    assert svc.manager.requests["b"].page_table == [5, HOLE, 7, 8] and pool.block_of[5] and pool.block_of[7]
+    assert pool.num_window_released == 3  # a's pages 1 and 2, b's page 6
+    assert svc.manager.pools["w1"].num_window_released == 0  # w1's counter went with its epoch
+
+
+def exact(mgr: KVManager) -> tuple:
+    """Everything a restart must reproduce: the state, the clock, every remembered answer, the free lists'
+    and LRUs' exact order, and the window counters."""
+    orders = {w: (list(p.free), list(p.evictable), p.num_window_released) for w, p in mgr.pools.items()}
+    return snapshot(mgr, clock=True, last_ops=True), orders, dict(mgr.recent)
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["forked", "inline"])
+@pytest.mark.parametrize("snapshot_every", [1000, 4, 1])
+def test_a_restart_reproduces_the_holes_ref_cnts_lru_and_free_list_exactly(redis_url, snapshot_every, background):
+    store = LoggedStore(connect(redis_url), snapshot_every=snapshot_every, background=background)
+    svc = KVService(KVManager(), store)
+    windowed_history(svc)
+    store.wait_snapshot()
+    assert (store.gen == 0) == (snapshot_every == 1000)  # the replay alone, or snapshots holding holes
+    loaded = KVManager()
+    LoggedStore(connect(redis_url)).load(loaded)  # runs check_invariants
+    assert exact(loaded) == exact(svc.manager)
+    # page 6, which b's window released, is e's alone now
+    assert loaded.requests["b"].page_table == [5, HOLE, 7, 8] and loaded.pools["w0"].ref_cnt[6] == 1
+    assert set(loaded.stale["c"].last_ops) == {"allocate", "release"}
+    # the reloaded manager carries on: a retried release is answered from memory, a new one applies
+    again = KVService(loaded, LoggedStore(connect(redis_url)))
+    assert again.step(StepOps(8, commits=(PageCommit("b", 0, tuple(range(500, 512)), 13),))).commits[0] == \
+        svc.manager.requests["b"].last_ops["commit"][1]
+    assert again.step(StepOps(9, releases=(PageRelease("b", (2,)),))).releases[0].num_released == 1
+    assert loaded.pools["w0"].num_window_released == 4 and 7 in loaded.pools["w0"].evictable
+
+
+def test_a_snapshot_stores_holes_as_minus_one_and_recovery_holds_no_page_for_them(redis_url):
+    svc = KVService()  # NullStore: the snapshot is written by the test
+    windowed_history(svc)
+    client = connect(redis_url)
+    SnapshotLayout(client, "snap").write(svc.manager)
+    stored = json.loads(client.get(SnapshotLayout(client, "snap").keys.request("t", "b")))
+    assert stored["page_table"] == [5, -1, 7, 8] and stored["last_ops"]["release"][1]["num_released"] == 1
+    loaded = KVManager()
+    SnapshotLayout(client, "snap").load(loaded)  # recovery derives ref_cnts and lists, then check_invariants
+    pool = loaded.pools["w0"]
+    assert loaded.requests["b"].page_table == [5, HOLE, 7, 8] and pool.ref_cnt[6] == 1  # e's alone
+    assert pool.ref_cnt == svc.manager.pools["w0"].ref_cnt and pool.num_window_released == 3
+    assert sorted(pool.free) == sorted(svc.manager.pools["w0"].free)
+    assert set(pool.evictable) == set(svc.manager.pools["w0"].evictable)
+
+
+def test_a_snapshot_from_before_windows_loads_with_no_window_and_no_releases(redis_url):
+    svc = KVService()
+    svc.register_worker(PoolSpec("w0", 1, 8, PS, "fp", "float32", 100))
+    svc.step(StepOps(1, allocations=(PageAllocation("a", "t", PROMPT[:9], "w0"),)))
+    client, layout = connect(redis_url), SnapshotLayout(connect(redis_url), "old")
+    layout.write(svc.manager)
+    for key, drop in ((layout.keys.counters, "num_window_released"), (layout.keys.pool("w0"), "sliding_window"),
+                      (layout.keys.pool("w0"), "attention_sinks")):
+        value = json.loads(client.get(key))
+        del value[drop]
+        client.set(key, json.dumps(value))
+    loaded = KVManager()
+    layout.load(loaded)
+    assert loaded.pools["w0"].spec == svc.manager.pools["w0"].spec and loaded.pools["w0"].num_window_released == 0
+    assert loaded.requests["a"].page_table == [0, 1, 2]
+
+
+def test_a_step_record_carries_its_releases_only_when_it_has_some(redis_url):
+    client = connect(redis_url)
+    svc = KVService(KVManager(), LoggedStore(client))
+    svc.register_worker(wspec())
+    svc.step(StepOps(1, allocations=(PageAllocation("a", "t", PROMPT, "w0"),)))
+    svc.step(StepOps(2, releases=(PageRelease("a", (2, 1)),)))
+    headers = [json.loads(raw.split(b"\n", 1)[0]) for raw in _read_binary(client, "kvserve:log")]
+    assert "r" not in headers[1] and headers[2]["r"] == [["a", [2, 1]]]
+    assert list(svc.manager.pools["w0"].evictable) == [] and list(svc.manager.pools["w0"].free)[-2:] == [2, 1]
