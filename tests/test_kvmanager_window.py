@@ -13,7 +13,11 @@ import re
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvserve.common.convert import pages as page_cv
 from kvserve.common.convert import worker as worker_cv
@@ -26,6 +30,7 @@ from kvserve.common.wire.pages import (
     PageExtension,
     PageFree,
     PageRelease,
+    PageReleaseResult,
     PoolSpec,
     StepOps,
     StepResults,
@@ -37,8 +42,13 @@ from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore, _read_binary
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.snapshot_layout import SnapshotLayout
+from kvserve.kvmanager.spans import record_op_spans
+from kvserve.services.gateway.errors import KVManagerFailed
+from kvserve.services.gateway.rpc.clients import KVManagerClient
+from kvserve.v1 import kvmanager_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kvmanager_soak import snapshot  # noqa: E402
@@ -386,3 +396,68 @@ def test_a_step_record_carries_its_releases_only_when_it_has_some(redis_url):
     headers = [json.loads(raw.split(b"\n", 1)[0]) for raw in _read_binary(client, "kvserve:log")]
     assert "r" not in headers[1] and headers[2]["r"] == [["a", [2, 1]]]
     assert list(svc.manager.pools["w0"].evictable) == [] and list(svc.manager.pools["w0"].free)[-2:] == [2, 1]
+
+
+# -- over gRPC: the gateway's client, the servicer, the converters ----------------------------------------------
+ADMIN_TOKEN = "window-admin-token"
+
+
+@pytest.fixture
+def served():
+    """A real kvmanager server on a free port, and the gateway's client to it; the invariants hold after."""
+    service = KVService()
+    server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=ADMIN_TOKEN)
+    client = KVManagerClient(f"127.0.0.1:{server.port}", timeout_s=10, retry_for_s=0)
+    try:
+        yield service, client, server.port
+    finally:
+        client.close()
+        server.stop(0)
+        check_invariants(service.manager)
+
+
+def test_releases_cross_the_wire_from_step_ops_to_results_end_to_end(served):
+    service, client, _ = served
+    assert client.register(wspec()).previous_epoch == 0
+    assert service.manager.pools["w0"].spec == wspec()  # the window and the sinks arrived
+    r = client.step_pages(StepOps(1, allocations=(PageAllocation("a", "t", PROMPT, "w0"),)))
+    assert r.allocations[0].page_table == [0, 1, 2, 3, 4]
+    ops = StepOps(2, commits=(PageCommit("a", 0, PROMPT[:16], 18),), releases=(PageRelease("a", (1, 2)),),
+                  extensions=(PageExtension("a", 21),))
+    r = client.step_pages(ops)
+    assert r.releases == [PageReleaseResult("a", OpStatus.OK, 2)] and r.extensions[0].new_page_ids == [5]
+    assert r.pools[0].num_evictable_pages == 2  # the released pages, still cached
+    assert client.step_pages(ops).releases == r.releases  # a retry over the wire: the remembered answer
+    assert service.manager.requests["a"].page_table == [0, HOLE, HOLE, 3, 4, 5]
+    with pytest.raises(KVManagerFailed, match="INVALID_ARGUMENT: release 'a': page index 0 holds a sink"):
+        client.step_pages(StepOps(3, releases=(PageRelease("a", (0,)),)))
+    with pytest.raises(KVManagerFailed, match="NOT_FOUND: request 'ghost' is not live"):
+        client.step_pages(StepOps(3, releases=(PageRelease("ghost", (1,)),)))
+    assert service.manager.requests["a"].page_table == [0, HOLE, HOLE, 3, 4, 5]  # both refused whole
+
+
+def test_a_bad_window_at_registration_is_invalid_argument_over_grpc(served):
+    service, _, port = served
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = kvmanager_pb2_grpc.KVManagerServiceStub(channel)
+        for window, sinks, message in ((0, 4, "needs a sliding_window"), (2, 0, "smaller than a page"),
+                                       (-8, 0, "sliding_window must be >= 0")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.RegisterWorker(page_cv.spec_to_proto(wspec(window=window, sinks=sinks)), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+    assert service.manager.pools == {}
+
+
+def test_a_traced_release_gets_a_span_of_its_own():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    request = page_cv.step_to_request_proto(StepOps(4, releases=(PageRelease("a", (1, 2)), PageRelease("b", (3,)))),
+                                            {"a": parent})
+    results = StepResults(releases=[PageReleaseResult("a", OpStatus.OK, 2), PageReleaseResult("b", OpStatus.OK, 0)])
+    record_op_spans(provider.get_tracer("test"), request, results, 1, 2, 0)
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "kvmanager.release" and span.context.trace_id == int(parent.split("-")[1], 16)
+    assert dict(span.attributes) == {"kvserve.req_id": "a", "kvserve.status": "ok", "kvserve.step_id": 4,
+                                     "kvserve.num_page_indices": 2, "kvserve.num_released": 2}

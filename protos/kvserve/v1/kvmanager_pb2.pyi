@@ -156,19 +156,41 @@ class PageFreeResult(_message.Message):
     status: PageOpStatus
     def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ...) -> None: ...
 
+class PageRelease(_message.Message):
+    __slots__ = ("req_id", "page_indices", "traceparent")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    traceparent: str
+    def __init__(self, req_id: _Optional[str] = ..., page_indices: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class PageReleaseResult(_message.Message):
+    __slots__ = ("req_id", "status", "num_released")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    status: PageOpStatus
+    num_released: int
+    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., num_released: _Optional[int] = ...) -> None: ...
+
 class StepPagesRequest(_message.Message):
-    __slots__ = ("step_id", "allocations", "extensions", "commits", "frees")
+    __slots__ = ("step_id", "allocations", "extensions", "commits", "frees", "releases")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     EXTENSIONS_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
     FREES_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     allocations: _containers.RepeatedCompositeFieldContainer[PageAllocation]
     extensions: _containers.RepeatedCompositeFieldContainer[PageExtension]
     commits: _containers.RepeatedCompositeFieldContainer[PageCommit]
     frees: _containers.RepeatedCompositeFieldContainer[PageFree]
-    def __init__(self, step_id: _Optional[int] = ..., allocations: _Optional[_Iterable[_Union[PageAllocation, _Mapping]]] = ..., extensions: _Optional[_Iterable[_Union[PageExtension, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[PageCommit, _Mapping]]] = ..., frees: _Optional[_Iterable[_Union[PageFree, _Mapping]]] = ...) -> None: ...
+    releases: _containers.RepeatedCompositeFieldContainer[PageRelease]
+    def __init__(self, step_id: _Optional[int] = ..., allocations: _Optional[_Iterable[_Union[PageAllocation, _Mapping]]] = ..., extensions: _Optional[_Iterable[_Union[PageExtension, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[PageCommit, _Mapping]]] = ..., frees: _Optional[_Iterable[_Union[PageFree, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[PageRelease, _Mapping]]] = ...) -> None: ...
 
 class PoolSummary(_message.Message):
     __slots__ = ("worker_id", "epoch", "num_free_pages", "num_evictable_pages")
@@ -183,20 +205,22 @@ class PoolSummary(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_evictable_pages: _Optional[int] = ...) -> None: ...
 
 class StepPagesResponse(_message.Message):
-    __slots__ = ("allocation_results", "extension_results", "commit_results", "free_results", "pools", "handle_ms")
+    __slots__ = ("allocation_results", "extension_results", "commit_results", "free_results", "pools", "handle_ms", "release_results")
     ALLOCATION_RESULTS_FIELD_NUMBER: _ClassVar[int]
     EXTENSION_RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_RESULTS_FIELD_NUMBER: _ClassVar[int]
     FREE_RESULTS_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_RESULTS_FIELD_NUMBER: _ClassVar[int]
     allocation_results: _containers.RepeatedCompositeFieldContainer[PageAllocationResult]
     extension_results: _containers.RepeatedCompositeFieldContainer[PageExtensionResult]
     commit_results: _containers.RepeatedCompositeFieldContainer[PageCommitResult]
     free_results: _containers.RepeatedCompositeFieldContainer[PageFreeResult]
     pools: _containers.RepeatedCompositeFieldContainer[PoolSummary]
     handle_ms: float
-    def __init__(self, allocation_results: _Optional[_Iterable[_Union[PageAllocationResult, _Mapping]]] = ..., extension_results: _Optional[_Iterable[_Union[PageExtensionResult, _Mapping]]] = ..., commit_results: _Optional[_Iterable[_Union[PageCommitResult, _Mapping]]] = ..., free_results: _Optional[_Iterable[_Union[PageFreeResult, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolSummary, _Mapping]]] = ..., handle_ms: _Optional[float] = ...) -> None: ...
+    release_results: _containers.RepeatedCompositeFieldContainer[PageReleaseResult]
+    def __init__(self, allocation_results: _Optional[_Iterable[_Union[PageAllocationResult, _Mapping]]] = ..., extension_results: _Optional[_Iterable[_Union[PageExtensionResult, _Mapping]]] = ..., commit_results: _Optional[_Iterable[_Union[PageCommitResult, _Mapping]]] = ..., free_results: _Optional[_Iterable[_Union[PageFreeResult, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolSummary, _Mapping]]] = ..., handle_ms: _Optional[float] = ..., release_results: _Optional[_Iterable[_Union[PageReleaseResult, _Mapping]]] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("tenant", "packed_token_ids", "num_queued")
