@@ -18,10 +18,12 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import generate_latest
 
 from kvserve.common.convert import pages as page_cv
 from kvserve.common.convert import worker as worker_cv
 from kvserve.common.errors import InvalidRequest
+from kvserve.common.metrics import KVManagerMetrics
 from kvserve.common.pages import HOLE
 from kvserve.common.wire.pages import (
     OpStatus,
@@ -36,6 +38,7 @@ from kvserve.common.wire.pages import (
     StepResults,
 )
 from kvserve.common.wire.worker import WorkerInfo
+from kvserve.kvmanager import admin
 from kvserve.kvmanager.errors import StaleStep, UnknownRequest
 from kvserve.kvmanager.hashing import chain_hashes
 from kvserve.kvmanager.invariants import check_invariants
@@ -46,6 +49,7 @@ from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.snapshot_layout import SnapshotLayout
 from kvserve.kvmanager.spans import record_op_spans
+from kvserve.services.cli import main as cli_main
 from kvserve.services.gateway.errors import KVManagerFailed
 from kvserve.services.gateway.rpc.clients import KVManagerClient
 from kvserve.v1 import kvmanager_pb2_grpc
@@ -461,3 +465,61 @@ def test_a_traced_release_gets_a_span_of_its_own():
     assert span.name == "kvmanager.release" and span.context.trace_id == int(parent.split("-")[1], 16)
     assert dict(span.attributes) == {"kvserve.req_id": "a", "kvserve.status": "ok", "kvserve.step_id": 4,
                                      "kvserve.num_page_indices": 2, "kvserve.num_released": 2}
+
+
+# -- admin: stats, page tables, metrics ------------------------------------------------------------------------
+def admin_cli(capsys, port: int, *args: str):
+    """``kvserve admin ARGS`` in this process against the served kvmanager: (exit code, stdout)."""
+    code = cli_main(["admin", *args, "--kvmanager", f"127.0.0.1:{port}", "--admin-token", ADMIN_TOKEN])
+    return code, capsys.readouterr().out
+
+
+def released_request(client: KVManagerClient) -> None:
+    """Request a on the windowed pool: a sink page, two pages released by its window, two held."""
+    client.register(wspec())
+    client.register(PoolSpec("w1", 1, 8, PS, "fp", "float32", 100))  # a dense pool beside it
+    client.step_pages(StepOps(1, allocations=(PageAllocation("a", "t", PROMPT, "w0"),)))
+    client.step_pages(StepOps(2, commits=(PageCommit("a", 0, PROMPT[:16], 18),),
+                              releases=(PageRelease("a", (1, 2)),)))
+
+
+def test_admin_stats_show_each_pools_window_and_its_released_pages(served, capsys):
+    service, client, port = served
+    released_request(client)
+    code, out = admin_cli(capsys, port, "stats", "--json")
+    pools = {p["worker_id"]: p for p in json.loads(out)["pools"]}
+    assert code == 0
+    assert [(pools[w]["sliding_window"], pools[w]["attention_sinks"], pools[w]["num_window_released_pages"])
+            for w in ("w0", "w1")] == [(8, 4, 2), (0, 0, 0)]
+    assert (pools["w0"]["num_used_pages"], pools["w0"]["num_cached_pages"]) == (3, 2)  # the released, cached
+    code, out = admin_cli(capsys, port, "stats")
+    rows = [line.split() for line in out.splitlines()]
+    assert rows[1][-3:] == ["WINDOW", "SINKS", "WINDOW_RELEASED"]
+    assert rows[2][0] == "w0" and rows[2][-3:] == ["8", "4", "2"] and rows[3][-3:] == ["-", "-", "0"]
+    # the metric, read from the same stats
+    text = generate_latest(KVManagerMetrics(lambda: service.read(admin.stats)).registry).decode()
+    assert 'kvserve:window_released_pages_total{kv_dtype="float32",worker_id="w0"} 2.0' in text
+    assert 'kvserve:window_released_pages_total{kv_dtype="float32",worker_id="w1"} 0.0' in text
+
+
+def test_admin_page_table_shows_holes_as_released_and_sink_pages_as_sinks(served, capsys):
+    service, client, port = served
+    released_request(client)
+    hashes = [h.hex() for h in chain_hashes(service.manager.pools["w0"].seed_for("t"), PROMPT[:16], PS)]
+    code, out = admin_cli(capsys, port, "page-table", "a", "--json")
+    t = json.loads(out)
+    assert code == 0 and t["page_table"] == [0, -1, -1, 3, 4]
+    assert [(p["page_id"], p["kind"], p["ref_cnt"], p["block_hash"]) for p in t["pages"]] == [
+        (0, "sink", 1, hashes[0]), (-1, "released", 0, ""), (-1, "released", 0, ""), (3, "held", 1, hashes[3]),
+        (4, "held", 1, "")]
+    code, out = admin_cli(capsys, port, "page-table", "a")
+    lines = out.splitlines()
+    assert "5 pages of 4 tokens (2 released by its window)" in lines[0]
+    assert lines[1].split() == ["INDEX", "PAGE", "KIND", "REF_CNT", "PINNED", "BLOCK_HASH"]
+    assert [line.split()[:5] for line in lines[2:]] == [
+        ["0", "0", "sink", "1", "no"], ["1", "-", "released", "0", "no"], ["2", "-", "released", "0", "no"],
+        ["3", "3", "held", "1", "no"], ["4", "4", "held", "1", "no"]]
+    # a dense pool's request: every page held, nothing released, no sinks
+    client.step_pages(StepOps(3, allocations=(PageAllocation("d", "t", PROMPT[:9], "w1"),)))
+    code, out = admin_cli(capsys, port, "page-table", "d", "--json")
+    assert [p["kind"] for p in json.loads(out)["pages"]] == ["held"] * 3

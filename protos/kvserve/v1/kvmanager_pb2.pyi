@@ -258,7 +258,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("worker_id", "epoch", "model_fingerprint", "kv_dtype", "page_size", "num_pages", "num_used_pages", "num_cached_pages", "num_free_pages", "num_pinned_pages", "num_requests", "pool_bytes", "used_bytes", "cached_bytes", "kv_scales")
+    __slots__ = ("worker_id", "epoch", "model_fingerprint", "kv_dtype", "page_size", "num_pages", "num_used_pages", "num_cached_pages", "num_free_pages", "num_pinned_pages", "num_requests", "pool_bytes", "used_bytes", "cached_bytes", "kv_scales", "sliding_window", "attention_sinks", "num_window_released_pages")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,9 @@ class PoolStats(_message.Message):
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WINDOW_RELEASED_PAGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     model_fingerprint: str
@@ -289,7 +292,10 @@ class PoolStats(_message.Message):
     used_bytes: int
     cached_bytes: int
     kv_scales: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., kv_scales: _Optional[str] = ...) -> None: ...
+    sliding_window: int
+    attention_sinks: int
+    num_window_released_pages: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., num_window_released_pages: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "num_blocks", "num_pinned_blocks", "num_requests", "prefix_cache_queries", "prefix_cache_hits")
@@ -460,16 +466,18 @@ class GetPageTableRequest(_message.Message):
     def __init__(self, req_id: _Optional[str] = ...) -> None: ...
 
 class PageInfo(_message.Message):
-    __slots__ = ("page_id", "ref_cnt", "block_hash", "pinned")
+    __slots__ = ("page_id", "ref_cnt", "block_hash", "pinned", "kind")
     PAGE_ID_FIELD_NUMBER: _ClassVar[int]
     REF_CNT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     page_id: int
     ref_cnt: int
     block_hash: str
     pinned: bool
-    def __init__(self, page_id: _Optional[int] = ..., ref_cnt: _Optional[int] = ..., block_hash: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    kind: str
+    def __init__(self, page_id: _Optional[int] = ..., ref_cnt: _Optional[int] = ..., block_hash: _Optional[str] = ..., pinned: _Optional[bool] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class GetPageTableResponse(_message.Message):
     __slots__ = ("req_id", "tenant", "worker_id", "epoch", "page_table", "pages", "num_committed_tokens", "num_prompt_tokens", "last_step_id", "page_size")
