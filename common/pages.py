@@ -27,6 +27,13 @@ def first_window_page(pos: int, window: int, page_size: int) -> int:
     return max(0, pos - window + 1) // page_size
 
 
+def pages_read(start_pos: int, end_pos: int, window: int, sinks: int, page_size: int) -> list[int]:
+    """The page indices that queries at ``start_pos .. end_pos - 1`` read, in order: the sink pages, then the
+    first one's window through the last position."""
+    lo = first_window_page(start_pos, window, page_size)
+    return [*range(min(num_sink_pages(sinks, page_size), lo)), *range(lo, num_pages_for(end_pos, page_size))]
+
+
 def releasable_pages(next_pos: int, window: int, sinks: int, page_size: int) -> range:
     """Pages no query from ``next_pos`` on reads: after the sink pages, those wholly before the window of the
     query at ``next_pos``::

@@ -198,11 +198,12 @@ class KVManager:
             return PageAllocationResult(op.req_id, OpStatus.OUT_OF_PAGES, num_pages_short=chosen.num_pages_short)
         hits, seed, spec = chosen.hits, pool.seed_for(op.tenant), pool.spec
         self.stale.pop(op.req_id, None)  # a re-queued request may reuse the id of its dropped incarnation
-        hit_pages = [b.page_id for b in hits]
-        pool.acquire(hit_pages)
+        hit_pages = [HOLE] * len(hits)  # a sliding window's pool: the hits its first chunk does not read stay holes
+        for i in chosen.held:
+            hit_pages[i] = hits[i].page_id
+        pool.acquire([hits[i].page_id for i in chosen.held])
         self._touch(hits)
-        num_pages = num_pages_for(len(op.token_ids), spec.page_size)
-        fresh = pool.allocate(num_pages - len(hits))
+        fresh = pool.allocate(chosen.num_fresh)
         num_cached = len(hits) * spec.page_size
         req = RequestPages(op.req_id, op.tenant, spec.worker_id, spec.epoch, hit_pages + fresh, seed,
                            [b.block_hash for b in hits], len(op.token_ids), num_cached, op.skip_prefix_cache)

@@ -78,8 +78,8 @@ def encode(record: tuple) -> bytes:
     if kind == "step":
         ops: StepOps = record[1]
         body = {"s": ops.step_id,
-                "a": [[a.req_id, a.tenant, a.worker_id, a.skip_prefix_cache, tokens(a.token_ids)]
-                      for a in ops.allocations],
+                "a": [[a.req_id, a.tenant, a.worker_id, a.skip_prefix_cache, tokens(a.token_ids),
+                       *([a.chunk_tokens] if a.chunk_tokens else [])] for a in ops.allocations],
                 "e": [[e.req_id, e.num_tokens] for e in ops.extensions],
                 "c": [[c.req_id, c.start_pos, tokens(c.token_ids), c.num_computed_tokens] for c in ops.commits],
                 "f": [f.req_id for f in ops.frees]}
@@ -139,7 +139,7 @@ def apply(mgr: KVManager, raw: str | bytes) -> None:
     d = json.loads(raw if newline < 0 else raw[:newline])
     if d["k"] == "step":
         tok = _Tokens(raw, newline + 1, d.get("w", 4))
-        allocations = tuple(PageAllocation(r, t, tok(n), w, skip) for r, t, w, skip, n in d["a"])
+        allocations = tuple(PageAllocation(r, t, tok(n), w, skip, *chunk) for r, t, w, skip, n, *chunk in d["a"])
         commits = tuple(PageCommit(r, s, tok(n), c) for r, s, n, c in d["c"])
         mgr.step(StepOps(step_id=d["s"], allocations=allocations,
                          extensions=tuple(PageExtension(r, n) for r, n in d["e"]), commits=commits,

@@ -92,6 +92,10 @@ def _check_allocate(mgr: KVManager, a: PageAllocation, step_id: int) -> None:
     if not a.worker_id:
         raise InvalidRequest(f"{where}: worker_id must name the worker to allocate on (Place chooses it)")
     pool = mgr.pool(a.worker_id)
+    if a.chunk_tokens < 0:
+        raise InvalidRequest(f"{where}: chunk_tokens must be >= 0 (0 = the whole prompt), got {a.chunk_tokens}")
+    if pool.spec.sliding_window and a.chunk_tokens:  # a window's pages at a time: the prompt may outgrow the pool
+        return
     if num_pages_for(len(a.token_ids), pool.spec.page_size) > pool.spec.num_pages:
         raise InvalidRequest(f"{where}: {len(a.token_ids)} tokens need more pages than pool {a.worker_id!r} has")
 

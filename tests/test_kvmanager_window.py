@@ -126,10 +126,11 @@ def test_a_release_makes_holes_its_committed_pages_join_the_lru_still_indexed_an
     # an uncommitted page goes to the free list's end
     assert alloc(m, "b", range(500, 513)).page_table == [5, 6, 7, 8]
     assert release(m, "b", 1).num_released == 1 and list(pool.free)[-1] == 6
-    # the same prompt hits all 4 blocks: pages 0 and 3 held by a, 1 and 2 taken back from the LRU
+    # the same prompt hits all 4 blocks; its first chunk (16, 17) reads the sinks' page 0 and its window 9..17
+    # (pages 2 to 4): it holds pages 0 and 3 with a, takes 2 back from the LRU, and page 1 stays a hole, cached
     c = alloc(m, "c", PROMPT)
-    assert c.num_cached_tokens == 16 and c.page_table == [0, 1, 2, 3, 9]
-    assert pool.ref_cnt[:4] == [2, 1, 1, 2] and not pool.evictable and pool.num_window_released == 3
+    assert c.num_cached_tokens == 16 and c.page_table == [0, HOLE, 2, 3, 9]
+    assert pool.ref_cnt[:4] == [2, 0, 1, 2] and list(pool.evictable) == [1] and pool.num_window_released == 3
 
 
 def test_a_retried_release_returns_the_remembered_answer_and_a_hole_released_again_releases_nothing():
@@ -327,6 +328,9 @@ def windowed_history(svc: KVService) -> None:
     assert svc.manager.requests["b"].page_table == [5, HOLE, 7, 8] and pool.block_of[5] and pool.block_of[7]
     assert pool.num_window_released == 3  # a's pages 1 and 2, b's page 6
     assert svc.manager.pools["w1"].num_window_released == 0  # w1's counter went with its epoch
+    # a prompt longer than w1's pool, admitted with its first chunk's pages (the log must carry chunk_tokens)
+    r = svc.step(StepOps(9, allocations=(PageAllocation("g", "t", tuple(range(2000, 2040)), "w1", chunk_tokens=8),)))
+    assert r.allocations[0].page_table == [0, 1]
 
 
 def exact(mgr: KVManager) -> tuple:
@@ -523,3 +527,18 @@ def test_admin_page_table_shows_holes_as_released_and_sink_pages_as_sinks(served
     client.step_pages(StepOps(3, allocations=(PageAllocation("d", "t", PROMPT[:9], "w1"),)))
     code, out = admin_cli(capsys, port, "page-table", "d", "--json")
     assert [p["kind"] for p in json.loads(out)["pages"]] == ["held"] * 3
+
+
+def test_a_windowed_allocation_holds_only_its_first_chunks_pages_so_a_prompt_may_outgrow_the_pool():
+    """chunk_tokens: the table covers the hit and the first chunk; a prompt of 100 tokens (25 pages) on a pool
+    of 12 pages is admitted with the pages of its first 8 tokens, and nothing past them."""
+    m = mgr_with()
+    pool = m.pools["w0"]
+    long_prompt = tuple(range(1000, 1100))
+    a = step(m, 0, allocations=[PageAllocation("long", "t", long_prompt, "w0", chunk_tokens=8)]).allocations[0]
+    assert a.status is OpStatus.OK and a.page_table == [0, 1] and pool.num_used == 2
+    with pytest.raises(InvalidRequest, match="more pages than pool"):  # without chunk_tokens: the whole prompt
+        step(m, 0, allocations=[PageAllocation("whole", "t", long_prompt, "w0")])
+    with pytest.raises(InvalidRequest, match="chunk_tokens must be >= 0"):
+        step(m, 0, allocations=[PageAllocation("neg", "t", long_prompt, "w0", chunk_tokens=-1)])
+    assert set(m.requests) == {"long"} and pool.num_used == 2  # the refused ones left nothing

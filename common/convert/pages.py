@@ -42,7 +42,7 @@ def unpack_token_ids(where: str, packed: bytes):
 
 def _allocation(a: pb.PageAllocation) -> wire.PageAllocation:
     token_ids = unpack_token_ids(f"allocation {a.req_id!r}", a.packed_token_ids)
-    return wire.PageAllocation(a.req_id, a.tenant, token_ids, a.worker_id, a.skip_prefix_cache)
+    return wire.PageAllocation(a.req_id, a.tenant, token_ids, a.worker_id, a.skip_prefix_cache, a.chunk_tokens)
 
 
 def _commit(c: pb.PageCommit) -> wire.PageCommit:
@@ -122,7 +122,8 @@ def step_to_request_proto(ops: wire.StepOps, traceparents: Mapping[str, str] = N
         step_id=ops.step_id,
         allocations=[pb.PageAllocation(req_id=a.req_id, tenant=a.tenant, worker_id=a.worker_id,
                                        packed_token_ids=le_uint32(a.token_ids),
-                                       skip_prefix_cache=a.skip_prefix_cache, **tp(a)) for a in ops.allocations],
+                                       skip_prefix_cache=a.skip_prefix_cache, chunk_tokens=a.chunk_tokens, **tp(a))
+                     for a in ops.allocations],
         extensions=[pb.PageExtension(**as_kwargs(e), **tp(e)) for e in ops.extensions],
         commits=[pb.PageCommit(req_id=c.req_id, start_pos=c.start_pos, packed_token_ids=le_uint32(c.token_ids),
                                num_computed_tokens=c.num_computed_tokens, **tp(c)) for c in ops.commits],

@@ -44,6 +44,9 @@ class PageAllocation:
     token_ids: tuple[int, ...]
     worker_id: str = ""  # "" = let the kvmanager place it
     skip_prefix_cache: bool = False
+    # A pool with a sliding window: cover the prefix hit and this many positions past it (0: the whole prompt);
+    # hit pages the first chunk does not read stay holes (placement.allocation_plan).
+    chunk_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,20 +59,22 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., previous_epoch: _Optional[int] = ..., dropped_req_ids: _Optional[_Iterable[str]] = ..., released_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PageAllocation(_message.Message):
-    __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent")
+    __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent", "chunk_tokens")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     tenant: str
     worker_id: str
     packed_token_ids: bytes
     skip_prefix_cache: bool
     traceparent: str
-    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    chunk_tokens: int
+    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class PageAllocationResult(_message.Message):
     __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short")
