@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-kvquant bench-long clean
+.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-kvquant bench-long bench-streaming clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -82,6 +82,12 @@ bench-kvquant: model kernels
 # path, and the decodes that run while a 4k-token prompt prefills.
 bench-long: model kernels
 	$(PY) bench/bench_long.py
+
+# StreamingLLM's figure on the default model: log-perplexity over 16k tokens of text for dense attention (to its
+# 8k context), a 1,024-token sliding window, 4 attention sinks + a 1,020 window and recomputation over the last
+# 1,024 tokens; the KV bytes each holds and decode speed with sinks past 16k vs dense at 8k (in-process).
+bench-streaming: model kernels
+	$(PY) bench/bench_streaming.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,357 @@
+"""Sliding windows and attention sinks (StreamingLLM's figure) on the default model: log-perplexity over a long
+text, KV bytes held, and decode speed, in-process.
+
+    python bench/bench_streaming.py [--quick] [--no-recompute] [--out bench/results/streaming-DATE.json]
+                                                                                      # make bench-streaming
+
+  text      the first 16,384 tokens of hf_reference.corpus_token_ids (real English: the docstrings of
+            Python's standard library modules; nothing downloaded)
+  log-PPL   the mean negative log-likelihood (natural log) of each next token, the text fed in order through a
+            ModelRunner (cpu, float32, page size 16) in 256-token chunks, every row's logits computed; before
+            each chunk the pages no query from there on reads are released (page-table HOLEs), as the gateway
+            does (tests/window_models.paged_logits). Four configs:
+              dense       full attention, up to the model's context (8,192 tokens), then stops
+              window      a sliding window of 1,024 tokens, no sinks
+              sinks       4 attention sinks + a window of 1,020 (StreamingLLM)
+              recompute   a fresh dense forward of the 1,024 tokens before a position, scoring only that
+                          position; expensive, so only every 128th position is scored (--no-recompute: skipped)
+            reported per 1,000-token window of the scored positions, and over the positions every config scores
+  KV        the bytes the request holds after each chunk: pages held x page size x the pool's bytes per token.
+            The windowed pools are sized to exactly max_window_pages (common/pages.py), so a request that held
+            more would fail here
+  decode    32 greedy decode steps of one request through runner.step: with sinks after the whole text, and
+            dense at the end of its context (its cache from the log-PPL pass, rewound by 32 tokens: the steps
+            fill positions 8,160 .. 8,191); the median step, as tokens per second
+
+Writes bench/results/streaming-<date>.json (streaming-quick-<date> with --quick), the Markdown table and a PNG
+plot (log-PPL and KV bytes against tokens processed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import hf_reference as hf  # noqa: E402
+from results_io import write_results  # noqa: E402
+
+from kvserve.common.pages import HOLE, max_window_pages, num_pages_for, releasable_pages  # noqa: E402
+from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem  # noqa: E402
+from kvserve.kernels.paged_attention import build_metadata  # noqa: E402
+from kvserve.services.model_store import prepare_default_model  # noqa: E402
+from kvserve.worker.runner import ModelRunner, RunnerConfig  # noqa: E402
+
+PAGE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Sizes:
+    tokens: int = 16384  # of the text
+    window: int = 1024  # the window of `window` and `recompute`; `sinks` keeps sinks + (window - sinks)
+    sinks: int = 4
+    dense_tokens: int = 8192  # dense stops here (or at the model's context, if shorter)
+    chunk: int = 256
+    bucket: int = 1000  # the plot's and table's windows of positions
+    recompute_stride: int = 128
+    decode_steps: int = 32
+
+
+QUICK = Sizes(tokens=3000, window=256, dense_tokens=2048)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    window: int = 0
+    sinks: int = 0
+    recompute: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.recompute:
+            return f"recompute over the last {self.window:,}"
+        if self.sinks:
+            return f"{self.sinks} sinks + window {self.window:,}"
+        return f"window {self.window:,}" if self.window else "dense"
+
+
+def configs(sz: Sizes, recompute: bool) -> list[Config]:
+    out = [Config("dense"), Config("window", sz.window), Config("sinks", sz.window - sz.sinks, sz.sinks)]
+    return out + [Config("recompute", sz.window, recompute=True)] if recompute else out
+
+
+@dataclass
+class Request:
+    """One request's page table over a runner's pool, kept as the gateway keeps it: before each step the pages
+    no query from the next position on reads become holes, and their pages go back to the free list."""
+
+    runner: ModelRunner
+    free: list[int]
+    table: list[int] = field(default_factory=list)
+    at: int = 0  # tokens computed
+
+    def reserve(self, n: int) -> list[int]:
+        """The page table for computing positions at .. at + n - 1."""
+        r = self.runner
+        for k in releasable_pages(self.at, r.window, r.sinks, r.info.page_size) if r.window else ():
+            if self.table[k] != HOLE:
+                self.free.append(self.table[k])
+                self.table[k] = HOLE
+        while len(self.table) < num_pages_for(self.at + n, r.info.page_size):
+            self.table.append(self.free.pop(0))
+        return list(self.table)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(p != HOLE for p in self.table) * self.runner.info.page_size * self.runner.info.bytes_per_token
+
+
+@torch.inference_mode()
+def chunk_nll(runner: ModelRunner, start: int, table: list[int], ids: list[int], targets: list[int]) -> list[float]:
+    """Computes positions start .. start + len(ids) - 1 into the pool; each row's NLL of its next token."""
+    meta = build_metadata([start], [len(ids)], [table], PAGE_SIZE, runner.device, runner.window, runner.sinks)
+    hidden = runner.model.forward(torch.tensor(ids), meta, runner.kv_cache, runner.kv_scales)
+    logp = torch.log_softmax(runner.model.logits(hidden[:len(targets)]), -1)
+    return (-logp.gather(1, torch.tensor(targets)[:, None])[:, 0]).tolist()
+
+
+def stream(runner: ModelRunner, tokens: list[int], chunk: int) -> tuple[Request, list[float], list[dict]]:
+    """Feeds `tokens` in order: the NLL of positions 1 .. len - 1, and the KV held after each chunk."""
+    req = Request(runner, list(range(runner.info.num_pages)))
+    nll, kv = [], []
+    while req.at < len(tokens):
+        n = min(chunk, len(tokens) - req.at)
+        table = req.reserve(n)
+        nll += runner.call(chunk_nll, runner, req.at, table, tokens[req.at:req.at + n],
+                           tokens[req.at + 1:req.at + n + 1])
+        req.at += n
+        kv.append({"tokens": req.at, "kv_bytes": req.kv_bytes})
+    return req, nll, kv
+
+
+@torch.inference_mode()
+def last_nll(runner: ModelRunner, table: list[int], context: list[int], target: int) -> float:
+    meta = build_metadata([0], [len(context)], [table], PAGE_SIZE, runner.device)
+    hidden = runner.model.forward(torch.tensor(context), meta, runner.kv_cache, runner.kv_scales)
+    return -torch.log_softmax(runner.model.logits(hidden[-1:]), -1)[0, target].item()
+
+
+def recompute(runner: ModelRunner, free: list[int], tokens: list[int], window: int, stride: int) -> dict[int, float]:
+    """Position p -> its NLL given only the `window` tokens before it, computed afresh from position 0."""
+    table = [free.pop(0) for _ in range(num_pages_for(window, PAGE_SIZE))]
+    out = {}
+    for p in range(stride, len(tokens), stride):
+        out[p] = runner.call(last_nll, runner, table, tokens[max(0, p - window):p], tokens[p])
+    return out
+
+
+def decode_speed(runner: ModelRunner, req: Request, first_token: int, steps: int) -> dict:
+    """`steps` greedy decode steps of `req` through runner.step, the first one feeding `first_token`."""
+    token, times, start = first_token, [], req.at
+    for _ in range(steps):
+        item = StepItem("decode", (token,), req.at, tuple(req.reserve(1)), sampling=SamplingParams(temperature=0.0))
+        t0 = time.perf_counter()
+        out = runner.step(StepBatch((item,)))
+        times.append(time.perf_counter() - t0)
+        token, req.at = out.sampled[0].token_id, req.at + 1
+    step_s = statistics.median(times)
+    return {"context_tokens": start, "steps": steps, "median_step_ms": 1e3 * step_s, "tokens_per_s": 1 / step_s,
+            "kv_bytes": req.kv_bytes, "backend": runner.model.backend.name}
+
+
+def buckets(nll: dict[int, float], size: int, total: int) -> list[dict]:
+    """Mean NLL per window [k * size, (k + 1) * size) of scored positions; `end`: the tokens processed by then."""
+    out = []
+    for lo in range(0, total, size):
+        vals = [v for p, v in nll.items() if lo <= p < lo + size]
+        if vals:
+            out.append({"end": min(lo + size, total), "mean_nll": statistics.fmean(vals), "positions": len(vals)})
+    return out
+
+
+def summary(nll: dict[int, float], lo: int, hi: int, stride: int = 1) -> dict:
+    """The mean NLL of the scored positions in [lo, hi) (with a stride: only those that are multiples of it)."""
+    vals = [v for p, v in nll.items() if lo <= p < hi and p % stride == 0]
+    mean = statistics.fmean(vals)
+    return {"from": lo, "to": hi, "mean_nll": mean, "perplexity": math.exp(mean), "positions": len(vals)}
+
+
+def make_runner(model_dir: Path, compute: ThreadPoolExecutor, cfg: Config, num_pages: int) -> ModelRunner:
+    return ModelRunner(RunnerConfig(model_dir=model_dir, device="cpu", dtype="float32", page_size=PAGE_SIZE,
+                                    num_pages=num_pages, sliding_window=cfg.window, attention_sinks=cfg.sinks),
+                       compute)
+
+
+def run_config(model_dir: Path, compute: ThreadPoolExecutor, cfg: Config, sz: Sizes, corpus: list[int],
+               dense_tokens: int) -> dict:
+    """One config's log-PPL, KV and (dense, sinks) decode speed."""
+    print(f"[{time.strftime('%X')}] {cfg.label}", flush=True)
+    t0 = time.perf_counter()
+    text = corpus[:sz.tokens]
+    if cfg.recompute:
+        runner = make_runner(model_dir, compute, Config("dense"), num_pages_for(sz.window, PAGE_SIZE))
+        nll = recompute(runner, list(range(runner.info.num_pages)), text, sz.window, sz.recompute_stride)
+        return {"config": asdict(cfg), "label": cfg.label, "nll": nll, "kv": [], "wall_s": time.perf_counter() - t0}
+    length = dense_tokens if not cfg.window else sz.tokens
+    pages = max_window_pages(cfg.window, cfg.sinks, PAGE_SIZE, sz.chunk) if cfg.window else \
+        num_pages_for(length, PAGE_SIZE)
+    runner = make_runner(model_dir, compute, cfg, pages)
+    req, per_row, kv = stream(runner, text[:length], sz.chunk)
+    nll = {p + 1: v for p, v in enumerate(per_row)}
+    out = {"config": asdict(cfg), "label": cfg.label, "nll": nll, "kv": kv, "pool_pages": pages,
+           "bytes_per_token": runner.info.bytes_per_token, "wall_s": time.perf_counter() - t0}
+    if cfg.name in ("dense", "sinks"):
+        if not cfg.window:
+            req.at -= sz.decode_steps  # the steps rewrite the context's last positions
+        out["decode"] = decode_speed(runner, req, corpus[req.at], sz.decode_steps)
+    del runner, req
+    gc.collect()
+    return out
+
+
+def measure(sz: Sizes, recompute_too: bool) -> dict:
+    model_dir = prepare_default_model(progress=False)
+    corpus = hf.corpus_token_ids(model_dir)
+    assert len(corpus) > sz.tokens + sz.decode_steps, f"the corpus has only {len(corpus)} tokens"
+    context = int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+    dense_tokens = min(sz.dense_tokens, context, sz.tokens)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-compute") as compute:
+        runs = [run_config(model_dir, compute, c, sz, corpus, dense_tokens) for c in configs(sz, recompute_too)]
+    common = (sz.window, dense_tokens)  # positions every config scores, once the window is full
+    for r in runs:
+        r["buckets"] = buckets(r["nll"], sz.bucket, sz.tokens)
+        r["overall"] = summary(r["nll"], 1, sz.tokens)
+        r["common"] = summary(r["nll"], *common)
+        r["common_strided"] = summary(r["nll"], *common, sz.recompute_stride)  # recompute's positions
+        r["tail"] = summary(r["nll"], dense_tokens, sz.tokens) if dense_tokens < sz.tokens and r["config"]["window"] \
+            else None
+        r["nll"] = {str(p): v for p, v in r["nll"].items()} if r["config"]["recompute"] else None
+    return {"model": model_dir.name, "context": context, "dense_tokens": dense_tokens, "corpus_tokens": len(corpus),
+            "text": f"the first {sz.tokens:,} tokens of hf_reference.corpus_token_ids (docstrings of "
+                    f"{', '.join(hf.CORPUS_MODULES)}; {len(corpus):,} tokens in all)", "runs": runs}
+
+
+def nll_cell(r: dict, end: int) -> str:
+    b = next((b for b in r["buckets"] if b["end"] == end), None)
+    return f"{b['mean_nll']:.3f}" if b else "-"
+
+
+def kv_points(sz: Sizes) -> list[int]:
+    """Tokens processed at which the KV table reads the bytes held: chunk, 2 x chunk, ... and the end."""
+    points, n = [], sz.chunk
+    while n < sz.tokens:
+        points.append(n)
+        n *= 2
+    return [*points, sz.tokens]
+
+
+def markdown(report: dict) -> str:
+    sz, runs = report["sizes"], report["runs"]
+    lines = [f"Text: {report['text']}. Fed in {sz['chunk']}-token chunks through an in-process ModelRunner (cpu, "
+             f"float32, page size {PAGE_SIZE}); dense stops at {report['dense_tokens']:,} tokens (the model's "
+             f"context: {report['context']:,}); recompute scores every {sz['recompute_stride']}th position only.",
+             "", f"Mean log-perplexity (NLL of the next token, nats) per {sz['bucket']:,} positions:", "",
+             "| tokens processed | " + " | ".join(r["label"] for r in runs) + " |",
+             "|---:|" + "---:|" * len(runs)]
+    for end in sorted({b["end"] for r in runs for b in r["buckets"]}):
+        lines.append(f"| {end:,} | " + " | ".join(nll_cell(r, end) for r in runs) + " |")
+    return "\n".join(lines + summary_lines(report) + kv_lines(report) + decode_lines(report)) + "\n"
+
+
+def summary_lines(report: dict) -> list[str]:
+    sz, runs = report["sizes"], report["runs"]
+    c = runs[0]["common"]
+    lines = ["", f"Over positions {c['from']:,} .. {c['to'] - 1:,} (every config scores them, the window full), and "
+             f"past dense's context ({report['dense_tokens']:,} .. {sz['tokens'] - 1:,}):", "",
+             f"| config | positions | mean NLL | perplexity | mean NLL at every {sz['recompute_stride']}th position "
+             "| positions past dense | mean NLL there | perplexity there | most KV held MB | wall s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        t, c, strided = r["tail"], r["common"], r["common_strided"]["mean_nll"]
+        tail = f"{t['positions']:,} | {t['mean_nll']:.3f} | {t['perplexity']:.2f}" if t else "- | - | -"
+        kv = f"{max(k['kv_bytes'] for k in r['kv']) / 1e6:.1f}" if r["kv"] else "-"
+        lines.append(f"| {r['label']} | {c['positions']:,} | {c['mean_nll']:.3f} | {c['perplexity']:.2f} | "
+                     f"{strided:.3f} | {tail} | {kv} | {r['wall_s']:.0f} |")
+    return lines
+
+
+def kv_lines(report: dict) -> list[str]:
+    runs = [r for r in report["runs"] if r["kv"]]
+    lines = ["", f"KV bytes the request holds (pages held x {PAGE_SIZE} x {runs[0]['bytes_per_token']:,} bytes per "
+             "token), MB:", "", "| tokens processed | " + " | ".join(r["label"] for r in runs) + " |",
+             "|---:|" + "---:|" * len(runs)]
+    for n in kv_points(Sizes(**report["sizes"])):
+        cells = [next((f"{k['kv_bytes'] / 1e6:.1f}" for k in r["kv"] if k["tokens"] == n), "-") for r in runs]
+        lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def decode_lines(report: dict) -> list[str]:
+    runs = [r for r in report["runs"] if r.get("decode")]
+    steps = report["sizes"]["decode_steps"]
+    lines = ["", f"One request, greedy decode through runner.step, median of {steps} steps:", "",
+             "| config | tokens before the steps | KV held MB | ms per step | tokens/s |", "|---|---:|---:|---:|---:|"]
+    for r in runs:
+        d = r["decode"]
+        lines.append(f"| {r['label']} | {d['context_tokens']:,} | {d['kv_bytes'] / 1e6:.1f} | "
+                     f"{d['median_step_ms']:.1f} | {d['tokens_per_s']:.1f} |")
+    return lines
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for r in report["runs"]:
+        a.plot([x["end"] for x in r["buckets"]], [x["mean_nll"] for x in r["buckets"]], marker=".", label=r["label"])
+        if r["kv"]:
+            b.plot([k["tokens"] for k in r["kv"]], [k["kv_bytes"] / 1e6 for k in r["kv"]], label=r["label"])
+    a.axvline(report["dense_tokens"], color="grey", ls=":", lw=1)
+    a.set(xlabel="tokens processed", ylabel=f"mean log-PPL per {report['sizes']['bucket']:,} tokens (nats)",
+          title=f"{report['model']}: log-perplexity")
+    b.set(xlabel="tokens processed", ylabel="KV held by the request (MB)", title="KV cache")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="3,000 tokens, windows of 256 and 4 + 252, dense to 2,048")
+    p.add_argument("--no-recompute", action="store_true", help="skip the recomputation baseline")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    sz = QUICK if args.quick else Sizes()
+    t0 = time.perf_counter()
+    report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "quick": args.quick,
+              "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                          "threads": torch.get_num_threads()},
+              "sizes": asdict(sz), **measure(sz, not args.no_recompute)}
+    report["wall_s"] = time.perf_counter() - t0
+    out = write_results(report, "streaming-quick" if args.quick else "streaming", markdown(report), args.out)
+    plot(report, out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
