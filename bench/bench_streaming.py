@@ -19,9 +19,10 @@ text, KV bytes held, and decode speed, in-process.
   KV        the bytes the request holds after each chunk: pages held x page size x the pool's bytes per token.
             The windowed pools are sized to exactly max_window_pages (common/pages.py), so a request that held
             more would fail here
-  decode    32 greedy decode steps of one request through runner.step: with sinks after the whole text, and
-            dense at the end of its context (its cache from the log-PPL pass, rewound by 32 tokens: the steps
-            fill positions 8,160 .. 8,191); the median step, as tokens per second
+  decode    greedy decode steps of one request through runner.step, 3 rounds of 32: with sinks after the whole
+            text (going on from 16,384), and dense at the end of its context (its cache from the log-PPL pass,
+            rewound by 32 tokens each round: the steps fill positions 8,160 .. 8,191); the two requests' steps
+            alternate, so that both see the same load on the machine; the median step, as tokens per second
 
 Writes bench/results/streaming-<date>.json (streaming-quick-<date> with --quick), the Markdown table and a PNG
 plot (log-PPL and KV bytes against tokens processed).
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import json
 import math
 import os
@@ -68,6 +68,7 @@ class Sizes:
     bucket: int = 1000  # the plot's and table's windows of positions
     recompute_stride: int = 128
     decode_steps: int = 32
+    decode_rounds: int = 3
 
 
 QUICK = Sizes(tokens=3000, window=256, dense_tokens=2048)
@@ -159,28 +160,73 @@ def recompute(runner: ModelRunner, free: list[int], tokens: list[int], window: i
     return out
 
 
-def decode_speed(runner: ModelRunner, req: Request, first_token: int, steps: int) -> dict:
-    """`steps` greedy decode steps of `req` through runner.step, the first one feeding `first_token`."""
-    token, times, start = first_token, [], req.at
-    for _ in range(steps):
-        item = StepItem("decode", (token,), req.at, tuple(req.reserve(1)), sampling=SamplingParams(temperature=0.0))
+@dataclass
+class Decoder:
+    """One request decoding greedily through runner.step, a token a step, from `start` on (the next token of the
+    text first, then its own). A dense one goes back to `start` each round: its context ends there."""
+
+    name: str
+    runner: ModelRunner
+    req: Request
+    first_token: int
+    start: int = 0
+    token: int = 0
+    times: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.start, self.token = self.req.at, self.first_token
+
+    def rewind(self) -> None:
+        if not self.runner.window:  # a windowed request goes on: the pages before its window are holes
+            self.req.at, self.token = self.start, self.first_token
+
+    def step(self) -> None:
+        item = StepItem("decode", (self.token,), self.req.at, tuple(self.req.reserve(1)),
+                        sampling=SamplingParams(temperature=0.0))
         t0 = time.perf_counter()
-        out = runner.step(StepBatch((item,)))
-        times.append(time.perf_counter() - t0)
-        token, req.at = out.sampled[0].token_id, req.at + 1
-    step_s = statistics.median(times)
-    return {"context_tokens": start, "steps": steps, "median_step_ms": 1e3 * step_s, "tokens_per_s": 1 / step_s,
-            "kv_bytes": req.kv_bytes, "backend": runner.model.backend.name}
+        out = self.runner.step(StepBatch((item,)))
+        self.times.append(time.perf_counter() - t0)
+        self.token, self.req.at = out.sampled[0].token_id, self.req.at + 1
 
 
-def buckets(nll: dict[int, float], size: int, total: int) -> list[dict]:
-    """Mean NLL per window [k * size, (k + 1) * size) of scored positions; `end`: the tokens processed by then."""
-    out = []
+def decode_speed(decoders: list[Decoder], steps: int, rounds: int) -> dict[str, dict]:
+    """`rounds` of `steps` steps, the decoders' steps alternated (so that both see the machine's same load);
+    the median step of each."""
+    load_before = os.getloadavg()
+    for _ in range(rounds):
+        for d in decoders:
+            d.rewind()
+        for _ in range(steps):
+            for d in decoders:
+                d.step()
+    out = {}
+    for d in decoders:
+        step_s, p10_s = statistics.median(d.times), statistics.quantiles(d.times, n=10)[0]
+        out[d.name] = {"context_tokens": d.start, "steps": len(d.times), "median_step_ms": 1e3 * step_s,
+                       "tokens_per_s": 1 / step_s, "p10_step_ms": 1e3 * p10_s, "p10_tokens_per_s": 1 / p10_s,
+                       "fastest_step_ms": 1e3 * min(d.times), "step_ms": [1e3 * t for t in d.times],
+                       "kv_bytes": d.req.kv_bytes, "load_average_before": load_before,
+                       "load_average_after": os.getloadavg()}
+    return out
+
+
+def buckets(nll: dict[int, float], size: int) -> list[dict]:
+    """Mean NLL per window [k * size, (k + 1) * size) of scored positions; `end`: the tokens processed by then
+    (the last window ends with the tokens that config processed)."""
+    out, total = [], max(nll) + 1
     for lo in range(0, total, size):
         vals = [v for p, v in nll.items() if lo <= p < lo + size]
         if vals:
-            out.append({"end": min(lo + size, total), "mean_nll": statistics.fmean(vals), "positions": len(vals)})
+            out.append({"from": lo, "end": min(lo + size, total), "mean_nll": statistics.fmean(vals),
+                        "positions": len(vals)})
     return out
+
+
+def vs_dense(nll: dict[int, float], dense: dict[int, float], size: int) -> list[dict]:
+    """Per window of the positions both scored: the mean of this config's NLL minus dense's, position by
+    position (recompute's first window of positions sees the same tokens as dense: a check, about 0)."""
+    shared = {p: v - dense[p] for p, v in nll.items() if p in dense}
+    return buckets(shared, size) if shared else []
 
 
 def summary(nll: dict[int, float], lo: int, hi: int, stride: int = 1) -> dict:
@@ -197,30 +243,28 @@ def make_runner(model_dir: Path, compute: ThreadPoolExecutor, cfg: Config, num_p
 
 
 def run_config(model_dir: Path, compute: ThreadPoolExecutor, cfg: Config, sz: Sizes, corpus: list[int],
-               dense_tokens: int) -> dict:
-    """One config's log-PPL, KV and (dense, sinks) decode speed."""
+               dense_tokens: int) -> tuple[dict, Decoder | None]:
+    """One config's log-PPL and KV; for dense and sinks, the request left to decode after it."""
     print(f"[{time.strftime('%X')}] {cfg.label}", flush=True)
     t0 = time.perf_counter()
     text = corpus[:sz.tokens]
     if cfg.recompute:
         runner = make_runner(model_dir, compute, Config("dense"), num_pages_for(sz.window, PAGE_SIZE))
         nll = recompute(runner, list(range(runner.info.num_pages)), text, sz.window, sz.recompute_stride)
-        return {"config": asdict(cfg), "label": cfg.label, "nll": nll, "kv": [], "wall_s": time.perf_counter() - t0}
+        return {"config": asdict(cfg), "label": cfg.label, "nll": nll, "kv": [],
+                "wall_s": time.perf_counter() - t0}, None
     length = dense_tokens if not cfg.window else sz.tokens
     pages = max_window_pages(cfg.window, cfg.sinks, PAGE_SIZE, sz.chunk) if cfg.window else \
         num_pages_for(length, PAGE_SIZE)
     runner = make_runner(model_dir, compute, cfg, pages)
     req, per_row, kv = stream(runner, text[:length], sz.chunk)
-    nll = {p + 1: v for p, v in enumerate(per_row)}
-    out = {"config": asdict(cfg), "label": cfg.label, "nll": nll, "kv": kv, "pool_pages": pages,
-           "bytes_per_token": runner.info.bytes_per_token, "wall_s": time.perf_counter() - t0}
-    if cfg.name in ("dense", "sinks"):
-        if not cfg.window:
-            req.at -= sz.decode_steps  # the steps rewrite the context's last positions
-        out["decode"] = decode_speed(runner, req, corpus[req.at], sz.decode_steps)
-    del runner, req
-    gc.collect()
-    return out
+    out = {"config": asdict(cfg), "label": cfg.label, "nll": {p + 1: v for p, v in enumerate(per_row)}, "kv": kv,
+           "pool_pages": pages, "bytes_per_token": runner.info.bytes_per_token, "wall_s": time.perf_counter() - t0}
+    if cfg.name not in ("dense", "sinks"):
+        return out, None
+    if not cfg.window:
+        req.at -= sz.decode_steps  # the steps rewrite the context's last positions
+    return out, Decoder(cfg.name, runner, req, corpus[req.at])
 
 
 def measure(sz: Sizes, recompute_too: bool) -> dict:
@@ -230,23 +274,31 @@ def measure(sz: Sizes, recompute_too: bool) -> dict:
     context = int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
     dense_tokens = min(sz.dense_tokens, context, sz.tokens)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-compute") as compute:
-        runs = [run_config(model_dir, compute, c, sz, corpus, dense_tokens) for c in configs(sz, recompute_too)]
-    common = (sz.window, dense_tokens)  # positions every config scores, once the window is full
+        done = [run_config(model_dir, compute, c, sz, corpus, dense_tokens) for c in configs(sz, recompute_too)]
+        print(f"[{time.strftime('%X')}] decode", flush=True)
+        decode = decode_speed([d for _, d in done if d], sz.decode_steps, sz.decode_rounds)
+    runs = [r for r, _ in done]
     for r in runs:
-        r["buckets"] = buckets(r["nll"], sz.bucket, sz.tokens)
+        r["decode"] = decode.get(r["config"]["name"])
+    common = (sz.window, dense_tokens)  # positions every config scores, once the window is full
+    dense = runs[0]["nll"]
+    for r in runs:
+        r["buckets"] = buckets(r["nll"], sz.bucket)
+        r["vs_dense"] = vs_dense(r["nll"], dense, sz.bucket) if r is not runs[0] else []
         r["overall"] = summary(r["nll"], 1, sz.tokens)
         r["common"] = summary(r["nll"], *common)
         r["common_strided"] = summary(r["nll"], *common, sz.recompute_stride)  # recompute's positions
-        r["tail"] = summary(r["nll"], dense_tokens, sz.tokens) if dense_tokens < sz.tokens and r["config"]["window"] \
-            else None
+        past = dense_tokens < sz.tokens and r["config"]["window"]
+        r["tail"] = summary(r["nll"], dense_tokens, sz.tokens) if past else None
+        r["tail_strided"] = summary(r["nll"], dense_tokens, sz.tokens, sz.recompute_stride) if past else None
         r["nll"] = {str(p): v for p, v in r["nll"].items()} if r["config"]["recompute"] else None
     return {"model": model_dir.name, "context": context, "dense_tokens": dense_tokens, "corpus_tokens": len(corpus),
             "text": f"the first {sz.tokens:,} tokens of hf_reference.corpus_token_ids (docstrings of "
                     f"{', '.join(hf.CORPUS_MODULES)}; {len(corpus):,} tokens in all)", "runs": runs}
 
 
-def nll_cell(r: dict, end: int) -> str:
-    b = next((b for b in r["buckets"] if b["end"] == end), None)
+def nll_cell(r: dict, lo: int) -> str:
+    b = next((b for b in r["buckets"] if b["from"] == lo), None)
     return f"{b['mean_nll']:.3f}" if b else "-"
 
 
@@ -264,12 +316,25 @@ def markdown(report: dict) -> str:
     lines = [f"Text: {report['text']}. Fed in {sz['chunk']}-token chunks through an in-process ModelRunner (cpu, "
              f"float32, page size {PAGE_SIZE}); dense stops at {report['dense_tokens']:,} tokens (the model's "
              f"context: {report['context']:,}); recompute scores every {sz['recompute_stride']}th position only.",
-             "", f"Mean log-perplexity (NLL of the next token, nats) per {sz['bucket']:,} positions:", "",
-             "| tokens processed | " + " | ".join(r["label"] for r in runs) + " |",
-             "|---:|" + "---:|" * len(runs)]
-    for end in sorted({b["end"] for r in runs for b in r["buckets"]}):
-        lines.append(f"| {end:,} | " + " | ".join(nll_cell(r, end) for r in runs) + " |")
-    return "\n".join(lines + summary_lines(report) + kv_lines(report) + decode_lines(report)) + "\n"
+             "", f"Mean log-perplexity (NLL of the next token, nats) per {sz['bucket']:,} positions (dense's last "
+             f"window ends at its context, {report['dense_tokens'] - 1:,}):", "",
+             "| positions | " + " | ".join(r["label"] for r in runs) + " |", "|---:|" + "---:|" * len(runs)]
+    for lo in sorted({b["from"] for r in runs for b in r["buckets"]}):
+        hi = max(b["end"] for r in runs for b in r["buckets"] if b["from"] == lo)
+        lines.append(f"| {max(lo, 1):,} .. {hi - 1:,} | " + " | ".join(nll_cell(r, lo) for r in runs) + " |")
+    return "\n".join(lines + vs_dense_lines(report) + summary_lines(report) + kv_lines(report)
+                     + decode_lines(report)) + "\n"
+
+
+def vs_dense_lines(report: dict) -> list[str]:
+    runs = [r for r in report["runs"] if r["vs_dense"]]
+    lines = ["", "Minus dense, position by position (nats; recompute at its positions only):", "",
+             "| positions | " + " | ".join(r["label"] for r in runs) + " |", "|---:|" + "---:|" * len(runs)]
+    for lo in sorted({b["from"] for r in runs for b in r["vs_dense"]}):
+        hi = max(b["end"] for r in runs for b in r["vs_dense"] if b["from"] == lo)
+        cells = [next((f"{b['mean_nll']:+.3f}" for b in r["vs_dense"] if b["from"] == lo), "-") for r in runs]
+        lines.append(f"| {max(lo, 1):,} .. {hi - 1:,} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -278,11 +343,13 @@ def summary_lines(report: dict) -> list[str]:
     lines = ["", f"Over positions {c['from']:,} .. {c['to'] - 1:,} (every config scores them, the window full), and "
              f"past dense's context ({report['dense_tokens']:,} .. {sz['tokens'] - 1:,}):", "",
              f"| config | positions | mean NLL | perplexity | mean NLL at every {sz['recompute_stride']}th position "
-             "| positions past dense | mean NLL there | perplexity there | most KV held MB | wall s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| positions past dense | mean NLL there | perplexity there | mean NLL there at every "
+             f"{sz['recompute_stride']}th | most KV held MB | wall s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         t, c, strided = r["tail"], r["common"], r["common_strided"]["mean_nll"]
-        tail = f"{t['positions']:,} | {t['mean_nll']:.3f} | {t['perplexity']:.2f}" if t else "- | - | -"
+        tail = f"{t['positions']:,} | {t['mean_nll']:.3f} | {t['perplexity']:.2f} | " \
+               f"{r['tail_strided']['mean_nll']:.3f}" if t else "- | - | - | -"
         kv = f"{max(k['kv_bytes'] for k in r['kv']) / 1e6:.1f}" if r["kv"] else "-"
         lines.append(f"| {r['label']} | {c['positions']:,} | {c['mean_nll']:.3f} | {c['perplexity']:.2f} | "
                      f"{strided:.3f} | {tail} | {kv} | {r['wall_s']:.0f} |")
@@ -302,14 +369,22 @@ def kv_lines(report: dict) -> list[str]:
 
 def decode_lines(report: dict) -> list[str]:
     runs = [r for r in report["runs"] if r.get("decode")]
-    steps = report["sizes"]["decode_steps"]
-    lines = ["", f"One request, greedy decode through runner.step, median of {steps} steps:", "",
-             "| config | tokens before the steps | KV held MB | ms per step | tokens/s |", "|---|---:|---:|---:|---:|"]
+    if not runs:
+        return []
+    sz = report["sizes"]
+    lines = ["", f"One request, greedy decode through runner.step, median of {sz['decode_rounds']} rounds of "
+             f"{sz['decode_steps']} steps, the two requests' steps alternated (dense goes back to the same position "
+             "each round); the fastest tenth of the steps too, as other work on the machine stretches some of them:",
+             "", "| config | tokens before the steps | KV held MB | ms per step, median | tokens/s | 10th percentile "
+             "ms | tokens/s | fastest ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         d = r["decode"]
         lines.append(f"| {r['label']} | {d['context_tokens']:,} | {d['kv_bytes'] / 1e6:.1f} | "
-                     f"{d['median_step_ms']:.1f} | {d['tokens_per_s']:.1f} |")
-    return lines
+                     f"{d['median_step_ms']:.1f} | {d['tokens_per_s']:.1f} | {d['p10_step_ms']:.1f} | "
+                     f"{d['p10_tokens_per_s']:.1f} | {d['fastest_step_ms']:.1f} |")
+    load = runs[0]["decode"]["load_average_before"][0]
+    return lines + ["", f"The machine's load average (1 min) when the decode steps began: {load:.2f} (this run's own "
+                    f"{report['machine']['threads']} threads among it)."]
 
 
 def plot(report: dict, path: Path) -> None:
@@ -318,16 +393,21 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for r in report["runs"]:
-        a.plot([x["end"] for x in r["buckets"]], [x["mean_nll"] for x in r["buckets"]], marker=".", label=r["label"])
+    fig, (a, d, b) = plt.subplots(1, 3, figsize=(16, 4.2))
+    for i, r in enumerate(report["runs"]):
+        style = dict(marker="x", ls="none", label=f"{r['label']} (every {report['sizes']['recompute_stride']}th)") \
+            if r["config"]["recompute"] else dict(marker=".", label=r["label"])
+        a.plot([x["end"] for x in r["buckets"]], [x["mean_nll"] for x in r["buckets"]], color=f"C{i}", **style)
+        d.plot([x["end"] for x in r["vs_dense"]], [x["mean_nll"] for x in r["vs_dense"]], color=f"C{i}", **style)
         if r["kv"]:
             b.plot([k["tokens"] for k in r["kv"]], [k["kv_bytes"] / 1e6 for k in r["kv"]], label=r["label"])
     a.axvline(report["dense_tokens"], color="grey", ls=":", lw=1)
-    a.set(xlabel="tokens processed", ylabel=f"mean log-PPL per {report['sizes']['bucket']:,} tokens (nats)",
-          title=f"{report['model']}: log-perplexity")
+    d.axhline(0, color="C0", lw=1)
+    per = f"per {report['sizes']['bucket']:,} tokens (nats)"
+    a.set(xlabel="tokens processed", ylabel=f"mean log-PPL {per}", title=f"{report['model']}: log-perplexity")
+    d.set(xlabel="tokens processed", ylabel=f"minus dense, {per}", title="vs dense, the same positions")
     b.set(xlabel="tokens processed", ylabel="KV held by the request (MB)", title="KV cache")
-    for ax in (a, b):
+    for ax in (a, d, b):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
