@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from kvserve.common.pages import num_pages_for
+from kvserve.common.pages import num_pages_for, window_pages_held
 
 if TYPE_CHECKING:
     from kvserve.common.kvmem_models import ModelSpec
@@ -276,8 +276,8 @@ def calculate(
     pt = per_token(model, dtype, kv_scales)
     tokens = kept_tokens(seq_len, window, sinks)
     paging = None
-    if page_size is not None:
-        pages = num_pages_for(tokens, page_size)
+    if page_size is not None:  # a windowed sequence: its sink pages and its window's, not page-aligned
+        pages = window_pages_held(seq_len, window, sinks, page_size) if window else num_pages_for(tokens, page_size)
         alloc_tokens = pages * page_size
         pad = alloc_tokens - tokens
         paging = Paging(

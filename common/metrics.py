@@ -28,6 +28,7 @@ KVMANAGER_METRICS = (
     "kvserve:evicted_blocks_total", "kvserve:kvmanager_rpc_seconds", "kvserve:redis_write_seconds",
     "kvserve:num_cached_pages", "kvserve:call_log_records", "kvserve:call_log_bytes", "kvserve:call_log_generation",
     "kvserve:call_log_snapshots_total", "kvserve:call_log_last_snapshot_seconds",
+    "kvserve:window_released_pages_total",
 )
 WORKER_METRICS = ("kvserve:worker_step_seconds", "kvserve:worker_batch_size", "kvserve:worker_batch_tokens")
 
@@ -105,10 +106,13 @@ class _StateCollector:
                                   labels=labels)
         cached = GaugeMetricFamily("kvserve:num_cached_pages", "Cached evictable-or-pinned pages, per pool.",
                                    labels=labels)
+        released = CounterMetricFamily("kvserve:window_released_pages", "Pages requests released past their "
+                                       "sliding window, per pool.", labels=labels)
         for p in stats.pools:
             pool = [p.worker_id, p.kv_dtype]
             usage.add_metric(pool, p.num_used_pages / p.num_pages if p.num_pages else 0.0)
             cached.add_metric(pool, p.num_cached_pages)
+            released.add_metric(pool, p.num_window_released_pages)
         queries = CounterMetricFamily("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix "
                                       "index, per tenant.", labels=["tenant"])
         hits = CounterMetricFamily("kvserve:prefix_cache_hits", "Prompt tokens found cached, per tenant.",
@@ -118,7 +122,7 @@ class _StateCollector:
             hits.add_metric([t.tenant], t.prefix_cache_hits)
         evicted = CounterMetricFamily("kvserve:evicted_blocks", "Cached blocks evicted to make room.")
         evicted.add_metric([], stats.num_evicted_blocks)
-        yield from (usage, cached, queries, hits, evicted)
+        yield from (usage, cached, released, queries, hits, evicted)
 
 
 class _CallLogCollector:

@@ -27,6 +27,13 @@ def first_window_page(pos: int, window: int, page_size: int) -> int:
     return max(0, pos - window + 1) // page_size
 
 
+def pages_read(start_pos: int, end_pos: int, window: int, sinks: int, page_size: int) -> list[int]:
+    """The page indices that queries at ``start_pos .. end_pos - 1`` read, in order: the sink pages, then the
+    first one's window through the last position."""
+    lo = first_window_page(start_pos, window, page_size)
+    return [*range(min(num_sink_pages(sinks, page_size), lo)), *range(lo, num_pages_for(end_pos, page_size))]
+
+
 def releasable_pages(next_pos: int, window: int, sinks: int, page_size: int) -> range:
     """Pages no query from ``next_pos`` on reads: after the sink pages, those wholly before the window of the
     query at ``next_pos``::
@@ -34,6 +41,18 @@ def releasable_pages(next_pos: int, window: int, sinks: int, page_size: int) -> 
         page_size 4, window 6, sinks 0, next_pos 13: the query at 13 reads 8..13 -> pages 0 and 1 releasable
     """
     return range(num_sink_pages(sinks, page_size), first_window_page(next_pos, window, page_size))
+
+
+def window_pages_held(num_tokens: int, window: int, sinks: int, page_size: int) -> int:
+    """Pages a windowed request holds while the step that computes its token at position ``num_tokens - 1``
+    runs, its earlier pages released (``releasable_pages``): its sink pages and the pages of that token's
+    window, ``kvserve kv-mem --page-size --sliding-window --sinks``'s pages per sequence::
+
+        page_size 4, window 6, sinks 2, num_tokens 14: pages 0 (sinks) and 2, 3 (positions 8 .. 13): 3 pages
+    """
+    pages = num_pages_for(num_tokens, page_size)
+    sink_pages = min(num_sink_pages(sinks, page_size), pages)
+    return sink_pages + pages - max(sink_pages, first_window_page(num_tokens - 1, window, page_size))
 
 
 def max_window_pages(window: int, sinks: int, page_size: int, chunk: int = 1) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.common.pages import first_window_page, num_pages_for, num_sink_pages
+from kvserve.common.pages import pages_read
 
 FAR = 1 << 40  # the key position of a padding slot: after every query, so masked
 
@@ -33,13 +33,6 @@ def sink_positions(positions: torch.Tensor, window: int, sinks: int) -> torch.Te
     """Each query's in-cache position, at which it scores the sink keys: its own until the window has moved
     past the sinks, then ``sinks + window - 1``."""
     return positions.clamp(max=sinks + window - 1)
-
-
-def pages_read(start_pos: int, seq_len: int, window: int, sinks: int, page_size: int) -> list[int]:
-    """The page indices that queries at ``start_pos .. seq_len - 1`` read, in order: the sink pages, then the
-    first one's window through the last position."""
-    lo = first_window_page(start_pos, window, page_size)
-    return [*range(min(num_sink_pages(sinks, page_size), lo)), *range(lo, num_pages_for(seq_len, page_size))]
 
 
 def visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int, sinks: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.common.errors import InvalidRequest, StaleEpoch
+from kvserve.common.pages import HOLE
 from kvserve.common.tokens import check_token_ids
 from kvserve.kvmanager.errors import RequestsRunning, UnknownTenant
 from kvserve.kvmanager.hashing import hex_hash, iter_chain_hashes
@@ -41,6 +42,9 @@ class PoolStats:
     used_bytes: int
     cached_bytes: int
     kv_scales: str
+    sliding_window: int  # 0 = none
+    attention_sinks: int
+    num_window_released_pages: int  # pages released by requests' windows since registration (cumulative)
 
 
 @dataclass(slots=True)
@@ -117,12 +121,16 @@ class PinResult:
     num_pinned_tokens: int  # on the best pool
 
 
+PAGE_HELD, PAGE_SINK, PAGE_RELEASED = "held", "sink", "released"  # PageInfo.kind
+
+
 @dataclass(slots=True)
 class PageInfo:
-    page_id: int
+    page_id: int  # HOLE (-1) for a released page
     ref_cnt: int
     block_hash: str
     pinned: bool
+    kind: str  # PAGE_HELD, PAGE_SINK (held for good: it holds attention sinks) or PAGE_RELEASED (a hole)
 
 
 @dataclass(slots=True)
@@ -155,7 +163,7 @@ def _pool_stats(pool: PagePool) -> PoolStats:
     return PoolStats(s.worker_id, s.epoch, s.model_fingerprint, s.kv_dtype, s.page_size, s.num_pages,
                      pool.num_used, num_cached, pool.num_free, sum(b.pinned for b in pool.index.values()),
                      pool.num_requests, page_bytes * s.num_pages, page_bytes * pool.num_used, page_bytes * num_cached,
-                     s.kv_scales)
+                     s.kv_scales, s.sliding_window, s.attention_sinks, pool.num_window_released)
 
 
 def _tenant_stats(mgr: KVManager) -> dict[str, TenantStats]:
@@ -271,7 +279,8 @@ def probe(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: st
 
 
 def page_table(mgr: KVManager, req_id: str) -> PageTable:
-    """A live request's pages with their ref_cnts and block hashes.
+    """A live request's pages with their ref_cnts and block hashes; a page its window released is a hole
+    (page_id HOLE, kind "released"), and on a pool with attention sinks the first pages are of kind "sink".
 
     Raises UnknownRequest (not live), StaleEpoch (its pages were dropped with their epoch).
     """
@@ -281,11 +290,14 @@ def page_table(mgr: KVManager, req_id: str) -> PageTable:
                          f"{req.worker_id!r}; free it and recompute")
     req = mgr.request(req_id)
     pool = mgr.pools[req.worker_id]
-    pages = []
-    for page_id in req.page_table:
+    pages, num_sinks = [], pool.num_sink_pages
+    for i, page_id in enumerate(req.page_table):
+        if page_id == HOLE:
+            pages.append(PageInfo(HOLE, 0, "", False, PAGE_RELEASED))
+            continue
         block = pool.block_of[page_id]
         pages.append(PageInfo(page_id, pool.ref_cnt[page_id], hex_hash(block.block_hash) if block else "",
-                              bool(block and block.pinned)))
+                              bool(block and block.pinned), PAGE_SINK if i < num_sinks else PAGE_HELD))
     return PageTable(req.req_id, req.tenant, req.worker_id, req.epoch, list(req.page_table), pages,
                      req.num_committed_tokens, req.num_prompt_tokens, req.last_step_id, pool.spec.page_size)
 

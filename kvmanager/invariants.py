@@ -10,12 +10,16 @@ Per pool, every page is in exactly one state (see pool.py), and::
 
 A page held by a request holds nothing or a block of that request's tenant at that request's position
 (no cross-tenant hit), and a live request always sits on its pool's current epoch.
+
+A hole (HOLE, a page its sliding window released) holds nothing and counts for no page. Holes exist only on
+pools with a window, never among the sink pages, and never at the end of a page table (the next token's page).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+from kvserve.common.pages import HOLE
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import PagePool
 from kvserve.kvmanager.state import RequestPages
@@ -48,9 +52,12 @@ def _check_pool(pool: PagePool, live: list[RequestPages]) -> None:
     assert len(pool.ref_cnt) == len(pool.block_of) == n, f"{w}: ref_cnt/block_of sized for {n} pages"
     holders: Counter[int] = Counter()
     for req in live:
-        assert len(set(req.page_table)) == len(req.page_table), f"{w}: {req.req_id!r} holds a page twice"
-        assert all(0 <= p < n for p in req.page_table), f"{w}: {req.req_id!r} holds a page out of range"
-        holders.update(req.page_table)
+        pages = [p for p in req.page_table if p != HOLE]
+        assert len(set(pages)) == len(pages), f"{w}: {req.req_id!r} holds a page twice"
+        assert all(0 <= p < n for p in pages), f"{w}: {req.req_id!r} holds a page out of range"
+        if len(pages) < len(req.page_table):
+            _check_holes(pool, req)
+        holders.update(pages)
         _check_blocks_of_holder(pool, req)
     for p in range(n):
         assert pool.ref_cnt[p] == holders[p], f"{w}: page {p} ref_cnt {pool.ref_cnt[p]} != {holders[p]} holders"
@@ -59,8 +66,17 @@ def _check_pool(pool: PagePool, live: list[RequestPages]) -> None:
     _check_lists(pool)
 
 
+def _check_holes(pool: PagePool, req: RequestPages) -> None:
+    w, table = pool.spec.worker_id, req.page_table
+    assert pool.spec.sliding_window, f"{w}: {req.req_id!r} has holes on a pool without a sliding window"
+    assert HOLE not in table[:pool.num_sink_pages], f"{w}: {req.req_id!r} released a sink page: {table}"
+    assert table[-1] != HOLE, f"{w}: {req.req_id!r} released the last page of its table"
+
+
 def _check_blocks_of_holder(pool: PagePool, req: RequestPages) -> None:
     for i, p in enumerate(req.page_table):
+        if p == HOLE:
+            continue
         block = pool.block_of[p]
         if block is not None:
             assert block.tenant == req.tenant, (f"{pool.spec.worker_id}: page {p} of {req.req_id!r} (tenant "

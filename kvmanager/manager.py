@@ -1,9 +1,13 @@
 """The KV manager: pools, live requests, the prefix index, and one batched call per scheduler step.
 
 A step's ops are validated as a whole first (any error: nothing applied), then applied in the order
-frees, commits, extensions, allocations, so that freed pages and newly committed blocks serve the same step.
-A request freed in a call may also commit its last full pages in it: that commit is applied before the frees.
-Out of pages is a result (OUT_OF_PAGES with num_pages_short), never an exception.
+frees, commits, releases, extensions, allocations, so that freed and released pages and newly committed blocks
+serve the same step. A request freed in a call may also commit its last full pages in it: that commit is applied
+before the frees. A page committed in a call and released by its window in it is indexed first, so it joins the
+LRU still cached. Out of pages is a result (OUT_OF_PAGES with num_pages_short), never an exception.
+
+A release turns page table entries into holes (HOLE): the page is released as a free releases it (ref_cnt - 1;
+at 0 it joins the LRU if it holds a block, else the free list), and the request's later ops skip its holes.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections import OrderedDict
 from itertools import repeat
 
 from kvserve.common.errors import InvalidRequest, StaleEpoch
-from kvserve.common.pages import num_pages_for
+from kvserve.common.pages import HOLE, num_pages_for
 from kvserve.common.wire.pages import (
     OpStatus,
     PageAllocation,
@@ -23,6 +27,8 @@ from kvserve.common.wire.pages import (
     PageExtensionResult,
     PageFree,
     PageFreeResult,
+    PageRelease,
+    PageReleaseResult,
     PoolSpec,
     PoolSummary,
     RegisterResult,
@@ -142,6 +148,7 @@ class KVManager:
                 self._remember("commit", req_id, sid, result)
         out.commits = [final[c.req_id] if c.req_id in final else
                        self._replay_or(sid, "commit", c.req_id, self._commit, c) for c in ops.commits]
+        out.releases = [self._replay_or(sid, "release", r.req_id, self._release, r) for r in ops.releases]
         out.extensions = [self._replay_or(sid, "extend", e.req_id, self._extend, e) for e in ops.extensions]
         out.allocations = [self._replay_or(sid, "allocate", a.req_id, self._allocate, a)
                            for a in ops.allocations]
@@ -191,11 +198,12 @@ class KVManager:
             return PageAllocationResult(op.req_id, OpStatus.OUT_OF_PAGES, num_pages_short=chosen.num_pages_short)
         hits, seed, spec = chosen.hits, pool.seed_for(op.tenant), pool.spec
         self.stale.pop(op.req_id, None)  # a re-queued request may reuse the id of its dropped incarnation
-        hit_pages = [b.page_id for b in hits]
-        pool.acquire(hit_pages)
+        hit_pages = [HOLE] * len(hits)  # a sliding window's pool: the hits its first chunk does not read stay holes
+        for i in chosen.held:
+            hit_pages[i] = hits[i].page_id
+        pool.acquire([hits[i].page_id for i in chosen.held])
         self._touch(hits)
-        num_pages = num_pages_for(len(op.token_ids), spec.page_size)
-        fresh = pool.allocate(num_pages - len(hits))
+        fresh = pool.allocate(chosen.num_fresh)
         num_cached = len(hits) * spec.page_size
         req = RequestPages(op.req_id, op.tenant, spec.worker_id, spec.epoch, hit_pages + fresh, seed,
                            [b.block_hash for b in hits], len(op.token_ids), num_cached, op.skip_prefix_cache)
@@ -236,9 +244,12 @@ class KVManager:
             prev = hashes[-1] if hashes else req.seed
             new = chain_hashes(prev, op.token_ids, page_size)
             first, clock, k = len(hashes), self.clock, len(new)
-            blocks = list(map(Block, new, [prev, *new[:-1]], repeat(req.tenant, k), req.page_table[first:first + k],
-                              range(first, first + k), range(clock + 1, clock + k + 1)))
+            pages = req.page_table[first:first + k]
+            blocks = list(map(Block, new, [prev, *new[:-1]], repeat(req.tenant, k), pages, range(first, first + k),
+                              range(clock + 1, clock + k + 1)))
             self.clock += k
+            if HOLE in pages:  # a late commit of pages its window released: the chain goes on, without their blocks
+                blocks = [b for b in blocks if b.page_id != HOLE]
             pool.cache_blocks(blocks)
             hashes.extend(new)
         req.num_committed_tokens += len(op.token_ids)
@@ -255,10 +266,29 @@ class KVManager:
             return PageFreeResult(op.req_id, OpStatus.OK)  # freeing twice is harmless
         pool = self.pools[req.worker_id]
         # Tail first: the chain's end is evicted first. Blocks joining the LRU get their place in it stamped.
-        self._touch(pool.release(reversed(req.page_table)))
+        pages = reversed(req.page_table)
+        if HOLE in req.page_table:  # what its window released is not held any more
+            pages = [p for p in pages if p != HOLE]
+        self._touch(pool.release(pages))
         pool.num_requests -= 1
         self.changes.changed = True
         return PageFreeResult(op.req_id, OpStatus.OK)
+
+    def _release(self, op: PageRelease) -> PageReleaseResult:
+        if op.req_id in self.stale:
+            return PageReleaseResult(op.req_id, OpStatus.STALE_EPOCH)
+        req = self.requests[op.req_id]
+        table = req.page_table
+        pages = [table[i] for i in op.page_indices if table[i] != HOLE]  # in the order given; each index once
+        if not pages:
+            return PageReleaseResult(op.req_id, OpStatus.OK, 0)
+        for i in op.page_indices:
+            table[i] = HOLE
+        pool = self.pools[req.worker_id]
+        self._touch(pool.release(pages))  # committed pages join the LRU still indexed: they can still be hit
+        pool.num_window_released += len(pages)
+        self.changes.changed = True
+        return PageReleaseResult(op.req_id, OpStatus.OK, len(pages))
 
     def _touch(self, blocks: list[Block]) -> None:
         """Stamps blocks as used now, one clock tick each in order (recovery derives an LRU order from it)."""
@@ -293,4 +323,17 @@ def _check_spec(spec: PoolSpec) -> None:
                              "in an int64")
     if not spec.model_fingerprint or not spec.kv_dtype:
         raise InvalidRequest("model_fingerprint and kv_dtype must not be empty")
+    _check_window(spec)
+
+
+def _check_window(spec: PoolSpec) -> None:
+    for name in ("sliding_window", "attention_sinks"):
+        if getattr(spec, name) < 0:
+            raise InvalidRequest(f"{name} must be >= 0 (0 = none), got {getattr(spec, name)}")
+    if spec.attention_sinks and not spec.sliding_window:
+        raise InvalidRequest(f"attention_sinks {spec.attention_sinks} needs a sliding_window: sinks are kept beside "
+                             "a window, and without one every token is kept anyway")
+    if spec.sliding_window and spec.sliding_window < spec.page_size:
+        raise InvalidRequest(f"sliding_window {spec.sliding_window} is smaller than a page ({spec.page_size} "
+                             "tokens): pages are released whole, so the window must span at least one")
 

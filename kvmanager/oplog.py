@@ -11,7 +11,8 @@ check exactly that).
 
     <prefix>:log:<g>   list of records after snapshot g, oldest first: a JSON header
                        {"k": "step"|"register"|"admin", ...}, then, for a step, its token ids as little-endian
-                       uint16 or uint32 (see encode). Generation 0 (no snapshot yet) logs to <prefix>:log.
+                       uint16 or uint32 (see encode); a step's window releases are in its header ("r": req_id
+                       and page indices). Generation 0 (no snapshot yet) logs to <prefix>:log.
 
 A step is appended as soon as it is validated, while the manager applies it (send_early); other calls only
 when they changed state. Retried calls (same step_id) replay their answers, so a record logged twice (its
@@ -31,7 +32,15 @@ import numpy as np
 import redis
 
 from kvserve.common.tokens import UINT32, le_uint32, unpack_uint32
-from kvserve.common.wire.pages import PageAllocation, PageCommit, PageExtension, PageFree, PoolSpec, StepOps
+from kvserve.common.wire.pages import (
+    PageAllocation,
+    PageCommit,
+    PageExtension,
+    PageFree,
+    PageRelease,
+    PoolSpec,
+    StepOps,
+)
 from kvserve.kvmanager import admin, snapshots
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
@@ -69,11 +78,13 @@ def encode(record: tuple) -> bytes:
     if kind == "step":
         ops: StepOps = record[1]
         body = {"s": ops.step_id,
-                "a": [[a.req_id, a.tenant, a.worker_id, a.skip_prefix_cache, tokens(a.token_ids)]
-                      for a in ops.allocations],
+                "a": [[a.req_id, a.tenant, a.worker_id, a.skip_prefix_cache, tokens(a.token_ids),
+                       *([a.chunk_tokens] if a.chunk_tokens else [])] for a in ops.allocations],
                 "e": [[e.req_id, e.num_tokens] for e in ops.extensions],
                 "c": [[c.req_id, c.start_pos, tokens(c.token_ids), c.num_computed_tokens] for c in ops.commits],
                 "f": [f.req_id for f in ops.frees]}
+        if ops.releases:  # absent from steps without any (and from records older than releases)
+            body["r"] = [[r.req_id, list(r.page_indices)] for r in ops.releases]
     elif kind == "register":
         body = {"spec": asdict(record[1])}
         if record[2:] and record[2]:
@@ -128,11 +139,12 @@ def apply(mgr: KVManager, raw: str | bytes) -> None:
     d = json.loads(raw if newline < 0 else raw[:newline])
     if d["k"] == "step":
         tok = _Tokens(raw, newline + 1, d.get("w", 4))
-        allocations = tuple(PageAllocation(r, t, tok(n), w, skip) for r, t, w, skip, n in d["a"])
+        allocations = tuple(PageAllocation(r, t, tok(n), w, skip, *chunk) for r, t, w, skip, n, *chunk in d["a"])
         commits = tuple(PageCommit(r, s, tok(n), c) for r, s, n, c in d["c"])
         mgr.step(StepOps(step_id=d["s"], allocations=allocations,
                          extensions=tuple(PageExtension(r, n) for r, n in d["e"]), commits=commits,
-                         frees=tuple(PageFree(r) for r in d["f"])))
+                         frees=tuple(PageFree(r) for r in d["f"]),
+                         releases=tuple(PageRelease(r, tuple(i)) for r, i in d.get("r", ()))))
     elif d["k"] == "register":
         mgr.register_worker(PoolSpec(**d["spec"]), d.get("release", False))
     else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from kvserve.common.pages import num_sink_pages
 from kvserve.common.wire.pages import PoolSpec
 from kvserve.kvmanager.hashing import namespace_seed
 
@@ -43,6 +44,7 @@ class PagePool:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently used
         self.num_requests = 0
         self.num_evicted = 0
+        self.num_window_released = 0  # pages requests released past their sliding window, since registration
 
     # -- counts ---------------------------------------------------------------------------------------
     @property
@@ -62,10 +64,16 @@ class PagePool:
         """Pages with ref_cnt 0 that hold a block (evictable, or pinned)."""
         return sum(1 for p, b in enumerate(self.block_of) if b is not None and self.ref_cnt[p] == 0)
 
+    @property
+    def num_sink_pages(self) -> int:
+        """Leading pages of a request's page table that hold attention sinks: never released by a window."""
+        return num_sink_pages(self.spec.attention_sinks, self.spec.page_size)
+
     def seed_for(self, tenant: str) -> bytes:
         """h_0 of the tenant's prefix chains on this pool (hashing.py)."""
         s = self.spec
-        return namespace_seed(tenant, s.model_fingerprint, s.kv_dtype, s.page_size, s.kv_scales)
+        return namespace_seed(tenant, s.model_fingerprint, s.kv_dtype, s.page_size, s.kv_scales, s.sliding_window,
+                              s.attention_sinks)
 
     def available(self, hit_pages: list[int] = ()) -> int:
         """Pages an allocation could take, not counting cached pages it is about to reuse."""

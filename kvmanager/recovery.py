@@ -3,7 +3,7 @@
 Ref_cnts, the free list and the LRU are not in the layout; they follow from the rest (a generation's snapshot
 also holds the exact orders, which snapshots.restore_replay_state then puts back over the derived ones)::
 
-    ref_cnt[p]  = number of live requests whose page_table holds p      (stale requests hold nothing)
+    ref_cnt[p]  = number of live requests whose page_table holds p      (stale requests and holes hold nothing)
     free list   = ref-0 pages without a block, ascending
     evictable   = ref-0 pages with an unpinned block, least recently used first: by block.last_used, then
                   the chain's end first (a freed request's pages are released tail first), then page_id
@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from kvserve.common.pages import HOLE
 from kvserve.common.wire.pages import PoolSpec
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
@@ -37,6 +38,7 @@ class StoredState:
     clock: int = 0
     specs: list[PoolSpec] = field(default_factory=list)
     num_evicted: dict[str, int] = field(default_factory=dict)  # worker_id -> evictions so far
+    num_window_released: dict[str, int] = field(default_factory=dict)  # worker_id -> pages released by windows
     tenants: dict[str, TenantCounters] = field(default_factory=dict)
     blocks: list[StoredBlock] = field(default_factory=list)
     requests: list[RequestPages] = field(default_factory=list)
@@ -50,6 +52,7 @@ def rebuild(mgr: KVManager, state: StoredState) -> list[StoredBlock]:
     for spec in sorted(state.specs, key=lambda s: s.worker_id):
         pool = PagePool(spec)
         pool.num_evicted = state.num_evicted.get(spec.worker_id, 0)
+        pool.num_window_released = state.num_window_released.get(spec.worker_id, 0)
         mgr.pools[spec.worker_id] = pool
     dropped = _place_blocks(mgr, state.blocks)
     _place_requests(mgr, state.requests, state.stale)
@@ -84,9 +87,10 @@ def _place_requests(mgr: KVManager, live: list[RequestPages], stale: list[Reques
             mgr.stale.setdefault(req.req_id, req)
             continue
         n = pool.spec.num_pages
-        assert all(0 <= p < n for p in req.page_table), f"request {req.req_id!r} holds a page outside its pool"
+        pages = [p for p in req.page_table if p != HOLE]  # a hole (released by its window) holds no page
+        assert all(0 <= p < n for p in pages), f"request {req.req_id!r} holds a page outside its pool"
         mgr.requests[req.req_id] = req
-        for page_id in req.page_table:
+        for page_id in pages:
             pool.ref_cnt[page_id] += 1
         pool.num_requests += 1
 

@@ -6,6 +6,7 @@ Key layout (variable segments percent-encoded, so ':' and glob characters in nam
 
     <prefix>:pool:<worker_id>                        PoolSpec fields
     <prefix>:counters                                clock, per-tenant prefix query/hit tokens, per-pool num_evicted
+                                                     and num_window_released
     <prefix>:tenants                                 set of tenant names
     <prefix>:t:<tenant>:req:<req_id>                 a live request: pages, hash chain, last_ops for retried calls
     <prefix>:t:<tenant>:stale:<req_id>               a request whose pool epoch was replaced (answers STALE_EPOCH)
@@ -31,6 +32,7 @@ from kvserve.common.wire.pages import (
     PageCommitResult,
     PageExtensionResult,
     PageFreeResult,
+    PageReleaseResult,
     PoolSpec,
 )
 from kvserve.kvmanager.manager import KVManager
@@ -39,7 +41,7 @@ from kvserve.kvmanager.recovery import StoredBlock, StoredState, rebuild
 from kvserve.kvmanager.state import RequestPages, TenantCounters
 
 RESULT_TYPES = {"allocate": PageAllocationResult, "extend": PageExtensionResult, "commit": PageCommitResult,
-                "free": PageFreeResult}
+                "free": PageFreeResult, "release": PageReleaseResult}
 BATCH = 1000  # keys per SCAN step and per MGET and MSET command
 
 
@@ -173,7 +175,8 @@ def _text(value: str | bytes) -> str:
 def _counters(mgr: KVManager) -> dict:
     return {"clock": mgr.clock,
             "tenants": {t: [c.prefix_cache_queries, c.prefix_cache_hits] for t, c in mgr.tenants.items()},
-            "num_evicted": {w: p.num_evicted for w, p in mgr.pools.items()}}
+            "num_evicted": {w: p.num_evicted for w, p in mgr.pools.items()},
+            "num_window_released": {w: p.num_window_released for w, p in mgr.pools.items()}}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -211,6 +214,7 @@ def _decode_into(state: StoredState, kind: str, d: dict) -> None:
         state.clock = d["clock"]
         state.tenants = {t: TenantCounters(q, h) for t, (q, h) in d["tenants"].items()}
         state.num_evicted = dict(d["num_evicted"])
+        state.num_window_released = dict(d.get("num_window_released", {}))  # absent before windows existed
     elif kind == "blk":
         block = Block(bytes.fromhex(d["block_hash"]), bytes.fromhex(d["parent_hash"]), d["tenant"], d["page_id"],
                       d["block_index"], d["last_used"], d["pinned"])

@@ -28,9 +28,14 @@ def _free_attrs(op, res) -> dict:
     return {}
 
 
+def _release_attrs(op, res) -> dict:
+    return {"kvserve.num_page_indices": len(op.page_indices), "kvserve.num_released": res.num_released}
+
+
 # (span kind, the field of the request's ops, which is also the field of their results in StepResults)
 KINDS = (("allocate", "allocations", _allocate_attrs), ("extend", "extensions", _extend_attrs),
-         ("commit", "commits", _commit_attrs), ("free", "frees", _free_attrs))
+         ("commit", "commits", _commit_attrs), ("free", "frees", _free_attrs),
+         ("release", "releases", _release_attrs))
 
 
 def record_op_spans(tracer, request, results: StepResults, start_ns: int, end_ns: int, num_evicted: int) -> None:

@@ -13,13 +13,13 @@ class RequestPages:
     tenant: str
     worker_id: str
     epoch: int
-    page_table: list[int]
+    page_table: list[int]  # page ids by position; HOLE where its sliding window released the page
     seed: bytes  # h_0 of the tenant's namespace on this pool
     block_hashes: list[bytes]  # chain of the full pages committed or hit so far, from position 0
     num_prompt_tokens: int
     num_committed_tokens: int = 0  # leading tokens whose full pages are committed (or were hit)
     skip_prefix_cache: bool = False
-    # op kind ("allocate", "extend", "commit") -> (step_id, result): replayed for a retried call
+    # op kind ("allocate", "extend", "commit", "release") -> (step_id, result): replayed for a retried call
     last_ops: dict[str, tuple[int, object]] = field(default_factory=dict)
 
     @property

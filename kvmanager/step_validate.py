@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvserve.common.errors import InvalidRequest
-from kvserve.common.pages import num_pages_for
+from kvserve.common.pages import HOLE, num_pages_for
 from kvserve.common.tokens import check_token_ids
-from kvserve.common.wire.pages import PageAllocation, PageCommit, PageExtension, StepOps
+from kvserve.common.wire.pages import PageAllocation, PageCommit, PageExtension, PageRelease, StepOps
 from kvserve.kvmanager.errors import StaleStep, UnknownRequest
 from kvserve.kvmanager.state import RequestPages
 
@@ -31,24 +31,28 @@ def validate_step(mgr: KVManager, ops: StepOps) -> None:
         _check_not_stale(mgr, f.req_id, "free", ops.step_id)
     for c in ops.commits:
         _check_commit(mgr, c, ops.step_id)
+    for r in ops.releases:
+        _check_release(mgr, r, ops.step_id)
+    releasing = {r.req_id: r.page_indices for r in ops.releases}
     for e in ops.extensions:
-        _check_extend(mgr, e, ops.step_id)
+        _check_extend(mgr, e, ops.step_id, releasing.get(e.req_id, ()))
     for a in ops.allocations:
         _check_allocate(mgr, a, ops.step_id)
 
 
 def _check_unique(ops: StepOps) -> None:
     lists = {"allocations": [a.req_id for a in ops.allocations], "extensions": [e.req_id for e in ops.extensions],
-             "commits": [c.req_id for c in ops.commits], "frees": [f.req_id for f in ops.frees]}
+             "commits": [c.req_id for c in ops.commits], "frees": [f.req_id for f in ops.frees],
+             "releases": [r.req_id for r in ops.releases]}
     for name, ids in lists.items():
         if len(set(ids)) != len(ids):
             seen: set[str] = set()
             dup = next(i for i in ids if i in seen or seen.add(i))  # linear: a call may carry thousands
             raise InvalidRequest(f"req_id {dup!r} appears twice in {name}")
     # A request may commit its last full pages in the call that frees it (applied commit first); an extension
-    # of a request being freed, or an allocation sharing a req_id with any other op, makes no sense.
-    running = set(lists["extensions"]) | set(lists["commits"])
-    for a, b in (("allocations", running), ("frees", set(lists["extensions"])),
+    # or a release of a request being freed, or an allocation sharing a req_id with any other op, makes no sense.
+    running = set(lists["extensions"]) | set(lists["commits"]) | set(lists["releases"])
+    for a, b in (("allocations", running), ("frees", set(lists["extensions"]) | set(lists["releases"])),
                  ("allocations", set(lists["frees"]))):
         both = set(lists[a]) & b
         if both:
@@ -88,19 +92,30 @@ def _check_allocate(mgr: KVManager, a: PageAllocation, step_id: int) -> None:
     if not a.worker_id:
         raise InvalidRequest(f"{where}: worker_id must name the worker to allocate on (Place chooses it)")
     pool = mgr.pool(a.worker_id)
+    if a.chunk_tokens < 0:
+        raise InvalidRequest(f"{where}: chunk_tokens must be >= 0 (0 = the whole prompt), got {a.chunk_tokens}")
+    if pool.spec.sliding_window and a.chunk_tokens:  # a window's pages at a time: the prompt may outgrow the pool
+        return
     if num_pages_for(len(a.token_ids), pool.spec.page_size) > pool.spec.num_pages:
         raise InvalidRequest(f"{where}: {len(a.token_ids)} tokens need more pages than pool {a.worker_id!r} has")
 
 
-def _check_extend(mgr: KVManager, e: PageExtension, step_id: int) -> None:
+def _check_extend(mgr: KVManager, e: PageExtension, step_id: int, releasing: tuple[int, ...]) -> None:
+    """``releasing``: the page indices the same call releases before it extends (validated already)."""
     req = _live_or_stale(mgr, e.req_id)
     _check_not_stale(mgr, e.req_id, "extend", step_id, req)
     if e.num_tokens <= 0:
         raise InvalidRequest(f"extension {e.req_id!r}: num_tokens must be > 0, got {e.num_tokens}")
     pool = mgr.pools.get(req.worker_id)
     if req.req_id in mgr.requests and e.num_tokens > pool.spec.num_pages * pool.spec.page_size:
-        raise InvalidRequest(f"extension {e.req_id!r}: num_tokens {e.num_tokens} exceeds the pool's "
-                             f"{pool.spec.num_pages * pool.spec.page_size} token slots")
+        # Past the pool's size only with holes: pages its window released, or releases in this call, are not
+        # held (counted only here, so that a dense request's extension never scans its table).
+        table = req.page_table
+        holes = table.count(HOLE) + sum(1 for i in releasing if table[i] != HOLE)
+        if num_pages_for(e.num_tokens, pool.spec.page_size) - holes > pool.spec.num_pages:
+            released = f", {holes} of its pages released" if holes else ""
+            raise InvalidRequest(f"extension {e.req_id!r}: num_tokens {e.num_tokens} exceeds the pool's "
+                                 f"{pool.spec.num_pages * pool.spec.page_size} token slots{released}")
 
 
 def _check_commit(mgr: KVManager, c: PageCommit, step_id: int) -> None:
@@ -126,3 +141,28 @@ def _check_commit(mgr: KVManager, c: PageCommit, step_id: int) -> None:
     if not end <= c.num_computed_tokens <= len(req.page_table) * page_size:
         raise InvalidRequest(f"{where}: need start_pos + len(token_ids) = {end} <= num_computed_tokens = "
                              f"{c.num_computed_tokens} <= {len(req.page_table) * page_size} slots of its pages")
+
+
+def _check_release(mgr: KVManager, r: PageRelease, step_id: int) -> None:
+    """A release names pages of a live request's table on a windowed pool: never a sink page, never the last
+    page (the next token goes there), each index once. A stale request's release answers STALE_EPOCH."""
+    where = f"release {r.req_id!r}"
+    req = _live_or_stale(mgr, r.req_id)
+    _check_not_stale(mgr, r.req_id, "release", step_id, req)
+    if r.req_id in mgr.stale or req.is_replay("release", step_id):
+        return
+    pool = mgr.pools[req.worker_id]
+    if not pool.spec.sliding_window:
+        raise InvalidRequest(f"{where}: pool {req.worker_id!r} has no sliding window: nothing to release")
+    table, num_sinks = req.page_table, pool.num_sink_pages
+    if len(set(r.page_indices)) != len(r.page_indices):
+        raise InvalidRequest(f"{where}: a page index appears twice in {list(r.page_indices)}")
+    for i in r.page_indices:
+        if not 0 <= i < len(table):
+            raise InvalidRequest(f"{where}: page index {i} is outside its page table [0, {len(table)})")
+        if i < num_sinks:
+            raise InvalidRequest(f"{where}: page index {i} holds a sink and cannot be released (the first "
+                                 f"{num_sinks} pages hold the pool's {pool.spec.attention_sinks} attention sinks)")
+        if i == len(table) - 1:
+            raise InvalidRequest(f"{where}: page index {i} is the last page of its table: the next token goes "
+                                 "there")

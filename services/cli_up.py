@@ -33,7 +33,7 @@ def add_commands(sub) -> None:
     from kvserve.services.cli_flags import parse_bytes, positive_int
     from kvserve.services.cli_gateway import DEFAULT_GATEWAY_PORT, add_gateway_flags
     from kvserve.services.cli_kvmanager import DEFAULT_KVMANAGER_PORT
-    from kvserve.services.cli_worker import add_kv_format_flags
+    from kvserve.services.cli_worker import add_kv_format_flags, add_window_flags
 
     u = sub.add_parser("up", help="run the whole stack: embedded Redis, kvmanager, workers, gateway")
     u.add_argument("--host", default="127.0.0.1")
@@ -50,6 +50,7 @@ def add_commands(sub) -> None:
     size.add_argument("--num-pages", type=positive_int, help="KV pool pages per worker")
     u.add_argument("--page-size", type=positive_int, default=16)
     add_kv_format_flags(u, "auto", "token_head")
+    add_window_flags(u, "0", "0")
     add_gateway_flags(u)
     u.set_defaults(func=run_up)
 
@@ -112,7 +113,8 @@ def _kvmanager_argv(args, model_dir: Path) -> list[str]:
 def _worker_argv(args, i: int) -> list[str]:
     argv = ["worker", "--host", args.host, "--port", "0", "--worker-id", f"worker-{i}",
             "--page-size", str(args.page_size), "--kv-cache-dtype", args.kv_cache_dtype, "--kv-scales",
-            args.kv_scales]
+            args.kv_scales, "--sliding-window", str(args.sliding_window), "--attention-sinks",
+            str(args.attention_sinks)]
     argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)] if args.kv_cache_bytes else []
     argv += ["--num-pages", str(args.num_pages)] if args.num_pages else []
     return argv + _model_argv(args)
@@ -156,6 +158,15 @@ def _start_stack(args, children: list[Child]) -> None:
     children.append(start_child("gateway", _gateway_argv(args, children[0], children[1:])))
 
 
+def _check_window(args) -> None:
+    """--sliding-window / --attention-sinks against the model's own window, as each worker will check them."""
+    from kvserve.services.model_store import resolve_model
+    from kvserve.worker.config import ModelConfig, resolve_window
+
+    resolve_window(ModelConfig.from_folder(resolve_model(args.model, args.cache_dir)), args.sliding_window,
+                   args.attention_sinks, args.page_size)
+
+
 def _admin_hint(args, kvmanager_address: str) -> str:
     """The kvserve admin command line that reaches this stack's kvmanager with its token."""
     from kvserve.services.cli_kvmanager import DEFAULT_KVMANAGER_PORT
@@ -173,7 +184,9 @@ def run_up(args) -> int:
 
     try:  # checked before anything starts, not by each worker a minute later
         check_kv_format(args.kv_cache_dtype, args.kv_scales)
-    except ValueError as e:
+        if args.sliding_window or args.attention_sinks:
+            _check_window(args)
+    except (ValueError, ModelNotFound) as e:
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
     if args.api_keys_file:  # checked before anything starts, not by the gateway a minute later

@@ -36,6 +36,18 @@ def add_kv_format_flags(p: argparse.ArgumentParser, dtype_default: str, scales_d
                         "on write) or tensor (one per-tensor scale of 1.0, as vLLM without calibration)")
 
 
+def add_window_flags(p: argparse.ArgumentParser, window_default: str, sinks_default: str) -> None:
+    """--sliding-window and --attention-sinks, checked (with the model's own window) before a pool exists."""
+    from kvserve.services.cli_flags import non_negative_int
+
+    p.add_argument("--sliding-window", type=non_negative_int, default=window_default,
+                   help="attend to the last W tokens only (default 0: the model's own window, if its config has "
+                        "one); the pages a request's window leaves behind are released as it runs")
+    p.add_argument("--attention-sinks", type=non_negative_int, default=sinks_default,
+                   help="with --sliding-window: the first S tokens stay visible too (StreamingLLM), for models "
+                        "trained with full attention; requests may then run past the model's context")
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     from kvserve.services.cli_flags import parse_bytes, positive_int
 
@@ -51,6 +63,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                       help="KV pool budget, e.g. 512MiB (default 512MiB)")
     size.add_argument("--num-pages", type=positive_int, default=_env("num_pages"), action=_PoolSize)
     add_kv_format_flags(p, _env("kv_cache_dtype", "auto"), _env("kv_scales", "token_head"))
+    add_window_flags(p, _env("sliding_window", "0"), _env("attention_sinks", "0"))
     p.add_argument("--attention-backend", default=_env("attention_backend", "auto"),
                    choices=["auto", "cpu", "reference"],
                    help="auto (default): cpu for float32 on CPU when its C++ module builds, else reference; "
@@ -98,7 +111,8 @@ def _runner_config(args, **extra):
     return RunnerConfig(model_dir=resolve_model(args.model, args.cache_dir), device=args.device, dtype=args.dtype,
                         page_size=args.page_size, kv_cache_bytes=kv_bytes, num_pages=num_pages,
                         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-                        kv_scales=args.kv_scales, **extra)
+                        kv_scales=args.kv_scales, sliding_window=args.sliding_window,
+                        attention_sinks=args.attention_sinks, **extra)
 
 
 def _make_runner(args, **extra):

@@ -48,7 +48,7 @@ def snapshot(mgr: KVManager, clock: bool = True, last_ops: bool = True) -> dict:
             "index": {h.hex(): (b.parent_hash.hex(), b.tenant, b.page_id, b.block_index, b.last_used, b.pinned)
                       for h, b in p.index.items()},
             "block_of": [b.block_hash.hex() if b else None for b in p.block_of],
-            "num_requests": p.num_requests, "num_evicted": p.num_evicted,
+            "num_requests": p.num_requests, "num_evicted": p.num_evicted, "num_window_released": p.num_window_released,
         }
     out = copy.deepcopy({"pools": pools, "requests": dict(mgr.requests), "stale": dict(mgr.stale),
                          "tenants": dict(mgr.tenants)})

@@ -127,6 +127,11 @@ BAD_WORKER_FLAGS = [
     ("KV pages the cpu backend cannot read", ["--attention-backend", "cpu", "--kv-cache-dtype", "bfloat16"], {},
      "kvserve: the cpu attention backend is not available: it reads float32, int8, fp8_e4m3, fp8_e5m2 pages, not "
      "bfloat16 (--attention-backend reference serves every KV cache dtype)"),
+    ("sinks without a window", ["--attention-sinks", "4"], {},
+     "kvserve: --attention-sinks needs --sliding-window (the window kept beside the sinks)"),
+    ("a window smaller than a page", ["--sliding-window", "8"], {},
+     "kvserve: a sliding window of 8 tokens is smaller than a page (16 tokens)"),
+    ("a negative window", ["--sliding-window", "-4"], {}, "argument --sliding-window: must be 0 or more, got -4"),
 ]
 
 
@@ -171,6 +176,13 @@ def test_up_with_an_unknown_kv_cache_dtype_exits_2_before_starting_anything(tmp_
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip() == ("kvserve: unknown KV cache dtype 'fp6'; known: auto, float32, bfloat16, float16, "
                                   "int8, fp8_e4m3, fp8_e5m2")
+    assert not (tmp_path / "data").exists()  # no kvmanager ever ran
+
+
+def test_up_with_sinks_but_no_window_exits_2_before_starting_anything(tmp_path):
+    out = run_cli("up", "--data-dir", str(tmp_path / "data"), "--attention-sinks", "4")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == "kvserve: --attention-sinks needs --sliding-window (the window kept beside the sinks)"
     assert not (tmp_path / "data").exists()  # no kvmanager ever ran
 
 

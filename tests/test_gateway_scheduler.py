@@ -4,6 +4,7 @@ f(position)) because what is tested here is which tokens get computed where, not
 
 from __future__ import annotations
 
+from kvserve.common.pages import max_window_pages
 from kvserve.common.wire.pages import PageAllocation, PoolSpec, StepOps, StepResults
 from kvserve.common.wire.worker import SampledToken
 from kvserve.kvmanager.invariants import check_invariants
@@ -350,3 +351,53 @@ def test_a_worker_restart_in_an_overlapped_step_leaks_no_page_and_recomputes_ide
         assert mgr.pools["w0"].num_used == 0
         expected = expected or a.output_token_ids
         assert a.output_token_ids == expected == [100 + p for p in range(10, 16)]
+
+
+def windowed_setup(num_pages=10, budget=8, window=8, sinks=4):
+    mgr = KVManager()
+    mgr.register_worker(PoolSpec("w0", 1, num_pages, PS, "fp", "float32", 1, "", window, sinks))
+    cfg = SchedulerConfig("w0", PS, num_pages, max_model_len=1 << 20, eos_token_ids=(0,),
+                          max_num_batched_tokens=budget, window=window, sinks=sinks)
+    return mgr, Scheduler(cfg)
+
+
+def held(mgr, req_id) -> list[int]:
+    return [p for p in mgr.requests[req_id].page_table if p >= 0]
+
+
+def test_a_windowed_request_longer_than_the_pool_holds_a_window_of_pages_and_computes_every_position():
+    """Window 8, sinks 4, pages of 4 on a pool of 10 pages (40 slots): a request of 60 prompt and 40 new tokens
+    releases the pages before each step's window (one batched call per step), never holds more than the sink
+    page, the chunk's window and the page it fills, and ends with every page back (pool accounting checked
+    after every step by drain)."""
+    mgr, sched = windowed_setup()
+    req = request("a", range(1, 61), max_tokens=40)
+    sched.add(req)
+    most, starts = 0, []
+    while sched.has_work():
+        _, step = run_step(mgr, sched, overlap=True)
+        check_invariants(mgr)
+        if "a" in mgr.requests:
+            most = max(most, len(held(mgr, "a")))
+            assert held(mgr, "a") == [p for p in req.page_table if p >= 0]  # the gateway's copy agrees
+        starts += [(i.start_pos, len(i.token_ids)) for i in step.items]
+    assert most <= max_window_pages(8, 4, PS, chunk=8) and req.num_tokens == 100 > 10 * PS
+    assert sum(n for _, n in starts) == 99 and [s for s, _ in starts] == sorted(s for s, _ in starts)
+    assert req.output_token_ids == [100 + p for p in range(60, 100)]
+    pool = mgr.pools["w0"]
+    assert pool.num_used == 0 and pool.num_window_released > 20
+
+
+def test_a_windowed_hit_holds_only_the_pages_its_first_chunk_reads():
+    mgr, sched = windowed_setup(num_pages=24)
+    first = request("a", range(1, 42), max_tokens=1)
+    sched.add(first)
+    drain(mgr, sched)
+    again = request("b", range(1, 42), max_tokens=1)
+    sched.add(again)
+    out, step = run_step(mgr, sched)
+    assert out.ops.allocations[0].chunk_tokens == 8
+    (item,) = step.items
+    assert item.start_pos == 40  # 10 full pages hit; the last token is computed
+    assert [k for k, p in enumerate(item.page_table) if p >= 0] == [0, 8, 9, 10]  # sinks' page and 33..40
+    drain(mgr, sched)

@@ -83,6 +83,7 @@ def test_kvmanager_serves_admin_commands_then_exits_cleanly(tmp_path):
             "w0", 2, 3, 3)
         assert pool["pool_bytes"] == 3200 and stats["prefix_cache_queries"] == 18  # counts are numbers, int64 too
         assert pool["epoch"] == 1 and stats["store_ok"] is True
+        assert (pool["sliding_window"], pool["attention_sinks"], pool["num_window_released_pages"]) == (0, 0, 0)
         assert [(t["tenant"], t["num_blocks"], t["num_requests"]) for t in stats["tenants"]] == [("A", 3, 0),
                                                                                               ("B", 0, 1)]
         out = run_cli(tmp_path, "admin", "stats", *admin)
@@ -90,7 +91,9 @@ def test_kvmanager_serves_admin_commands_then_exits_cleanly(tmp_path):
         rows = [line.split() for line in out.stdout.splitlines()]
         assert rows[1][:11] == ["WORKER", "EPOCH", "KV_DTYPE", "KV_SCALES", "PAGE_SIZE", "PAGES", "USED", "CACHED",
                                 "FREE", "PINNED", "REQUESTS"]
-        assert rows[2] == ["w0", "1", "float32", "-", "4", "8", "2", "3", "3", "0", "1", "3200", "800", "1200"]
+        assert rows[1][14:] == ["WINDOW", "SINKS", "WINDOW_RELEASED"]
+        assert rows[2] == ["w0", "1", "float32", "-", "4", "8", "2", "3", "3", "0", "1", "3200", "800", "1200", "-",
+                           "-", "0"]
         assert "prefix cache: 0 of 18 query tokens hit (0.0%), 0 blocks evicted, store ok" in out.stdout
 
         out = run_cli(tmp_path, "admin", "probe", "A", "--tokens", ",".join(map(str, P1 + [7])), *admin)

@@ -62,6 +62,36 @@ def test_hash_chain_is_stable_and_namespaced():
     assert chain_hashes(seed, [9, 9, 9, 9] + tokens[4:8], 4)[1] != chain_hashes(seed, tokens, 4)[1]
 
 
+def test_a_window_or_sinks_give_their_own_namespace_and_no_window_keeps_the_old_seed():
+    dense = namespace_seed("t", "fp", "float32", 4)
+    # both 0: byte-identical to the seed before windows existed (the pinned value above), so caches persisted
+    # by dense pools stay valid
+    assert namespace_seed("t", "fp", "float32", 4, "", 0, 0) == dense
+    assert dense.hex() == "954bc5e5f22a32b2e8d83369929e3c1d"
+    windowed = namespace_seed("t", "fp", "float32", 4, "", 1024, 0)
+    sinks = namespace_seed("t", "fp", "float32", 4, "", 1024, 4)
+    assert len({dense, windowed, sinks, namespace_seed("t", "fp", "float32", 4, "", 512, 0),
+                namespace_seed("t", "fp", "int8", 4, "token_head", 1024, 4)}) == 5
+    # a pool's seed follows its spec: the same tokens never hit across a windowed and a dense pool
+    m = mgr_with(spec(), PoolSpec("w1", 1, 8, PS, "fp", "float32", 100, "", 1024, 4))
+    assert m.pools["w0"].seed_for("t") == dense and m.pools["w1"].seed_for("t") == sinks
+
+
+@pytest.mark.parametrize("window,sinks,message", [
+    (-4, 0, "sliding_window must be >= 0"),
+    (8, -1, "attention_sinks must be >= 0"),
+    (0, 4, "attention_sinks 4 needs a sliding_window"),
+    (PS - 1, 0, "sliding_window 3 is smaller than a page"),
+])
+def test_a_bad_window_is_refused_at_registration_and_registers_nothing(window, sinks, message):
+    m = KVManager()
+    with pytest.raises(InvalidRequest, match=message):
+        m.register_worker(PoolSpec("w0", 1, 8, PS, "fp", "float32", 100, "", window, sinks))
+    assert m.pools == {}
+    m.register_worker(PoolSpec("w0", 1, 8, PS, "fp", "float32", 100, "", PS, 1))  # a one-page window, one sink
+    assert m.pools["w0"].spec.sliding_window == PS
+
+
 def test_allocate_fresh_pages_in_order():
     m = mgr_with()
     r = alloc(m, "a", range(10))  # 10 tokens -> 3 pages

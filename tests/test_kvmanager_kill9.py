@@ -1,5 +1,7 @@
 """`kill -9` of a kvmanager process mid-traffic, then a restart on the same Redis: every page table,
-ref_cnt and index entry comes back, in-flight requests keep their pages, and traffic carries on.
+ref_cnt and index entry comes back, in-flight requests keep their pages, and traffic carries on. The pool has
+a sliding window with attention sinks, and decoding requests release the pages that fall out of it: their holes
+come back too.
 
 The Redis here is the test's own (an external Redis from the kvmanager's point of view), so it survives the
 kvmanager's SIGKILL as a managed Redis would.
@@ -11,6 +13,7 @@ import grpc
 from test_kvmanager_cli import kvmanager_process, stop_cleanly
 
 from kvserve.common.convert.pages import step_from_proto
+from kvserve.common.pages import HOLE
 from kvserve.common.tokens import le_uint32
 from kvserve.common.wire.pages import PoolSpec
 from kvserve.kvmanager.manager import KVManager
@@ -19,12 +22,14 @@ from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
 PS, NUM_PAGES, TOKEN = 4, 64, "T"
+WINDOW, SINKS = 8, 4  # two pages of window, one sink page
 SYSTEM = list(range(1000, 1012))  # a 3-page shared system prompt
 REQ_IDS = [f"r{i}" for i in range(8)]
 
 
 def workload() -> list[pb.StepPagesRequest]:
-    """Deterministic scheduler-like steps: admissions with shared prefixes, commits, decode growth, frees."""
+    """Deterministic scheduler-like steps: admissions with shared prefixes, commits, decode growth that releases
+    the page its window moved past (page 1, a shared prefix page: position 15 attends 8..15), frees."""
     steps, computed, step_id = [], {}, 0
 
     def call(**ops):
@@ -43,7 +48,8 @@ def workload() -> list[pb.StepPagesRequest]:
              if i < 2 else [])  # the first of each tenant computes the prefix; later ones hit it
         if i >= 3:  # decode: grow the oldest running request past a page boundary
             old = REQ_IDS[i - 3]
-            call(extensions=[pb.PageExtension(req_id=old, num_tokens=15 + 4 * (i - 2))])
+            call(extensions=[pb.PageExtension(req_id=old, num_tokens=15 + 4 * (i - 2))],
+                 releases=[pb.PageRelease(req_id=old, page_indices=[1])])
         if i >= 5:
             call(frees=[pb.PageFree(req_id=REQ_IDS[i - 5])])
     return steps
@@ -51,13 +57,13 @@ def workload() -> list[pb.StepPagesRequest]:
 
 def register(stub) -> None:
     stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id="w0", epoch=7, num_pages=NUM_PAGES, page_size=PS,
-                                                 model_fingerprint="fp", kv_dtype="float32", bytes_per_token=100),
-                        timeout=10)
+                                                 model_fingerprint="fp", kv_dtype="float32", bytes_per_token=100,
+                                                 sliding_window=WINDOW, attention_sinks=SINKS), timeout=10)
 
 
 def replay(steps: list[pb.StepPagesRequest]) -> KVManager:
     mgr = KVManager()
-    mgr.register_worker(PoolSpec("w0", 7, NUM_PAGES, PS, "fp", "float32", 100))
+    mgr.register_worker(PoolSpec("w0", 7, NUM_PAGES, PS, "fp", "float32", 100, "", WINDOW, SINKS))
     for s in steps:
         mgr.step(step_from_proto(s))
     return mgr
@@ -65,9 +71,10 @@ def replay(steps: list[pb.StepPagesRequest]) -> KVManager:
 
 def expected_view(mgr: KVManager) -> dict:
     pool = mgr.pools["w0"]
-    tables = {r: (tuple(q.page_table), tuple(pool.ref_cnt[p] for p in q.page_table), q.num_committed_tokens)
-              for r, q in mgr.requests.items()}
-    return {"tables": tables, "counts": (pool.num_used, pool.num_cached, pool.num_free), "blocks": len(pool.index)}
+    tables = {r: (tuple(q.page_table), tuple(0 if p == HOLE else pool.ref_cnt[p] for p in q.page_table),
+                  q.num_committed_tokens) for r, q in mgr.requests.items()}
+    return {"tables": tables, "counts": (pool.num_used, pool.num_cached, pool.num_free), "blocks": len(pool.index),
+            "released": pool.num_window_released}
 
 
 def observed_view(admin, metadata) -> dict:
@@ -82,7 +89,7 @@ def observed_view(admin, metadata) -> dict:
     stats = admin.Stats(pb.StatsRequest(), metadata=metadata, timeout=10)
     pool = stats.pools[0]
     return {"tables": tables, "counts": (pool.num_used_pages, pool.num_cached_pages, pool.num_free_pages),
-            "blocks": sum(t.num_blocks for t in stats.tenants)}
+            "blocks": sum(t.num_blocks for t in stats.tenants), "released": pool.num_window_released_pages}
 
 
 def test_kill9_mid_traffic_then_restart_recovers_every_page(tmp_path):
@@ -106,6 +113,7 @@ def test_kill9_mid_traffic_then_restart_recovers_every_page(tmp_path):
                 pass
         candidates = [expected_view(replay(steps[:cut])), expected_view(replay(steps[: cut + 1]))]
         assert candidates[0] != candidates[1], "the cut must fall on a step that changes state"
+        assert all(HOLE in c["tables"]["r0"][0] for c in candidates), "the kill must find released pages"
         with kvmanager_process(tmp_path, *args) as (proc, ready), \
                 grpc.insecure_channel(f"127.0.0.1:{ready.group(1)}") as channel:
             stub = kvmanager_pb2_grpc.KVManagerServiceStub(channel)
@@ -113,7 +121,9 @@ def test_kill9_mid_traffic_then_restart_recovers_every_page(tmp_path):
             assert observed_view(admin, metadata) in candidates
             for s in steps[cut:]:  # carry on; the in-flight call is retried with its step_id
                 stub.StepPages(s, timeout=10)
-            assert observed_view(admin, metadata) == expected_view(replay(steps))
+            final = observed_view(admin, metadata)
+            assert final == expected_view(replay(steps))
+            assert {r for r, t in final["tables"].items() if HOLE in t[0]} == {"r3", "r4"} and final["released"] == 5
             late = stub.StepPages(pb.StepPagesRequest(step_id=len(steps) + 1, allocations=[
                 pb.PageAllocation(req_id="late", tenant="A", worker_id="w0",
                                   packed_token_ids=le_uint32(SYSTEM + [9]))]), timeout=10)

@@ -8,6 +8,10 @@ tokens, so a hit across tenants, on a dead epoch's page or on a reused page fail
 
     prompt   | page 0 | page 1 | page 2 |..      num_cached_tokens = 8
     hit      |  p3    |  p0    |          <- content[p3] == (tenant, prompt[:4]), content[p0] == (tenant, prompt[:8])
+
+Worker w1's pool has a sliding window (two pages) and attention sinks (its first page): its requests release
+pages past the window at random, in calls of their own and inside batches, and the model's page tables get the
+same holes. A hole holds nothing, so a commit over it writes no content; every check above still holds.
 """
 
 from __future__ import annotations
@@ -22,7 +26,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvserve.common.errors import DomainError, StaleEpoch
-from kvserve.common.wire.pages import OpStatus, PageAllocation, PageCommit, PageExtension, PageFree, PoolSpec, StepOps
+from kvserve.common.pages import HOLE
+from kvserve.common.wire.pages import (
+    OpStatus,
+    PageAllocation,
+    PageCommit,
+    PageExtension,
+    PageFree,
+    PageRelease,
+    PoolSpec,
+    StepOps,
+)
 from kvserve.kvmanager.errors import UnknownTenant
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
 from kvserve.kvmanager.manager import KVManager
@@ -43,15 +57,18 @@ WORKERS = ("w0", "w1")
 TENANTS = ("A", "B", "C")
 PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9), (20, 21, 22, 23))  # shared by all tenants
 MAX_TOKENS = 24  # per request: fits the smallest pool (6 pages)
+MAX_WINDOWED_TOKENS = 40  # a windowed request: 10 pages, more than a small pool has (it holds fewer)
+WINDOWS = {"w1": (2 * PS, PS)}  # worker -> (sliding_window, attention_sinks): two pages, and one sink page
+NUM_SINK_PAGES = 1
 OK, SHORT, STALE = OpStatus.OK, OpStatus.OUT_OF_PAGES, OpStatus.STALE_EPOCH
 
 
 def spec_for(worker: str, epoch: int, num_pages: int) -> PoolSpec:
-    return PoolSpec(worker, epoch, num_pages, PS, "fp", "float32", 64)
+    return PoolSpec(worker, epoch, num_pages, PS, "fp", "float32", 64, "", *WINDOWS.get(worker, (0, 0)))
 
 
-def seed_of(tenant: str) -> bytes:
-    return namespace_seed(tenant, "fp", "float32", PS)
+def seed_of(tenant: str, worker: str = "w0") -> bytes:
+    return namespace_seed(tenant, "fp", "float32", PS, "", *WINDOWS.get(worker, (0, 0)))
 
 
 def pages_for(num_tokens: int) -> int:
@@ -68,7 +85,7 @@ def snapshot(mgr: KVManager, volatile: bool = True):
     durable (whether the service would log a call)."""
     pools = {w: (p.spec, tuple(p.ref_cnt), tuple(map(_block, p.block_of)),
                  sorted((h, _block(b)) for h, b in p.index.items()), tuple(p.free), tuple(p.evictable),
-                 p.num_requests, p.num_evicted) for w, p in mgr.pools.items()}
+                 p.num_requests, p.num_evicted, p.num_window_released) for w, p in mgr.pools.items()}
 
     def reqs(d):
         return {k: (r.tenant, r.worker_id, r.epoch, tuple(r.page_table), r.seed, tuple(r.block_hashes),
@@ -141,11 +158,12 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.epoch[w], self.num_pages[w], self.last = epoch, num_pages, None
 
     def call(self, ops: StepOps):
-        single = len(ops.allocations) + len(ops.extensions) + len(ops.commits) + len(ops.frees) == 1
+        single = len(ops.allocations) + len(ops.extensions) + len(ops.commits) + len(ops.frees) + len(
+            ops.releases) == 1
         pre = self.pre_state() if single else None
         res = self.mgr.step(ops)
-        assert [len(res.allocations), len(res.extensions), len(res.commits), len(res.frees)] == [
-            len(ops.allocations), len(ops.extensions), len(ops.commits), len(ops.frees)]
+        assert [len(res.allocations), len(res.extensions), len(res.commits), len(res.frees), len(res.releases)] == [
+            len(ops.allocations), len(ops.extensions), len(ops.commits), len(ops.frees), len(ops.releases)]
         freeing = {f.req_id for f in ops.frees}
         commits = list(zip(ops.commits, res.commits, strict=True))
         for c, r in commits:  # a request's last commit, in the call that frees it, goes first
@@ -156,12 +174,14 @@ class KVManagerMachine(RuleBasedStateMachine):
         for c, r in commits:
             if c.req_id not in freeing:
                 self.absorb_commit(c, r)
+        for x, r in zip(ops.releases, res.releases, strict=True):
+            self.absorb_release(x, r, pre)
         for e, r in zip(ops.extensions, res.extensions, strict=True):
             self.absorb_extend(e, r, pre)
         for a, r in zip(ops.allocations, res.allocations, strict=True):
             self.absorb_allocate(a, r, pre)
         self.pending.clear()
-        for op in (*ops.allocations, *ops.extensions, *ops.commits, *ops.frees) if ops.step_id else ():
+        for op in (*ops.allocations, *ops.extensions, *ops.commits, *ops.frees, *ops.releases) if ops.step_id else ():
             if op.req_id in self.live or op.req_id in self.stale:
                 self.last_step[op.req_id] = max(self.last_step.get(op.req_id, 0), ops.step_id)
             else:  # freed, or an allocation short of pages: no record keeps its step_id
@@ -190,8 +210,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.mgr.changes = Changes()
         again = self.mgr.step(ops)
         # pool summaries describe the pools now, not the ops: not compared
-        assert (again.allocations, again.extensions, again.commits, again.frees) == (
-            res.allocations, res.extensions, res.commits, res.frees)
+        assert (again.allocations, again.extensions, again.commits, again.frees, again.releases) == (
+            res.allocations, res.extensions, res.commits, res.frees, res.releases)
         assert snapshot(self.mgr, volatile=False) == after and self.mgr.changes.empty()
 
     def extend_to(self, rid: str, new_tokens: list[int]) -> PageExtension:
@@ -220,11 +240,27 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert r.status is OK and r.num_committed_tokens == end
         for i in range(c.start_pos // PS, end // PS):
             prefix = tuple(m.tokens[: (i + 1) * PS])
-            self.content[(m.worker, m.epoch, m.page_table[i])] = (m.tenant, prefix)
+            if m.page_table[i] != HOLE:  # a page its window released may hold anything by now
+                self.content[(m.worker, m.epoch, m.page_table[i])] = (m.tenant, prefix)
             if not m.skip:
                 self.committed[(m.worker, m.epoch, m.tenant)].add(prefix)
         m.num_committed = end
         self.histories.append(tuple(m.tokens))
+
+    def absorb_release(self, x: PageRelease, r, pre) -> None:
+        if x.req_id in self.stale:
+            assert r.status is STALE and r.num_released == 0
+            return
+        m = self.live[x.req_id]
+        released = [m.page_table[i] for i in x.page_indices if m.page_table[i] != HOLE]
+        assert r.status is OK and r.num_released == len(released), (r, released)
+        for i in x.page_indices:
+            m.page_table[i] = HOLE
+        if pre is not None:  # single op: pages that nobody holds now join the LRU (cached) or the free list, in order
+            pool, p = self.mgr.pools[m.worker], pre[m.worker]
+            idle = [page_id for page_id in released if not pool.ref_cnt[page_id]]
+            assert list(pool.evictable) == p.evictable + [q for q in idle if pool.block_of[q] is not None]
+            assert list(pool.free) == p.free + [q for q in idle if pool.block_of[q] is None]
 
     def absorb_extend(self, e: PageExtension, r, pre) -> None:
         if e.req_id in self.stale:
@@ -328,7 +364,9 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert r.epoch == mgr.pools[r.worker_id].spec.epoch, "a live request holds pages of a dead epoch"
             assert len(m.page_table) == pages_for(len(m.tokens))
             if not m.skip:
-                assert r.block_hashes == chain_hashes(seed_of(m.tenant), m.tokens[: m.num_committed], PS)
+                assert r.block_hashes == chain_hashes(seed_of(m.tenant, m.worker), m.tokens[: m.num_committed], PS)
+            if HOLE in m.page_table:  # only a windowed pool's, between its sink page and its last page
+                assert m.worker in WINDOWS and HOLE not in m.page_table[:NUM_SINK_PAGES] + m.page_table[-1:]
         assert {t: [c.prefix_cache_queries, c.prefix_cache_hits] for t, c in mgr.tenants.items()} == self.counters
         if check_invariants is not None:
             check_invariants(mgr)
@@ -338,8 +376,11 @@ class KVManagerMachine(RuleBasedStateMachine):
         holders: list[list[int]] = [[] for _ in range(n)]  # positions in the holders' page tables
         for r in self.mgr.requests.values():
             if r.worker_id == w:
-                assert len(set(r.page_table)) == len(r.page_table), f"{r.req_id} holds a page twice"
+                held = [page_id for page_id in r.page_table if page_id != HOLE]
+                assert len(set(held)) == len(held), f"{r.req_id} holds a page twice"
                 for i, page_id in enumerate(r.page_table):
+                    if page_id == HOLE:
+                        continue
                     assert 0 <= page_id < n
                     holders[page_id].append(i)
         free, evictable = list(pool.free), list(pool.evictable)
@@ -366,8 +407,8 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert b.block_hash == h and 0 <= b.page_id < n and pool.block_of[b.page_id] is b
             tenant, prefix = self.content.get((w, e, b.page_id), ("", ()))  # the page holds what the block says
             assert tenant == b.tenant and len(prefix) == (b.block_index + 1) * PS, f"{w} page {b.page_id} holds {b}"
-            chain = chain_hashes(seed_of(tenant), prefix, PS)
-            assert chain[-1] == h and b.parent_hash == ([seed_of(tenant)] + chain)[-2]
+            chain = chain_hashes(seed_of(tenant, w), prefix, PS)
+            assert chain[-1] == h and b.parent_hash == ([seed_of(tenant, w)] + chain)[-2]
             assert prefix in self.committed[(w, e, tenant)]
 
     @invariant()
@@ -401,10 +442,34 @@ class KVManagerMachine(RuleBasedStateMachine):
                               data.draw(st.integers(0, 4)) == 0)
 
     def extend_op(self, rid: str, data) -> PageExtension | None:
-        room = MAX_TOKENS - len(self.live[rid].tokens)
+        m = self.live[rid]
+        room = (MAX_WINDOWED_TOKENS if m.worker in WINDOWS else MAX_TOKENS) - len(m.tokens)
         if room <= 0:
             return None
-        return self.extend_to(rid, data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=min(6, room))))
+        new = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=min(6, room)))
+        if pages_for(len(m.tokens) + len(new)) - m.page_table.count(HOLE) > self.num_pages[m.worker]:
+            return None  # it would hold more pages than its pool has: refused, as bad_call checks
+        return self.extend_to(rid, new)
+
+    def release_op(self, rid: str, data) -> PageRelease | None:
+        """Some of a windowed request's pages between its sink page and its last one, now and then a hole again."""
+        m = self.live[rid]
+        between = range(NUM_SINK_PAGES, len(m.page_table) - 1)
+        held = [i for i in between if m.page_table[i] != HOLE]
+        if m.worker not in WINDOWS or not between:
+            return None
+        choices = held * 4 + [i for i in between if i not in held]
+        return PageRelease(rid, tuple(data.draw(st.lists(st.sampled_from(choices), unique=True, min_size=1,
+                                                         max_size=3))))
+
+    def window_op(self, rid: str) -> PageRelease | None:
+        """What the gateway releases in the step that computes a request's next tokens: the pages past the sinks
+        whose positions all lie before the window of the first of them (position p attends [p + 1 - window, p])."""
+        m, window = self.live[rid], WINDOWS[self.live[rid].worker][0]
+        first = len(m.tokens)
+        old = [i for i in range(NUM_SINK_PAGES, len(m.page_table) - 1)
+               if (i + 1) * PS <= first + 1 - window and m.page_table[i] != HOLE]
+        return PageRelease(rid, tuple(old)) if old else None
 
     def commit_op(self, rid: str, data) -> PageCommit | None:
         m = self.live[rid]
@@ -470,6 +535,39 @@ class KVManagerMachine(RuleBasedStateMachine):
 
         self.call_on_live_or_stale(data, "commits", self.commit_op, stale_commit)
 
+    @precondition(lambda self: any(m.worker in WINDOWS for m in self.live.values()) or self.stale)
+    @rule(data=st.data())
+    def release(self, data):
+        """A windowed request's window moves past some of its pages (a stale request's release: STALE_EPOCH)."""
+        ids = sorted(r for r, m in self.live.items() if m.worker in WINDOWS) + sorted(self.stale)
+        rid = data.draw(st.sampled_from(ids))
+        op = PageRelease(rid, (NUM_SINK_PAGES,)) if rid in self.stale else self.release_op(rid, data)
+        if op is not None:
+            self.call(StepOps(self.next_step(data), releases=(op,)))
+
+    @rule(data=st.data())
+    def stream(self, data):
+        """A windowed request (a new one, or one running) decodes for a few steps, each one call as the gateway
+        sends it: its newly full pages committed, the pages that fell out of its window released, the page table
+        extended. It may run longer than its pool has pages."""
+        running = sorted(r for r, m in self.live.items() if m.worker in WINDOWS)
+        if running and data.draw(st.booleans()):
+            rid = data.draw(st.sampled_from(running))
+        else:
+            a = self.alloc_op(data, self.new_id())
+            a = PageAllocation(a.req_id, a.tenant, a.token_ids, "w1", a.skip_prefix_cache)
+            if self.call(StepOps(self.next_step(data), allocations=(a,))).allocations[0].status is not OK:
+                return
+            rid = a.req_id
+        for _ in range(data.draw(st.integers(1, 8))):
+            if rid not in self.live or (ext := self.extend_op(rid, data)) is None:
+                return
+            release = self.window_op(rid)
+            r = self.call(StepOps(self.next_step(data), extensions=(ext,), commits=(self.commit_op(rid, data),),
+                                  releases=(release,) if release else ()))
+            if r.extensions[0].status is not OK:
+                return
+
     @rule(data=st.data())
     def free(self, data):
         kinds = [k for k, ids in (("live", self.live), ("stale", self.stale), ("gone", self.gone)) if ids]
@@ -481,18 +579,21 @@ class KVManagerMachine(RuleBasedStateMachine):
     def batch(self, data):
         """One scheduler step for several requests: frees, commits, extensions and new allocations."""
         chosen = data.draw(st.lists(st.sampled_from(sorted(self.live)), unique=True, max_size=3)) if self.live else []
-        frees, commits, extensions = [], [], []
+        frees, commits, extensions, releases = [], [], [], []
         for rid in chosen:
-            kind = data.draw(st.sampled_from(("free", "commit", "extend", "both", "last")))
+            kind = data.draw(st.sampled_from(("free", "commit", "extend", "both", "last", "window")))
             if kind in ("free", "last"):  # last: its final commit and its free in one call
                 frees.append(PageFree(rid))
-            if kind in ("commit", "both", "last"):
+            if kind in ("commit", "both", "last", "window"):
                 commits.append(self.commit_op(rid, data))
-            if kind in ("extend", "both") and (op := self.extend_op(rid, data)) is not None:
+            if kind == "window" and (op := self.release_op(rid, data)) is not None:  # commit, release, extend
+                releases.append(op)
+            if kind in ("extend", "both", "window") and (op := self.extend_op(rid, data)) is not None:
                 extensions.append(op)
         shared = self.draw_prompt(data) if data.draw(st.booleans()) else ()  # computed twice: a duplicate block
         allocations = [self.alloc_op(data, self.new_id(), shared) for _ in range(data.draw(st.integers(0, 3)))]
-        self.call(StepOps(self.next_step(data), tuple(allocations), tuple(extensions), tuple(commits), tuple(frees)))
+        self.call(StepOps(self.next_step(data), tuple(allocations), tuple(extensions), tuple(commits), tuple(frees),
+                          tuple(releases)))
 
     @rule(data=st.data())
     def reregister(self, data):
@@ -577,12 +678,20 @@ class KVManagerMachine(RuleBasedStateMachine):
             StepOps(commits=(PageCommit(rid, nc, (), slots + 1),)),
             StepOps(frees=(PageFree(rid), PageFree(rid))),
             StepOps(-1),
+            # bad on any pool: a dense pool has nothing to release, a windowed one refuses these indices
+            StepOps(releases=(PageRelease(rid, (len(m.page_table),)),)),
+            StepOps(releases=(PageRelease(rid, (len(m.page_table) - 1,)),)),
+            StepOps(releases=(PageRelease(rid, (0,)),)),
+            StepOps(releases=(PageRelease(rid, ()),), frees=(PageFree(rid),)),
+            StepOps(releases=(PageRelease(rid, ()), PageRelease(rid, ()))),
+            StepOps(extensions=(PageExtension(rid, (self.num_pages[m.worker] + 1 + m.page_table.count(HOLE)) * PS),)),
         )))
         others = sorted(set(self.live) - {rid})
         good_free = (PageFree(data.draw(st.sampled_from(others))),) if others and data.draw(st.booleans()) else ()
         good_alloc = (self.alloc_op(data, self.new_id()),) if data.draw(st.booleans()) else ()
         step_id = bad.step_id if bad.step_id < 0 else self.num_steps + 1
-        ops = StepOps(step_id, bad.allocations + good_alloc, bad.extensions, bad.commits, bad.frees + good_free)
+        ops = StepOps(step_id, bad.allocations + good_alloc, bad.extensions, bad.commits, bad.frees + good_free,
+                      bad.releases)
         before = self.baseline()
         with pytest.raises(DomainError):
             self.mgr.step(ops)

@@ -62,8 +62,8 @@ class ReplayMachine(KVManagerMachine):
         self.prefix = next(PREFIXES)
         self.store = LoggedStore(connect(REDIS["url"]), self.prefix, snapshot_every=1 << 30, background=False)
         self.mgr = LoggedManager(self.store)
-        self.settled: list[tuple[StepOps, object]] = []  # (call, its answer): calls of only frees and commits,
-        # with a step_id, retried later
+        self.settled: list[tuple[StepOps, object]] = []  # (call, its answer): calls of only frees, commits and
+        # releases, with a step_id, retried later
 
     def call(self, ops: StepOps):
         res = super().call(ops)
@@ -72,7 +72,8 @@ class ReplayMachine(KVManagerMachine):
             # request by (step_id 0 opts out of idempotency): no such call is retried. The gateway never does
             # either (fresh req_ids, a step_id on every call).
             again = {a.req_id for a in ops.allocations}
-            self.settled = [s for s in self.settled if not again & {o.req_id for o in (*s[0].commits, *s[0].frees)}]
+            self.settled = [s for s in self.settled
+                            if not again & {o.req_id for o in (*s[0].commits, *s[0].frees, *s[0].releases)}]
         if ops.step_id and not (ops.allocations or ops.extensions):
             self.settled.append((ops, copy.deepcopy(res)))
         return res
@@ -94,17 +95,17 @@ class ReplayMachine(KVManagerMachine):
     @precondition(lambda self: self.settled)
     @rule(data=st.data())
     def retry_an_earlier_call(self, data):
-        """An earlier call of frees and commits again, after others, as a gateway retries one whose answer was
-        lost, and logged again. Nothing is applied either way, and the answer is the documented one: refused as
-        stale (StaleStep) when one of its requests has had an op of a newer step_id since, refused as unknown
-        (UnknownRequest) when a commit's request has since been freed or forgotten elsewhere, else answered from
-        memory with its first answers."""
+        """An earlier call of frees, commits and releases again, after others, as a gateway retries one whose
+        answer was lost, and logged again. Nothing is applied either way, and the answer is the documented one:
+        refused as stale (StaleStep) when one of its requests has had an op of a newer step_id since, refused as
+        unknown (UnknownRequest) when a commit's or a release's request has since been freed or forgotten
+        elsewhere, else answered from memory with its first answers."""
         ops, first = data.draw(st.sampled_from(self.settled))
         refusals = self.expected_refusals(ops)
         before = snapshot(self.mgr, volatile=False)
         if not refusals:
             again = self.mgr.step(ops)
-            assert (again.commits, again.frees) == (first.commits, first.frees)
+            assert (again.commits, again.frees, again.releases) == (first.commits, first.frees, first.releases)
         else:
             with pytest.raises(refusals):
                 self.mgr.step(ops)
@@ -113,10 +114,10 @@ class ReplayMachine(KVManagerMachine):
     def expected_refusals(self, ops: StepOps) -> tuple[type, ...]:
         freed_here = {f.req_id for f in ops.frees}
         out = set()
-        for op in (*ops.frees, *ops.commits):
+        for op in (*ops.frees, *ops.commits, *ops.releases):
             if self.last_step.get(op.req_id, 0) > ops.step_id:
                 out.add(StaleStep)
-        for c in ops.commits:
+        for c in (*ops.commits, *ops.releases):
             if c.req_id not in self.live and c.req_id not in self.stale and c.req_id not in freed_here:
                 out.add(UnknownRequest)
         return tuple(sorted(out, key=lambda kind: kind.__name__))

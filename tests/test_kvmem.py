@@ -119,7 +119,8 @@ def test_reverse_question_exact():
     c = calculate(TINY, weights_bytes=1000, page_size=4, **kw).capacity  # 256 B pages
     assert (c.max_pages, c.max_tokens, c.request_pages, c.max_concurrent_requests) == (13, 52, 3, 4)
     c = calculate(TINY, weights_bytes=1000, page_size=4, sliding_window=4, sinks=2, **kw).capacity
-    assert (c.request_tokens, c.request_pages, c.max_concurrent_requests) == (6, 2, 6)
+    # positions keep their slots: sinks 0, 1 in page 0, the window 6..9 across pages 1 and 2 (not packed)
+    assert (c.request_tokens, c.request_pages, c.max_concurrent_requests) == (6, 3, 4)
     c = calculate(TINY, batch=6, **kw).capacity  # weights default: 250 params x 2 B (bf16)
     assert c.weights_bytes == 500 and c.kv_budget_bytes == 4000 and c.max_concurrent_requests == 6 and c.batch_fits
     assert not calculate(TINY, batch=7, **kw).capacity.batch_fits

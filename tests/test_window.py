@@ -154,3 +154,42 @@ def test_holes_are_accepted_only_where_the_window_reads_nothing(tiny):
     dense = make_runner(tiny["llama"], "reference")
     with pytest.raises(InvalidRequest, match="out of range"):
         dense.step(StepBatch((ok,)))
+
+
+def test_kv_mem_counts_the_pages_a_windowed_request_really_holds(tiny):
+    """`kvserve kv-mem --page-size --sliding-window --sinks` for the tiny model's folder equals the pages a live
+    request with sinks holds in its last decode step, for lengths that end on and off a page boundary."""
+    import json
+    import subprocess
+    import sys
+
+    runner = make_runner(tiny["llama"], "reference", sliding_window=SINK_WINDOW, attention_sinks=SINKS)
+    for prompt_len in (90, 103):
+        (s,) = run_windowed(runner, [prompts()[0][:prompt_len]], 23, budget=48)
+        seq_len = prompt_len + 23 - 1  # the last step computes position seq_len - 1 (its token is not fed back)
+        held = sum(p >= 0 for p in s.page_table)
+        out = subprocess.run([sys.executable, "-m", "kvserve.services.cli", "kv-mem", str(tiny["llama"]),
+                              "--seq-len", str(seq_len), "--page-size", str(PAGE), "--sliding-window",
+                              str(SINK_WINDOW), "--sinks", str(SINKS), "--json"], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        assert report["paging"]["pages_per_sequence"] == held
+        assert s.most_decode_pages <= max_window_pages(SINK_WINDOW, SINKS, PAGE)  # the window not page-aligned
+        assert report["tokens_per_sequence"] == SINKS + SINK_WINDOW
+
+
+def test_local_generation_with_sinks_reuses_pages_past_the_pool_and_the_context(tiny):
+    """`kvserve generate --local` (worker/local_engine.py) with sinks: the pages behind the window are released
+    and reused, so a pool of 8 pages serves 1,100 tokens; the tokens are those of the step loop above."""
+    from kvserve.common.wire.worker import SamplingParams
+    from kvserve.worker.local_engine import GenerateParams, generate
+
+    kw = {"sliding_window": SINK_WINDOW, "attention_sinks": SINKS}
+    small = ModelRunner(RunnerConfig(model_dir=tiny["llama"], num_pages=8, page_size=PAGE, device="cpu",
+                                     dtype="float32", attention_backend="reference", **kw))
+    prompt = torch.randint(3, 49152, (1040,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = GenerateParams(max_tokens=60, sampling=SamplingParams(temperature=0.0), prefill_chunk=64,
+                            stop_at_eos=False)
+    got = list(generate(small, prompt, params))
+    (want,) = run_windowed(make_runner(tiny["llama"], "reference", **kw), [prompt], 60, budget=64)
+    assert got == want.output and len(got) == 60

@@ -66,7 +66,7 @@ def run_windowed(runner, prompts: list[list[int]], new_tokens: int, budget: int)
     seqs = [Seq(p, new_tokens) for p in prompts]
     while not all(s.done for s in seqs):
         items, used = [], 0
-        for i, s in enumerate(sorted((s for s in seqs if not s.done), key=lambda s: s.computed < len(s.prompt))):
+        for s in sorted((s for s in seqs if not s.done), key=lambda s: s.computed < len(s.prompt)):
             n = 1 if s.computed >= len(s.prompt) else min(len(s.prompt) - s.computed, budget - used)
             if n <= 0:
                 continue

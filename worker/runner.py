@@ -119,6 +119,7 @@ class ModelRunner:
             max_model_len=MAX_SINK_POSITIONS if self.sinks else m.max_position_embeddings,
             eos_token_ids=m.eos_token_ids,
             device=str(self.device), attention_backend=self.model.backend.name,
+            sliding_window=self.window, attention_sinks=self.sinks,
         )
 
     def step(self, batch: StepBatch) -> StepOutput:

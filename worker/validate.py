@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from kvserve.common.errors import InvalidRequest
-from kvserve.common.pages import HOLE, num_pages_for
+from kvserve.common.pages import HOLE, num_pages_for, pages_read
 from kvserve.common.tokens import check_token_ids
 from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
 
@@ -62,8 +62,6 @@ def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int,
 
 def _check_holes(where: str, item: StepItem, window: int, sinks: int, page_size: int) -> None:
     """A hole (a page the window released) only where the item neither reads nor writes."""
-    from kvserve.kernels.window import pages_read
-
     for index in pages_read(item.start_pos, item.end_pos, window, sinks, page_size):
         if item.page_table[index] == HOLE:
             raise InvalidRequest(f"{where}: page_table[{index}] is a hole, but positions {item.start_pos}.."

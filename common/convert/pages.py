@@ -24,7 +24,7 @@ OK = pb.PAGE_OP_STATUS_OK
 # -- the kvmanager's side: requests in, answers out -----------------------------------------------------------
 def spec_from_proto(r: pb.RegisterWorkerRequest) -> wire.PoolSpec:
     return wire.PoolSpec(r.worker_id, r.epoch, r.num_pages, r.page_size, r.model_fingerprint, r.kv_dtype,
-                         r.bytes_per_token, r.kv_scales)
+                         r.bytes_per_token, r.kv_scales, r.sliding_window, r.attention_sinks)
 
 
 def register_to_proto(r: wire.RegisterResult) -> pb.RegisterWorkerResponse:
@@ -42,7 +42,7 @@ def unpack_token_ids(where: str, packed: bytes):
 
 def _allocation(a: pb.PageAllocation) -> wire.PageAllocation:
     token_ids = unpack_token_ids(f"allocation {a.req_id!r}", a.packed_token_ids)
-    return wire.PageAllocation(a.req_id, a.tenant, token_ids, a.worker_id, a.skip_prefix_cache)
+    return wire.PageAllocation(a.req_id, a.tenant, token_ids, a.worker_id, a.skip_prefix_cache, a.chunk_tokens)
 
 
 def _commit(c: pb.PageCommit) -> wire.PageCommit:
@@ -54,7 +54,8 @@ def step_from_proto(r: pb.StepPagesRequest) -> wire.StepOps:
     return wire.StepOps(step_id=r.step_id, allocations=tuple(map(_allocation, r.allocations)),
                         extensions=tuple(wire.PageExtension(e.req_id, e.num_tokens) for e in r.extensions),
                         commits=tuple(map(_commit, r.commits)),
-                        frees=tuple(wire.PageFree(f.req_id) for f in r.frees))
+                        frees=tuple(wire.PageFree(f.req_id) for f in r.frees),
+                        releases=tuple(wire.PageRelease(x.req_id, tuple(x.page_indices)) for x in r.releases))
 
 
 # The answers are added in place (``repeated.add``), not built and then copied into the response, and an
@@ -80,12 +81,17 @@ def _add_free(add, f: wire.PageFreeResult) -> None:
     add(req_id=f.req_id, status=OP_STATUS[f.status])
 
 
+def _add_release(add, r: wire.PageReleaseResult) -> None:
+    add(req_id=r.req_id, status=OP_STATUS[r.status], num_released=r.num_released)
+
+
 def step_to_proto(r: wire.StepResults, handle_ms: float) -> pb.StepPagesResponse:
     out = pb.StepPagesResponse(handle_ms=handle_ms)
     for results, repeated, add_one in ((r.allocations, out.allocation_results, _add_allocation),
                                        (r.extensions, out.extension_results, _add_extension),
                                        (r.commits, out.commit_results, _add_commit),
-                                       (r.frees, out.free_results, _add_free)):
+                                       (r.frees, out.free_results, _add_free),
+                                       (r.releases, out.release_results, _add_release)):
         add = repeated.add
         for result in results:
             add_one(add, result)
@@ -116,11 +122,13 @@ def step_to_request_proto(ops: wire.StepOps, traceparents: Mapping[str, str] = N
         step_id=ops.step_id,
         allocations=[pb.PageAllocation(req_id=a.req_id, tenant=a.tenant, worker_id=a.worker_id,
                                        packed_token_ids=le_uint32(a.token_ids),
-                                       skip_prefix_cache=a.skip_prefix_cache, **tp(a)) for a in ops.allocations],
+                                       skip_prefix_cache=a.skip_prefix_cache, chunk_tokens=a.chunk_tokens, **tp(a))
+                     for a in ops.allocations],
         extensions=[pb.PageExtension(**as_kwargs(e), **tp(e)) for e in ops.extensions],
         commits=[pb.PageCommit(req_id=c.req_id, start_pos=c.start_pos, packed_token_ids=le_uint32(c.token_ids),
                                num_computed_tokens=c.num_computed_tokens, **tp(c)) for c in ops.commits],
         frees=[pb.PageFree(**as_kwargs(f), **tp(f)) for f in ops.frees],
+        releases=[pb.PageRelease(**as_kwargs(r), **tp(r)) for r in ops.releases],
     )
 
 
@@ -145,5 +153,6 @@ def step_results_from_proto(r: pb.StepPagesResponse) -> wire.StepResults:
         commits=[wire.PageCommitResult(c.req_id, STATUS_OF[c.status], c.num_committed_tokens)
                  for c in r.commit_results],
         frees=[wire.PageFreeResult(f.req_id, STATUS_OF[f.status]) for f in r.free_results],
+        releases=[wire.PageReleaseResult(x.req_id, STATUS_OF[x.status], x.num_released) for x in r.release_results],
         pools=[wire.PoolSummary(p.worker_id, p.epoch, p.num_free_pages, p.num_evictable_pages) for p in r.pools],
     )

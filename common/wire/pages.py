@@ -21,12 +21,14 @@ class PoolSpec:
     kv_dtype: str
     bytes_per_token: int
     kv_scales: str = ""  # a quantised pool's scale scheme ("" for the others); with kv_dtype, the KV format
+    sliding_window: int = 0  # tokens of the attention window; 0 = none. Pages older than it may be released
+    attention_sinks: int = 0  # leading tokens never released (their pages stay with the request); 0 = none
 
     @classmethod
     def of(cls, info: WorkerInfo) -> PoolSpec:
         """The pool a worker's Info describes, as the kvmanager registers it."""
         return cls(info.worker_id, info.epoch, info.num_pages, info.page_size, info.model_fingerprint,
-                   info.kv_dtype, info.bytes_per_token, info.kv_scales)
+                   info.kv_dtype, info.bytes_per_token, info.kv_scales, info.sliding_window, info.attention_sinks)
 
 
 class OpStatus(enum.Enum):
@@ -42,6 +44,9 @@ class PageAllocation:
     token_ids: tuple[int, ...]
     worker_id: str = ""  # "" = let the kvmanager place it
     skip_prefix_cache: bool = False
+    # A pool with a sliding window: cover the prefix hit and this many positions past it (0: the whole prompt);
+    # hit pages the first chunk does not read stay holes (placement.allocation_plan).
+    chunk_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +69,26 @@ class PageFree:
 
 
 @dataclass(frozen=True, slots=True)
+class PageRelease:
+    """A sliding-window request gives back pages that hold only positions older than its window: each index of
+    its page table becomes a hole (common.pages.HOLE). An index that is a hole already releases nothing."""
+
+    req_id: str
+    page_indices: tuple[int, ...]  # indices into the request's page table, not page ids
+
+
+@dataclass(frozen=True, slots=True)
 class StepOps:
-    """All page operations of one scheduler step, applied as frees, commits, extensions, allocations (the
-    commit of a request freed in the same step goes before the frees)."""
+    """All page operations of one scheduler step, applied as frees, commits, releases, extensions, allocations
+    (the commit of a request freed in the same step goes before the frees; a page committed in the step is
+    indexed before it is released, and pages released serve the step's extensions and allocations)."""
 
     step_id: int = 0  # 0 = no idempotency tracking
     allocations: tuple[PageAllocation, ...] = ()
     extensions: tuple[PageExtension, ...] = ()
     commits: tuple[PageCommit, ...] = ()
     frees: tuple[PageFree, ...] = ()
+    releases: tuple[PageRelease, ...] = ()
 
 
 @dataclass(slots=True)
@@ -110,6 +126,11 @@ class PageFreeResult(PageOpResult):
 
 
 @dataclass(slots=True)
+class PageReleaseResult(PageOpResult):
+    num_released: int = 0  # pages this op released (indices that were holes already count nothing)
+
+
+@dataclass(slots=True)
 class PoolSummary:
     worker_id: str
     epoch: int
@@ -123,6 +144,7 @@ class StepResults:
     extensions: list[PageExtensionResult] = field(default_factory=list)
     commits: list[PageCommitResult] = field(default_factory=list)
     frees: list[PageFreeResult] = field(default_factory=list)
+    releases: list[PageReleaseResult] = field(default_factory=list)
     pools: list[PoolSummary] = field(default_factory=list)
 
 

@@ -80,3 +80,5 @@ class WorkerInfo:
     device: str
     attention_backend: str
     kv_scales: str = ""  # a quantised pool's scale scheme: "token_head" or "tensor"; "" for the others
+    sliding_window: int = 0  # tokens of K/V attention reads back (the window); 0 = the whole sequence
+    attention_sinks: int = 0  # leading tokens kept beside the window (StreamingLLM); 0 = none

@@ -25,6 +25,12 @@ from kvserve.services.gateway.validate import GenerateInput, Limits, validate_re
 log = logging.getLogger("kvserve.gateway")
 
 
+def _pool_tokens(info) -> int:
+    """The most tokens one request may hold on a worker's pool: all of it, or with a sliding window any number
+    (it holds its window's pages, released as it advances)."""
+    return info.max_model_len if info.sliding_window else info.num_pages * info.page_size
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     model_dir: Path  # for the tokenizer and chat template (the workers' model)
@@ -55,7 +61,7 @@ class Gateway:
             raise ValueError(f"the workers serve different models (fingerprints {sorted(fingerprints)})")
         info = self.engines[0].info
         self.limits = Limits(max_model_len=info.max_model_len,
-                             max_pool_tokens=min(e.info.num_pages * e.info.page_size for e in self.engines),
+                             max_pool_tokens=min(_pool_tokens(e.info) for e in self.engines),
                              default_max_tokens=cfg.default_max_tokens, max_tokens_limit=cfg.max_tokens_limit)
         self._lock = threading.Lock()
         self._placing_by_load = False  # the kvmanager did not answer the last placement (guarded by _lock)

@@ -70,7 +70,8 @@ class EngineLoop:
         self.scheduler = Scheduler(SchedulerConfig(
             info.worker_id, info.page_size, info.num_pages, info.max_model_len, info.eos_token_ids,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            prefix_caching=prefix_caching, long_prefill_token_threshold=long_prefill_token_threshold))
+            prefix_caching=prefix_caching, long_prefill_token_threshold=long_prefill_token_threshold,
+            window=info.sliding_window, sinks=info.attention_sinks))
         self.stats = EngineStats()
         self.handles: dict[str, RequestHandle] = {}  # loop thread only, as the three below
         self.texts: dict[str, TextStream] = {}
@@ -360,5 +361,7 @@ def _incompatible(old: WorkerInfo, new: WorkerInfo) -> str:
     tables and request limits were made for the worker it started with. A resized pool it can follow."""
     changes = [f"{name} {a} -> {b}" for name, a, b in (
         ("model", old.model_fingerprint, new.model_fingerprint), ("page size", old.page_size, new.page_size),
-        ("max_model_len", old.max_model_len, new.max_model_len)) if a != b]
+        ("max_model_len", old.max_model_len, new.max_model_len), ("sliding window", old.sliding_window,
+                                                                   new.sliding_window),
+        ("attention sinks", old.attention_sinks, new.attention_sinks)) if a != b]
     return ", ".join(changes)

@@ -36,13 +36,14 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from kvserve.common.pages import num_pages_for
+from kvserve.common.pages import HOLE, max_window_pages, num_pages_for, releasable_pages
 from kvserve.common.wire.pages import (
     OpStatus,
     PageAllocation,
     PageCommit,
     PageExtension,
     PageFree,
+    PageRelease,
     StepOps,
     StepResults,
 )
@@ -65,6 +66,11 @@ class SchedulerConfig:
     # long prompt's chunks do not stretch every running request's time per output token to a full budget's
     # prefill. vLLM's option of this name caps every chunk; here only chunks that share a step with decodes.
     long_prefill_token_threshold: int = 0
+    # The worker's sliding window and attention sinks (0: none). A running request's pages that hold only
+    # positions before its window are released as it advances (holes in its page table); an admission holds
+    # only the pages its first chunk reads.
+    window: int = 0
+    sinks: int = 0
 
 
 @dataclass(slots=True)
@@ -210,17 +216,43 @@ class Scheduler:
             if end > len(req.page_table) * page_size:
                 extensions.append(PageExtension(req.req_id, end))
                 pages_needed += num_pages_for(end, page_size) - len(req.page_table)
-        spare = self.num_available_pages - pages_needed
+        releases = self._releases(running)
+        spare = self.num_available_pages - pages_needed + sum(len(r.page_indices) for r in releases)
         admitted = self._admit(budget, spare, freeing, cap)
         prompt_commits = any(c.start_pos < len(self.requests[c.req_id].prompt_token_ids) for c in commits)
-        if not (frees or admitted or extensions or prompt_commits):
+        if not (frees or admitted or extensions or prompt_commits or releases):
             return SchedulerOutput(None, running, admitted)
-        spare -= sum(num_pages_for(c.req.num_tokens, page_size) for c in admitted)
+        spare -= sum(self._pages_needed(c.req, c.num_tokens) for c in admitted)
         extensions, headroom_only = self._with_headroom(running, extensions, spare)
+        chunk = (lambda c: c.num_tokens) if self.cfg.window else (lambda c: 0)
         allocations = tuple(PageAllocation(c.req.req_id, c.req.tenant, tuple(c.req.all_token_ids), self.cfg.worker_id,
-                                           skip_prefix_cache=not self.cfg.prefix_caching) for c in admitted)
-        ops = StepOps(next(self._step_ids), allocations, tuple(extensions), tuple(final_commits + commits), frees)
+                                           skip_prefix_cache=not self.cfg.prefix_caching, chunk_tokens=chunk(c))
+                            for c in admitted)
+        ops = StepOps(next(self._step_ids), allocations, tuple(extensions), tuple(final_commits + commits), frees,
+                      releases)
         return SchedulerOutput(ops, running, admitted, headroom_only)
+
+    def _releases(self, running: list[Chunk]) -> tuple[PageRelease, ...]:
+        """With a sliding window: each running request's pages before the window of this step's first position
+        (its sink pages and its last page stay)."""
+        if not self.cfg.window:
+            return ()
+        out = []
+        for chunk in running:
+            table = chunk.req.page_table
+            gone = [k for k in releasable_pages(chunk.start_pos, self.cfg.window, self.cfg.sinks, self.cfg.page_size)
+                    if k < len(table) - 1 and table[k] != HOLE]
+            if gone:
+                out.append(PageRelease(chunk.req.req_id, tuple(gone)))
+        return tuple(out)
+
+    def _pages_needed(self, req: Request, chunk_tokens: int) -> int:
+        """Pages an admission takes at most (as if nothing hit the cache): the whole request, or with a window
+        its sinks and the first chunk's window."""
+        pages = num_pages_for(req.num_tokens, self.cfg.page_size)
+        if self.cfg.window:
+            return min(pages, max_window_pages(self.cfg.window, self.cfg.sinks, self.cfg.page_size, chunk_tokens))
+        return pages
 
     def _with_headroom(self, running: list[Chunk], extensions: list[PageExtension],
                        spare: int) -> tuple[list[PageExtension], frozenset[str]]:
@@ -233,7 +265,8 @@ class Scheduler:
             req = chunk.req
             end = chunk.start_pos + chunk.num_tokens
             last = min(len(req.prompt_token_ids) + req.params.max_tokens - 1, self.cfg.max_model_len,
-                       self.cfg.num_pages * page_size)  # the kvmanager refuses a call extending past its pool
+                       # the kvmanager refuses a call extending past its pool (a window's holes hold no page)
+                       self.cfg.max_model_len if self.cfg.window else self.cfg.num_pages * page_size)
             target = max(end, min(end + page_size, last))
             have = max(len(req.page_table), num_pages_for(needed.get(req.req_id, 0), page_size))
             extra = num_pages_for(target, page_size) - have
@@ -272,11 +305,11 @@ class Scheduler:
             req = self.waiting[0]
             if req.req_id in freeing:  # a free and an allocation of one req_id cannot share a call
                 break
-            need = num_pages_for(req.num_tokens, self.cfg.page_size)
+            n = min(req.num_tokens, budget, cap)
+            need = self._pages_needed(req, n)
             if need > available and (self.running or admitted):
                 break
             self.waiting.popleft()
-            n = min(req.num_tokens, budget, cap)
             budget -= n
             available -= need
             admitted.append(Chunk(req, n))
@@ -313,6 +346,12 @@ class Scheduler:
         for c in results.commits:
             if c.status is OpStatus.OK and c.req_id not in freed:
                 self.requests[c.req_id].num_committed_tokens = c.num_committed_tokens
+        released = {r.req_id: r for r in out.ops.releases} if out.ops is not None else {}
+        for r in results.releases:  # the window's pages are gone: holes in the request's copy of its table
+            req = self.requests.get(r.req_id)
+            if r.status is OpStatus.OK and req is not None and req.status is RequestStatus.RUNNING:
+                for k in released[r.req_id].page_indices:
+                    req.page_table[k] = HOLE
 
     def _apply_extensions(self, results: StepResults, headroom_only: frozenset[str]) -> set[str]:
         """Appends new pages; on out of pages preempts the newest running request (unless the request only

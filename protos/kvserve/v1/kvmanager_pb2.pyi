@@ -21,7 +21,7 @@ PAGE_OP_STATUS_STALE_EPOCH: PageOpStatus
 PAGE_OP_STATUS_UNKNOWN_REQUEST: PageOpStatus
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests", "kv_scales")
+    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests", "kv_scales", "sliding_window", "attention_sinks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class RegisterWorkerRequest(_message.Message):
     BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RELEASE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     num_pages: int
@@ -40,7 +42,9 @@ class RegisterWorkerRequest(_message.Message):
     bytes_per_token: int
     release_requests: bool
     kv_scales: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ..., kv_scales: _Optional[str] = ...) -> None: ...
+    sliding_window: int
+    attention_sinks: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("ok", "previous_epoch", "dropped_req_ids", "released_req_ids")
@@ -55,20 +59,22 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., previous_epoch: _Optional[int] = ..., dropped_req_ids: _Optional[_Iterable[str]] = ..., released_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PageAllocation(_message.Message):
-    __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent")
+    __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent", "chunk_tokens")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     tenant: str
     worker_id: str
     packed_token_ids: bytes
     skip_prefix_cache: bool
     traceparent: str
-    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    chunk_tokens: int
+    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class PageAllocationResult(_message.Message):
     __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short")
@@ -152,19 +158,41 @@ class PageFreeResult(_message.Message):
     status: PageOpStatus
     def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ...) -> None: ...
 
+class PageRelease(_message.Message):
+    __slots__ = ("req_id", "page_indices", "traceparent")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    traceparent: str
+    def __init__(self, req_id: _Optional[str] = ..., page_indices: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class PageReleaseResult(_message.Message):
+    __slots__ = ("req_id", "status", "num_released")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    status: PageOpStatus
+    num_released: int
+    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., num_released: _Optional[int] = ...) -> None: ...
+
 class StepPagesRequest(_message.Message):
-    __slots__ = ("step_id", "allocations", "extensions", "commits", "frees")
+    __slots__ = ("step_id", "allocations", "extensions", "commits", "frees", "releases")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     EXTENSIONS_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
     FREES_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     allocations: _containers.RepeatedCompositeFieldContainer[PageAllocation]
     extensions: _containers.RepeatedCompositeFieldContainer[PageExtension]
     commits: _containers.RepeatedCompositeFieldContainer[PageCommit]
     frees: _containers.RepeatedCompositeFieldContainer[PageFree]
-    def __init__(self, step_id: _Optional[int] = ..., allocations: _Optional[_Iterable[_Union[PageAllocation, _Mapping]]] = ..., extensions: _Optional[_Iterable[_Union[PageExtension, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[PageCommit, _Mapping]]] = ..., frees: _Optional[_Iterable[_Union[PageFree, _Mapping]]] = ...) -> None: ...
+    releases: _containers.RepeatedCompositeFieldContainer[PageRelease]
+    def __init__(self, step_id: _Optional[int] = ..., allocations: _Optional[_Iterable[_Union[PageAllocation, _Mapping]]] = ..., extensions: _Optional[_Iterable[_Union[PageExtension, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[PageCommit, _Mapping]]] = ..., frees: _Optional[_Iterable[_Union[PageFree, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[PageRelease, _Mapping]]] = ...) -> None: ...
 
 class PoolSummary(_message.Message):
     __slots__ = ("worker_id", "epoch", "num_free_pages", "num_evictable_pages")
@@ -179,20 +207,22 @@ class PoolSummary(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_evictable_pages: _Optional[int] = ...) -> None: ...
 
 class StepPagesResponse(_message.Message):
-    __slots__ = ("allocation_results", "extension_results", "commit_results", "free_results", "pools", "handle_ms")
+    __slots__ = ("allocation_results", "extension_results", "commit_results", "free_results", "pools", "handle_ms", "release_results")
     ALLOCATION_RESULTS_FIELD_NUMBER: _ClassVar[int]
     EXTENSION_RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_RESULTS_FIELD_NUMBER: _ClassVar[int]
     FREE_RESULTS_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_RESULTS_FIELD_NUMBER: _ClassVar[int]
     allocation_results: _containers.RepeatedCompositeFieldContainer[PageAllocationResult]
     extension_results: _containers.RepeatedCompositeFieldContainer[PageExtensionResult]
     commit_results: _containers.RepeatedCompositeFieldContainer[PageCommitResult]
     free_results: _containers.RepeatedCompositeFieldContainer[PageFreeResult]
     pools: _containers.RepeatedCompositeFieldContainer[PoolSummary]
     handle_ms: float
-    def __init__(self, allocation_results: _Optional[_Iterable[_Union[PageAllocationResult, _Mapping]]] = ..., extension_results: _Optional[_Iterable[_Union[PageExtensionResult, _Mapping]]] = ..., commit_results: _Optional[_Iterable[_Union[PageCommitResult, _Mapping]]] = ..., free_results: _Optional[_Iterable[_Union[PageFreeResult, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolSummary, _Mapping]]] = ..., handle_ms: _Optional[float] = ...) -> None: ...
+    release_results: _containers.RepeatedCompositeFieldContainer[PageReleaseResult]
+    def __init__(self, allocation_results: _Optional[_Iterable[_Union[PageAllocationResult, _Mapping]]] = ..., extension_results: _Optional[_Iterable[_Union[PageExtensionResult, _Mapping]]] = ..., commit_results: _Optional[_Iterable[_Union[PageCommitResult, _Mapping]]] = ..., free_results: _Optional[_Iterable[_Union[PageFreeResult, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolSummary, _Mapping]]] = ..., handle_ms: _Optional[float] = ..., release_results: _Optional[_Iterable[_Union[PageReleaseResult, _Mapping]]] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("tenant", "packed_token_ids", "num_queued")
@@ -230,7 +260,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("worker_id", "epoch", "model_fingerprint", "kv_dtype", "page_size", "num_pages", "num_used_pages", "num_cached_pages", "num_free_pages", "num_pinned_pages", "num_requests", "pool_bytes", "used_bytes", "cached_bytes", "kv_scales")
+    __slots__ = ("worker_id", "epoch", "model_fingerprint", "kv_dtype", "page_size", "num_pages", "num_used_pages", "num_cached_pages", "num_free_pages", "num_pinned_pages", "num_requests", "pool_bytes", "used_bytes", "cached_bytes", "kv_scales", "sliding_window", "attention_sinks", "num_window_released_pages")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +276,9 @@ class PoolStats(_message.Message):
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WINDOW_RELEASED_PAGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     model_fingerprint: str
@@ -261,7 +294,10 @@ class PoolStats(_message.Message):
     used_bytes: int
     cached_bytes: int
     kv_scales: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., kv_scales: _Optional[str] = ...) -> None: ...
+    sliding_window: int
+    attention_sinks: int
+    num_window_released_pages: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., num_window_released_pages: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "num_blocks", "num_pinned_blocks", "num_requests", "prefix_cache_queries", "prefix_cache_hits")
@@ -432,16 +468,18 @@ class GetPageTableRequest(_message.Message):
     def __init__(self, req_id: _Optional[str] = ...) -> None: ...
 
 class PageInfo(_message.Message):
-    __slots__ = ("page_id", "ref_cnt", "block_hash", "pinned")
+    __slots__ = ("page_id", "ref_cnt", "block_hash", "pinned", "kind")
     PAGE_ID_FIELD_NUMBER: _ClassVar[int]
     REF_CNT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     page_id: int
     ref_cnt: int
     block_hash: str
     pinned: bool
-    def __init__(self, page_id: _Optional[int] = ..., ref_cnt: _Optional[int] = ..., block_hash: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    kind: str
+    def __init__(self, page_id: _Optional[int] = ..., ref_cnt: _Optional[int] = ..., block_hash: _Optional[str] = ..., pinned: _Optional[bool] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class GetPageTableResponse(_message.Message):
     __slots__ = ("req_id", "tenant", "worker_id", "epoch", "page_table", "pages", "num_committed_tokens", "num_prompt_tokens", "last_step_id", "page_size")

@@ -71,9 +71,10 @@ class KVManagerServiceServicer:
 
     def StepPages(self, request, context):
         """All page operations of one scheduler step in one round trip, applied in this order: frees, commits,
-        extensions, allocations (so freed pages and newly committed blocks serve this step's allocations). A
-        request freed in the call may also commit its last full pages in it: that commit goes before the frees.
-        Idempotent per (req_id, step_id): see StepPagesRequest.step_id.
+        releases, extensions, allocations (so freed and released pages and newly committed blocks serve this
+        step's extensions and allocations, and a page committed and released in the same call joins the LRU still
+        indexed). A request freed in the call may also commit its last full pages in it: that commit goes before
+        the frees. Idempotent per (req_id, step_id): see StepPagesRequest.step_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -60,7 +60,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("worker_id", "epoch", "model_name", "model_fingerprint", "page_size", "num_pages", "kv_dtype", "bytes_per_token", "pool_bytes", "num_layers", "num_kv_heads", "num_heads", "head_dim", "vocab_size", "max_model_len", "eos_token_ids", "device", "attention_backend", "kv_scales")
+    __slots__ = ("worker_id", "epoch", "model_name", "model_fingerprint", "page_size", "num_pages", "kv_dtype", "bytes_per_token", "pool_bytes", "num_layers", "num_kv_heads", "num_heads", "head_dim", "vocab_size", "max_model_len", "eos_token_ids", "device", "attention_backend", "kv_scales", "sliding_window", "attention_sinks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,8 @@ class InfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     model_name: str
@@ -99,4 +101,6 @@ class InfoResponse(_message.Message):
     device: str
     attention_backend: str
     kv_scales: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_scales: _Optional[str] = ...) -> None: ...
+    sliding_window: int
+    attention_sinks: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ...) -> None: ...
