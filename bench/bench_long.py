@@ -131,13 +131,8 @@ def lengths_section(sz: Sizes, prompts: Prompts, model) -> dict:
 
 
 def median_ms(fn, repeats: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    """fn's median wall time in ms over ``repeats`` calls, after one untimed call."""
+    return 1e3 * long_floor.median_s(fn, repeats)
 
 
 def bandwidth_section(context: int = 7000, pool_bytes: int = 1 << 30) -> dict:

@@ -55,7 +55,7 @@ def attention_macs(s: Shape, first: int, rows: int) -> int:
     return s.layers * s.heads * pairs * s.head_dim * 2
 
 
-def _median_s(fn, repeats: int) -> float:
+def median_s(fn, repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -67,14 +67,14 @@ def _median_s(fn, repeats: int) -> float:
 
 def gemm_rate(n: int = 2048, repeats: int = 9) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return n ** 3 / _median_s(lambda: a @ b, repeats)
+    return n ** 3 / median_s(lambda: a @ b, repeats)
 
 
 def sdpa_rate(s: Shape, n: int = 4096, repeats: int = 3) -> float:
     q = torch.randn(1, s.heads, n, s.head_dim)
     k, v = torch.randn(1, s.heads, n, s.head_dim), torch.randn(1, s.heads, n, s.head_dim)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    return attention_macs(s, 0, n) / s.layers / _median_s(lambda: sdpa(q, k, v, is_causal=True), repeats)
+    return attention_macs(s, 0, n) / s.layers / median_s(lambda: sdpa(q, k, v, is_causal=True), repeats)
 
 
 HF_AT = 7000  # the length whose TTFT the floor is compared with HF's at
