@@ -16,7 +16,7 @@ from kvserve.common.wire.pages import PoolSpec
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.backends import KVManagerBackend, WorkerBackend
 from kvserve.services.gateway.engine import EngineLoop
-from kvserve.services.gateway.errors import KVManagerUnavailable, ShuttingDown
+from kvserve.services.gateway.errors import GatewayBusy, KVManagerUnavailable, ShuttingDown
 from kvserve.services.gateway.handle import RequestHandle
 from kvserve.services.gateway.observe import Observer
 from kvserve.services.gateway.request import Request
@@ -41,6 +41,7 @@ class GatewayConfig:
     overlap_page_ops: bool = True  # a call that only commits and tops up headroom runs while the worker computes
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
+    max_queued_requests: int = 1024  # waiting for pages, over all workers; one more is refused (GatewayBusy)
     connect_timeout_s: float = 120.0
 
 
@@ -60,7 +61,7 @@ class Gateway:
         if len(fingerprints) > 1:
             raise ValueError(f"the workers serve different models (fingerprints {sorted(fingerprints)})")
         info = self.engines[0].info
-        self.limits = Limits(max_model_len=info.max_model_len,
+        self.limits = Limits(max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                              max_pool_tokens=min(_pool_tokens(e.info) for e in self.engines),
                              default_max_tokens=cfg.default_max_tokens, max_tokens_limit=cfg.max_tokens_limit)
         self._lock = threading.Lock()
@@ -87,11 +88,16 @@ class Gateway:
 
     def submit(self, inp: GenerateInput, tenant: str, trace_parent=None) -> RequestHandle:
         """Validates, tokenises and queues a request; ``trace_parent`` is the caller's trace context, if any.
-        Raises InvalidRequest, ShuttingDown, or a backend failure (placement refused, the worker incompatible)."""
+        Raises InvalidRequest, ShuttingDown, GatewayBusy, or a backend failure (placement refused, the worker
+        incompatible)."""
         req = validate_request(inp, tenant, self.tokenizer, self.limits)
         with self._lock:  # placement sees every earlier request queued somewhere
             if self.closing:
                 raise ShuttingDown("the gateway is shutting down and admits no new requests")
+            num_queued = sum(e.num_queued for e in self.engines)
+            if num_queued >= self.cfg.max_queued_requests:
+                raise GatewayBusy(f"{num_queued} requests are already waiting for pages (the gateway's limit, "
+                                  "--max-queued-requests); retry later")
             engine = self.place(req)
             engine.check_serving()
             self.observe.started(req, trace_parent)

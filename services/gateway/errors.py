@@ -13,6 +13,10 @@ class ShuttingDown(Unavailable):
     """The gateway stopped admitting requests (graceful shutdown)."""
 
 
+class GatewayBusy(ResourceExhausted):
+    """The gateway's queue of requests waiting for pages is full (max_queued_requests): retry later."""
+
+
 class OutOfCapacity(ResourceExhausted):
     """A request fits no worker pool even with nothing else running (pinned blocks hold the pages)."""
 

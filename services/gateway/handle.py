@@ -1,13 +1,15 @@
 """A front-end's side of one request: the deltas the engine loop produces for it, in order, and its cancel.
 
-A front-end (the gRPC servicer, an HTTP one) iterates a handle until the delta that carries finish_reason;
-a request that ends with FinishReason.ERROR carries the error to report.
+A front-end iterates a handle until the delta that carries finish_reason, from a thread (the gRPC servicer:
+``for``) or from an asyncio loop (the HTTP one: ``async for``, woken by the engine's thread, never blocking the
+loop); a request that ends with FinishReason.ERROR carries the error to report.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvserve.common.wire.worker import SampledToken
@@ -43,10 +45,32 @@ class RequestHandle:
         self.req, self.worker_id = req, worker_id
         self.deltas: queue.SimpleQueue[OutputDelta] = queue.SimpleQueue()
         self._cancel = cancel
+        self._wake: Callable[[], None] | None = None  # set by an asyncio consumer: called after each put
 
     def __iter__(self) -> Iterator[OutputDelta]:
         while True:
             delta = self.deltas.get()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[OutputDelta]:
+        loop, ready = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake() -> None:  # on the engine's thread
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the loop is closed: no consumer is left to wake
+                pass
+
+        self._wake = wake  # set before the first look at the queue: no put is missed
+        while True:
+            try:
+                delta = self.deltas.get_nowait()
+            except queue.Empty:
+                await ready.wait()
+                ready.clear()
+                continue
             yield delta
             if delta.finish_reason is not None:
                 return
@@ -57,9 +81,11 @@ class RequestHandle:
 
     def put(self, delta: OutputDelta) -> None:
         self.deltas.put(delta)
+        if self._wake is not None:
+            self._wake()
 
     def finish(self, text: str = "") -> None:
         """Queues the last delta (the engine calls it once the request's pages are freed, or it held none)."""
         req = self.req
         usage = Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, len(req.output_token_ids))
-        self.deltas.put(OutputDelta(text=text, finish_reason=req.finish_reason, usage=usage, error=req.error))
+        self.put(OutputDelta(text=text, finish_reason=req.finish_reason, usage=usage, error=req.error))

@@ -21,9 +21,10 @@ CHAT_ROLES = ("system", "user", "assistant")
 class GenerateInput:
     """A Generate/Complete call after protobuf decoding, before validation."""
 
-    prompt: str | None  # exactly one of prompt and messages
+    prompt: str | None  # exactly one of prompt, messages and prompt_token_ids
     messages: tuple[tuple[str, str], ...] | None  # (role, content)
     sampling: SamplingParams
+    prompt_token_ids: tuple[int, ...] | None = None  # an already tokenised prompt, fed as is
     max_tokens: int = 0  # 0 = the gateway's default
     stop: tuple[str, ...] = ()
     logprobs: bool = False
@@ -34,6 +35,7 @@ class GenerateInput:
 class Limits:
     max_model_len: int  # prompt + completion tokens
     max_pool_tokens: int  # page_size * num_pages of the smallest worker pool: one request must fit alone
+    vocab_size: int = 0  # the model's: prompt token ids must lie below it (0 = unchecked)
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
 
@@ -43,9 +45,22 @@ class Limits:
         return min(self.max_model_len, self.max_pool_tokens)
 
 
+def _prompt_ids(inp: GenerateInput, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    if sum(x is not None for x in (inp.prompt, inp.messages, inp.prompt_token_ids)) != 1:
+        raise InvalidRequest("set exactly one of prompt, messages and prompt_token_ids")
+    if inp.prompt_token_ids is None:
+        return tokenizer.encode(_prompt_text(inp, tokenizer))
+    if not inp.prompt_token_ids:
+        raise InvalidRequest("empty prompt_token_ids: send at least one token id")
+    limit = vocab_size or float("inf")
+    bad = next((i for i, t in enumerate(inp.prompt_token_ids) if not 0 <= t < limit), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt_token_ids[{bad}] = {inp.prompt_token_ids[bad]} is not a token id of this "
+                             f"model (0 to {vocab_size - 1})")
+    return list(inp.prompt_token_ids)
+
+
 def _prompt_text(inp: GenerateInput, tokenizer: Tokenizer) -> str:
-    if (inp.prompt is None) == (inp.messages is None):
-        raise InvalidRequest("set exactly one of prompt and messages")
     if inp.prompt is not None:
         if not inp.prompt:
             raise InvalidRequest("empty prompt: send at least one character")
@@ -87,7 +102,7 @@ def validate_request(inp: GenerateInput, tenant: str, tokenizer: Tokenizer, limi
     """Validates and tokenises. Raises InvalidRequest with a message that says what was wrong."""
     validate_sampling("sampling", inp.sampling)
     _check_stop(inp.stop)
-    prompt_ids = tokenizer.encode(_prompt_text(inp, tokenizer))
+    prompt_ids = _prompt_ids(inp, tokenizer, limits.vocab_size)
     if not prompt_ids:
         raise InvalidRequest("the prompt encodes to no tokens")
     room = limits.max_request_tokens
