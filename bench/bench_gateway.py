@@ -41,7 +41,7 @@ def stack(*args: str, env: dict[str, str] | None = None):
         err = Path(tmp) / "up.stderr"
         with err.open("w") as stderr:
             proc = subprocess.Popen([sys.executable, "-m", "kvserve.services.cli", "up", "--port", "0",
-                                     "--kvmanager-port", "0", "--data-dir", f"{tmp}/data", *args],
+                                     "--kvmanager-port", "0", "--http-port", "0", "--data-dir", f"{tmp}/data", *args],
                                     stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         match = READY.match(proc.stdout.readline())
         if not match:

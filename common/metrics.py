@@ -22,6 +22,7 @@ GATEWAY_METRICS = (
     "kvserve:time_to_first_token_seconds", "kvserve:time_per_output_token_seconds",
     "kvserve:e2e_request_latency_seconds", "kvserve:scheduler_step_seconds", "kvserve:kvmanager_wait_fraction",
     "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total", "kvserve:request_success_total",
+    "kvserve:http_requests_total", "kvserve:http_request_duration_seconds",
 )
 KVMANAGER_METRICS = (
     "kvserve:kv_cache_usage_perc", "kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
@@ -63,6 +64,11 @@ class GatewayMetrics:
         self.generation_tokens = Counter("kvserve:generation_tokens", "Generated tokens.", ["tenant"], registry=r)
         self.finished = Counter("kvserve:request_success", "Finished requests by finish reason.",
                                 ["finish_reason"], registry=r)
+        self.http_requests = Counter("kvserve:http_requests", "HTTP requests by endpoint and status code.",
+                                     ["endpoint", "status"], registry=r)
+        self.http_latency = Histogram("kvserve:http_request_duration_seconds",
+                                      "HTTP request to its last byte (a stream: to data: [DONE]).", ["endpoint"],
+                                      buckets=LATENCY_BUCKETS_S, registry=r)
 
 
 class WorkerMetrics:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_GATEWAY_PORT = 50050
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API (vLLM's and SGLang's default port too)
 # The cap on a prefill chunk in steps that also decode (README, "Long prompts": measured with bench/bench_long.py)
 DEFAULT_LONG_PREFILL_THRESHOLD = "0"
 
@@ -43,6 +44,13 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--max-tokens-limit", type=positive_int, default=_env("max_tokens_limit", "4096"))
     p.add_argument("--api-keys-file", type=Path, default=_env("api_keys_file"),
                    help="API key -> tenant map (default: KVSERVE_API_KEYS, else dev mode)")
+    p.add_argument("--max-queued-requests", type=positive_int, default=_env("max_queued_requests", "1024"),
+                   help="requests waiting for pages, over all workers; one more is refused (gRPC "
+                        "RESOURCE_EXHAUSTED, HTTP 429)")
+    p.add_argument("--http-port", type=non_negative_int, default=_env("http_port", str(DEFAULT_HTTP_PORT)),
+                   help="port of the OpenAI-compatible HTTP API (0 = a free port)")
+    p.add_argument("--served-model-name", default=_env("served_model_name"),
+                   help="the model id the HTTP API serves and answers to (default: the model folder's name)")
 
 
 def add_commands(sub) -> None:
@@ -69,7 +77,8 @@ def gateway_config(args):
                          prefix_caching=not args.no_prefix_caching, overlap_page_ops=not args.no_overlap_page_ops,
                          long_prefill_token_threshold=int(args.long_prefill_token_threshold),
                          default_max_tokens=int(args.default_max_tokens),
-                         max_tokens_limit=int(args.max_tokens_limit))
+                         max_tokens_limit=int(args.max_tokens_limit),
+                         max_queued_requests=int(args.max_queued_requests))
 
 
 def describe_keys(keys) -> str:
@@ -78,6 +87,15 @@ def describe_keys(keys) -> str:
     if keys.dev_mode:
         return f"dev mode: no API key needed, every request is tenant {DEV_TENANT!r}"
     return f"{len(keys.keys)} API keys, {len({t for _, t in keys.keys})} tenants"
+
+
+def start_http(gateway, args, metrics):
+    """The OpenAI-compatible front-end on --http-port, over the same gateway core as gRPC."""
+    from kvserve.services.gateway.http.app import HttpFrontEnd
+    from kvserve.services.gateway.http.server import HttpServer
+
+    model_name = args.served_model_name or gateway.cfg.model_dir.name
+    return HttpServer(HttpFrontEnd(gateway, model_name, metrics).app, args.host, int(args.http_port))
 
 
 def run_gateway(args) -> int:
@@ -106,17 +124,19 @@ def run_gateway(args) -> int:
         return 1
     try:
         server = start_gateway_server(gateway, args.host, args.port)
+        http = start_http(gateway, args, metrics)
     except OSError as e:
         gateway.close(drain_s=0.0)
         print(f"kvserve: {e}", file=sys.stderr)
         return 1
     metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None
-    print(f"kvserve gateway ready on {args.host}:{server.port} ({len(workers)} workers, "
+    print(f"kvserve gateway ready on {args.host}:{server.port} (HTTP {http.base_url}, {len(workers)} workers, "
           f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {describe_keys(keys)}"
           f"{metrics_note(args.host, metrics_port)})", flush=True)
     stop.wait()
     server.health.enter_graceful_shutdown()
-    gateway.close(drain_s=5.0)  # stop admitting, finish or cancel in-flight work, free its pages
+    gateway.close(drain_s=5.0)  # stop admitting (HTTP: 503), finish or cancel in-flight work, free its pages
+    http.stop()
     server.server.stop(2.0).wait()
     shutdown_tracing()
     return 0

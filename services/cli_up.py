@@ -130,7 +130,9 @@ def _gateway_argv(args, kvmanager: Child, workers: list[Child]) -> list[str]:
             "--workers", ",".join(w.address for w in workers), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
-            "--default-max-tokens", str(args.default_max_tokens), "--max-tokens-limit", str(args.max_tokens_limit)]
+            "--default-max-tokens", str(args.default_max_tokens), "--max-tokens-limit", str(args.max_tokens_limit),
+            "--max-queued-requests", str(args.max_queued_requests), "--http-port", str(args.http_port)]
+    argv += ["--served-model-name", args.served_model_name] if args.served_model_name else []
     argv += ["--no-prefix-caching"] if args.no_prefix_caching else []
     argv += ["--no-overlap-page-ops"] if args.no_overlap_page_ops else []
     argv += ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []
@@ -205,8 +207,10 @@ def run_up(args) -> int:
         _watch(children, stop, died)
         gateway, kvmanager = children[-1], children[0]
         token = (args.data_dir or default_data_dir()).expanduser() / ADMIN_TOKEN_FILE
-        details = gateway.ready_line.split("(", 1)[1].rstrip(")")  # "N workers, prefix caching .., keys"
-        print(f"kvserve up ready: gateway on {gateway.address} (kvmanager {kvmanager.address}, {details}; "
+        # "HTTP http://host:port/v1, N workers, prefix caching .., keys"
+        http, details = gateway.ready_line.split("(", 1)[1].rstrip(")").split(", ", 1)
+        print(f"kvserve up ready: gateway on {gateway.address}, OpenAI API at {http.removeprefix('HTTP ')} "
+              f"(kvmanager {kvmanager.address}, {details}; "
               f"admin token in {token}: {_admin_hint(args, kvmanager.address)})", flush=True)
         stop.wait()
     except (RuntimeError, ModelNotFound) as e:

@@ -13,13 +13,15 @@ from service_process import service_process
 
 from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
-READY = re.compile(r"^kvserve up ready: gateway on (?P<gateway>\S+) \(kvmanager (?P<kvmanager>[^,]+), ")
+READY = re.compile(r"^kvserve up ready: gateway on (?P<gateway>[^\s,]+), OpenAI API at (?P<http>\S+) "
+                   r"\(kvmanager (?P<kvmanager>[^,]+), ")
 READY_TIMEOUT_S = 180.0  # kvmanager + model load per worker on 2 busy cores
 
 
 @dataclass
 class Stack:
     gateway: str
+    http: str  # the OpenAI API's base URL, http://host:port/v1
     kvmanager: str
     data_dir: Path
     stderr_path: Path
@@ -47,7 +49,7 @@ class Stack:
 def running_stack(tmp_path: Path, env: dict[str, str], *args: str):
     """`kvserve up` on free ports with its data under tmp_path; killed (with every child) afterwards."""
     data_dir = tmp_path / "data"
-    argv = ["up", "--port", "0", "--kvmanager-port", "0", "--data-dir", str(data_dir), *args]
+    argv = ["up", "--port", "0", "--kvmanager-port", "0", "--http-port", "0", "--data-dir", str(data_dir), *args]
     stderr_path = tmp_path / "up.stderr"
     with service_process(argv, READY, env, stderr_path, READY_TIMEOUT_S) as (proc, match):
-        yield Stack(match["gateway"], match["kvmanager"], data_dir, stderr_path, proc, match.string)
+        yield Stack(match["gateway"], match["http"], match["kvmanager"], data_dir, stderr_path, proc, match.string)

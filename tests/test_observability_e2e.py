@@ -46,7 +46,7 @@ def stack(tmp_path_factory, collector, model_dir):
         kvmanager, kv_metrics = start("kvmanager", "kvmanager", "--data-dir", str(tmp / "data"))
         worker, worker_metrics = start("worker", "worker", "--num-pages", "128")
         gateway, gateway_metrics = start("gateway", "gateway", "--kvmanager", kvmanager, "--workers", worker,
-                                         "--api-keys-file", str(keys))
+                                         "--api-keys-file", str(keys), "--http-port", "0")
         yield {"gateway": gateway, "metrics": {"gateway": gateway_metrics, "kvmanager": kv_metrics,
                                                "worker": worker_metrics}}
 
