@@ -308,8 +308,9 @@ def metrics_stack(args: list[str], env: dict[str, str]):
     """`kvserve up` with every service's metrics on a free port; yields (gateway, gateway metrics URL)."""
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "up.stderr", "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "kvserve.services.cli", "up", "--port", "0",
-                                 "--kvmanager-port", "0", "--http-port", "0", "--data-dir", f"{tmp}/data", *args], stdout=subprocess.PIPE,
-                                stderr=stderr, text=True, env={**env, "KVSERVE_METRICS_PORT": "0"})
+                                 "--kvmanager-port", "0", "--http-port", "0", "--data-dir", f"{tmp}/data", *args],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                env={**env, "KVSERVE_METRICS_PORT": "0"})
         match = UP_READY.match(proc.stdout.readline())
         if not match:
             proc.kill()
