@@ -20,6 +20,7 @@ from kvserve.services.cli import build_parser
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "k8s"
 GATEWAY_PORT = 50050
+GATEWAY_HTTP_PORT = 8000
 WORKER_PORT = 50061
 KVMANAGER_PORT = 50051
 REDIS_PORT = 6379
@@ -394,14 +395,15 @@ def test_kvmanager_admin_token_comes_from_the_secret() -> None:
         K8S_DIR / "kvmanager-deployment.yaml").read_text()
 
 
-def _cluster_ip_port(name: str) -> dict:
-    """The one port of Service ``name``: a ClusterIP (not headless) in front of Deployment ``name``'s pods."""
+def _cluster_ip_port(name: str, port_name: str | None = None) -> dict:
+    """The one port (or the port named ``port_name``) of Service ``name``: a ClusterIP (not headless) in front
+    of Deployment ``name``'s pods."""
     pod = _one("Deployment", name)["spec"]["template"]
     service = _one("Service", name)
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
     assert service["spec"].get("clusterIP") != "None"
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-    (port,) = service["spec"]["ports"]
+    (port,) = [p for p in service["spec"]["ports"] if port_name in (None, p["name"])]
     return port
 
 
@@ -444,8 +446,9 @@ def _gateway_container() -> dict:
 def test_gateway_deployment_runs_the_gateway_with_grpc_probes() -> None:
     container = _gateway_container()
     assert container["image"] == "kvserve:latest"
-    assert container["command"] == ["kvserve", "gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)]
-    assert _ports(container) == {"grpc": GATEWAY_PORT, "metrics": _metrics_port(container)}
+    assert container["command"] == ["kvserve", "gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
+                                    "--http-port", str(GATEWAY_HTTP_PORT)]
+    assert _ports(container) == {"grpc": GATEWAY_PORT, "http": GATEWAY_HTTP_PORT, "metrics": _metrics_port(container)}
     _assert_grpc_probes(container, GATEWAY_PORT)
 
 
@@ -513,9 +516,18 @@ def test_gateway_api_keys_come_from_a_secret_volume() -> None:
 def test_gateway_service_is_cluster_ip_on_the_grpc_port() -> None:
     pod = _one("Deployment", "kvserve-gateway")["spec"]["template"]
     (container,) = pod["spec"]["containers"]
-    port = _cluster_ip_port("kvserve-gateway")
+    port = _cluster_ip_port("kvserve-gateway", "grpc")
     assert (port["port"], port["name"], port.get("appProtocol")) == (GATEWAY_PORT, "grpc", "grpc")
     assert _container_port(container, port["targetPort"]) == GATEWAY_PORT
+    assert {p["name"] for p in _one("Service", "kvserve-gateway")["spec"]["ports"]} == {"grpc", "http"}
+
+
+def test_gateway_service_carries_the_openai_http_port() -> None:
+    pod = _one("Deployment", "kvserve-gateway")["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    port = _cluster_ip_port("kvserve-gateway", "http")
+    assert (port["port"], port.get("appProtocol")) == (GATEWAY_HTTP_PORT, "http")
+    assert _container_port(container, port["targetPort"]) == GATEWAY_HTTP_PORT
 
 
 # --- redis ------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import json
 import re
 import urllib.request
 
+import httpx
 import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -41,13 +42,14 @@ def stack(tmp_path_factory, collector, model_dir):
         def start(name, *args):
             _, match = stack.enter_context(service_process([*args, "--port", "0", "--metrics-port", "0"], READY, env,
                                                            tmp / f"{name}.stderr", 120.0))
-            return f"{match['host']}:{match['port']}", f"http://{match['host']}:{match['metrics']}/metrics"
+            http = re.search(r"\(HTTP (\S+),", match.string)  # the gateway's OpenAI API
+            return f"{match['host']}:{match['port']}", f"http://{match['host']}:{match['metrics']}/metrics", http
 
-        kvmanager, kv_metrics = start("kvmanager", "kvmanager", "--data-dir", str(tmp / "data"))
-        worker, worker_metrics = start("worker", "worker", "--num-pages", "128")
-        gateway, gateway_metrics = start("gateway", "gateway", "--kvmanager", kvmanager, "--workers", worker,
-                                         "--api-keys-file", str(keys), "--http-port", "0")
-        yield {"gateway": gateway, "metrics": {"gateway": gateway_metrics, "kvmanager": kv_metrics,
+        kvmanager, kv_metrics, _ = start("kvmanager", "kvmanager", "--data-dir", str(tmp / "data"))
+        worker, worker_metrics, _ = start("worker", "worker", "--num-pages", "128")
+        gateway, gateway_metrics, http = start("gateway", "gateway", "--kvmanager", kvmanager, "--workers", worker,
+                                               "--api-keys-file", str(keys), "--http-port", "0")
+        yield {"gateway": gateway, "http": http[1], "metrics": {"gateway": gateway_metrics, "kvmanager": kv_metrics,
                                                "worker": worker_metrics}}
 
 
@@ -94,6 +96,23 @@ def test_one_request_is_one_trace_across_gateway_kvmanager_and_worker(stack, col
     assert allocate.attributes["kvserve.num_cached_tokens"] == result.usage.cached_tokens
     decodes = [s for s in spans if s.name == "worker.decode_step" and (trace_id, request.span_id) in s.links]
     assert decodes and all(s.service_name == "kvserve-worker" for s in decodes)  # linked, not children
+
+
+def test_an_http_request_joins_the_traceparent_it_sent_and_is_counted(stack, collector):
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    reply = httpx.post(stack["http"] + "/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0},
+                       headers={"authorization": "Bearer key-a", "traceparent": f"00-{trace_id}-{parent_id}-01"},
+                       timeout=60)
+    assert reply.status_code == 200
+    spans = collector.wait_for(lambda spans: any(s.trace_id == trace_id and s.name == "gateway.request"
+                                                 for s in spans), SPAN_TIMEOUT_S, what=f"trace {trace_id}")
+    (request,) = [s for s in spans if s.trace_id == trace_id and s.name == "gateway.request"]
+    assert request.parent_span_id == parent_id  # the HTTP client's span is its parent
+    assert f"cmpl-{request.attributes['kvserve.req_id']}" == reply.json()["id"]
+    assert httpx.post(stack["http"] + "/completions", json={"prompt": "x"}, timeout=60).status_code == 401
+    gw = scrape(stack["metrics"]["gateway"])
+    assert value(gw, "kvserve:http_requests_total", endpoint="/v1/completions", status="200") >= 1
+    assert value(gw, "kvserve:http_requests_total", endpoint="/v1/completions", status="401") >= 1
 
 
 def test_metrics_move_with_traffic(stack):
