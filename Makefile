@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-kvquant bench-long bench-streaming clean
+.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-kvquant bench-long bench-streaming bench-http clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -88,6 +88,18 @@ bench-long: model kernels
 # 1,024 tokens; the KV bytes each holds and decode speed with sinks past 16k vs dense at 8k (in-process).
 bench-streaming: model kernels
 	$(PY) bench/bench_streaming.py
+
+# The OpenAI HTTP API under load: the mixed burst through HTTP vs gRPC (alternated), and guidellm, a third-party
+# load generator, at 1, 4 and 16 streams. guidellm gets its own environment: it pins click and pulls
+# pandas/pyarrow/datasets that kvserve does not need (torch first, as above, so that it keeps the CPU wheel).
+GUIDELLM := .venv-guidellm/bin/guidellm
+$(GUIDELLM): | $(PY)
+	$(PY) -m venv .venv-guidellm
+	.venv-guidellm/bin/pip install -q torch==2.13.0
+	.venv-guidellm/bin/pip install -q guidellm==0.8.1
+
+bench-http: model kernels $(GUIDELLM)
+	$(PY) bench/bench_http.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -26,7 +26,7 @@ from kvserve.common.wire.worker import StepBatch, StepItem  # noqa: E402
 from kvserve.services.client import Client  # noqa: E402
 from kvserve.worker.runner import ModelRunner, RunnerConfig  # noqa: E402
 
-READY = re.compile(r"^kvserve up ready: gateway on (?P<gateway>\S+) ")
+READY = re.compile(r"^kvserve up ready: gateway on (?P<gateway>[^\s,]+), OpenAI API at (?P<http>\S+) ")
 KV_WAIT = re.compile(r"kvmanager wait ([0-9.]+)% of step time")
 COMPUTE = re.compile(r"worker compute ([0-9.]+)%")
 CALLS = re.compile(r"stopped after ([0-9]+) steps;.* a call in ([0-9]+) steps")
@@ -36,7 +36,8 @@ PAGE_SIZE = 16
 
 @contextmanager
 def stack(*args: str, env: dict[str, str] | None = None):
-    """`kvserve up` on free ports in a temporary data dir; yields (gateway address, stats dict filled at stop)."""
+    """`kvserve up` on free ports in a temporary data dir; yields (gateway address, stats dict filled at stop,
+    holding the OpenAI API's base URL as "http" from the start)."""
     with tempfile.TemporaryDirectory() as tmp:
         err = Path(tmp) / "up.stderr"
         with err.open("w") as stderr:
@@ -47,7 +48,7 @@ def stack(*args: str, env: dict[str, str] | None = None):
         if not match:
             proc.kill()
             raise RuntimeError(f"kvserve up did not start:\n{err.read_text()}")
-        stats: dict = {}
+        stats: dict = {"http": match["http"]}
         try:
             yield match["gateway"], stats
         finally:

@@ -93,6 +93,10 @@ def markdown(out: dict, plot_names: list[str]) -> str:
             f"{t['hf_generate']['tokens_per_s']:.1f} | {t['kvserve_over_hf_generate']:.2f}x |",
             f"| mixed burst, tok/s, vs HF continuous batching | {t['kvserve']['tokens_per_s']:.1f} | "
             f"{t['hf_generate_batch']['tokens_per_s']:.1f} | {t['kvserve_over_hf_generate_batch']:.2f}x |",
+            *([f"| mixed burst, tok/s, through HTTP (openai client) vs gRPC (SDK) | "
+               f"{t['kvserve_http']['tokens_per_s']:.1f} | {t['kvserve']['tokens_per_s']:.1f} (gRPC) | "
+               f"{t['kvserve_http']['tokens_per_s'] / t['kvserve']['tokens_per_s']:.2f}x |"]
+              if "kvserve_http" in t else []),
             f"| {c['num_requests']} concurrent, tok/s, vs the raw batched forward | "
             f"{c['kvserve']['tokens_per_s']:.1f} | {c['raw_runner']['tokens_per_s']:.1f} | "
             f"{c['kvserve_over_raw_runner']:.0%} |",

@@ -233,14 +233,14 @@ def test_a_disconnect_while_queued_or_prefilling_frees_the_pages(stack):
 @pytest.fixture(scope="module")
 def busy_stack(tmp_path_factory, model_dir):
     """One request runs at a time and one more may wait: a third is refused with 429."""
-    with running_stack(tmp_path_factory.mktemp("busy-stack"), cli_env(), "--num-pages", "64", "--max-num-seqs", "1",
+    with running_stack(tmp_path_factory.mktemp("busy-stack"), cli_env(), "--num-pages", "256", "--max-num-seqs", "1",
                        "--max-queued-requests", "1") as s:
         yield s
 
 
 def test_a_full_queue_is_429_and_leaves_nothing_behind(busy_stack):
     url = busy_stack.http + "/completions"
-    body = {"prompt": "Count to one thousand:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Count to one thousand:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http, http.stream("POST", url, json=body) as running:
         next(running.iter_lines())  # the running request's first event: it holds the only seat
         with http.stream("POST", url, json=body) as queued:  # admitted (its headers came back): it waits

@@ -107,3 +107,31 @@ def test_a_draining_gateway_answers_503(served):
     assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
     assert reply.json()["error"]["type"] == "service_unavailable"
     assert "shutting down" in reply.json()["error"]["message"]
+
+
+def test_a_full_queue_is_refused_with_gateway_busy(model_dir, worker_server):
+    """One request runs (max_num_seqs 1) and one waits (max_queued_requests 1): a third is refused."""
+    from kvserve.common.wire.worker import SamplingParams
+    from kvserve.services.gateway.errors import GatewayBusy
+    from kvserve.services.gateway.validate import GenerateInput
+
+    service = KVService(KVManager(), NullStore())
+    kv_server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token="t")
+    gateway = connect_gateway(f"127.0.0.1:{kv_server.port}", (f"127.0.0.1:{worker_server.port}",),
+                              GatewayConfig(model_dir, max_num_seqs=1, max_queued_requests=1), ApiKeys())
+    try:
+        def long():
+            return GenerateInput(prompt="Count:", messages=None, sampling=SamplingParams(), max_tokens=300,
+                                 ignore_eos=True)
+        running = gateway.submit(long(), "default")
+        deltas = iter(running)
+        while not next(deltas).token_ids:
+            pass
+        queued = gateway.submit(long(), "default")
+        with pytest.raises(GatewayBusy, match="--max-queued-requests"):
+            gateway.submit(long(), "default")
+        running.cancel()
+        queued.cancel()
+    finally:
+        gateway.close(drain_s=1.0)
+        kv_server.stop(0)

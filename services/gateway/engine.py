@@ -125,8 +125,10 @@ class EngineLoop:
 
     @property
     def num_queued(self) -> int:
-        """Requests waiting for pages on this worker (read from other threads: a snapshot)."""
-        return len(self._inbox) + len(self.scheduler.waiting)
+        """Requests waiting for pages on this worker (read from other threads: a snapshot). Counted as the
+        scheduler's unfinished requests less the running ones: a waiting request the scheduler is trying to
+        admit is out of its ``waiting`` deque for the length of a kvmanager call, and still queued."""
+        return len(self._inbox) + len(self.scheduler.requests) - len(self.scheduler.running)
 
     @property
     def num_in_flight(self) -> int:
