@@ -159,10 +159,12 @@ class HighRng(random.Random):
 # --- types -----------------------------------------------------------------------------------------------------
 
 def test_build_request_needs_exactly_one_input():
-    with pytest.raises(ValueError):
-        build_request()
-    with pytest.raises(ValueError):
-        build_request("x", [{"role": "user", "content": "y"}])
+    chat = [{"role": "user", "content": "y"}]
+    for args, kwargs in (((), {}), (("x", chat), {}), (("x",), {"prompt_token_ids": [1]}),
+                         ((), {"messages": chat, "prompt_token_ids": [1]}),
+                         (("x", chat), {"prompt_token_ids": [1]})):
+        with pytest.raises(ValueError, match="give exactly one of prompt, messages and prompt_token_ids"):
+            build_request(*args, **kwargs)
     with pytest.raises(ValueError):
         build_request(messages=[{"role": "user"}])
     with pytest.raises(TypeError):
@@ -183,6 +185,17 @@ def test_build_request_fields():
     assert [(m.role, m.content) for m in chat.messages.messages] == [("system", "be brief"), ("user", "hi")]
     assert chat.sampling.HasField("top_p") and chat.sampling.top_p == 0.5
     assert not chat.sampling.HasField("seed")
+
+
+def test_build_request_sends_token_ids_as_given_and_refuses_what_is_not_a_uint32():
+    request = build_request(prompt_token_ids=(1, 0, 2**32 - 1), max_tokens=2)
+    assert request.WhichOneof("input") == "prompt_token_ids"
+    assert list(request.prompt_token_ids.token_ids) == [1, 0, 2**32 - 1] and request.max_tokens == 2
+    empty = build_request(prompt_token_ids=[])  # sent (the oneof set, the list empty): the gateway refuses it
+    assert empty.WhichOneof("input") == "prompt_token_ids" and not empty.prompt_token_ids.token_ids
+    for bad in ([-1], [2**32], [1.5], ["7"], 7):
+        with pytest.raises(ValueError, match=re.escape("prompt_token_ids: give a sequence of ints from 0 to")):
+            build_request(prompt_token_ids=bad)
 
 
 def test_build_request_takes_one_stop_string_and_names_a_value_that_does_not_fit():
@@ -257,6 +270,18 @@ def test_stream_converts_deltas_and_sends_api_key(gateway):
         assert client.complete(messages=[{"role": "user", "content": "hi"}]) == EXPECTED_COMPLETION
     assert [m.get("authorization") for m in gw.metadata] == ["Bearer K", "Bearer K"]
     assert gw.requests[0] == build_request("hi", max_tokens=3, seed=7, stop=["x"])
+
+
+def test_token_ids_reach_the_gateway_and_two_inputs_are_refused_before_any_call(gateway):
+    gw, address = gateway
+    with Client(address) as client:
+        assert list(client.generate(prompt_token_ids=[5, 6], max_tokens=3)) == EXPECTED_DELTAS
+        assert client.complete(prompt_token_ids=[7]) == EXPECTED_COMPLETION
+        with pytest.raises(ValueError, match="exactly one of prompt, messages and prompt_token_ids"):
+            client.generate("hi", prompt_token_ids=[5])
+        with pytest.raises(ValueError, match="exactly one of prompt, messages and prompt_token_ids"):
+            client.complete(messages=[{"role": "user", "content": "hi"}], prompt_token_ids=[5])
+    assert gw.requests == [build_request(prompt_token_ids=[5, 6], max_tokens=3), build_request(prompt_token_ids=[7])]
 
 
 def test_no_api_key_sends_no_authorization(gateway):
@@ -391,6 +416,22 @@ def test_async_stream_converts_deltas_and_sends_api_key(gateway):
 
     assert asyncio.run(main()) == (EXPECTED_DELTAS, "r-1", EXPECTED_COMPLETION)
     assert [m.get("authorization") for m in gw.metadata] == ["Bearer K", "Bearer K"]
+
+
+def test_async_token_ids_reach_the_gateway_and_two_inputs_are_refused_before_any_call(gateway):
+    gw, address = gateway
+
+    async def main():
+        async with AsyncClient(address) as client:
+            deltas = [delta async for delta in await client.generate(prompt_token_ids=[5, 6])]
+            completion = await client.complete(prompt_token_ids=[7], max_tokens=2)
+            for call in (client.generate, client.complete):
+                with pytest.raises(ValueError, match="exactly one of prompt, messages and prompt_token_ids"):
+                    await call("hi", prompt_token_ids=[5])
+            return deltas, completion
+
+    assert asyncio.run(main()) == (EXPECTED_DELTAS, EXPECTED_COMPLETION)
+    assert gw.requests == [build_request(prompt_token_ids=[5, 6]), build_request(prompt_token_ids=[7], max_tokens=2)]
 
 
 @pytest.mark.parametrize("kind", ["stream", "unary"])

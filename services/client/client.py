@@ -193,12 +193,16 @@ class Client(ClientBase):
     """
 
     def generate(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+                 prompt_token_ids: Sequence[int] | None = None,
                  timeout_s: float | None = None, **sampling: Any) -> GenerateStream:
         """Starts a streamed completion.
 
         Args:
-            prompt: raw text to complete (exactly one of prompt and messages).
-            messages: chat messages, each ``{"role": ..., "content": ...}``, oldest first.
+            prompt: raw text to complete, tokenised as is (exactly one of prompt, messages and
+                prompt_token_ids).
+            messages: chat messages, each ``{"role": ..., "content": ...}``, oldest first, rendered with the
+                model's chat template.
+            prompt_token_ids: the prompt as token ids of the model's vocabulary, fed as they are.
             timeout_s: the deadline of the whole stream in seconds; None uses the client's.
             **sampling: max_tokens, temperature, top_p, top_k, seed, stop, logprobs, top_logprobs, ignore_eos
                 (see ``types.build_request``).
@@ -207,10 +211,11 @@ class Client(ClientBase):
             The stream of deltas; the last one carries finish_reason and usage.
 
         Raises:
-            ValueError: not exactly one of prompt and messages, a malformed message, or a non-positive timeout.
+            ValueError: not exactly one of prompt, messages and prompt_token_ids, a malformed message, a
+                token id outside 0 to 2**32 - 1, or a non-positive timeout.
             TypeError: an unknown sampling keyword.
         """
-        request = build_request(prompt, messages, **sampling)
+        request = build_request(prompt, messages, prompt_token_ids=prompt_token_ids, **sampling)
         deadline = call_deadline(timeout_s, self._timeout_s)
 
         def start(timeout: float) -> Any:
@@ -219,11 +224,12 @@ class Client(ClientBase):
         return GenerateStream(start, self._retry, deadline, self._rng)
 
     def complete(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+                 prompt_token_ids: Sequence[int] | None = None,
                  timeout_s: float | None = None, **sampling: Any) -> Completion:
         """Runs a completion and returns it once finished (the unary Complete call).
 
         Args:
-            prompt, messages, timeout_s, **sampling: as for ``generate``.
+            prompt, messages, prompt_token_ids, timeout_s, **sampling: as for ``generate``.
 
         Returns:
             The finished completion.
@@ -233,7 +239,7 @@ class Client(ClientBase):
                 Unauthenticated, DeadlineExceeded, ...), chained from the grpc.RpcError.
             ValueError, TypeError: as for ``generate``.
         """
-        request = build_request(prompt, messages, **sampling)
+        request = build_request(prompt, messages, prompt_token_ids=prompt_token_ids, **sampling)
         deadline = call_deadline(timeout_s, self._timeout_s)
         attempt = 1
         while True:

@@ -98,14 +98,17 @@ def _set(message, **fields) -> None:
 
 
 def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str]] | None = None, *,
-                  max_tokens: int = 0, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                  seed: int | None = None, stop: str | Iterable[str] = (), logprobs: bool = False,
-                  top_logprobs: int = 0, ignore_eos: bool = False) -> gateway_pb2.GenerateRequest:
+                  prompt_token_ids: Sequence[int] | None = None, max_tokens: int = 0, temperature: float = 0.0,
+                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Iterable[str] = (),
+                  logprobs: bool = False, top_logprobs: int = 0,
+                  ignore_eos: bool = False) -> gateway_pb2.GenerateRequest:
     """Builds a GenerateRequest. Values are sent as given: the gateway validates ranges.
 
     Args:
         prompt: raw text, tokenised as is (no chat template).
         messages: chat messages, each a mapping with ``"role"`` and ``"content"``, oldest first.
+        prompt_token_ids: the prompt as token ids of the model's vocabulary, fed as they are (no tokenisation,
+            no chat template); the gateway rejects an empty list or an id at or above the vocabulary size.
         max_tokens: most tokens to generate; 0 means the gateway's default.
         temperature: softmax temperature; 0 is greedy.
         top_p: nucleus mass; 1.0 disables the filter (and leaves the field unset).
@@ -120,12 +123,12 @@ def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str
         The request message.
 
     Raises:
-        ValueError: not exactly one of ``prompt`` and ``messages`` is given, a message lacks ``"role"`` or
-            ``"content"``, or a value does not fit its field (``seed=-1``, ``max_tokens=2**40``); the message
-            names the argument.
+        ValueError: not exactly one of ``prompt``, ``messages`` and ``prompt_token_ids`` is given, a message
+            lacks ``"role"`` or ``"content"``, or a value does not fit its field (``seed=-1``,
+            ``max_tokens=2**40``, a token id outside 0 to 2**32 - 1); the message names the argument.
     """
-    if (prompt is None) == (messages is None):
-        raise ValueError("give exactly one of prompt and messages")
+    if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
+        raise ValueError("give exactly one of prompt, messages and prompt_token_ids")
     request = gateway_pb2.GenerateRequest()
     sampling = request.sampling
     _set(sampling, temperature=temperature, top_k=top_k, top_logprobs=top_logprobs)
@@ -140,8 +143,10 @@ def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str
         raise ValueError(f"stop={stop!r}: give a string or a list of strings ({e})") from None
     if prompt is not None:
         request.prompt = prompt
-    else:
+    elif messages is not None:
         request.messages.CopyFrom(_chat_messages(messages))
+    else:
+        request.prompt_token_ids.CopyFrom(_prompt_token_ids(prompt_token_ids))
     return request
 
 
@@ -153,6 +158,16 @@ def _chat_messages(messages: Sequence[Mapping[str, str]]) -> gateway_pb2.ChatMes
         except (KeyError, TypeError) as e:
             raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content'") from e
     return chat
+
+
+def _prompt_token_ids(token_ids: Sequence[int]) -> gateway_pb2.PromptTokenIds:
+    """The ids as the oneof's message; an empty list is sent too (set, and empty), for the gateway to refuse."""
+    message = gateway_pb2.PromptTokenIds()
+    try:
+        message.token_ids.extend(token_ids)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"prompt_token_ids: give a sequence of ints from 0 to 2**32 - 1 ({e})") from None
+    return message
 
 
 def delta_from_response(response: gateway_pb2.GenerateResponse) -> Delta:

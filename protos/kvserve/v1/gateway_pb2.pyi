@@ -33,10 +33,17 @@ class ChatMessages(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
+class PromptTokenIds(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "sampling", "max_tokens", "stop", "logprobs", "ignore_eos")
+    __slots__ = ("prompt", "messages", "prompt_token_ids", "sampling", "max_tokens", "stop", "logprobs", "ignore_eos")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -44,12 +51,13 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: ChatMessages
+    prompt_token_ids: PromptTokenIds
     sampling: _common_pb2.SamplingParams
     max_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     logprobs: bool
     ignore_eos: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens")

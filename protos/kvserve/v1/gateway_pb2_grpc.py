@@ -30,9 +30,10 @@ class GatewayServiceStub:
     the gateway maps it to a tenant server-side (an unknown key is UNAUTHENTICATED; in dev mode no key is
     needed and one default tenant is used). Health (grpc.health.v1) and server reflection share the port.
 
-    Errors: INVALID_ARGUMENT for bad input (empty prompt, prompt longer than the model allows, sampling values
-    out of range), UNAUTHENTICATED for a missing or unknown key, UNAVAILABLE while shutting down,
-    DEADLINE_EXCEEDED and CANCELLED as usual. A cancelled or expired call frees its pages within one step.
+    Errors: INVALID_ARGUMENT for bad input (empty prompt, a token id outside the vocabulary, prompt longer than
+    the model allows, sampling values out of range), UNAUTHENTICATED for a missing or unknown key, UNAVAILABLE
+    while shutting down, DEADLINE_EXCEEDED and CANCELLED as usual. A cancelled or expired call frees its pages
+    within one step.
     """
 
     def __init__(self, channel):
@@ -58,9 +59,10 @@ class GatewayServiceServicer:
     the gateway maps it to a tenant server-side (an unknown key is UNAUTHENTICATED; in dev mode no key is
     needed and one default tenant is used). Health (grpc.health.v1) and server reflection share the port.
 
-    Errors: INVALID_ARGUMENT for bad input (empty prompt, prompt longer than the model allows, sampling values
-    out of range), UNAUTHENTICATED for a missing or unknown key, UNAVAILABLE while shutting down,
-    DEADLINE_EXCEEDED and CANCELLED as usual. A cancelled or expired call frees its pages within one step.
+    Errors: INVALID_ARGUMENT for bad input (empty prompt, a token id outside the vocabulary, prompt longer than
+    the model allows, sampling values out of range), UNAUTHENTICATED for a missing or unknown key, UNAVAILABLE
+    while shutting down, DEADLINE_EXCEEDED and CANCELLED as usual. A cancelled or expired call frees its pages
+    within one step.
     """
 
     def Generate(self, request, context):
@@ -105,9 +107,10 @@ class GatewayService:
     the gateway maps it to a tenant server-side (an unknown key is UNAUTHENTICATED; in dev mode no key is
     needed and one default tenant is used). Health (grpc.health.v1) and server reflection share the port.
 
-    Errors: INVALID_ARGUMENT for bad input (empty prompt, prompt longer than the model allows, sampling values
-    out of range), UNAUTHENTICATED for a missing or unknown key, UNAVAILABLE while shutting down,
-    DEADLINE_EXCEEDED and CANCELLED as usual. A cancelled or expired call frees its pages within one step.
+    Errors: INVALID_ARGUMENT for bad input (empty prompt, a token id outside the vocabulary, prompt longer than
+    the model allows, sampling values out of range), UNAUTHENTICATED for a missing or unknown key, UNAVAILABLE
+    while shutting down, DEADLINE_EXCEEDED and CANCELLED as usual. A cancelled or expired call frees its pages
+    within one step.
     """
 
     @staticmethod

@@ -20,11 +20,14 @@ FINISH = {FinishReason.EOS: gateway_pb2.FINISH_REASON_EOS, FinishReason.STOP: ga
 
 
 def input_from_proto(r: gateway_pb2.GenerateRequest) -> GenerateInput:
+    """The request's oneof input becomes the one matching GenerateInput field; none set leaves all three None
+    (validation says so)."""
     which = r.WhichOneof("input")
     messages = tuple((m.role, m.content) for m in r.messages.messages) if which == "messages" else None
+    token_ids = tuple(r.prompt_token_ids.token_ids) if which == "prompt_token_ids" else None
     return GenerateInput(prompt=r.prompt if which == "prompt" else None, messages=messages,
-                         sampling=sampling_from_proto(r.sampling), max_tokens=r.max_tokens, stop=tuple(r.stop),
-                         logprobs=r.logprobs, ignore_eos=r.ignore_eos)
+                         prompt_token_ids=token_ids, sampling=sampling_from_proto(r.sampling),
+                         max_tokens=r.max_tokens, stop=tuple(r.stop), logprobs=r.logprobs, ignore_eos=r.ignore_eos)
 
 
 def _logprobs(delta: OutputDelta) -> list[gateway_pb2.GeneratedLogprob]:
