@@ -114,7 +114,7 @@ def run_guidellm(guidellm: Path, base_url: str, model: str, model_dir: Path, req
                              "timeout=600",
                 "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
                 "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
-                "--profile", "kind=concurrent", "--override", f"profile.streams {','.join(map(str, STREAMS))}",
+                "--profile", "kind=concurrent", "--override", "profile.streams", ",".join(map(str, STREAMS)),
                 "--constraint", json.dumps({"kind": "max_requests", "count": requests}),
                 "--metrics", "kind=generative,sample_size=0", "--output", f"kind=json,path={out}",
                 "--disable-progress"]
@@ -128,7 +128,9 @@ def run_guidellm(guidellm: Path, base_url: str, model: str, model_dir: Path, req
                               "import importlib.metadata as m; print(m.version('guidellm'))"],
                              capture_output=True, text=True).stdout.strip()
     return {"guidellm": version, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-            "requests": requests, "wall_s": wall, "levels": levels, "command": " ".join(argv[1:])}
+            "requests": requests, "wall_s": wall, "levels": levels,
+            "command": " ".join(argv[1:]).replace(str(model_dir), "<model dir>").replace(str(out), "<out>")
+                       .replace(base_url, "<base url>")}
 
 
 def main(argv=None) -> int:
