@@ -135,3 +135,29 @@ def test_a_full_queue_is_refused_with_gateway_busy(model_dir, worker_server):
     finally:
         gateway.close(drain_s=1.0)
         kv_server.stop(0)
+
+
+def test_chat_logprobs_and_usage_in_openai_shapes():
+    from kvserve.common.wire.worker import SampledToken
+    from kvserve.services.gateway.handle import OutputDelta, Usage
+    from kvserve.services.gateway.http.render import Rendering
+    from kvserve.services.gateway.request import FinishReason
+
+    texts = {5: "Hi", 6: "é"}
+    r = Rendering(chat=True, req_id="req-1", model="m", token_text=texts.__getitem__, created=7)
+    sampled = [SampledToken("req-1", 5, -0.5, [(5, -0.5), (6, -1.5)])]
+    body = r.response("Hi", sampled, FinishReason.EOS, Usage(prompt_tokens=10, num_cached_tokens=8,
+                                                             completion_tokens=1))
+    assert body["id"] == "chatcmpl-req-1" and body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "Hi"} and choice["finish_reason"] == "stop"
+    assert choice["logprobs"]["content"] == [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": [
+        {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}, {"token": "é", "logprob": -1.5, "bytes": [195, 169]}]}]
+    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 8}}
+    first = r.role_chunk(include_usage=False)
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"content": "",
+                                                                                             "role": "assistant"}
+    chunk = r.chunk(OutputDelta(text="Hi", token_ids=[5], logprobs=sampled), with_logprobs=False, include_usage=True)
+    assert chunk["choices"][0]["delta"] == {"content": "Hi"} and chunk["choices"][0]["logprobs"] is None
+    assert chunk["usage"] is None
