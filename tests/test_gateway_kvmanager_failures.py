@@ -279,10 +279,10 @@ def test_while_the_kvmanager_is_down_new_requests_are_placed_by_load_and_wait_fo
         a = gateway.submit(request(), "default")
         with calls:  # A's first page op waits for the kvmanager, and its engine's loop with it
             assert calls.wait_for(lambda: calls.pending > 0, timeout=60)
-        b = gateway.submit(request(), "default")  # both engines have nothing queued: the first
-        c = gateway.submit(request(), "default")  # B sits in the first engine's inbox: the other
+        b = gateway.submit(request(), "default")  # A waits for pages on the first engine: the other
+        c = gateway.submit(request(), "default")  # one queued on each: the first of the least queued
         first, other = (e.info.worker_id for e in gateway.engines)
-        assert [h.worker_id for h in (a, b, c)] == [first, first, other]
+        assert [h.worker_id for h in (a, b, c)] == [first, other, first]
         assert caplog.text.count("placing new requests on the least queued worker") == 1
         server = start_kvmanager_server(service, "127.0.0.1", server.port, admin_token=TOKEN)
         assert [tokens_of(h) for h in (a, b, c)] == [expected] * 3

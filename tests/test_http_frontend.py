@@ -109,8 +109,9 @@ def test_a_draining_gateway_answers_503(served):
     assert "shutting down" in reply.json()["error"]["message"]
 
 
-def test_a_full_queue_is_refused_with_gateway_busy(model_dir, worker_server):
-    """One request runs (max_num_seqs 1) and one waits (max_queued_requests 1): a third is refused."""
+def test_a_full_queue_is_429_over_http_and_gateway_busy_in_the_core(model_dir, worker_server):
+    """One request runs (max_num_seqs 1) and one waits (max_queued_requests 1): a third is refused, by the core
+    with GatewayBusy and by the HTTP front-end with 429 and Retry-After."""
     from kvserve.common.wire.worker import SamplingParams
     from kvserve.services.gateway.errors import GatewayBusy
     from kvserve.services.gateway.validate import GenerateInput
@@ -119,6 +120,7 @@ def test_a_full_queue_is_refused_with_gateway_busy(model_dir, worker_server):
     kv_server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token="t")
     gateway = connect_gateway(f"127.0.0.1:{kv_server.port}", (f"127.0.0.1:{worker_server.port}",),
                               GatewayConfig(model_dir, max_num_seqs=1, max_queued_requests=1), ApiKeys())
+    http = HttpServer(HttpFrontEnd(gateway, "m").app)
     try:
         def long():
             return GenerateInput(prompt="Count:", messages=None, sampling=SamplingParams(), max_tokens=300,
@@ -130,9 +132,14 @@ def test_a_full_queue_is_refused_with_gateway_busy(model_dir, worker_server):
         queued = gateway.submit(long(), "default")
         with pytest.raises(GatewayBusy, match="--max-queued-requests"):
             gateway.submit(long(), "default")
+        refused = httpx.post(http.base_url + "/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert "--max-queued-requests" in refused.json()["error"]["message"]
         running.cancel()
         queued.cancel()
     finally:
+        http.stop()
         gateway.close(drain_s=1.0)
         kv_server.stop(0)
 
