@@ -228,3 +228,25 @@ def test_a_disconnect_while_queued_or_prefilling_frees_the_pages(stack):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(stack.http + "/completions", json=body, headers={"authorization": "Bearer key-a"}, timeout=1.0)
     assert no_pages_left(stack)
+
+
+@pytest.fixture(scope="module")
+def busy_stack(tmp_path_factory, model_dir):
+    """One request runs at a time and one more may wait: a third is refused with 429."""
+    with running_stack(tmp_path_factory.mktemp("busy-stack"), cli_env(), "--num-pages", "256", "--max-num-seqs", "1",
+                       "--max-queued-requests", "1") as s:
+        yield s
+
+
+def test_a_full_queue_is_429_through_kvserve_up(busy_stack):
+    url = busy_stack.http + "/completions"
+    body = {"prompt": "Count to one thousand:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", url, json=body) as running:
+        lines = running.iter_lines()  # kept: a dropped line iterator closes the response, which cancels it
+        next(lines)  # the running request's first event: it holds the only seat
+        with http.stream("POST", url, json=body) as queued:  # admitted (its headers came back): it waits
+            assert queued.status_code == 200
+            refused = httpx.post(url, json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert "--max-queued-requests" in refused.json()["error"]["message"]
+    assert no_pages_left(busy_stack)
