@@ -66,6 +66,20 @@ def hf_model(model_dir):
 
 
 @pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """HF transformers generating one prompt (token ids) alone, greedy: the reference token ids."""
+    import torch
+
+    def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt_ids])
+        with torch.inference_mode():
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                    do_sample=False)
+        return out[0, ids.shape[1]:].tolist()
+    return generate
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_dir):
     from kvserve.common.tokenizer import Tokenizer
 

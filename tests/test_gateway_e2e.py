@@ -11,7 +11,6 @@ import time
 
 import grpc
 import pytest
-import torch
 from gateway_stack import running_stack
 from service_process import EXIT_TIMEOUT_S
 from test_cli_process import cli_env, run_cli
@@ -37,15 +36,9 @@ def prompts_mixed() -> list[tuple[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(hf_model, tokenizer):
-    """HF transformers generating each prompt alone, greedy: the reference token ids."""
-    def generate(prompt: str, max_tokens: int) -> list[int]:
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        with torch.inference_mode():
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                    do_sample=False)
-        return out[0, ids.shape[1]:].tolist()
-    return generate
+def hf_reference(hf_greedy, tokenizer):
+    """HF transformers generating each prompt (text) alone, greedy: the reference token ids."""
+    return lambda prompt, max_tokens: hf_greedy(tokenizer.encode(prompt), max_tokens)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 from gateway_stack import running_stack
 from test_cli_process import cli_env
 
@@ -35,17 +34,6 @@ def stack(tmp_path_factory, model_dir):
 def client(stack):
     with openai.OpenAI(base_url=stack.http, api_key="key-a", max_retries=0, timeout=120) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(hf_model):
-    def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt_ids])
-        with torch.inference_mode():
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                    do_sample=False)
-        return out[0, ids.shape[1]:].tolist()
-    return generate
 
 
 @pytest.fixture(scope="module")

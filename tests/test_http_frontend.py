@@ -4,6 +4,8 @@ of a request handle."""
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 import pytest
 from prometheus_client import generate_latest
@@ -58,20 +60,29 @@ def test_chat_body_to_input():
         parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
 
 
-@pytest.fixture
-def served(model_dir, worker_server):
-    """A gateway core and its HTTP front-end on a free port, with metrics."""
+@contextlib.contextmanager
+def serving(model_dir, worker_server, cfg: GatewayConfig, keys: ApiKeys, metrics: GatewayMetrics | None = None):
+    """A gateway core (a real kvmanager on port 0, the session's worker) and its HTTP front-end on a free port."""
     service = KVService(KVManager(), NullStore())
     kv_server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token="t")
-    gateway = connect_gateway(f"127.0.0.1:{kv_server.port}", (f"127.0.0.1:{worker_server.port}",),
-                              GatewayConfig(model_dir), ApiKeys((("key-a", "tenant-a"),)))
-    metrics = GatewayMetrics()
+    gateway = connect_gateway(f"127.0.0.1:{kv_server.port}", (f"127.0.0.1:{worker_server.port}",), cfg, keys)
     http = HttpServer(HttpFrontEnd(gateway, "m", metrics).app)
-    yield http, gateway, metrics
-    http.stop()
-    if not gateway.closing:  # a test may have closed it
-        gateway.close(drain_s=1.0)
-    kv_server.stop(0)
+    try:
+        yield http, gateway
+    finally:
+        http.stop()
+        if not gateway.closing:  # a test may have closed it
+            gateway.close(drain_s=1.0)
+        kv_server.stop(0)
+
+
+@pytest.fixture
+def served(model_dir, worker_server):
+    """The gateway of one key, with metrics."""
+    metrics = GatewayMetrics()
+    with serving(model_dir, worker_server, GatewayConfig(model_dir), ApiKeys((("key-a", "tenant-a"),)),
+                 metrics) as (http, gateway):
+        yield http, gateway, metrics
 
 
 def samples(metrics: GatewayMetrics) -> dict:
@@ -116,15 +127,12 @@ def test_a_full_queue_is_429_over_http_and_gateway_busy_in_the_core(model_dir, w
     from kvserve.services.gateway.errors import GatewayBusy
     from kvserve.services.gateway.validate import GenerateInput
 
-    service = KVService(KVManager(), NullStore())
-    kv_server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token="t")
-    gateway = connect_gateway(f"127.0.0.1:{kv_server.port}", (f"127.0.0.1:{worker_server.port}",),
-                              GatewayConfig(model_dir, max_num_seqs=1, max_queued_requests=1), ApiKeys())
-    http = HttpServer(HttpFrontEnd(gateway, "m").app)
-    try:
-        def long():
-            return GenerateInput(prompt="Count:", messages=None, sampling=SamplingParams(), max_tokens=300,
-                                 ignore_eos=True)
+    def long():
+        return GenerateInput(prompt="Count:", messages=None, sampling=SamplingParams(), max_tokens=300,
+                             ignore_eos=True)
+
+    cfg = GatewayConfig(model_dir, max_num_seqs=1, max_queued_requests=1)
+    with serving(model_dir, worker_server, cfg, ApiKeys()) as (http, gateway):
         running = gateway.submit(long(), "default")
         deltas = iter(running)
         while not next(deltas).token_ids:
@@ -138,10 +146,6 @@ def test_a_full_queue_is_429_over_http_and_gateway_busy_in_the_core(model_dir, w
         assert "--max-queued-requests" in refused.json()["error"]["message"]
         running.cancel()
         queued.cancel()
-    finally:
-        http.stop()
-        gateway.close(drain_s=1.0)
-        kv_server.stop(0)
 
 
 def test_chat_logprobs_and_usage_in_openai_shapes():

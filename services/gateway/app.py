@@ -94,25 +94,24 @@ class Gateway:
         with self._lock:  # placement sees every earlier request queued somewhere
             if self.closing:
                 raise ShuttingDown("the gateway is shutting down and admits no new requests")
-            num_queued = sum(e.num_queued for e in self.engines)
-            if num_queued >= self.cfg.max_queued_requests:
-                raise GatewayBusy(f"{num_queued} requests are already waiting for pages (the gateway's limit, "
-                                  "--max-queued-requests); retry later")
-            engine = self.place(req)
+            num_queued = {e.info.worker_id: e.num_queued for e in self.engines}
+            if sum(num_queued.values()) >= self.cfg.max_queued_requests:
+                raise GatewayBusy(f"{sum(num_queued.values())} requests are already waiting for pages (the "
+                                  "gateway's limit, --max-queued-requests); retry later")
+            engine = self.place(req, num_queued)
             engine.check_serving()
             self.observe.started(req, trace_parent)
             return engine.submit(req)
 
-    def place(self, req: Request) -> EngineLoop:
+    def place(self, req: Request, num_queued: dict[str, int]) -> EngineLoop:
         """The worker the kvmanager's cache-aware placement chooses (longest prefix hit balanced against
-        load, counting the requests this gateway has queued per worker); the only one when there is one.
+        load, ``num_queued``: the requests this gateway has queued per worker); the only one when there is one.
 
         While the kvmanager is unreachable, the worker with the fewest queued requests: the request then waits
         for the kvmanager in its first page op, as running ones do, instead of holding up every submission
         behind a placement that waits out the outage."""
         if len(self.engines) == 1:
             return self.engines[0]
-        num_queued = {e.info.worker_id: e.num_queued for e in self.engines}
         try:
             worker_id = self.kv.place(req.tenant, req.prompt_token_ids, num_queued)
         except KVManagerUnavailable as e:

@@ -18,14 +18,12 @@ class HttpMetricsMiddleware:
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics, paths: Sequence[str]):
         self.app, self.metrics = app, metrics
         self.paths = {p for p in paths if "{" not in p}
-        self.prefixes = tuple(p.split("{", 1)[0] for p in paths if "{" in p)
-        self.templates = {p.split("{", 1)[0]: p for p in paths if "{" in p}
+        self.templates = {p.split("{", 1)[0]: p for p in paths if "{" in p}  # the fixed part -> the route
 
     def endpoint(self, path: str) -> str:
         if path in self.paths:
             return path
-        prefix = next((p for p in self.prefixes if path.startswith(p)), None)
-        return self.templates[prefix] if prefix else "other"
+        return next((route for prefix, route in self.templates.items() if path.startswith(prefix)), "other")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
