@@ -24,7 +24,7 @@ def _env(name, default=None):
 
 def add_gateway_flags(p) -> None:
     """Scheduling and API flags, shared by ``kvserve gateway`` and ``kvserve up``."""
-    from kvserve.services.cli_flags import non_negative_int, positive_int
+    from kvserve.services.cli_flags import non_negative_int, positive_float, positive_int
 
     p.add_argument("--max-num-seqs", type=positive_int, default=_env("max_num_seqs", "64"),
                    help="requests running at once per worker")
@@ -51,6 +51,9 @@ def add_gateway_flags(p) -> None:
                    help="port of the OpenAI-compatible HTTP API (0 = a free port)")
     p.add_argument("--served-model-name", default=_env("served_model_name"),
                    help="the model id the HTTP API serves and answers to (default: the model folder's name)")
+    p.add_argument("--worker-timeout", type=positive_float, default=_env("worker_timeout", "5"),
+                   help="seconds a worker's steps may fail before it is declared dead and its requests are "
+                        "recomputed on live workers (default 5)")
 
 
 def add_commands(sub) -> None:
@@ -59,8 +62,11 @@ def add_commands(sub) -> None:
     g = sub.add_parser("gateway", help="run the gateway: public API and continuous batching")
     g.add_argument("--host", default=_env("host", "127.0.0.1"))
     g.add_argument("--port", type=int, default=_env("port", str(DEFAULT_GATEWAY_PORT)), help="0 = a free port")
-    g.add_argument("--kvmanager", default=_env("kvmanager", "127.0.0.1:50051"), help="kvmanager host:port")
-    g.add_argument("--workers", default=_env("workers", "127.0.0.1:50061"), help="comma-separated host:port")
+    g.add_argument("--kvmanager", default=_env("kvmanager", "127.0.0.1:50051"),
+                   help="kvmanager host:port, or a comma-separated list (a leader and its standbys)")
+    g.add_argument("--workers", default=_env("workers"),
+                   help="a static comma-separated host:port list (default: follow the workers that join the "
+                        "kvmanager, as they come and go)")
     g.add_argument("--model", default=_env("model"), help="model folder (default: the prepared SmolLM2)")
     g.add_argument("--cache-dir", type=Path, default=_env("cache_dir"))
     add_gateway_flags(g)
@@ -78,7 +84,8 @@ def gateway_config(args):
                          long_prefill_token_threshold=int(args.long_prefill_token_threshold),
                          default_max_tokens=int(args.default_max_tokens),
                          max_tokens_limit=int(args.max_tokens_limit),
-                         max_queued_requests=int(args.max_queued_requests))
+                         max_queued_requests=int(args.max_queued_requests),
+                         worker_timeout_s=float(args.worker_timeout))
 
 
 def describe_keys(keys) -> str:
@@ -111,7 +118,7 @@ def run_gateway(args) -> int:
 
     stop = install_stop_signals()
     setup_tracing("kvserve-gateway")
-    workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
+    workers = tuple(w.strip() for w in args.workers.split(",") if w.strip()) if args.workers else None
     metrics = GatewayMetrics() if args.metrics_port is not None else None
     try:
         keys = load_keys(args.api_keys_file, _env("api_keys"))
@@ -130,7 +137,7 @@ def run_gateway(args) -> int:
         print(f"kvserve: {e}", file=sys.stderr)
         return 1
     metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None
-    print(f"kvserve gateway ready on {args.host}:{server.port} (HTTP {http.base_url}, {len(workers)} workers, "
+    print(f"kvserve gateway ready on {args.host}:{server.port} (HTTP {http.base_url}, {len(gateway.engines)} workers, "
           f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {describe_keys(keys)}"
           f"{metrics_note(args.host, metrics_port)})", flush=True)
     stop.wait()

@@ -110,8 +110,8 @@ def _kvmanager_argv(args, model_dir: Path) -> list[str]:
     return argv
 
 
-def _worker_argv(args, i: int) -> list[str]:
-    argv = ["worker", "--host", args.host, "--port", "0", "--worker-id", f"worker-{i}",
+def _worker_argv(args, i: int, kvmanager: str) -> list[str]:
+    argv = ["worker", "--host", args.host, "--port", "0", "--worker-id", f"worker-{i}", "--kvmanager", kvmanager,
             "--page-size", str(args.page_size), "--kv-cache-dtype", args.kv_cache_dtype, "--kv-scales",
             args.kv_scales, "--sliding-window", str(args.sliding_window), "--attention-sinks",
             str(args.attention_sinks)]
@@ -125,9 +125,10 @@ def _model_argv(args) -> list[str]:
                                                               if args.cache_dir else [])
 
 
-def _gateway_argv(args, kvmanager: Child, workers: list[Child]) -> list[str]:
+def _gateway_argv(args, kvmanager: Child) -> list[str]:
+    """The gateway follows the workers that join the kvmanager: the stack's workers, and any started later."""
     argv = ["gateway", "--host", args.host, "--port", str(args.port), "--kvmanager", kvmanager.address,
-            "--workers", ",".join(w.address for w in workers), "--max-num-seqs", str(args.max_num_seqs),
+            "--worker-timeout", str(args.worker_timeout), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
             "--default-max-tokens", str(args.default_max_tokens), "--max-tokens-limit", str(args.max_tokens_limit),
@@ -156,8 +157,8 @@ def _start_stack(args, children: list[Child]) -> None:
 
     children.append(start_child("kvmanager", _kvmanager_argv(args, resolve_model(args.model, args.cache_dir))))
     for i in range(args.workers):
-        children.append(start_child(f"worker-{i}", _worker_argv(args, i)))
-    children.append(start_child("gateway", _gateway_argv(args, children[0], children[1:])))
+        children.append(start_child(f"worker-{i}", _worker_argv(args, i, children[0].address)))
+    children.append(start_child("gateway", _gateway_argv(args, children[0])))
 
 
 def _check_window(args) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -38,6 +39,17 @@ from kvserve.services.gateway.scheduler import ScheduledBatch, Scheduler, Schedu
 from kvserve.services.gateway.textstream import TextStream
 
 log = logging.getLogger("kvserve.gateway")
+
+
+@dataclass(slots=True)
+class Transfer:
+    """A request handed from an engine whose worker is gone to another one: its handle (the client's stream),
+    its text stream (what was streamed, and what it holds back for stop strings), its trace context. The
+    request itself is reset for recompute: prompt plus the tokens already streamed, re-prefilled elsewhere."""
+
+    handle: RequestHandle
+    text: TextStream | None  # None: it never reached the loop (still in the inbox)
+    traceparent: str = ""
 
 
 @dataclass(slots=True)
@@ -83,6 +95,13 @@ class EngineLoop:
         self._stopping = False
         self._kv_failed = False  # the last kvmanager call failed (loop thread only)
         self.incompatible = ""  # why the restarted worker cannot be served through this engine, if it cannot
+        # Set by the gateway: on_lost(engine, error) says whether a failed step means the worker is gone (the
+        # engine then retires), hand_over(engine, transfers) takes its requests to live workers.
+        self.on_lost: Callable[[EngineLoop, BackendFailure], bool] | None = None
+        self.hand_over: Callable[[EngineLoop, list[Transfer]], None] | None = None
+        self.retiring = False  # the worker is gone: hand everything over and end (set under _cv)
+        self.draining = False  # the worker drains: no new request; its queued ones go elsewhere (under _cv)
+        self._adopted: list[Transfer] = []
         self.idle = threading.Event()  # set while no request is in flight (for a graceful drain)
         self.idle.set()
         self.thread = threading.Thread(target=self._run, name=f"engine-{info.worker_id}", daemon=True)
@@ -90,6 +109,12 @@ class EngineLoop:
     # -- front-end threads ------------------------------------------------------------------------------
     def start(self) -> None:
         self.thread.start()
+
+    @property
+    def placeable(self) -> bool:
+        """Whether new requests may be queued here: not retiring, not draining (an incompatible worker's engine
+        is placeable: check_serving says why it refuses)."""
+        return not (self.retiring or self.draining)
 
     def check_serving(self) -> None:
         """Raises WorkerIncompatible when the worker restarted as one this engine cannot serve (another model,
@@ -109,6 +134,30 @@ class EngineLoop:
         """Cancels a request (client cancel, deadline, shutdown); its pages are freed by the next step."""
         with self._cv:
             self._cancels.append(req_id)
+            self._cv.notify()
+
+    def adopt(self, transfers: list[Transfer]) -> None:
+        """Takes over requests handed from an engine whose worker is gone; each is recomputed here first."""
+        for t in transfers:
+            t.handle.rebind(self.info.worker_id, self.cancel)
+        with self._cv:
+            self.idle.clear()
+            self._adopted.extend(transfers)
+            self._cv.notify()
+
+    def retire(self) -> None:
+        """The worker is gone for good (declared dead, or it left): the loop hands every request in flight over
+        (``hand_over``) and ends, sending nothing more to the worker or for its pool. Any thread."""
+        with self._cv:
+            self.retiring = True
+            self._cv.notify()
+        self.worker.interrupt()
+
+    def drain(self) -> None:
+        """The worker drains: new requests go elsewhere, the queued ones are handed over, the running ones finish
+        here. Any thread."""
+        with self._cv:
+            self.draining = True
             self._cv.notify()
 
     def stop(self) -> None:
@@ -142,6 +191,8 @@ class EngineLoop:
             except BackendFailure as e:
                 with self._cv:
                     stopping = self._stopping
+                if not stopping and self._gone(e):
+                    break
                 self._fail_all(e, stopping=stopping)
                 if stopping and self._kv_failed:
                     self._abandon_frees()  # else (the worker failed) the next step frees them
@@ -149,8 +200,10 @@ class EngineLoop:
                 log.exception("engine %s: a step raised", self.info.worker_id)
                 self._fail_all(Internal(f"internal error in the gateway: {type(e).__name__}: {e}"))
             with self._cv:
-                if not self.handles and not self._inbox and not self.finishing:
+                if not self.handles and not self._inbox and not self.finishing and not self._adopted:
                     self.idle.set()
+        if self.retiring:
+            self._hand_over_all()
         s = self.stats
         log.info("engine %s stopped after %d steps; kvmanager wait %.1f%% of step time (%.2f ms per step, "
                  "a call in %d steps, %d of them overlapped with compute), worker compute %.1f%%",
@@ -158,23 +211,91 @@ class EngineLoop:
                  s.num_kv_calls, s.num_kv_calls_overlapped, 100 * s.compute_share)
 
     def _next_work(self) -> bool:
-        """Waits for work; takes new requests and cancels in. False once stopping and everything is freed."""
+        """Waits for work; takes new requests, handed-over ones and cancels in. False once stopping and
+        everything is freed, or once retiring."""
         with self._cv:
-            while not (self._inbox or self._cancels or self._stopping or self.scheduler.has_work()):
+            while not (self._inbox or self._adopted or self._cancels or self._stopping or self.retiring
+                       or self._should_hand_over_waiting() or self.scheduler.has_work()):
                 self._cv.wait()
+            if self.retiring:
+                return False
             new, self._inbox = self._inbox, []
+            adopted, self._adopted = self._adopted, []
             cancels, self._cancels = self._cancels, []
             stopping = self._stopping
         for handle in new:
-            req = handle.req
-            self.handles[req.req_id] = handle
-            self.texts[req.req_id] = TextStream(self.tokenizer, req.params.stop)
-            self.scheduler.add(req)
-            if req.traceparent:
-                self.traceparents[req.req_id] = req.traceparent
+            self._take(Transfer(handle, None, handle.req.traceparent))
+        for t in reversed(adopted):  # each goes first: in the order they came
+            self._take(t, first=True)
+        cancels += [t.handle.req.req_id for t in adopted if t.handle.cancelled]  # cancelled on its way here
         for req_id in [*cancels, *(self.handles if stopping else ())]:
             self._end(req_id, self.scheduler.cancel)
+        if not stopping and self._should_hand_over_waiting():
+            self._hand_over_waiting()
         return self.scheduler.has_work() or not stopping
+
+    def _should_hand_over_waiting(self) -> bool:
+        return self.draining and bool(self.scheduler.waiting) and self.hand_over is not None
+
+    def _take(self, t: Transfer, first: bool = False) -> None:
+        req = t.handle.req
+        self.handles[req.req_id] = t.handle
+        self.texts[req.req_id] = t.text or TextStream(self.tokenizer, req.params.stop)
+        self.scheduler.add(req, first=first)
+        if t.traceparent:
+            self.traceparents[req.req_id] = t.traceparent
+
+    def _gone(self, error: BackendFailure) -> bool:
+        """Whether a failed step means the worker is gone: retired by the gateway meanwhile, or (``on_lost``'s
+        answer) steps that failed for the worker timeout, or a kvmanager that no longer has its pool."""
+        if self.retiring:
+            return True
+        if self.on_lost is None or isinstance(error, (WorkerRestarted, WorkerIncompatible)):
+            return False
+        if self.on_lost(self, error):
+            with self._cv:
+                self.retiring = True
+            return True
+        return False
+
+    def _transfer(self, req_id: str) -> Transfer:
+        handle = self.handles.pop(req_id)
+        req = handle.req
+        if req.page_table or req.num_computed_tokens:
+            req.reset_for_recompute()  # prompt + streamed tokens are its prompt now
+        return Transfer(handle, self.texts.pop(req_id, None), self.traceparents.pop(req_id, ""))
+
+    def _hand_over_all(self) -> None:
+        """Retiring: every request in flight goes to ``hand_over`` (queued ones included); the finished ones
+        whose free was pending end now (their pool is gone). Nothing more is sent for this worker."""
+        with self._cv:
+            new, self._inbox = self._inbox, []
+            adopted, self._adopted = self._adopted, []
+            self._cancels = []
+        transfers = [self._transfer(req_id) for req_id in list(self.handles)]
+        transfers += [Transfer(h, None, h.req.traceparent) for h in new] + adopted
+        for handle, text in self.finishing.values():
+            self._complete(handle, text)
+        self.finishing = {}
+        self.scheduler = Scheduler(self.scheduler.cfg)  # what it held lived on the dropped pool
+        log.warning("engine %s: worker gone, handing %d requests over to live workers", self.info.worker_id,
+                    len(transfers))
+        if self.hand_over is not None:
+            self.hand_over(self, transfers)
+        self.idle.set()
+        self.worker.close()
+        self._kv_thread.shutdown(wait=False)
+
+    def _hand_over_waiting(self) -> None:
+        """Draining: the queued requests (they hold no pages) go to other workers; the running ones stay."""
+        waiting = list(self.scheduler.waiting)
+        for req in waiting:
+            self.scheduler.requests.pop(req.req_id, None)
+        self.scheduler.waiting.clear()
+        transfers = [self._transfer(req.req_id) for req in waiting]
+        log.info("engine %s: draining, %d queued requests go to other workers", self.info.worker_id,
+                 len(transfers))
+        self.hand_over(self, transfers)
 
     def _end(self, req_id: str, end, *args) -> None:
         """Ends a request that is still in flight with ``end(req, *args)`` (the scheduler's cancel or fail); its
@@ -312,7 +433,7 @@ class EngineLoop:
         it: if registering fails, the worker refuses the next step (old epoch) and this runs again, whereas a
         new epoch over the kvmanager's old pool would be served prefix hits on pages the worker never wrote."""
         info = self.worker.info()
-        changed = _incompatible(self.info, info)
+        changed = incompatible_change(self.info, info)
         if changed:
             self.incompatible = (f"worker {info.worker_id} restarted with {changed}; this gateway serves what it "
                                  "started with: restart the gateway")
@@ -358,7 +479,7 @@ class EngineLoop:
         self._deliver_freed(list(self.finishing))  # the kvmanager is unreachable: do not make clients wait
 
 
-def _incompatible(old: WorkerInfo, new: WorkerInfo) -> str:
+def incompatible_change(old: WorkerInfo, new: WorkerInfo) -> str:
     """What a restarted worker changed that an engine cannot follow ("" for nothing): its tokenizer, page
     tables and request limits were made for the worker it started with. A resized pool it can follow."""
     changes = [f"{name} {a} -> {b}" for name, a, b in (

@@ -45,6 +45,7 @@ class RequestHandle:
         self.req, self.worker_id = req, worker_id
         self.deltas: queue.SimpleQueue[OutputDelta] = queue.SimpleQueue()
         self._cancel = cancel
+        self.cancelled = False  # the client cancelled: an engine adopting it (handed over) ends it at once
         self._wake: Callable[[], None] | None = None  # set by an asyncio consumer: called after each put
 
     def __iter__(self) -> Iterator[OutputDelta]:
@@ -77,7 +78,12 @@ class RequestHandle:
 
     def cancel(self) -> None:
         """Client cancel, deadline or disconnect: safe to call at any time, also after the request ended."""
+        self.cancelled = True  # first: a hand-over that rebinds it after this still sees it
         self._cancel(self.req.req_id)
+
+    def rebind(self, worker_id: str, cancel: Callable[[str], None]) -> None:
+        """The request was handed over to another worker's engine: cancels go there from now on."""
+        self.worker_id, self._cancel = worker_id, cancel
 
     def put(self, delta: OutputDelta) -> None:
         self.deltas.put(delta)

@@ -126,10 +126,15 @@ class Scheduler:
         self.preempted: list[Request] = []  # by the last assign(), for the engine's metrics and spans
 
     # -- requests in and out ----------------------------------------------------------------------------
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, first: bool = False) -> None:
+        """Queues a request; ``first``: ahead of the others, as a preempted one is (a request handed over from
+        a lost worker had its turn already)."""
         assert req.req_id not in self.requests, f"duplicate req_id {req.req_id}"
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        if first:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def cancel(self, req: Request) -> bool:
         """Ends a request the client cancelled (or whose deadline passed, or that the gateway's stop cut short).

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import grpc
 
+from kvserve.common.channels import kvmanager_channel
 from kvserve.common.convert import pages as kv_convert
 from kvserve.common.convert import worker as worker_convert
 from kvserve.common.grpc_server import CHANNEL_OPTIONS
@@ -32,29 +33,31 @@ KV_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # R
 
 
 def call_with_retries(call, *, retry_on, retry_for_s: float, first_backoff_s: float, stopping: threading.Event,
-                      on_retry):
+                      on_retry, max_backoff_s: float = MAX_BACKOFF_S):
     """``call()``, again while it fails with a status in ``retry_on`` and the next try starts within
-    retry_for_s, waiting first_backoff_s (doubling, at most MAX_BACKOFF_S) between tries; never once
-    ``stopping`` is set. ``on_retry(error, backoff_s)`` says why before each wait."""
-    deadline, backoff_s = time.monotonic() + retry_for_s, first_backoff_s
+    retry_for_s of the first failure, waiting first_backoff_s (doubling, at most max_backoff_s) between tries;
+    never once ``stopping`` is set. ``on_retry(error, backoff_s)`` says why before each wait."""
+    deadline, backoff_s = None, first_backoff_s
     while True:
         try:
             return call()
         except grpc.RpcError as e:
+            if deadline is None:
+                deadline = time.monotonic() + retry_for_s
             if e.code() not in retry_on or time.monotonic() + backoff_s > deadline or stopping.is_set():
                 raise
             on_retry(e, backoff_s)
             if stopping.wait(backoff_s):
                 raise
-            backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+            backoff_s = min(backoff_s * 2, max_backoff_s)
 
 
 class _ServiceClient:
     """A channel to one service, a stub on it, and the retry settings of its calls."""
 
-    def __init__(self, address: str, stub_type, timeout_s: float, retry_for_s: float):
+    def __init__(self, address: str, stub_type, timeout_s: float, retry_for_s: float, channel=None):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = channel if channel is not None else grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = stub_type(self.channel)
         self.timeout_s, self.retry_for_s = timeout_s, retry_for_s
         self.stopping = threading.Event()  # set by interrupt()
@@ -78,7 +81,8 @@ class KVManagerClient(_ServiceClient):
 
     def __init__(self, address: str, timeout_s: float = 10.0, retry_for_s: float = 60.0,
                  place_timeout_s: float = 2.0):
-        super().__init__(address, kvmanager_pb2_grpc.KVManagerServiceStub, timeout_s, retry_for_s)
+        super().__init__(address, kvmanager_pb2_grpc.KVManagerServiceStub, timeout_s, retry_for_s,
+                         kvmanager_channel(address))
         self.place_timeout_s = place_timeout_s
 
     def register(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
@@ -121,13 +125,24 @@ class KVManagerClient(_ServiceClient):
         return kind(f"kvmanager {what} failed: {_reason(e)}")
 
 
-class WorkerClient(_ServiceClient):
-    """A worker's Step and Info. A Step the worker did not answer (it stopped or restarted) is sent again once
-    it is back, for up to retry_for_s: a step is idempotent (same K/V into the same slots), and a restarted
-    worker answers FAILED_PRECONDITION (new epoch), which the engine turns into re-registration and recompute."""
+# A worker that went away is dialled again every 0.1-0.5 s (gRPC's default backoff grows to 120 s): a restarted
+# worker is noticed within the worker timeout, and a lost one is declared dead after it.
+WORKER_CHANNEL_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
+                          ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500))
+STEP_RETRY_BACKOFF_S = (0.02, 0.5)  # first and longest wait between the tries of an unanswered step
 
-    def __init__(self, address: str, timeout_s: float = 120.0, retry_for_s: float = 60.0):
-        super().__init__(address, worker_pb2_grpc.WorkerServiceStub, timeout_s, retry_for_s)
+
+class WorkerClient(_ServiceClient):
+    """A worker's Step and Info. A Step the worker did not answer (it stopped or restarted) is sent again, for up
+    to retry_for_s (the gateway's worker timeout) after the first failure: a step is idempotent (same K/V into
+    the same slots), and a restarted worker answers FAILED_PRECONDITION (new epoch), which the engine turns into
+    re-registration and recompute. After retry_for_s the step fails with WorkerUnavailable: the gateway
+    declares the worker dead and hands its requests over. A try fails at once while the worker is unreachable
+    (no wait_for_ready), so that the worker timeout bounds the wait, whatever the step's own deadline."""
+
+    def __init__(self, address: str, timeout_s: float = 120.0, retry_for_s: float = 5.0):
+        super().__init__(address, worker_pb2_grpc.WorkerServiceStub, timeout_s, retry_for_s,
+                         grpc.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS))
         self._lock = threading.Lock()
         self._step_call: grpc.Future | None = None  # the Step in flight
 
@@ -141,16 +156,19 @@ class WorkerClient(_ServiceClient):
 
     def step(self, batch: StepBatch, traceparents: Mapping[str, str] = NO_TRACES) -> StepOutput:
         request = worker_convert.batch_to_proto(batch, traceparents)
+        warned: list[bool] = []
 
         def on_retry(e, _backoff_s):
-            log.warning("worker %s did not answer a step (%s); sending it again once it is back",
-                        self.address, e.code().name)
+            if not warned:
+                log.warning("worker %s did not answer a step (%s); sending it again for up to %g s", self.address,
+                            e.code().name, self.retry_for_s)
+                warned.append(True)
 
-        # No backoff: wait_for_ready holds the next try until the worker is reachable again.
+        first, longest = STEP_RETRY_BACKOFF_S
         try:
             reply = call_with_retries(lambda: self._step_once(request), retry_on=RETRY_STEP,
-                                      retry_for_s=self.retry_for_s, first_backoff_s=0.0, stopping=self.stopping,
-                                      on_retry=on_retry)
+                                      retry_for_s=self.retry_for_s, first_backoff_s=first, stopping=self.stopping,
+                                      on_retry=on_retry, max_backoff_s=longest)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # a new epoch: the worker restarted
                 raise WorkerRestarted(f"worker {self.address} restarted: {e.details()}") from e
@@ -160,7 +178,7 @@ class WorkerClient(_ServiceClient):
     def _step_once(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         """One try of a Step, which ends CANCELLED once interrupt() is called: a try
         waiting for a worker that is gone would otherwise hold the gateway's stop for timeout_s."""
-        call = self.stub.Step.future(request, timeout=self.timeout_s, wait_for_ready=True)
+        call = self.stub.Step.future(request, timeout=self.timeout_s, wait_for_ready=False)
         with self._lock:
             self._step_call = call
         if self.stopping.is_set():

@@ -10,15 +10,21 @@ from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.rpc.clients import KVManagerClient, WorkerClient
 
 
-def connect_gateway(kvmanager: str, workers: Sequence[str], cfg: GatewayConfig, keys: ApiKeys,
-            metrics: GatewayMetrics | None = None) -> Gateway:
-    """A Gateway whose backends are the kvmanager at ``kvmanager`` and the workers at ``workers`` (host:port).
-    Raises as Gateway does; the clients are closed again when it fails."""
+def connect_gateway(kvmanager: str, workers: Sequence[str] | None, cfg: GatewayConfig, keys: ApiKeys,
+                    metrics: GatewayMetrics | None = None) -> Gateway:
+    """A Gateway whose backends are the kvmanager at ``kvmanager`` (host:port, or a comma-separated list of a
+    leader and its standbys) and the workers at ``workers`` (host:port), or, with workers None, the live
+    workers the kvmanager lists as they come and go. Raises as Gateway does; the clients are closed again when
+    it fails."""
     kv = KVManagerClient(kvmanager)
-    clients = [WorkerClient(address) for address in workers]
+
+    def dial(address: str) -> WorkerClient:
+        return WorkerClient(address, retry_for_s=cfg.worker_timeout_s)
+
+    clients = None if workers is None else [dial(address) for address in workers]
     try:
-        return Gateway(cfg, keys, kv, clients, metrics)
+        return Gateway(cfg, keys, kv, clients, metrics, connect_worker=dial)
     except BaseException:
-        for client in (kv, *clients):
+        for client in (kv, *(clients or ())):
             client.close()
         raise
