@@ -164,6 +164,11 @@ class Gateway:
         drops its pool, never served again). A kvmanager call refused: gone if the kvmanager no longer lists it."""
         if self.closing:
             return False
+        if self.membership is None:
+            with self._lock:
+                others = any(e.placeable and e is not engine for e in self._engines.values())
+            if not others:  # a static list names no worker to take them, and none will join: they fail
+                return False
         if isinstance(error, WorkerUnavailable):
             try:
                 self.kv.declare_dead(engine.info.worker_id, engine.info.epoch)
