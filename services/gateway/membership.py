@@ -9,7 +9,9 @@ A poll thread reads ListWorkers every ``membership_poll_s`` and reconciles:
     member at another address           the worker restarted elsewhere: retire the old engine, dial the new one
 
 A (worker_id, epoch) retired here is never dialled again: a worker that comes back joins under a new epoch.
-While the kvmanager does not answer, nothing changes (its absence says nothing about the workers).
+While the kvmanager does not answer, nothing changes (its absence says nothing about the workers), and a member
+missing from one answer is retired only once it is still missing MISSING_FOR_S later: a kvmanager that has just
+taken over may answer before its members' first heartbeats.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvserve.services.gateway.backends import WorkerBackend
 from kvserve.services.gateway.errors import BackendFailure, WorkerUnavailable
 
 log = logging.getLogger("kvserve.gateway")
+MISSING_FOR_S = 1.0
 
 
 class Membership:
@@ -33,6 +36,7 @@ class Membership:
         self.members: dict[str, object] = {}  # worker_id -> WorkerMember, as of the last answer
         self.retired: set[tuple[str, int]] = set()  # (worker_id, epoch) never served again
         self._failed: dict[tuple[str, int, str], str] = {}  # members that could not be served: why (logged once)
+        self._missing_since: dict[str, float] = {}  # worker_id of a served worker not listed -> first seen so
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
 
@@ -79,10 +83,15 @@ class Membership:
             return
         self.members = members
         engines = {e.info.worker_id: e for e in self.gateway.engines}
+        now = time.monotonic()
+        for worker_id in [w for w in self._missing_since if w in members or w not in engines]:
+            del self._missing_since[worker_id]
         for worker_id, engine in engines.items():
             member = members.get(worker_id)
             if member is None:
-                self._retire(engine, "it left the kvmanager's membership (left, or its lease lapsed)")
+                since = self._missing_since.setdefault(worker_id, now)
+                if now - since >= MISSING_FOR_S:
+                    self._retire(engine, "it left the kvmanager's membership (left, or its lease lapsed)")
             elif member.address != engine.worker.address:
                 self._retire(engine, f"it joined again at {member.address}")
             elif member.draining and not engine.draining:
