@@ -299,10 +299,15 @@ class KVManager:
         self.clock = clock
 
     # -- placement ------------------------------------------------------------------------------------
-    def place(self, tenant: str, token_ids: tuple[int, ...], num_queued: dict[str, int]) -> Placement:
+    def place(self, tenant: str, token_ids: tuple[int, ...], num_queued: dict[str, int],
+              exclude: frozenset[str] = frozenset()) -> Placement:
         """Where a new request should be queued (placement.py's rule), with the caller's queued requests counted
-        as load. No side effect. Raises InvalidRequest, UnknownWorker."""
-        return place(self.pools, tenant, token_ids, num_queued, self.load_penalty_pages)
+        as load, over the pools but those of ``exclude`` (draining workers). No side effect. Raises
+        InvalidRequest, UnknownWorker."""
+        pools = {w: p for w, p in self.pools.items() if w not in exclude} if exclude else self.pools
+        if self.pools and not pools:
+            raise UnknownWorker("every registered worker is draining: nowhere to place a new request")
+        return place(pools, tenant, token_ids, num_queued, self.load_penalty_pages)
 
 
 MAX_POOL_PAGES = 1 << 24  # ~0.9 GB of bookkeeping here; an H200 of SmolLM2 K/V holds ~0.4M pages of 16 tokens

@@ -15,9 +15,15 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from kvserve.common.errors import InvalidRequest
+from kvserve.common.wire.membership import HeartbeatResult, JoinResult, WorkerMember
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
+from kvserve.kvmanager import admin
 from kvserve.kvmanager.errors import StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.member_store import member_store_for
+from kvserve.kvmanager.membership import DEFAULT_WORKER_TIMEOUT_S, DeadMember, Member, MemberTable
+from kvserve.kvmanager.placement import Placement
 from kvserve.kvmanager.state import Changes
 
 
@@ -50,19 +56,33 @@ class NullStore:
 
 
 class KVService:
-    """Thread-safe entry point used by the servicers. ``last_store_ms`` is the latest store write's time."""
+    """Thread-safe entry point used by the servicers. ``last_store_ms`` is the latest store write's time.
 
-    def __init__(self, manager: KVManager | None = None, store: Store | None = None):
+    Membership (the methods from join_worker on): workers hold leases of ``worker_timeout_s`` on ``clock``
+    (membership.py); ``member_store`` persists the member table (default: member_store.member_store_for the
+    store, so in the same Redis as the call log, or nowhere beside a NullStore)."""
+
+    def __init__(self, manager: KVManager | None = None, store: Store | None = None, member_store=None,
+                 worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S, clock: Callable[[], float] = time.monotonic):
         self.manager = manager or KVManager()
         self.store = store or NullStore()
         self.lock = threading.Lock()
         self.store_ok = True
         self.last_store_ms = 0.0
         self.on_store_write: Callable[[float], None] | None = None  # seconds of each write (metrics)
+        self.members = MemberTable(worker_timeout_s, clock)
+        self.member_store = member_store if member_store is not None else member_store_for(self.store)
+        self.unsaved_members: set[str] = set()  # worker_ids whose stored record is behind the table
 
     def load(self) -> None:
+        """Loads the state, then the members whose pool (same epoch) it holds, each with a fresh lease; stored
+        members without one are deleted from the store by the next membership call."""
         with self.lock:
             self.store.load(self.manager)
+            records = self.member_store.load()
+            kept = [r for r in records if self._pool_epoch(r[0]) == r[1]]
+            self.members.load(kept)
+            self.unsaved_members |= {r[0] for r in records} - {r[0] for r in kept}
 
     def register_worker(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
         with self.lock:
@@ -85,14 +105,23 @@ class KVService:
     def mutate(self, fn, *args):
         """Runs an admin mutation ``fn(manager, *args)`` under the lock, and persists it."""
         with self.lock:
-            result = fn(self.manager, *args)
-            self._persist(("admin", fn.__name__, args))
-            return result
+            return self._mutate_locked(fn, *args)
+
+    def _mutate_locked(self, fn, *args):
+        result = fn(self.manager, *args)
+        self._persist(("admin", fn.__name__, args))
+        return result
 
     def read(self, fn, *args):
         """Runs a read-only query ``fn(manager, *args)`` under the lock."""
         with self.lock:
             return fn(self.manager, *args)
+
+    def place(self, tenant: str, token_ids: tuple[int, ...], num_queued: dict[str, int]) -> Placement:
+        """KVManager.place over the pools of the workers that are not draining. Raises as it does."""
+        with self.lock:
+            draining = frozenset(m.worker_id for m in self.members.sorted() if m.draining)
+            return self.manager.place(tenant, token_ids, num_queued, draining)
 
     def _persist(self, record: tuple, force: bool = False) -> None:
         """Writes the call if it changed state; ``force``: also when it did not (a record sent early awaits its
@@ -114,3 +143,113 @@ class KVService:
         self.last_store_ms = elapsed_s * 1000
         if self.on_store_write is not None:
             self.on_store_write(elapsed_s)
+
+    # -- membership (membership.py) -------------------------------------------------------------------------
+    def join_worker(self, spec: PoolSpec, address: str) -> JoinResult:
+        """Registers the pool (register_worker's rules, release_requests false; logged as its "register"
+        record) and starts or renews the lease of (worker_id, epoch) at ``address``. A new epoch replaces the
+        pool and the member. Raises InvalidRequest (bad pool, empty address), StaleEpoch, StoreUnavailable."""
+        if not address:
+            raise InvalidRequest("address must not be empty: it is the host:port the gateway dials")
+        with self.lock:
+            registered = self.manager.register_worker(spec, False)
+            self._persist(("register", spec, False))
+            if self.members.join(spec.worker_id, spec.epoch, address):
+                self.unsaved_members.add(spec.worker_id)
+            self._save_members()
+            return JoinResult(registered, self.members.lease_ms)
+
+    def heartbeat(self, worker_id: str, epoch: int, draining: bool = False) -> HeartbeatResult:
+        """Renews the lease of (worker_id, epoch) and sets its draining flag (stored only when it changes).
+        known=false when no lease is held for it; a lease that lapsed before this call is declared dead here
+        (its pool dropped) and answered so too. Raises InvalidRequest, StoreUnavailable."""
+        _check_member(worker_id, epoch)
+        with self.lock:
+            member = self.members.get(worker_id, epoch)
+            if member is not None and self._is_dead(member, self.members.clock()):
+                self._drop(worker_id, epoch)
+                member = None
+            if member is None:
+                self._save_members()
+                return HeartbeatResult(False, 0, self.members.lease_ms)
+            if self.members.renew(member, draining):
+                self.unsaved_members.add(worker_id)
+            self._save_members()
+            return HeartbeatResult(True, self.manager.pools[worker_id].num_requests, self.members.lease_ms)
+
+    def leave_worker(self, worker_id: str, epoch: int) -> tuple[str, ...]:
+        """Forgets the member and its pool of this epoch (admin.forget_worker with force, logged as that admin
+        call); the live req_ids dropped with it. A no-op for an epoch neither holds (a retried call). Raises
+        InvalidRequest, StoreUnavailable."""
+        _check_member(worker_id, epoch)
+        with self.lock:
+            return self._drop(worker_id, epoch)
+
+    def declare_dead(self, worker_id: str, epoch: int) -> tuple[str, ...]:
+        """The gateway gave up on (worker_id, epoch): dropped as by leave_worker; a no-op when that epoch is not
+        the worker's current one."""
+        return self.leave_worker(worker_id, epoch)
+
+    def list_workers(self) -> list[WorkerMember]:
+        """The live members (lease held, pool of their epoch registered), by worker_id."""
+        with self.lock:
+            now = self.members.clock()
+            return [WorkerMember(m.worker_id, m.epoch, m.address, m.draining,
+                                 self.manager.pools[m.worker_id].num_requests)
+                    for m in self.members.sorted() if not self._is_dead(m, now)]
+
+    def expire_members(self, now: float) -> list[DeadMember]:
+        """Declares dead every member whose lease lapsed before ``now`` (on the member clock) or whose pool is
+        gone (forgotten by an operator): drops its pool as leave_worker does. Returns them, by worker_id.
+        Raises StoreUnavailable (the members dropped so far stay dropped, and are written later)."""
+        with self.lock:
+            dead = []
+            for m in self.members.sorted():
+                if self._is_dead(m, now):
+                    reason = "its lease lapsed" if self.members.lapsed(m, now) else "its pool is gone"
+                    dropped = self._drop(m.worker_id, m.epoch)
+                    dead.append(DeadMember(m.worker_id, m.epoch, m.address, dropped, reason))
+            return dead
+
+    def _pool_epoch(self, worker_id: str) -> int:
+        pool = self.manager.pools.get(worker_id)
+        return pool.spec.epoch if pool is not None else 0
+
+    def _is_dead(self, member: Member, now: float) -> bool:
+        return self.members.lapsed(member, now) or self._pool_epoch(member.worker_id) != member.epoch
+
+    def _drop(self, worker_id: str, epoch: int) -> tuple[str, ...]:
+        """Removes the member and forgets the pool, each if it is of this epoch. Under the lock."""
+        if self.members.get(worker_id, epoch) is not None:
+            self.members.remove(worker_id)
+            self.unsaved_members.add(worker_id)
+        dropped: tuple[str, ...] = ()
+        if self._pool_epoch(worker_id) == epoch:
+            dropped = self.manager.req_ids_on(worker_id)
+            self._mutate_locked(admin.forget_worker, worker_id, True)
+        self._save_members()
+        return dropped
+
+    def _save_members(self) -> None:
+        """Writes the members whose stored record is behind the table. On failure they stay marked (the next
+        membership call writes them) and StoreUnavailable is raised."""
+        if not self.unsaved_members:
+            return
+        ids = sorted(self.unsaved_members)
+        table = self.members.members
+        upserts = [(w, *table[w].record()) for w in ids if w in table]
+        try:
+            self.member_store.write(upserts, [w for w in ids if w not in table])
+        except Exception as e:  # any store failure, as _persist
+            self.store_ok = False
+            raise StoreUnavailable(f"the member table cannot be written ({type(e).__name__}: {e}); "
+                                   f"retry the same call") from e
+        self.unsaved_members.clear()
+        self.store_ok = True
+
+
+def _check_member(worker_id: str, epoch: int) -> None:
+    if not worker_id:
+        raise InvalidRequest("worker_id must not be empty")
+    if epoch <= 0:
+        raise InvalidRequest(f"epoch must be > 0, got {epoch}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from kvserve.common.convert import membership as member_cv
 from kvserve.common.convert import pages as page_cv
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.grpc_server import aborts_on_domain_errors
@@ -14,7 +15,6 @@ from kvserve.common.telemetry import tracer
 from kvserve.kvmanager import admin
 from kvserve.kvmanager import convert as cv
 from kvserve.kvmanager.errors import TextUnsupported
-from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.spans import record_op_spans
 from kvserve.v1 import kvmanager_pb2 as pb
@@ -53,8 +53,31 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
     @aborts_on_domain_errors
     def Place(self, request, context):
         token_ids = page_cv.unpack_token_ids("place", request.packed_token_ids)
-        result = self.service.read(KVManager.place, request.tenant, token_ids, dict(request.num_queued))
+        result = self.service.place(request.tenant, token_ids, dict(request.num_queued))
         return pb.PlaceResponse(worker_id=result.worker_id, num_cached_tokens=result.num_cached_tokens)
+
+    # -- membership ---------------------------------------------------------------------------------------
+    @aborts_on_domain_errors
+    def JoinWorker(self, request, context):
+        return member_cv.join_to_proto(self.service.join_worker(*member_cv.join_from_proto(request)))
+
+    @aborts_on_domain_errors
+    def Heartbeat(self, request, context):
+        result = self.service.heartbeat(request.worker_id, request.epoch, request.draining)
+        return member_cv.heartbeat_to_proto(result)
+
+    @aborts_on_domain_errors
+    def LeaveWorker(self, request, context):
+        return pb.LeaveWorkerResponse(dropped_req_ids=self.service.leave_worker(request.worker_id, request.epoch))
+
+    @aborts_on_domain_errors
+    def ListWorkers(self, request, context):
+        return member_cv.workers_to_proto(self.service.list_workers())
+
+    @aborts_on_domain_errors
+    def DeclareWorkerDead(self, request, context):
+        dropped = self.service.declare_dead(request.worker_id, request.epoch)
+        return pb.DeclareWorkerDeadResponse(dropped_req_ids=dropped)
 
 
 class KVAdminServicer(kvmanager_pb2_grpc.KVAdminServiceServicer):

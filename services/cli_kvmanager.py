@@ -39,7 +39,7 @@ def default_data_dir() -> Path:
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli_flags import add_observability_flags, positive_int
+    from kvserve.services.cli_flags import add_observability_flags, positive_float, positive_int
 
     k = sub.add_parser("kvmanager", help="run the kvmanager: page tables, prefix index, admin RPCs")
     k.add_argument("--host", default=_env("host", "127.0.0.1"))
@@ -57,6 +57,9 @@ def add_commands(sub) -> None:
                    help="token of the admin RPCs (default: a random one written to <data-dir>/admin_token)")
     k.add_argument("--model", default=_env("model"), help="model folder whose tokenizer.json serves text probes")
     k.add_argument("--no-persistence", action="store_true", help="keep state in memory only (no Redis)")
+    k.add_argument("--worker-timeout", type=positive_float, default=_env("worker_timeout", "5"),
+                   help="seconds a worker's lease lasts: a member not heard from for this long is declared dead, "
+                        "its pool and index entries dropped (default 5)")
     add_observability_flags(k)
     k.set_defaults(func=run_kvmanager)
 
@@ -160,6 +163,7 @@ def run_kvmanager(args) -> int:
     from kvserve.common.grpc_server import install_stop_signals, serve_until_signal
     from kvserve.common.telemetry import setup_tracing, shutdown_tracing
     from kvserve.kvmanager.manager import KVManager
+    from kvserve.kvmanager.reaper import MemberReaper
     from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
     from kvserve.kvmanager.service import KVService
     from kvserve.services.cli_flags import metrics_note
@@ -178,7 +182,7 @@ def run_kvmanager(args) -> int:
         except OSError as e:  # e.g. --data-dir names a file
             print(f"kvserve: --data-dir {data_dir}: {e.strerror or e}", file=sys.stderr)
             return 2
-        service = KVService(KVManager(), store)
+        service = KVService(KVManager(), store, worker_timeout_s=args.worker_timeout)
         try:
             service.load()
         except Exception as e:  # any store failure at start: say which store and why, serve nothing
@@ -198,7 +202,9 @@ def run_kvmanager(args) -> int:
         note = metrics_note(args.host, metrics_port)
         print(f"kvserve kvmanager ready on {args.host}:{server.port} (redis: {redis_desc}{note}) admin token: "
               f"{token_where}", flush=True)
+        reaper = MemberReaper(service).start()  # declares dead the workers whose lease lapsed
         serve_until_signal(server, stop, "kvmanager")
+        reaper.stop()
         close = getattr(store, "close", None)
         if close is not None:
             close()  # lets a snapshot child that is writing finish, while Redis is still up

@@ -21,7 +21,8 @@ S = descriptor_pb2.ServiceDescriptorProto
 # service -> (module, RPC names): the surface later issues build on.
 SERVICES = {
     "WorkerService": ("worker", {"Step", "Info"}),
-    "KVManagerService": ("kvmanager", {"RegisterWorker", "StepPages", "Place"}),
+    "KVManagerService": ("kvmanager", {"RegisterWorker", "StepPages", "Place", "JoinWorker", "Heartbeat",
+                                       "LeaveWorker", "ListWorkers", "DeclareWorkerDead"}),
     "KVAdminService": (
         "kvmanager",
         {

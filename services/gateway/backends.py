@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from kvserve.common.telemetry import NO_TRACES
+from kvserve.common.wire.membership import WorkerMember
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
 from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
 
@@ -28,6 +29,16 @@ class KVManagerBackend(Protocol):
 
     def place(self, tenant: str, token_ids: Sequence[int], num_queued: dict[str, int]) -> str:
         """The worker_id cache-aware placement chooses for a new request; one try, no waiting (a hint)."""
+        ...
+
+    def list_workers(self) -> list[WorkerMember]:
+        """The live members of the kvmanager's membership, by worker_id; one try, short timeout (a poll).
+        Raises KVManagerUnavailable while it does not answer."""
+        ...
+
+    def declare_dead(self, worker_id: str, epoch: int) -> tuple[str, ...]:
+        """Declares a worker incarnation dead (its steps failed for --worker-timeout): its pool is dropped; the
+        live req_ids dropped with it (empty when that epoch is not the current one). Retried as step_pages."""
         ...
 
     def interrupt(self) -> None:

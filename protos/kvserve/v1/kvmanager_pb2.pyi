@@ -58,6 +58,94 @@ class RegisterWorkerResponse(_message.Message):
     released_req_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, ok: _Optional[bool] = ..., previous_epoch: _Optional[int] = ..., dropped_req_ids: _Optional[_Iterable[str]] = ..., released_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class JoinWorkerRequest(_message.Message):
+    __slots__ = ("pool", "address")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    pool: RegisterWorkerRequest
+    address: str
+    def __init__(self, pool: _Optional[_Union[RegisterWorkerRequest, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
+
+class JoinWorkerResponse(_message.Message):
+    __slots__ = ("registered", "lease_ms")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    registered: RegisterWorkerResponse
+    lease_ms: int
+    def __init__(self, registered: _Optional[_Union[RegisterWorkerResponse, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "epoch", "draining")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known", "num_requests", "lease_ms")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    num_requests: int
+    lease_ms: int
+    def __init__(self, known: _Optional[bool] = ..., num_requests: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class LeaveWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "epoch")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class LeaveWorkerResponse(_message.Message):
+    __slots__ = ("dropped_req_ids",)
+    DROPPED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    dropped_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dropped_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerMember(_message.Message):
+    __slots__ = ("worker_id", "epoch", "address", "draining", "num_requests")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    address: str
+    draining: bool
+    num_requests: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., address: _Optional[str] = ..., draining: _Optional[bool] = ..., num_requests: _Optional[int] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerMember]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ...) -> None: ...
+
+class DeclareWorkerDeadRequest(_message.Message):
+    __slots__ = ("worker_id", "epoch")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class DeclareWorkerDeadResponse(_message.Message):
+    __slots__ = ("dropped_req_ids",)
+    DROPPED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    dropped_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dropped_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class PageAllocation(_message.Message):
     __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent", "chunk_tokens")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,31 @@ class KVManagerServiceStub:
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PlaceRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PlaceResponse.FromString,
                 _registered_method=True)
+        self.JoinWorker = channel.unary_unary(
+                '/kvserve.v1.KVManagerService/JoinWorker',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.JoinWorkerRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.JoinWorkerResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/kvserve.v1.KVManagerService/Heartbeat',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.LeaveWorker = channel.unary_unary(
+                '/kvserve.v1.KVManagerService/LeaveWorker',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.LeaveWorkerRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.LeaveWorkerResponse.FromString,
+                _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/kvserve.v1.KVManagerService/ListWorkers',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+        self.DeclareWorkerDead = channel.unary_unary(
+                '/kvserve.v1.KVManagerService/DeclareWorkerDead',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.DeclareWorkerDeadRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.DeclareWorkerDeadResponse.FromString,
+                _registered_method=True)
 
 
 class KVManagerServiceServicer:
@@ -90,6 +115,55 @@ class KVManagerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinWorker(self, request, context):
+        """A worker joins the membership (it runs with --kvmanager): registers its pool by RegisterWorker's rules
+        (release_requests is ignored: false) and starts its lease, or renews it for the same (worker_id, epoch).
+        A new epoch under the same worker_id replaces the pool and the member. The worker then keeps the lease
+        with Heartbeat every lease_ms / 5; a lease not renewed within lease_ms (the kvmanager's --worker-timeout)
+        lapses: the worker is declared dead, its pool with its index entries and live requests is dropped as by
+        ForgetWorker with force. INVALID_ARGUMENT for a bad pool or an empty address, FAILED_PRECONDITION for an
+        old or changed epoch (as RegisterWorker).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Renews a member's lease and says whether it drains. known=false when no lease is held for this
+        (worker_id, epoch) (it lapsed, the worker was declared dead or left, or the kvmanager restarted without
+        its state): the worker takes a new epoch and joins again. Changes nothing in the store unless draining
+        changed. INVALID_ARGUMENT for an empty worker_id or a zero epoch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveWorker(self, request, context):
+        """A member leaves (after draining): its pool and the member are forgotten, as by ForgetWorker with force.
+        A no-op (empty answer) when neither a member nor a pool of that epoch is known (a retried call).
+        INVALID_ARGUMENT for an empty worker_id or a zero epoch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWorkers(self, request, context):
+        """The live members, sorted by worker_id: what the gateway starts and stops its engine loops by.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeclareWorkerDead(self, request, context):
+        """The gateway declares a worker dead after its steps failed for the gateway's --worker-timeout: its pool
+        (index entries and live requests included) and its member are dropped as by LeaveWorker. A no-op (empty
+        answer) when that epoch is not the worker's current one (it already rejoined under a new epoch).
+        INVALID_ARGUMENT for an empty worker_id or a zero epoch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVManagerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +181,31 @@ def add_KVManagerServiceServicer_to_server(servicer, server):
                     servicer.Place,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PlaceRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PlaceResponse.SerializeToString,
+            ),
+            'JoinWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinWorker,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.JoinWorkerRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.JoinWorkerResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'LeaveWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveWorker,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.LeaveWorkerRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.LeaveWorkerResponse.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'DeclareWorkerDead': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeclareWorkerDead,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.DeclareWorkerDeadRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.DeclareWorkerDeadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -191,6 +290,141 @@ class KVManagerService:
             '/kvserve.v1.KVManagerService/Place',
             kvserve_dot_v1_dot_kvmanager__pb2.PlaceRequest.SerializeToString,
             kvserve_dot_v1_dot_kvmanager__pb2.PlaceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVManagerService/JoinWorker',
+            kvserve_dot_v1_dot_kvmanager__pb2.JoinWorkerRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.JoinWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVManagerService/Heartbeat',
+            kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVManagerService/LeaveWorker',
+            kvserve_dot_v1_dot_kvmanager__pb2.LeaveWorkerRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.LeaveWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVManagerService/ListWorkers',
+            kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeclareWorkerDead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVManagerService/DeclareWorkerDead',
+            kvserve_dot_v1_dot_kvmanager__pb2.DeclareWorkerDeadRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.DeclareWorkerDeadResponse.FromString,
             options,
             channel_credentials,
             insecure,

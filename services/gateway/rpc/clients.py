@@ -12,10 +12,12 @@ from collections.abc import Mapping
 import grpc
 
 from kvserve.common.channels import kvmanager_channel
+from kvserve.common.convert import membership as member_convert
 from kvserve.common.convert import pages as kv_convert
 from kvserve.common.convert import worker as worker_convert
 from kvserve.common.grpc_server import CHANNEL_OPTIONS
 from kvserve.common.telemetry import NO_TRACES
+from kvserve.common.wire.membership import WorkerMember
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
 from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
 from kvserve.services.gateway.errors import (
@@ -24,12 +26,13 @@ from kvserve.services.gateway.errors import (
     WorkerRestarted,
     WorkerUnavailable,
 )
-from kvserve.v1 import kvmanager_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("kvserve.gateway")
 MAX_BACKOFF_S = 2.0
 RETRY_STEP = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the worker went away mid-step
 KV_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # Redis down; kvmanager restarting
+LIST_WORKERS_TIMEOUT_S = 2.0  # a poll of the membership: the next poll comes soon, so never wait long
 
 
 def call_with_retries(call, *, retry_on, retry_for_s: float, first_backoff_s: float, stopping: threading.Event,
@@ -105,6 +108,23 @@ class KVManagerClient(_ServiceClient):
         except grpc.RpcError as e:
             raise self._failure("placement", e) from e
         return reply.worker_id
+
+    def list_workers(self) -> list[WorkerMember]:
+        """The kvmanager's live members (ListWorkers), by worker_id. One try within LIST_WORKERS_TIMEOUT_S, no
+        waiting for a kvmanager that is down (the caller polls again): raises KVManagerUnavailable then."""
+        try:
+            reply = self.stub.ListWorkers(kvmanager_pb2.ListWorkersRequest(), timeout=LIST_WORKERS_TIMEOUT_S,
+                                          wait_for_ready=False)
+        except grpc.RpcError as e:
+            raise self._failure("membership poll", e) from e
+        return member_convert.workers_from_proto(reply)
+
+    def declare_dead(self, worker_id: str, epoch: int) -> tuple[str, ...]:
+        """Declares (worker_id, epoch) dead (DeclareWorkerDead): its pool and member are dropped; the live
+        req_ids dropped with it. A no-op when that epoch is not the worker's current one. Retried as step_pages
+        (the call is idempotent)."""
+        request = kvmanager_pb2.DeclareWorkerDeadRequest(worker_id=worker_id, epoch=epoch)
+        return self._call(self.stub.DeclareWorkerDead, request, lambda r: tuple(r.dropped_req_ids))
 
     def _call(self, method, request, convert):
         def on_retry(e, backoff_s):
