@@ -46,9 +46,6 @@ def two_workers(model_dir, max_num_seqs: int = 8):
         runner = ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=64, page_size=16, device="cpu",
                                           dtype="float32", worker_id=worker_id))
         servers[worker_id] = start_worker_server(runner, "127.0.0.1", 0)
-    from kvserve.services.gateway.rpc.clients import KVManagerClient  # TEMP until declare_dead is merged
-
-    KVManagerClient.declare_dead = lambda self, w, e: service.mutate(admin.forget_worker, w, True)
     cfg = GatewayConfig(model_dir, worker_timeout_s=WORKER_TIMEOUT_S, max_num_seqs=max_num_seqs)
     gateway = connect_gateway(f"127.0.0.1:{kv_server.port}", [f"127.0.0.1:{s.port}" for s in servers.values()],
                               cfg, ApiKeys())
@@ -152,3 +149,89 @@ def test_a_draining_worker_finishes_its_running_requests_and_hands_its_queue_ove
         for h, prompt in zip(queued, PROMPTS[1:], strict=True):
             assert outs[h.req.req_id] == [*reference[prompt], "LENGTH"]
         assert all(used_pages(service, w) == 0 for w in servers)
+
+
+@contextlib.contextmanager
+def membership_stack(model_dir, worker_ids=("worker-a",)):
+    """A kvmanager whose members are joined by hand (as each worker's lease keeper would), worker servers, and a
+    gateway following the membership (no static list); yields (gateway, service, servers, join)."""
+    from kvserve.common.wire.pages import PoolSpec
+
+    service = KVService(KVManager(), NullStore(), worker_timeout_s=600.0)
+    kv_server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token="t")
+    servers = {}
+
+    def join(worker_id: str):
+        runner = ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=64, page_size=16, device="cpu",
+                                          dtype="float32", worker_id=worker_id))
+        servers[worker_id] = server = start_worker_server(runner, "127.0.0.1", 0)
+        service.join_worker(PoolSpec.of(runner.info), f"127.0.0.1:{server.port}")
+        return runner
+
+    for worker_id in worker_ids:
+        join(worker_id)
+    cfg = GatewayConfig(model_dir, worker_timeout_s=WORKER_TIMEOUT_S, membership_poll_s=0.05)
+    gateway = connect_gateway(f"127.0.0.1:{kv_server.port}", None, cfg, ApiKeys())
+    try:
+        yield gateway, service, servers, join
+    finally:
+        gateway.close(drain_s=1.0)
+        for server in servers.values():
+            server.stop(0)
+        kv_server.stop(0)
+
+
+def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)  # polling a condition under a deadline
+
+
+def test_the_gateway_follows_membership_a_joining_worker_takes_traffic_a_leaving_one_hands_over(model_dir, reference):
+    with membership_stack(model_dir) as (gateway, service, servers, join):
+        assert [e.info.worker_id for e in gateway.engines] == ["worker-a"]
+        join("worker-b")  # added while the gateway runs: no restart
+        wait_for(lambda: len(gateway.engines) == 2, "the joined worker's engine")
+        handles = [gateway.submit(greedy(p), "t") for p in PROMPTS]
+        assert {h.worker_id for h in handles} == {"worker-a", "worker-b"}  # both take traffic
+        leaving = handles[0].worker_id
+        outs = {h.req.req_id: [] for h in handles}
+        left = threading.Event()
+
+        def leave_at(n: int) -> None:
+            if n == 3 and not left.is_set():
+                left.set()
+                epoch = next(e.info.epoch for e in gateway.engines if e.info.worker_id == leaving)
+                service.leave_worker(leaving, epoch)  # gone from the membership with requests running
+                servers[leaving].stop(0)
+
+        threads = [threading.Thread(target=collect, args=(h, outs[h.req.req_id], leave_at if h is handles[0] else None))
+                   for h in handles]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT_S)
+        for h, prompt in zip(handles, PROMPTS, strict=True):
+            assert outs[h.req.req_id] == [*reference[prompt], "LENGTH"], prompt
+        live = next(w for w in servers if w != leaving)
+        assert [e.info.worker_id for e in gateway.engines] == [live]
+        assert used_pages(service, live) == 0
+
+
+def test_requests_of_the_only_worker_wait_for_the_next_one_to_join(model_dir, reference):
+    with membership_stack(model_dir) as (gateway, service, servers, join):
+        handle = gateway.submit(greedy(PROMPTS[0]), "t")
+        out = []
+        joined = []
+
+        def replace_at(n: int) -> None:
+            if n == 4 and not joined:
+                servers["worker-a"].stop(0)  # lost for good: its steps fail, the gateway declares it dead
+                wait_for(lambda: not gateway.engines, "the lost worker's engine to retire")
+                joined.append(join("worker-c"))  # the only worker now, joined after the loss
+
+        collect(handle, out, replace_at)
+        assert out == [*reference[PROMPTS[0]], "LENGTH"]
+        assert handle.worker_id == "worker-c"
+        assert "worker-a" not in service.manager.pools and used_pages(service, "worker-c") == 0

@@ -170,16 +170,24 @@ class Gateway:
             if not others:  # a static list names no worker to take them, and none will join: they fail
                 return False
         if isinstance(error, WorkerUnavailable):
-            try:
-                self.kv.declare_dead(engine.info.worker_id, engine.info.epoch)
-            except BackendFailure as e:  # its lease lapses there anyway; here it is not served again
-                log.warning("could not declare worker %s dead at the kvmanager: %s", engine.info.worker_id, e)
+            # Off the engine's thread: a kvmanager that is away too must not hold up the hand-over.
+            threading.Thread(target=self._declare_dead, args=(engine.info.worker_id, engine.info.epoch),
+                             name="declare-dead", daemon=True).start()
+            if self.membership is not None:
+                self.membership.retired.add((engine.info.worker_id, engine.info.epoch))
             self.retire(engine, f"no step answered for {self.cfg.worker_timeout_s:g} s: {error}")
             return True
         if self.membership is not None and not self.membership.is_member(engine.info):
             self.retire(engine, f"the kvmanager no longer lists it: {error}")
             return True
         return False
+
+    def _declare_dead(self, worker_id: str, epoch: int) -> None:
+        """Tells the kvmanager to drop the pool of a worker this gateway gave up on (never served again)."""
+        try:
+            self.kv.declare_dead(worker_id, epoch)
+        except BackendFailure as e:  # its lease lapses there anyway; here it is not served again
+            log.warning("could not declare worker %s dead at the kvmanager: %s", worker_id, e)
 
     def _hand_over(self, engine: EngineLoop, transfers: list[Transfer]) -> None:
         """Places requests handed over from a lost or draining worker on live ones, or parks them until one
