@@ -21,8 +21,9 @@ first write failed) changes nothing the second time.
 With replicas (``wait_replicas`` > 0, redis_server.py says what that guarantees) each append, each inline
 snapshot and each new generation number is followed by a WAIT on the same connection, and fewer
 acknowledgements than asked fail the write. A failed write then leaves the store owing a resync: the next write
-is an inline snapshot of the whole state, so that what the replicas (or a replica promoted since) hold is
-exactly the state in memory again, whichever of the unacknowledged writes they had received.
+is an inline snapshot of the whole state (stalling that call, as an admin reset does), so that what the
+replicas, or a replica promoted since, hold is exactly the state in memory again, whichever of the
+unacknowledged writes they had received.
 """
 
 from __future__ import annotations

@@ -12,29 +12,31 @@ URLs::
 
 Durability of an acknowledged call, by deployment (a call is answered only once its write returned):
 
-- One Redis, no replicas (the embedded one, or ``redis://``). Its persistence is ``appendonly yes`` with
-  ``appendfsync everysec`` and no RDB snapshots (``save ""``) for the embedded one. What gets ``kill -9``'d in
-  practice is the kvmanager, not Redis: every write the kvmanager acknowledged is already in Redis' memory and
-  AOF buffer, and Redis keeps running, so a kvmanager restart (kill -9 included) loses nothing. A crash of Redis
-  itself (or of the machine) loses the last ~1 s of writes that were not yet fsynced; ``appendfsync always``
+- One Redis, no replicas (the embedded one, or a ``redis://`` URL). What gets ``kill -9``'d in practice is the
+  kvmanager, not Redis: every write the kvmanager acknowledged is already in Redis' memory (and AOF buffer), and
+  Redis keeps running, so a kvmanager restart (kill -9 included) loses nothing. A crash of Redis itself (or of
+  the machine) loses what its persistence had not written yet: the embedded one runs ``appendonly yes`` with
+  ``appendfsync everysec`` and no RDB snapshots (``save ""``), so the last ~1 s of writes; ``appendfsync always``
   would close that window at the cost of one fsync per RPC, which takes longer than the calls themselves. A
-  graceful stop (SIGTERM) flushes and fsyncs the AOF.
-- Replicas (Sentinel, or a managed Redis). Replication is asynchronous: a primary that dies loses the writes its
-  replicas had not received yet, and Sentinel then promotes a replica without them. With ``wait_replicas`` N > 0
-  the store sends ``WAIT N timeout_ms`` on the connection of each write (each log append, each inline snapshot,
-  each new generation number) and treats fewer than N acknowledgements as a failed write (NotReplicated: the
-  call answers UNAVAILABLE and is retried with the same step_id, and the next write rewrites the whole state, so
-  nothing half-replicated is built upon). An acknowledged write is then in the memory of the primary and of at
-  least N replicas. WAIT is not strong consistency: it does not make the write durable on the replicas' disks,
-  nor stop a replica that lacks the write from being promoted; what makes it hold is that Sentinel promotes the
-  reachable replica with the highest replication offset, which is one that has every acknowledged write as long
-  as one of the N that acknowledged it is alive. So with N=1 and two replicas an acknowledged call survives the
-  loss of the primary, unless the only replica that had it dies too (or is partitioned away while the other is
-  promoted); N=2 survives any one more loss, at the cost of waiting for the slower replica. A write that failed
-  (UNAVAILABLE) may or may not be on the new primary; the retry makes it so either way.
+  graceful stop (SIGTERM) flushes and fsyncs the AOF. An external Redis loses what its own settings lose.
+- Replicas (Sentinel, or a managed Redis behind one ``redis://`` name). Replication is asynchronous: a primary
+  that dies loses the writes its replicas had not received yet, and a replica without them is then promoted.
+  With ``wait_replicas`` N > 0 the store sends ``WAIT N timeout_ms`` on the connection of each write (each log
+  append, each inline snapshot, each new generation number) and treats fewer than N acknowledgements as a
+  failed write (NotReplicated: the call answers UNAVAILABLE and is retried with the same step_id; the next write
+  rewrites the whole state, so nothing is built on a write the replicas may lack). An acknowledged call is then
+  in the memory of the primary and of at least N replicas. WAIT is not strong consistency: it neither makes the
+  write durable on the replicas' disks nor keeps a replica that lacks it from being promoted. What makes it hold
+  is that Sentinel promotes, among the replicas of equal ``replica-priority`` that it can reach, the one with
+  the highest replication offset, which has every acknowledged write as long as one of the N replicas that
+  acknowledged it is alive. So with N=1 and two replicas an acknowledged call survives the loss of the primary,
+  unless the only replica that had it dies too (or is cut off while the other is promoted); N=2 survives one
+  more loss, at the cost of waiting for the slower replica. While fewer than N replicas are up, every call
+  waits ``timeout_ms`` (holding the service lock) and answers UNAVAILABLE. A call that answered UNAVAILABLE may
+  or may not be on the new primary; its retry makes it so either way.
 - A demoted primary (it answers READONLY after a failover, reached through a stale connection, DNS name or load
-  balancer) is a dropped connection: the client disconnects and the call is retried on a new connection, which
-  reaches the current primary (through the sentinels, or through DNS).
+  balancer) is a dropped connection: the client disconnects and retries on a new connection, which reaches the
+  current primary (through the sentinels, or through DNS); until then the call answers UNAVAILABLE.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def test_a_write_no_replica_acknowledged_is_unavailable_until_a_replica_is_back(
     with pytest.raises(StoreUnavailable, match="NotReplicated: WAIT 1 300: 0 of 1 replica"):
         svc.step(ops)
     elapsed_s = time.monotonic() - t0
-    assert 0.3 <= elapsed_s < 1.5 and store.resync  # WAIT's timeout; the next write rewrites the whole state
+    assert 0.3 <= elapsed_s < 2.0 and store.resync  # WAIT's timeout; the next write rewrites the whole state
     with pytest.raises(StoreUnavailable, match="NotReplicated"):  # still none: the retry is refused as well
         svc.step(ops)
     cluster.restart(replicas[0])
