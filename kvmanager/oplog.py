@@ -17,6 +17,13 @@ check exactly that).
 A step is appended as soon as it is validated, while the manager applies it (send_early); other calls only
 when they changed state. Retried calls (same step_id) replay their answers, so a record logged twice (its
 first write failed) changes nothing the second time.
+
+With replicas (``wait_replicas`` > 0, redis_server.py says what that guarantees) each append, each inline
+snapshot and each new generation number is followed by a WAIT on the same connection, and fewer
+acknowledgements than asked fail the write. A failed write then leaves the store owing a resync: the next write
+is an inline snapshot of the whole state (stalling that call, as an admin reset does), so that what the
+replicas, or a replica promoted since, hold is exactly the state in memory again, whichever of the
+unacknowledged writes they had received.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from kvserve.common.wire.pages import (
 from kvserve.kvmanager import admin, snapshots
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.redis_server import ReplicaWait, close_client, fresh_client
 from kvserve.kvmanager.snapshot_layout import SnapshotLayout
 from kvserve.kvmanager.snapshots import Child, GenerationKeys, claim
 from kvserve.kvmanager.state import Changes
@@ -156,11 +164,15 @@ class LoggedStore:
 
     A due snapshot is written by a forked child (snapshots.py) when ``background`` is true, or when it is None
     and snapshots.forking_is_safe() when the store is made; otherwise the call that makes it due writes it
-    inline, as an admin reset always does."""
+    inline, as an admin reset always does. ``wait_replicas``, ``wait_timeout_ms``: the WAIT after each write
+    (ReplicaWait; 0 replicas: none)."""
 
     def __init__(self, client: redis.Redis, prefix: str = "kvserve", snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
-                 snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES, background: bool | None = None):
+                 snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES, background: bool | None = None,
+                 wait_replicas: int = 0, wait_timeout_ms: int = 500):
         self.client = client
+        self.wait = ReplicaWait(wait_replicas, wait_timeout_ms)
+        self.resync = False  # a write failed while WAITing for replicas: the next one is an inline snapshot
         self.keys = GenerationKeys(prefix)
         self.snapshot_every = snapshot_every
         self.snapshot_bytes = snapshot_bytes
@@ -203,6 +215,7 @@ class LoggedStore:
             return False
         try:
             conn.send_command("RPUSH", self.log_key, *self.pending)
+            self.wait.send(conn)
         except Exception:  # noqa: BLE001 - as above
             conn.disconnect()
             pool.release(conn)
@@ -212,7 +225,15 @@ class LoggedStore:
 
     def write(self, mgr: KVManager, record: tuple, reset: bool = False) -> None:
         """Appends ``record`` (and any still pending) to the log, or completes the append send_early began;
-        writes a snapshot inline instead on ``reset`` or when _inline_due()."""
+        writes a snapshot inline instead on ``reset`` or when _inline_due(). Raises what the write raised."""
+        try:
+            self._write(mgr, record, reset)
+        except BaseException:
+            self.resync = bool(self.wait)
+            raise
+        self.resync = False
+
+    def _write(self, mgr: KVManager, record: tuple, reset: bool) -> None:
         queued, self.queued_early = self.queued_early, None
         if self.in_flight is not None:
             self._finish_early()
@@ -224,14 +245,16 @@ class LoggedStore:
                 return
             self._claim()
             if self.pending:
-                self.client.rpush(self.log_key, *self.pending)
+                self.wait.run(self.client, lambda c: c.rpush(self.log_key, *self.pending))  # and WAIT
                 self._logged(len(self.pending))
         if self.background:
             self._background_snapshot(mgr)
 
     def _inline_due(self) -> bool:
         """This call writes a snapshot itself: one is due and this process does not fork, or the log is
-        OVERDUE times over a bound (a running child is then killed)."""
+        OVERDUE times over a bound (a running child is then killed), or a resync is owed."""
+        if self.resync:
+            return True
         if not self.background:
             return self._snapshot_due()
         records, num_bytes = self._log_size()
@@ -268,6 +291,7 @@ class LoggedStore:
         pool = self.client.connection_pool
         try:
             conn.read_response()
+            self.wait.read(conn)
         except BaseException:
             conn.disconnect()  # the reply is lost with it: the records stay pending and are sent again
             raise
@@ -279,6 +303,11 @@ class LoggedStore:
         if self.owner is None:
             self.owner, self.gen, self.log_gens = claim(self.client, self.keys)
 
+    def _new_generation(self) -> int:
+        """snapshots.new_generation, with the WAIT behind its INCR: replication keeps Redis' order, so the
+        replicas that acknowledge it hold every write made before it too, on any connection."""
+        return int(self.wait.run(self.client, lambda c: c.incr(self.keys.gens)))
+
     # -- snapshots ------------------------------------------------------------------------------------
     def _background_snapshot(self, mgr: KVManager) -> None:
         """Notes a finished child; forks one when a snapshot is due and none runs. Called once the call's
@@ -287,7 +316,7 @@ class LoggedStore:
             if self.child is not None:
                 self._reaped(snapshots.reap(self.child))
             if self.child is None and not self.pending and self._snapshot_due():
-                gen = snapshots.new_generation(self.client, self.keys)
+                gen = self._new_generation()
                 pid = snapshots.fork_snapshot(self.client, self.keys, mgr, gen, self.log_gens, self.owner,
                                               self.stop_child_before_switch)
                 self.child = Child(pid, gen, self.num_logged, self.num_logged_bytes, time.monotonic())
@@ -351,6 +380,8 @@ class LoggedStore:
             snapshots.delete_stale(self.client, self.keys, gen)
         except redis.RedisError:  # garbage, not state: the next snapshot deletes it
             log.exception("kvmanager: could not delete older call-log generations")
+        if self.wait:
+            self._new_generation()  # only for its WAIT, which covers the snapshot (a number skipped is harmless)
 
     def load(self, mgr: KVManager) -> None:
         """Claims the prefix, loads the current generation's snapshot, then replays its log and every newer
@@ -372,10 +403,8 @@ class LoggedStore:
 
 def _read_binary(client: redis.Redis, key: str) -> list[bytes]:
     """LRANGE key 0 -1 as bytes, on a connection of its own (the store's client decodes replies as text)."""
-    pool = client.connection_pool
-    binary = type(pool)(connection_class=pool.connection_class,
-                        **{**pool.connection_kwargs, "decode_responses": False})
+    binary = fresh_client(client, decode_responses=False)
     try:
-        return redis.Redis(connection_pool=binary).lrange(key, 0, -1)
+        return binary.lrange(key, 0, -1)
     finally:
-        binary.disconnect()
+        close_client(binary)

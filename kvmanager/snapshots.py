@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import redis
 
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.redis_server import die_with_parent
+from kvserve.kvmanager.redis_server import die_with_parent, fresh_client
 from kvserve.kvmanager.snapshot_layout import (
     BATCH,
     Keys,
@@ -244,7 +244,6 @@ def fork_snapshot(client: redis.Redis, keys: GenerationKeys, mgr: KVManager, gen
     """Forks a child that writes ``mgr``'s state as generation ``gen`` and switches to it; returns its pid.
     The caller must not change ``mgr`` until fork returns (it holds the service lock). ``stop_before_switch``
     (tests): the child stops itself (SIGSTOP) between writing and switching."""
-    connection = _connection_args(client)
     parent = os.getpid()
     pid = os.fork()
     if pid:
@@ -252,7 +251,7 @@ def fork_snapshot(client: redis.Redis, keys: GenerationKeys, mgr: KVManager, gen
     code = FAILED
     try:
         _detach(parent)
-        own = redis.Redis(connection_pool=redis.ConnectionPool(**connection))
+        own = fresh_client(client)  # reads the parent's settings, not its connections (a Sentinel one too)
         # Partial snapshots of failed attempts first: with Redis near its memory limit, each failed attempt
         # would otherwise leave another one behind, and make the next one likelier to fail. The generation
         # to keep is read here, not taken from the parent: a child it killed may have switched just before.
@@ -300,11 +299,6 @@ def _detach(parent: int) -> None:
     die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(FAILED)
-
-
-def _connection_args(client: redis.Redis) -> dict:
-    pool = client.connection_pool
-    return {"connection_class": pool.connection_class, **pool.connection_kwargs}
 
 
 def _text(value: str | bytes) -> str:

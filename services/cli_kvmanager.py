@@ -6,6 +6,11 @@ child process with its data under ``<data-dir>/redis``; ``--redis-url`` uses an 
 state is appended to a Redis list, and the state is snapshotted every ``--snapshot-every`` calls or
 ``--snapshot-mb`` MB of them (kvmanager/oplog.py).
 
+Redis with replicas: ``--redis-url redis+sentinel://H:P[,H:P...]/SERVICE_NAME[/DB]`` follows the primary that
+the sentinels name, across failovers; ``--redis-wait-replicas N`` (default 1 for a Sentinel URL, else 0) answers
+a call only once N replicas acknowledged its write within ``--redis-wait-timeout-ms`` (else UNAVAILABLE, and the
+caller retries). kvmanager/redis_server.py says exactly what that guarantees.
+
 Admin token (for KVAdminService and ``kvserve admin``): ``--admin-token`` or ``KVSERVE_ADMIN_TOKEN``; else a
 random token generated at every start and written to ``<data-dir>/admin_token`` (mode 0600), where
 ``kvserve admin`` finds it on the same machine.
@@ -39,7 +44,7 @@ def default_data_dir() -> Path:
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli_flags import add_observability_flags, positive_float, positive_int
+    from kvserve.services.cli_flags import add_observability_flags, non_negative_int, positive_float, positive_int
 
     k = sub.add_parser("kvmanager", help="run the kvmanager: page tables, prefix index, admin RPCs")
     k.add_argument("--host", default=_env("host", "127.0.0.1"))
@@ -47,7 +52,14 @@ def add_commands(sub) -> None:
     k.add_argument("--data-dir", type=Path, default=_env("data_dir"),
                    help="embedded Redis data and the generated admin token (default: <cache dir>/kvmanager)")
     k.add_argument("--redis-url", default=_env("redis_url"),
-                   help="an external Redis, e.g. redis://host:6379/0 (default: an embedded Redis under --data-dir)")
+                   help="an external Redis, e.g. redis://host:6379/0, or the primary that Redis Sentinel names: "
+                        "redis+sentinel://host:26379[,host:port...]/SERVICE_NAME[/DB] (default: an embedded Redis "
+                        "under --data-dir)")
+    k.add_argument("--redis-wait-replicas", type=non_negative_int, default=_env("redis_wait_replicas"),
+                   help="answer a call only once this many replicas acknowledged its write (Redis WAIT; default 1 "
+                        "for a redis+sentinel:// URL, else 0)")
+    k.add_argument("--redis-wait-timeout-ms", type=positive_int, default=_env("redis_wait_timeout_ms", "500"),
+                   help="... within this many ms, else the call answers UNAVAILABLE and is retried (default 500)")
     k.add_argument("--redis-prefix", default=_env("redis_prefix", "kvserve"), help="key prefix in Redis")
     k.add_argument("--snapshot-every", type=positive_int, default=_env("snapshot_every", "2000"),
                    help="snapshot the state once the call log holds this many calls (default 2000)")
@@ -131,15 +143,26 @@ def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
         return NullStore(), "none, --no-persistence"
     try:
         from kvserve.kvmanager.oplog import LoggedStore
-        from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+        from kvserve.kvmanager.redis_server import EmbeddedRedis, connect, describe_url, is_sentinel_url
     except ImportError as e:
         raise ValueError(f"Redis persistence is not available in this build ({e}); run with "
                          "--no-persistence") from e
     url = args.redis_url
+    wait_replicas = args.redis_wait_replicas
+    if wait_replicas is None:
+        wait_replicas = 1 if is_sentinel_url(url) else 0
+    if not url and wait_replicas:
+        raise ValueError(f"--redis-wait-replicas {wait_replicas}: the embedded Redis has no replicas (give "
+                         "--redis-url of a Redis that has some)")
+    client = connect(url) if url else None  # a bad URL is refused before an embedded Redis would start
     if not url:
         url = stack.enter_context(EmbeddedRedis(data_dir / "redis")).url
-    return LoggedStore(connect(url), args.redis_prefix, snapshot_every=args.snapshot_every,
-                       snapshot_bytes=args.snapshot_mb << 20), url
+        client = connect(url)
+    store = LoggedStore(client, args.redis_prefix, snapshot_every=args.snapshot_every,
+                        snapshot_bytes=args.snapshot_mb << 20, wait_replicas=wait_replicas,
+                        wait_timeout_ms=args.redis_wait_timeout_ms)
+    shows_wait = store.wait or is_sentinel_url(url)  # a plain URL without WAIT reads as before
+    return store, describe_url(url) + (f", {store.wait.describe()}" if shows_wait else "")
 
 
 def _metrics(args, service) -> tuple[tuple, int | None]:
