@@ -110,10 +110,8 @@ def _kvmanager_argv(args, model_dir: Path) -> list[str]:
     return argv
 
 
-def _worker_argv(args, i: int, kvmanager: Child) -> list[str]:
-    """Each worker joins the kvmanager's membership itself (--kvmanager) and keeps its lease there."""
-    argv = ["worker", "--host", args.host, "--port", "0", "--worker-id", f"worker-{i}", "--kvmanager",
-            kvmanager.address,
+def _worker_argv(args, i: int) -> list[str]:
+    argv = ["worker", "--host", args.host, "--port", "0", "--worker-id", f"worker-{i}",
             "--page-size", str(args.page_size), "--kv-cache-dtype", args.kv_cache_dtype, "--kv-scales",
             args.kv_scales, "--sliding-window", str(args.sliding_window), "--attention-sinks",
             str(args.attention_sinks)]
@@ -158,7 +156,7 @@ def _start_stack(args, children: list[Child]) -> None:
 
     children.append(start_child("kvmanager", _kvmanager_argv(args, resolve_model(args.model, args.cache_dir))))
     for i in range(args.workers):
-        children.append(start_child(f"worker-{i}", _worker_argv(args, i, children[0])))
+        children.append(start_child(f"worker-{i}", _worker_argv(args, i)))
     children.append(start_child("gateway", _gateway_argv(args, children[0], children[1:])))
 
 
