@@ -79,6 +79,14 @@ def add_commands(sub) -> None:
     w.add_argument("--host", default=_env("host", "127.0.0.1"))
     w.add_argument("--port", type=int, default=_env("port", str(DEFAULT_WORKER_PORT)))
     w.add_argument("--worker-id", default=_env("worker_id", "worker-0"))
+    w.add_argument("--kvmanager", default=_env("kvmanager"),
+                   help="join the kvmanager's membership and keep a lease there: host:port, or a comma-separated "
+                        "list (leader and standbys). Without it, the gateway's --workers list names this worker")
+    w.add_argument("--advertise-address", default=_env("advertise_address"),
+                   help="host:port the gateway dials, as told to the kvmanager (default: --host and the bound port)")
+    w.add_argument("--drain-timeout", type=positive_float, default=_env("drain_timeout", "30"),
+                   help="with --kvmanager: on SIGTERM, seconds to let the running requests finish before "
+                        "leaving (default 30)")
     add_observability_flags(w)
     w.set_defaults(func=run_worker)
 
@@ -128,12 +136,14 @@ def _make_runner(args, **extra):
 
 
 def run_worker(args) -> int:
-    from kvserve.common.grpc_server import install_stop_signals, serve_until_signal
+    from kvserve.common.grpc_server import install_stop_signals
     from kvserve.common.metrics import WorkerMetrics, serve_metrics
     from kvserve.common.telemetry import setup_tracing, shutdown_tracing
     from kvserve.services.cli_flags import metrics_note
     from kvserve.worker.server import start_worker_server
 
+    if not _kvmanager_flag_ok(args):
+        return 2
     runner = _make_runner(args, worker_id=args.worker_id)
     if runner is None:
         return 2
@@ -154,9 +164,38 @@ def run_worker(args) -> int:
           f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
           f"({i.kv_dtype}{scales}); linear weights: {describe_weights(runner.model.weights)}"
           f"{metrics_note(args.host, metrics_port)}", flush=True)
-    serve_until_signal(ws, stop, "worker")
+    code = _serve(args, runner, ws, stop)
     shutdown_tracing()
-    return 0
+    return code
+
+
+def _kvmanager_flag_ok(args) -> bool:
+    """--kvmanager names at least one address (checked before the model loads); says why not."""
+    from kvserve.common.channels import kvmanager_addresses
+
+    try:
+        if args.kvmanager:
+            kvmanager_addresses(args.kvmanager)
+    except ValueError as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def _serve(args, runner, ws, stop) -> int:
+    """Serves until SIGTERM: as a worker the gateway's --workers names, or with --kvmanager as a member of the
+    kvmanager's membership, which drains and leaves before the server stops. The exit code."""
+    if not args.kvmanager:
+        from kvserve.common.grpc_server import serve_until_signal
+
+        serve_until_signal(ws, stop, "worker")
+        return 0
+    from kvserve.worker.membership import LeaseKeeper, serve_as_member
+
+    address = args.advertise_address or f"{args.host}:{ws.port}"
+    keeper = LeaseKeeper(runner, args.kvmanager, address, on_failed=stop.set).start()
+    serve_as_member(ws, keeper, stop, args.drain_timeout)
+    return 1 if keeper.failed else 0
 
 
 def run_info(args) -> int:

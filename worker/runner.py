@@ -5,6 +5,7 @@ It keeps no scheduling state between steps: every step carries its page tables a
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -121,6 +122,14 @@ class ModelRunner:
             device=str(self.device), attention_backend=self.model.backend.name,
             sliding_window=self.window, attention_sinks=self.sinks,
         )
+
+    def renew_epoch(self) -> int:
+        """Becomes a new incarnation (the kvmanager forgot this one: its lease lapsed, or it was declared dead):
+        from now on steps addressed to the old epoch are refused with StaleEpoch, as after a restart, and Info
+        reports the new one. The pool's bytes stay; the kvmanager hands its pages out afresh. Returns it."""
+        self.epoch = max(time.time_ns(), self.epoch + 1)
+        self.info = dataclasses.replace(self.info, epoch=self.epoch)
+        return self.epoch
 
     def step(self, batch: StepBatch) -> StepOutput:
         """Runs one step. Raises InvalidRequest (nothing computed) or StaleEpoch."""

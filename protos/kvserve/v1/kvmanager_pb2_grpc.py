@@ -109,7 +109,8 @@ class KVManagerServiceServicer:
         """Which worker cache-aware placement chooses for a new request now, with no side effect (nothing is
         allocated, counted or written). The gateway asks when a request arrives and queues it on that worker's
         scheduling loop; the allocation follows in a later StepPages and names that worker. INVALID_ARGUMENT for
-        an empty tenant or token_ids, NOT_FOUND when no worker is registered.
+        an empty tenant or token_ids, NOT_FOUND when no worker is registered. A worker that drains (Heartbeat) is
+        never chosen: NOT_FOUND when every registered worker drains.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
