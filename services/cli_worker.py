@@ -158,13 +158,14 @@ def run_worker(args) -> int:
         return 1
     from kvserve.worker.model import describe_weights
 
+    keeper = _join(args, runner, ws, stop)
     i = runner.info
     scales = f", {i.kv_scales} scales" if i.kv_scales else ""
     print(f"kvserve worker {i.worker_id} ready on {args.host}:{ws.port}: model {i.model_name} on {i.device}, "
           f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
           f"({i.kv_dtype}{scales}); linear weights: {describe_weights(runner.model.weights)}"
-          f"{metrics_note(args.host, metrics_port)}", flush=True)
-    code = _serve(args, runner, ws, stop)
+          f"{metrics_note(args.host, metrics_port)}{_member_note(keeper)}", flush=True)
+    code = _serve(args, ws, stop, keeper)
     shutdown_tracing()
     return code
 
@@ -182,18 +183,39 @@ def _kvmanager_flag_ok(args) -> bool:
     return True
 
 
-def _serve(args, runner, ws, stop) -> int:
+JOIN_WAIT_S = 10.0  # the ready line waits this long for the join, so that a gateway started next sees the worker
+
+
+def _join(args, runner, ws, stop):
+    """With --kvmanager: the lease keeper, started, once it joined (or JOIN_WAIT_S passed); else None."""
+    if not args.kvmanager:
+        return None
+    from kvserve.worker.membership import LeaseKeeper
+
+    address = args.advertise_address or f"{args.host}:{ws.port}"
+    keeper = LeaseKeeper(runner, args.kvmanager, address, on_failed=stop.set).start()
+    keeper.joined.wait(JOIN_WAIT_S)
+    return keeper
+
+
+def _member_note(keeper) -> str:
+    if keeper is None:
+        return ""
+    if keeper.joined.is_set():
+        return f"; joined the kvmanager as {keeper.address}"
+    return "; not joined yet (the kvmanager does not answer; still trying)"
+
+
+def _serve(args, ws, stop, keeper) -> int:
     """Serves until SIGTERM: as a worker the gateway's --workers names, or with --kvmanager as a member of the
     kvmanager's membership, which drains and leaves before the server stops. The exit code."""
-    if not args.kvmanager:
+    if keeper is None:
         from kvserve.common.grpc_server import serve_until_signal
 
         serve_until_signal(ws, stop, "worker")
         return 0
-    from kvserve.worker.membership import LeaseKeeper, serve_as_member
+    from kvserve.worker.membership import serve_as_member
 
-    address = args.advertise_address or f"{args.host}:{ws.port}"
-    keeper = LeaseKeeper(runner, args.kvmanager, address, on_failed=stop.set).start()
     serve_as_member(ws, keeper, stop, args.drain_timeout)
     return 1 if keeper.failed else 0
 
