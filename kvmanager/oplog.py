@@ -42,6 +42,7 @@ from kvserve.common.wire.pages import (
     StepOps,
 )
 from kvserve.kvmanager import admin, snapshots
+from kvserve.kvmanager.fencing import fenced_rpush, read_fenced_reply, rpush_command
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.snapshot_layout import SnapshotLayout
@@ -202,7 +203,7 @@ class LoggedStore:
         except Exception:  # noqa: BLE001 - any failure: fall back to write()'s own attempt, which raises
             return False
         try:
-            conn.send_command("RPUSH", self.log_key, *self.pending)
+            conn.send_command(*rpush_command(self.keys.owner, self.owner, self.log_key, self.pending))
         except Exception:  # noqa: BLE001 - as above
             conn.disconnect()
             pool.release(conn)
@@ -224,7 +225,7 @@ class LoggedStore:
                 return
             self._claim()
             if self.pending:
-                self.client.rpush(self.log_key, *self.pending)
+                fenced_rpush(self.client, self.keys.owner, self.owner, self.log_key, self.pending)
                 self._logged(len(self.pending))
         if self.background:
             self._background_snapshot(mgr)
@@ -267,7 +268,7 @@ class LoggedStore:
         self.in_flight = None
         pool = self.client.connection_pool
         try:
-            conn.read_response()
+            read_fenced_reply(conn)
         except BaseException:
             conn.disconnect()  # the reply is lost with it: the records stay pending and are sent again
             raise
@@ -287,7 +288,7 @@ class LoggedStore:
             if self.child is not None:
                 self._reaped(snapshots.reap(self.child))
             if self.child is None and not self.pending and self._snapshot_due():
-                gen = snapshots.new_generation(self.client, self.keys)
+                gen = snapshots.new_generation(self.client, self.keys, self.owner)
                 pid = snapshots.fork_snapshot(self.client, self.keys, mgr, gen, self.log_gens, self.owner,
                                               self.stop_child_before_switch)
                 self.child = Child(pid, gen, self.num_logged, self.num_logged_bytes, time.monotonic())
@@ -327,6 +328,18 @@ class LoggedStore:
         the child's Redis commands is bounded by the client's socket timeout)."""
         self.wait_snapshot()
 
+    def abandon(self) -> None:
+        """Forgets what this store had not written yet, and stops its snapshot child: its kvmanager stepped
+        down (another claimed the prefix, so none of it could be written anyway)."""
+        self._stop_child()
+        if self.in_flight is not None:
+            self.in_flight[0].disconnect()
+            self.client.connection_pool.release(self.in_flight[0])
+        self.pending.clear()
+        self.in_flight = self.queued_early = None
+        self.last_record = b""
+        self.retry_base = (0, 0)
+
     def _stop_child(self) -> None:
         """Kills a running snapshot child (the logs it would have replaced stay; nothing is lost)."""
         if self.child is not None:
@@ -338,26 +351,34 @@ class LoggedStore:
         self._claim()
         self._stop_child()
         t0 = time.monotonic()
-        gen = snapshots.new_generation(self.client, self.keys)
+        gen = snapshots.new_generation(self.client, self.keys, self.owner)
         switch = snapshots.switch_ops(self.keys, gen, self.log_gens, mgr)
-        SnapshotLayout(self.client, self.keys.state_prefix(gen)).write(mgr, also=switch)
+        SnapshotLayout(self.client, self.keys.state_prefix(gen)).write(mgr, also=switch, fence=self.fence)
         self.num_snapshots["inline"] += 1
         self.last_snapshot_s = time.monotonic() - t0
         self.gen, self.log_gens = gen, [gen]
         self.num_logged = self.num_logged_bytes = 0
         self.retry_base = (0, 0)
         self.pending.clear()
-        try:
+        try:  # not fenced: only generations older than one that was switched to, which nobody loads again
             snapshots.delete_stale(self.client, self.keys, gen)
         except redis.RedisError:  # garbage, not state: the next snapshot deletes it
             log.exception("kvmanager: could not delete older call-log generations")
 
+    @property
+    def fence(self) -> tuple[str, int]:
+        """(owner key, fencing token): this store's writes apply only while its claim is the latest
+        (fencing.py)."""
+        return self.keys.owner, self.owner
+
     def load(self, mgr: KVManager) -> None:
-        """Claims the prefix, loads the current generation's snapshot, then replays its log and every newer
-        one. Raises as SnapshotLayout.load."""
+        """Claims the prefix (a new fencing token), loads the current generation's snapshot, then replays its
+        log and every newer one. Raises as SnapshotLayout.load. A store loads again when its kvmanager takes
+        over as leader once more: nothing of its earlier term is kept."""
+        self.abandon()
         self.owner = None
         self._claim()
-        SnapshotLayout(self.client, self.keys.state_prefix(self.gen)).load(mgr)
+        SnapshotLayout(self.client, self.keys.state_prefix(self.gen)).load(mgr, fence=self.fence)
         snapshots.restore_replay_state(self.client, self.keys, self.gen, mgr)
         self.num_logged = self.num_logged_bytes = 0
         for gen in self.log_gens:

@@ -83,10 +83,6 @@ class ReplayMachine(KVManagerMachine):
         if not forked:
             self.store.snapshot(self.mgr)
             return
-        # The reloads of this test claim the prefix as a restart would: the live store claims it back first,
-        # or its child could not switch.
-        self.store.owner = None
-        self.store._claim()
         self.store.snapshot_every, self.store.background = 0, True
         self.store._background_snapshot(self.mgr)  # due (even with an empty log), no child runs: forks now
         self.store.snapshot_every, self.store.background = 1 << 30, False
@@ -159,6 +155,13 @@ class ReplayMachine(KVManagerMachine):
         LoggedStore(connect(REDIS["url"]), self.prefix).load(loaded)
         assert snapshot(loaded, volatile=False) == snapshot(self.mgr, volatile=False)
         assert (loaded.clock, loaded.recent) == (self.mgr.clock, self.mgr.recent)
+        self.claim_back()
+
+    def claim_back(self) -> None:
+        """The reload claimed the prefix, as a restart does: the live store claims it back, or its writes would
+        be refused by the fencing token (kvmanager/fencing.py)."""
+        self.store.owner = None
+        self.store._claim()
 
 
 ReplayMachine.TestCase.settings = settings(
