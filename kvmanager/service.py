@@ -6,6 +6,12 @@ call raises StoreUnavailable (UNAVAILABLE): the caller retries with the same ste
 answer once the store is back. So an answer the caller sees is always durable, a page is never handed to two
 holders (memory is the single source of truth while the process lives), and a restarted kvmanager only ever
 reloads state that was written, never a block that was not committed.
+
+Leadership (leader.py): with a standby, one KVService per kvmanager process is ``leading`` at a time. A standby's
+service refuses every call with NotLeader (UNAVAILABLE); take_over() loads the state from the store and serves.
+A write the store refuses by the fencing token (Fenced: another kvmanager claimed the prefix since) is never
+acknowledged: the service stops leading at once, before its lock is released, so no later call is answered
+from its stale state, and on_fenced tells the election loop to step down.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
-from kvserve.kvmanager.errors import StoreUnavailable
+from kvserve.kvmanager.errors import Fenced, NotLeader, StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.state import Changes
 
@@ -59,19 +65,50 @@ class KVService:
         self.store_ok = True
         self.last_store_ms = 0.0
         self.on_store_write: Callable[[float], None] | None = None  # seconds of each write (metrics)
+        self.leading = True  # False: a standby, or a leader that stepped down; every call raises NotLeader
+        self.not_leading_why = "not the leader"  # NotLeader's message (leader.py names the leader in it)
+        self.on_fenced: Callable[[], None] | None = None  # called (under the lock) when a write was fenced
 
     def load(self) -> None:
         with self.lock:
             self.store.load(self.manager)
 
+    def take_over(self, manager: KVManager | None = None) -> None:
+        """Becomes the leader: a fresh manager (or ``manager``, empty) filled from the store, which claims the
+        prefix (its new fencing token) before it reads; then serves. Raises as Store.load (and stays a
+        standby)."""
+        manager = KVManager() if manager is None else manager
+        with self.lock:
+            self.store.load(manager)
+            self.manager, self.store_ok, self.leading = manager, True, True
+
+    def step_down(self, why: str) -> None:
+        """Stops leading: calls raise NotLeader(why) from now on (a call running now finishes first), and the
+        state, stale from now on, is dropped."""
+        self.leading, self.not_leading_why = False, why
+        with self.lock:
+            self._drop_state()
+
+    def _drop_state(self) -> None:
+        self.manager = KVManager()
+        abandon = getattr(self.store, "abandon", None)
+        if abandon is not None:
+            abandon()
+
+    def _check_leading(self) -> None:
+        if not self.leading:
+            raise NotLeader(self.not_leading_why)
+
     def register_worker(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
         with self.lock:
+            self._check_leading()
             result = self.manager.register_worker(spec, release_requests)
             self._persist(("register", spec, release_requests))
             return result
 
     def step(self, ops: StepOps) -> StepResults:
         with self.lock:
+            self._check_leading()
             self.manager.check(ops)  # bad input raises here: nothing applied, nothing logged
             record = ("step", ops)
             send_early = getattr(self.store, "send_early", None)
@@ -85,6 +122,7 @@ class KVService:
     def mutate(self, fn, *args):
         """Runs an admin mutation ``fn(manager, *args)`` under the lock, and persists it."""
         with self.lock:
+            self._check_leading()
             result = fn(self.manager, *args)
             self._persist(("admin", fn.__name__, args))
             return result
@@ -92,6 +130,7 @@ class KVService:
     def read(self, fn, *args):
         """Runs a read-only query ``fn(manager, *args)`` under the lock."""
         with self.lock:
+            self._check_leading()
             return fn(self.manager, *args)
 
     def _persist(self, record: tuple, force: bool = False) -> None:
@@ -104,6 +143,12 @@ class KVService:
         t0 = time.perf_counter()
         try:
             self.store.write(self.manager, record, reset=changes.reset)
+        except Fenced as e:  # a deposed leader: its state is stale; never acknowledge, never serve again
+            self.leading, self.not_leading_why = False, f"not the leader any more: {e}"
+            self._drop_state()
+            if self.on_fenced is not None:
+                self.on_fenced()
+            raise NotLeader(self.not_leading_why) from e
         except Exception as e:  # any store failure: keep the change, answer UNAVAILABLE
             self.store_ok = False
             raise StoreUnavailable(f"the state store cannot be written ({type(e).__name__}: {e}); "
