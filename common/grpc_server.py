@@ -145,10 +145,12 @@ class GrpcServer:
 
 def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.Server], None],
                       service_names: Sequence[str], *, interceptors: Sequence[grpc.ServerInterceptor] = (),
-                      max_threads: int = 8, max_receive_bytes: int = MAX_MESSAGE_BYTES) -> GrpcServer:
+                      max_threads: int = 8, max_receive_bytes: int = MAX_MESSAGE_BYTES,
+                      serving: bool = True) -> GrpcServer:
     """Serves on host:port (0 = a free port) with health SERVING for "" and ``service_names``, and reflection;
     returns once the port is bound. A call larger than max_receive_bytes is refused with RESOURCE_EXHAUSTED.
-    Raises OSError when it cannot be bound."""
+    ``serving`` False: ``service_names`` report NOT_SERVING from the start (a standby), "" SERVING (the
+    process is up). Raises OSError when it cannot be bound."""
     options = [("grpc.max_receive_message_length", max_receive_bytes),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.so_reuseport", 0)]  # gRPC's default on Linux lets a second server share a port in use
@@ -164,10 +166,17 @@ def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.Server
         raise OSError(f"could not bind {host}:{port} (in use?): {e}") from e
     if bound == 0:
         raise OSError(f"could not bind {host}:{port} (in use?)")
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    set_serving(health_servicer, service_names, serving)
     server.start()
-    for name in ("", *service_names):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return GrpcServer(server=server, port=bound, health=health_servicer)
+
+
+def set_serving(health_servicer: health.HealthServicer, service_names: Sequence[str], serving: bool) -> None:
+    """Reports ``service_names`` SERVING or NOT_SERVING (clients' health checks route by it)."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in service_names:
+        health_servicer.set(name, status)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

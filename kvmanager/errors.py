@@ -38,3 +38,13 @@ class TextUnsupported(FailedPrecondition):
 class StoreUnavailable(Unavailable):
     """The write to Redis failed. The change is kept in memory and written by the next call that succeeds;
     retry the same call (same step_id) to get its answer."""
+
+
+class NotLeader(Unavailable):
+    """This kvmanager is not the leader: a standby, or a leader that stepped down. Nothing was applied; the
+    message names the leader when one is known. Retry (the clients' channels route to the leader)."""
+
+
+class Fenced(NotLeader):
+    """A write to Redis refused by the fencing token (kvmanager/fencing.py): another kvmanager has claimed the
+    prefix since this one did. Nothing was written; this kvmanager's state is stale, and it steps down."""

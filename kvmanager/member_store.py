@@ -2,8 +2,9 @@
 
     <prefix>:members   worker_id -> {"epoch": E, "address": "host:port", "draining": false}   (compact JSON)
 
-Written when a member joins, leaves, is declared dead or changes its draining flag; never for a plain
-heartbeat (the lease deadlines are not stored: a loaded member's lease starts fresh). Kept apart from the call
+Written when a member joins, leaves, is declared dead or changes its draining flag, fenced by the call log's
+claim (fencing.py: a deposed leader's write is refused); never for a plain heartbeat (the lease deadlines are
+not stored: a loaded member's lease starts fresh). Kept apart from the call
 log because a member is not page state: replaying the log rebuilds pools, and the hash says which of them are
 held by a lease. A mismatch (a write of one that failed) is reconciled on load (KVService.load).
 """
@@ -23,9 +24,10 @@ MemberRecord = tuple[str, int, str, bool]  # worker_id, epoch, address, draining
 class RedisMemberStore:
     """The hash above, for one Redis prefix."""
 
-    def __init__(self, client: redis.Redis, prefix: str = "kvserve"):
+    def __init__(self, client: redis.Redis, prefix: str = "kvserve", fence=None):
         self.client = client
         self.key = f"{prefix}:members"
+        self.fence = fence  # () -> (owner key, token) of the call log's claim: writes are fenced by it
 
     def write(self, upserts: Iterable[MemberRecord], deletes: Iterable[str]) -> None:
         """Sets the members ``upserts`` and removes those named in ``deletes``, in one MULTI/EXEC. Raises
@@ -35,12 +37,21 @@ class RedisMemberStore:
         deletes = list(deletes)
         if not mapping and not deletes:
             return
-        with self.client.pipeline(transaction=True) as pipe:
-            if mapping:
-                pipe.hset(self.key, mapping=mapping)
-            if deletes:
-                pipe.hdel(self.key, *deletes)
-            pipe.execute()
+        if self.fence is None:
+            with self.client.pipeline(transaction=True) as pipe:
+                self._queue(pipe, mapping, deletes)
+                pipe.execute()
+            return
+        from kvserve.kvmanager.fencing import fenced_pipeline
+
+        with fenced_pipeline(self.client, *self.fence()) as pipe:  # a deposed leader's write: Fenced
+            self._queue(pipe, mapping, deletes)
+
+    def _queue(self, pipe, mapping: dict, deletes: list[str]) -> None:
+        if mapping:
+            pipe.hset(self.key, mapping=mapping)
+        if deletes:
+            pipe.hdel(self.key, *deletes)
 
     def load(self) -> list[MemberRecord]:
         """Every stored member, by worker_id."""
@@ -67,5 +78,6 @@ def member_store_for(store) -> RedisMemberStore | NullMemberStore:
     null one beside a store without Redis (NullStore)."""
     client, keys = getattr(store, "client", None), getattr(store, "keys", None)
     if client is not None and keys is not None:
-        return RedisMemberStore(client, keys.prefix)
+        fence = (lambda: store.fence) if hasattr(store, "fence") else None
+        return RedisMemberStore(client, keys.prefix, fence)
     return NullMemberStore()

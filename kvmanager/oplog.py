@@ -49,6 +49,7 @@ from kvserve.common.wire.pages import (
     StepOps,
 )
 from kvserve.kvmanager import admin, snapshots
+from kvserve.kvmanager.fencing import FENCED_CALL, as_fenced, read_fenced_reply, rpush_command
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.redis_server import ReplicaWait, close_client, fresh_client
@@ -214,7 +215,7 @@ class LoggedStore:
         except Exception:  # noqa: BLE001 - any failure: fall back to write()'s own attempt, which raises
             return False
         try:
-            conn.send_command("RPUSH", self.log_key, *self.pending)
+            conn.send_command(*rpush_command(self.keys.owner, self.owner, self.log_key, self.pending))
             self.wait.send(conn)
         except Exception:  # noqa: BLE001 - as above
             conn.disconnect()
@@ -245,7 +246,7 @@ class LoggedStore:
                 return
             self._claim()
             if self.pending:
-                self.wait.run(self.client, lambda c: c.rpush(self.log_key, *self.pending))  # and WAIT
+                self._append_pending()
                 self._logged(len(self.pending))
         if self.background:
             self._background_snapshot(mgr)
@@ -290,7 +291,7 @@ class LoggedStore:
         self.in_flight = None
         pool = self.client.connection_pool
         try:
-            conn.read_response()
+            read_fenced_reply(conn)
             self.wait.read(conn)
         except BaseException:
             conn.disconnect()  # the reply is lost with it: the records stay pending and are sent again
@@ -304,9 +305,21 @@ class LoggedStore:
             self.owner, self.gen, self.log_gens = claim(self.client, self.keys)
 
     def _new_generation(self) -> int:
-        """snapshots.new_generation, with the WAIT behind its INCR: replication keeps Redis' order, so the
-        replicas that acknowledge it hold every write made before it too, on any connection."""
-        return int(self.wait.run(self.client, lambda c: c.incr(self.keys.gens)))
+        """snapshots.new_generation, fenced, with the WAIT behind its INCR: replication keeps Redis' order, so
+        the replicas that acknowledge it hold every write made before it too, on any connection."""
+        try:
+            return int(self.wait.run(self.client, lambda c: c.eval(FENCED_CALL, 1, self.keys.owner, str(self.owner),
+                                                                   "INCR", self.keys.gens)))
+        except redis.ResponseError as e:
+            raise as_fenced(e) from e
+
+    def _append_pending(self) -> None:
+        """The pending records, appended to the log behind the fence, then the WAIT (one pipeline)."""
+        command = rpush_command(self.keys.owner, self.owner, self.log_key, self.pending)
+        try:
+            self.wait.run(self.client, lambda c: c.execute_command(*command))
+        except redis.ResponseError as e:
+            raise as_fenced(e) from e
 
     # -- snapshots ------------------------------------------------------------------------------------
     def _background_snapshot(self, mgr: KVManager) -> None:
@@ -356,6 +369,18 @@ class LoggedStore:
         the child's Redis commands is bounded by the client's socket timeout)."""
         self.wait_snapshot()
 
+    def abandon(self) -> None:
+        """Forgets what this store had not written yet, and stops its snapshot child: its kvmanager stepped
+        down (another claimed the prefix, so none of it could be written anyway)."""
+        self._stop_child()
+        if self.in_flight is not None:
+            self.in_flight[0].disconnect()
+            self.client.connection_pool.release(self.in_flight[0])
+        self.pending.clear()
+        self.in_flight = self.queued_early = None
+        self.last_record = b""
+        self.retry_base = (0, 0)
+
     def _stop_child(self) -> None:
         """Kills a running snapshot child (the logs it would have replaced stay; nothing is lost)."""
         if self.child is not None:
@@ -367,28 +392,36 @@ class LoggedStore:
         self._claim()
         self._stop_child()
         t0 = time.monotonic()
-        gen = snapshots.new_generation(self.client, self.keys)
+        gen = snapshots.new_generation(self.client, self.keys, self.owner)
         switch = snapshots.switch_ops(self.keys, gen, self.log_gens, mgr)
-        SnapshotLayout(self.client, self.keys.state_prefix(gen)).write(mgr, also=switch)
+        SnapshotLayout(self.client, self.keys.state_prefix(gen)).write(mgr, also=switch, fence=self.fence)
         self.num_snapshots["inline"] += 1
         self.last_snapshot_s = time.monotonic() - t0
         self.gen, self.log_gens = gen, [gen]
         self.num_logged = self.num_logged_bytes = 0
         self.retry_base = (0, 0)
         self.pending.clear()
-        try:
+        try:  # not fenced: only generations older than one that was switched to, which nobody loads again
             snapshots.delete_stale(self.client, self.keys, gen)
         except redis.RedisError:  # garbage, not state: the next snapshot deletes it
             log.exception("kvmanager: could not delete older call-log generations")
         if self.wait:
             self._new_generation()  # only for its WAIT, which covers the snapshot (a number skipped is harmless)
 
+    @property
+    def fence(self) -> tuple[str, int]:
+        """(owner key, fencing token): this store's writes apply only while its claim is the latest
+        (fencing.py)."""
+        return self.keys.owner, self.owner
+
     def load(self, mgr: KVManager) -> None:
-        """Claims the prefix, loads the current generation's snapshot, then replays its log and every newer
-        one. Raises as SnapshotLayout.load."""
+        """Claims the prefix (a new fencing token), loads the current generation's snapshot, then replays its
+        log and every newer one. Raises as SnapshotLayout.load. A store loads again when its kvmanager takes
+        over as leader once more: nothing of its earlier term is kept."""
+        self.abandon()
         self.owner = None
         self._claim()
-        SnapshotLayout(self.client, self.keys.state_prefix(self.gen)).load(mgr)
+        SnapshotLayout(self.client, self.keys.state_prefix(self.gen)).load(mgr, fence=self.fence)
         snapshots.restore_replay_state(self.client, self.keys, self.gen, mgr)
         self.num_logged = self.num_logged_bytes = 0
         for gen in self.log_gens:

@@ -4,6 +4,10 @@
 Admin authentication: every KVAdminService call must carry the metadata ``authorization: Bearer <token>``.
 Missing (or not a bearer token) is UNAUTHENTICATED, a wrong token PERMISSION_DENIED (constant-time compare).
 KVManagerService and health need no token.
+
+Leadership (leader.py): while the KVService is not leading (a standby), every KVManagerService and KVAdminService
+call answers UNAVAILABLE with a message naming the leader (LeaderGate), and gRPC health reports both services
+NOT_SERVING, so that clients' health-checked channels (common/channels.py) route to the leader alone.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import hmac
 import grpc
 
 from kvserve.common.credentials import bearer_token
-from kvserve.common.grpc_server import GrpcServer, start_grpc_server
+from kvserve.common.grpc_server import GrpcServer, set_serving, start_grpc_server
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.servicer import KVAdminServicer, KVManagerServicer, TextEncoder
 from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
@@ -55,6 +59,25 @@ class AdminAuthInterceptor(grpc.ServerInterceptor):
         return continuation(handler_call_details)
 
 
+class LeaderGate(grpc.ServerInterceptor):
+    """Refuses KVManagerService and KVAdminService calls with UNAVAILABLE while ``service`` is not leading (the
+    service checks again under its lock: a call that passes here as leadership is lost is refused there)."""
+
+    def __init__(self, service: KVService):
+        self.service = service
+        self._prefixes = (f"/{MANAGER_SERVICE}/", f"/{ADMIN_SERVICE}/")
+
+    def intercept_service(self, continuation, handler_call_details):
+        if self.service.leading or not handler_call_details.method.startswith(self._prefixes):
+            return continuation(handler_call_details)
+        return _deny(grpc.StatusCode.UNAVAILABLE, self.service.not_leading_why)
+
+
+def report_leadership(server: GrpcServer, leading: bool) -> None:
+    """gRPC health of both kvmanager services: SERVING on the leader, NOT_SERVING on a standby."""
+    set_serving(server.health, (MANAGER_SERVICE, ADMIN_SERVICE), leading)
+
+
 # Collector thresholds for a serving kvmanager process (CPython's default is 700, 10, 10). A call that commits
 # or admits long prompts creates thousands of container objects (a Block per page), and the state they join is
 # long-lived: at the default, such a call runs several young collections and part of a middle one, and every
@@ -74,7 +97,8 @@ def tune_gc_for_serving() -> None:
 def start_kvmanager_server(service: KVService, host: str = "127.0.0.1", port: int = 0, *, admin_token: str,
                            tokenizer: TextEncoder | None = None, max_threads: int = 8,
                            interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> GrpcServer:
-    """Serves ``service`` on host:port (0 = a free port); returns once the port is bound and serving.
+    """Serves ``service`` on host:port (0 = a free port); returns once the port is bound and serving, as the
+    leader if ``service.leading`` (else as a standby: report_leadership flips it later).
 
     ``tokenizer`` (optional) turns the admin calls' text input into token ids. Raises OSError when the port
     cannot be bound, ValueError for an empty admin token.
@@ -84,5 +108,5 @@ def start_kvmanager_server(service: KVService, host: str = "127.0.0.1", port: in
         kvmanager_pb2_grpc.add_KVAdminServiceServicer_to_server(KVAdminServicer(service, tokenizer), server)
 
     return start_grpc_server(host, port, add_servicers, (MANAGER_SERVICE, ADMIN_SERVICE),
-                             interceptors=[*interceptors, AdminAuthInterceptor(admin_token)],
-                             max_threads=max_threads)
+                             interceptors=[*interceptors, AdminAuthInterceptor(admin_token), LeaderGate(service)],
+                             max_threads=max_threads, serving=service.leading)

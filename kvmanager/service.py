@@ -6,6 +6,12 @@ call raises StoreUnavailable (UNAVAILABLE): the caller retries with the same ste
 answer once the store is back. So an answer the caller sees is always durable, a page is never handed to two
 holders (memory is the single source of truth while the process lives), and a restarted kvmanager only ever
 reloads state that was written, never a block that was not committed.
+
+Leadership (leader.py): with a standby, one KVService per kvmanager process is ``leading`` at a time. A standby's
+service refuses every call with NotLeader (UNAVAILABLE); take_over() loads the state from the store and serves.
+A write the store refuses by the fencing token (Fenced: another kvmanager claimed the prefix since) is never
+acknowledged: the service stops leading at once, before its lock is released, so no later call is answered
+from its stale state, and on_fenced tells the election loop to step down.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from kvserve.common.errors import InvalidRequest
 from kvserve.common.wire.membership import HeartbeatResult, JoinResult, WorkerMember
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
 from kvserve.kvmanager import admin
-from kvserve.kvmanager.errors import StoreUnavailable
+from kvserve.kvmanager.errors import Fenced, NotLeader, StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.member_store import member_store_for
 from kvserve.kvmanager.membership import DEFAULT_WORKER_TIMEOUT_S, DeadMember, Member, MemberTable
@@ -73,25 +79,75 @@ class KVService:
         self.members = MemberTable(worker_timeout_s, clock)
         self.member_store = member_store if member_store is not None else member_store_for(self.store)
         self.unsaved_members: set[str] = set()  # worker_ids whose stored record is behind the table
+        self.leading = True  # False: a standby, or a leader that stepped down; every call raises NotLeader
+        self.not_leading_why = "not the leader"  # NotLeader's message (leader.py names the leader in it)
+        self.on_fenced: Callable[[], None] | None = None  # called (under the lock) when a write was fenced
 
     def load(self) -> None:
         """Loads the state, then the members whose pool (same epoch) it holds, each with a fresh lease; stored
         members without one are deleted from the store by the next membership call."""
         with self.lock:
             self.store.load(self.manager)
-            records = self.member_store.load()
-            kept = [r for r in records if self._pool_epoch(r[0]) == r[1]]
-            self.members.load(kept)
-            self.unsaved_members |= {r[0] for r in records} - {r[0] for r in kept}
+            self._load_members()
+
+    def _load_members(self) -> None:
+        """The stored members whose pool (same epoch) the loaded state holds, each with a fresh lease (a new
+        leader must not declare dead the workers that could not heartbeat while it took over). Under the lock."""
+        records = self.member_store.load()
+        kept = [r for r in records if self._pool_epoch(r[0]) == r[1]]
+        self.members = MemberTable(self.members.lease_s, self.members.clock)
+        self.members.load(kept)
+        self.unsaved_members = {r[0] for r in records} - {r[0] for r in kept}
+
+    def take_over(self, manager: KVManager | None = None) -> None:
+        """Becomes the leader: a fresh manager (or ``manager``, empty) filled from the store, which claims the
+        prefix (its new fencing token) before it reads; then serves. Raises as Store.load (and stays a
+        standby)."""
+        manager = KVManager() if manager is None else manager
+        with self.lock:
+            self.store.load(manager)
+            self.manager = manager
+            self._load_members()
+            self.store_ok, self.leading = True, True
+
+    def step_down(self, why: str) -> None:
+        """Stops leading: calls raise NotLeader(why) from now on (a call running now finishes first), and the
+        state, stale from now on, is dropped."""
+        self.leading, self.not_leading_why = False, why
+        with self.lock:
+            self._drop_state()
+
+    def _drop_state(self) -> None:
+        self.manager = KVManager()
+        self.members = MemberTable(self.members.lease_s, self.members.clock)
+        self.unsaved_members = set()
+        abandon = getattr(self.store, "abandon", None)
+        if abandon is not None:
+            abandon()
+
+    def _stepped_down_by(self, error: Fenced) -> None:
+        """A write was fenced: this is a deposed leader. Its state is stale: dropped, never acknowledged, never
+        served again. Raises NotLeader. Under the lock."""
+        self.leading, self.not_leading_why = False, f"not the leader any more: {error}"
+        self._drop_state()
+        if self.on_fenced is not None:
+            self.on_fenced()
+        raise NotLeader(self.not_leading_why) from error
+
+    def _check_leading(self) -> None:
+        if not self.leading:
+            raise NotLeader(self.not_leading_why)
 
     def register_worker(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
         with self.lock:
+            self._check_leading()
             result = self.manager.register_worker(spec, release_requests)
             self._persist(("register", spec, release_requests))
             return result
 
     def step(self, ops: StepOps) -> StepResults:
         with self.lock:
+            self._check_leading()
             self.manager.check(ops)  # bad input raises here: nothing applied, nothing logged
             record = ("step", ops)
             send_early = getattr(self.store, "send_early", None)
@@ -105,6 +161,7 @@ class KVService:
     def mutate(self, fn, *args):
         """Runs an admin mutation ``fn(manager, *args)`` under the lock, and persists it."""
         with self.lock:
+            self._check_leading()
             return self._mutate_locked(fn, *args)
 
     def _mutate_locked(self, fn, *args):
@@ -115,6 +172,7 @@ class KVService:
     def read(self, fn, *args):
         """Runs a read-only query ``fn(manager, *args)`` under the lock."""
         with self.lock:
+            self._check_leading()
             return fn(self.manager, *args)
 
     def place(self, tenant: str, token_ids: tuple[int, ...], num_queued: dict[str, int]) -> Placement:
@@ -133,6 +191,8 @@ class KVService:
         t0 = time.perf_counter()
         try:
             self.store.write(self.manager, record, reset=changes.reset)
+        except Fenced as e:  # a deposed leader: its state is stale; never acknowledge, never serve again
+            self._stepped_down_by(e)
         except Exception as e:  # any store failure: keep the change, answer UNAVAILABLE
             self.store_ok = False
             raise StoreUnavailable(f"the state store cannot be written ({type(e).__name__}: {e}); "
@@ -152,6 +212,7 @@ class KVService:
         if not address:
             raise InvalidRequest("address must not be empty: it is the host:port the gateway dials")
         with self.lock:
+            self._check_leading()
             registered = self.manager.register_worker(spec, False)
             self._persist(("register", spec, False))
             if self.members.join(spec.worker_id, spec.epoch, address):
@@ -165,6 +226,7 @@ class KVService:
         (its pool dropped) and answered so too. Raises InvalidRequest, StoreUnavailable."""
         _check_member(worker_id, epoch)
         with self.lock:
+            self._check_leading()
             member = self.members.get(worker_id, epoch)
             if member is not None and self._is_dead(member, self.members.clock()):
                 self._drop(worker_id, epoch)
@@ -183,6 +245,7 @@ class KVService:
         InvalidRequest, StoreUnavailable."""
         _check_member(worker_id, epoch)
         with self.lock:
+            self._check_leading()
             return self._drop(worker_id, epoch)
 
     def declare_dead(self, worker_id: str, epoch: int) -> tuple[str, ...]:
@@ -193,6 +256,7 @@ class KVService:
     def list_workers(self) -> list[WorkerMember]:
         """The live members (lease held, pool of their epoch registered), by worker_id."""
         with self.lock:
+            self._check_leading()
             now = self.members.clock()
             return [WorkerMember(m.worker_id, m.epoch, m.address, m.draining,
                                  self.manager.pools[m.worker_id].num_requests)
@@ -203,6 +267,8 @@ class KVService:
         gone (forgotten by an operator): drops its pool as leave_worker does. Returns them, by worker_id.
         Raises StoreUnavailable (the members dropped so far stay dropped, and are written later)."""
         with self.lock:
+            if not self.leading:  # a standby's table is not the members'
+                return []
             dead = []
             for m in self.members.sorted():
                 if self._is_dead(m, now):
@@ -240,6 +306,8 @@ class KVService:
         upserts = [(w, *table[w].record()) for w in ids if w in table]
         try:
             self.member_store.write(upserts, [w for w in ids if w not in table])
+        except Fenced as e:  # as _persist: a deposed leader
+            self._stepped_down_by(e)
         except Exception as e:  # any store failure, as _persist
             self.store_ok = False
             raise StoreUnavailable(f"the member table cannot be written ({type(e).__name__}: {e}); "

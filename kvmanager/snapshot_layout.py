@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+from contextlib import contextmanager
 from dataclasses import asdict, fields
 from urllib.parse import quote
 
@@ -35,6 +36,7 @@ from kvserve.common.wire.pages import (
     PageReleaseResult,
     PoolSpec,
 )
+from kvserve.kvmanager.fencing import fenced_call, fenced_pipeline
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import Block
 from kvserve.kvmanager.recovery import StoredBlock, StoredState, rebuild
@@ -123,23 +125,24 @@ class SnapshotLayout:
                 tenants.add(req.tenant)
         return upserts, tenants
 
-    def write(self, mgr: KVManager, also=None) -> None:
+    def write(self, mgr: KVManager, also=None, fence: tuple[str, int] | None = None) -> None:
         """The full state in one MULTI/EXEC (an inline snapshot), into a prefix that holds no keys yet (a new
         generation's: their numbers are never reused). ``also(pipe)``, if given, queues more commands into the
         same transaction (snapshots.switch_ops: the switch to this generation). The keys go out as a few MSETs
-        of BATCH keys: per-command client overhead, not Redis, is what a write of thousands of keys costs."""
+        of BATCH keys: per-command client overhead, not Redis, is what a write of thousands of keys costs.
+        ``fence`` (owner key, token): the transaction commits only while the token is the latest (raises
+        errors.Fenced, nothing written)."""
         upserts, tenants = self.items(mgr)
         items = list(upserts.items())
-        pipe = self.client.pipeline(transaction=True)
-        for i in range(0, len(items), BATCH):
-            pipe.mset(dict(items[i:i + BATCH]))
-        if tenants:
-            pipe.sadd(self.keys.tenants, *sorted(tenants))
-        if also is not None:
-            also(pipe)
-        pipe.execute()
+        with _transaction(self.client, fence) as pipe:
+            for i in range(0, len(items), BATCH):
+                pipe.mset(dict(items[i:i + BATCH]))
+            if tenants:
+                pipe.sadd(self.keys.tenants, *sorted(tenants))
+            if also is not None:
+                also(pipe)
 
-    def load(self, mgr: KVManager) -> None:
+    def load(self, mgr: KVManager, fence: tuple[str, int] | None = None) -> None:
         """Fills an empty manager with the stored state (recovery.rebuild) and deletes stored blocks of dead
         epochs. Raises redis errors when Redis is unreachable, AssertionError when the stored state is
         inconsistent (never serve from a state that could hand out a page twice)."""
@@ -153,13 +156,29 @@ class SnapshotLayout:
                 _decode_into(state, self.keys.kind(key), json.loads(value))
         dropped = rebuild(mgr, state)
         if dropped:
-            self.client.delete(*(self.keys.block(sb.block.tenant, sb.worker_id, sb.block.block_hash)
-                                 for sb in dropped))
+            keys = [self.keys.block(sb.block.tenant, sb.worker_id, sb.block.block_hash) for sb in dropped]
+            if fence is None:
+                self.client.delete(*keys)
+            else:  # in chunks: a script's command takes a few thousand arguments at most
+                for i in range(0, len(keys), BATCH):
+                    fenced_call(self.client, *fence, "DEL", *keys[i:i + BATCH])
 
     def _scan(self, pattern: str) -> list[str]:
         """Keys matching ``pattern``, each once (SCAN may return a key twice; loading a request twice would
         count its pages twice)."""
         return list(dict.fromkeys(_text(k) for k in self.client.scan_iter(match=pattern, count=BATCH)))
+
+
+@contextmanager
+def _transaction(client: redis.Redis, fence: tuple[str, int] | None):
+    """A MULTI/EXEC pipeline, fenced (fencing.fenced_pipeline) when ``fence`` is given; EXEC runs on exit."""
+    if fence is not None:
+        with fenced_pipeline(client, *fence) as pipe:
+            yield pipe
+        return
+    with client.pipeline(transaction=True) as pipe:
+        yield pipe
+        pipe.execute()
 
 
 # -- encoding -------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import redis
 
+from kvserve.kvmanager.fencing import fenced_call
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.redis_server import die_with_parent, fresh_client
 from kvserve.kvmanager.snapshot_layout import (
@@ -133,8 +134,11 @@ def claim(client: redis.Redis, keys: GenerationKeys) -> tuple[int, int, list[int
     return owner, gen, sorted(log_gens | {gen})
 
 
-def new_generation(client: redis.Redis, keys: GenerationKeys) -> int:
-    return int(client.incr(keys.gens))
+def new_generation(client: redis.Redis, keys: GenerationKeys, owner: int | None = None) -> int:
+    """A new generation number; fenced by ``owner`` when given (raises errors.Fenced)."""
+    if owner is None:
+        return int(client.incr(keys.gens))
+    return int(fenced_call(client, keys.owner, owner, "INCR", keys.gens))
 
 
 def write_state(client: redis.Redis, keys: GenerationKeys, gen: int, mgr: KVManager) -> None:

@@ -41,7 +41,8 @@ def token_list(text: str) -> tuple[int, ...]:
 def _common_flags() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--kvmanager", default=_env("kvmanager", f"127.0.0.1:{DEFAULT_KVMANAGER_PORT}"),
-                        help="address of the kvmanager (host:port)")
+                        help="address of the kvmanager (host:port), or of several separated by commas (a leader and "
+                        "its standbys)")
     common.add_argument("--admin-token", default=_env("admin_token"),
                         help="admin token (default: KVSERVE_ADMIN_TOKEN, else <data-dir>/admin_token)")
     common.add_argument("--data-dir", type=Path, default=_env("data_dir"),
@@ -151,9 +152,16 @@ def _token_hint(args, code, token: str | None) -> str:
     return f" ({where}; for a kvmanager started with another --data-dir, pass that --data-dir, or --admin-token)"
 
 
+def _leader_hint(e) -> str:
+    """For a refusal because no kvmanager named leads (each one's health says NOT_SERVING: standbys)."""
+    return (" (the kvmanagers named report NOT_SERVING: standbys, none of them leads now; name the leader, or "
+            "all of them separated by commas)") if "backend unhealthy" in (e.details() or "") else ""
+
+
 def run_admin(args) -> int:
     import grpc
 
+    from kvserve.common.channels import kvmanager_channel
     from kvserve.v1 import kvmanager_pb2_grpc
 
     if args.admin_command == "reset" and not args.yes:
@@ -162,12 +170,18 @@ def run_admin(args) -> int:
     rpc, request = _request(args)
     token = _client_token(args)
     metadata = [("authorization", f"Bearer {token}")] if token else []
-    with grpc.insecure_channel(args.kvmanager) as channel:
+    try:
+        channel = kvmanager_channel(args.kvmanager)
+    except ValueError as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return 2
+    with channel:
         try:
             stub = kvmanager_pb2_grpc.KVAdminServiceStub(channel)
             response = getattr(stub, rpc)(request, metadata=metadata, timeout=args.timeout)
         except grpc.RpcError as e:
-            print(f"kvserve: {e.code().name}: {e.details()}{_token_hint(args, e.code(), token)}", file=sys.stderr)
+            print(f"kvserve: {e.code().name}: {e.details()}{_token_hint(args, e.code(), token)}"
+                  f"{_leader_hint(e)}", file=sys.stderr)
             return 1
     if args.json:
         print(json.dumps(as_json(response), indent=2))

@@ -11,6 +11,12 @@ the sentinels name, across failovers; ``--redis-wait-replicas N`` (default 1 for
 a call only once N replicas acknowledged its write within ``--redis-wait-timeout-ms`` (else UNAVAILABLE, and the
 caller retries). kvmanager/redis_server.py says exactly what that guarantees.
 
+Leader and standbys: with Redis, several kvmanagers may run on one Redis (``--redis-url``); one leads (a lease in
+Redis, ``--leader-lease`` seconds, with a fencing token: kvmanager/leader.py), the others wait as standbys that
+answer UNAVAILABLE naming the leader, report gRPC health NOT_SERVING, and take over within about one lease of the
+leader's death. The ready line says which this one is: ``(leader, redis: ...)`` or ``(standby, redis: ...)``; a
+lone kvmanager is the leader at once (after a kill -9, once the dead one's lease lapses).
+
 Admin token (for KVAdminService and ``kvserve admin``): ``--admin-token`` or ``KVSERVE_ADMIN_TOKEN``; else a
 random token generated at every start and written to ``<data-dir>/admin_token`` (mode 0600), where
 ``kvserve admin`` finds it on the same machine.
@@ -72,6 +78,12 @@ def add_commands(sub) -> None:
     k.add_argument("--worker-timeout", type=positive_float, default=_env("worker_timeout", "5"),
                    help="seconds a worker's lease lasts: a member not heard from for this long is declared dead, "
                         "its pool and index entries dropped (default 5)")
+    k.add_argument("--leader-lease", type=positive_float, default=_env("leader_lease", "2"),
+                   help="seconds of the leader lease in Redis: a standby takes over within about this long of the "
+                        "leader's death (default 2)")
+    k.add_argument("--advertise-address", default=_env("advertise_address"),
+                   help="host:port the others reach this kvmanager at, which a standby names as the leader's "
+                        "(default: --host:port as bound)")
     add_observability_flags(k)
     k.set_defaults(func=run_kvmanager)
 
@@ -172,11 +184,43 @@ def _metrics(args, service) -> tuple[tuple, int | None]:
     from kvserve.common.grpc_server import RpcTimer
     from kvserve.common.metrics import KVManagerMetrics, serve_metrics
     from kvserve.kvmanager import admin
+    from kvserve.kvmanager.errors import NotLeader
+    from kvserve.kvmanager.manager import KVManager
+
+    def read_stats():
+        try:
+            return service.read(admin.stats)
+        except NotLeader:  # a standby holds no state
+            return admin.stats(KVManager())
 
     call_log = service.store if hasattr(service.store, "num_snapshots") else None  # None: --no-persistence
-    metrics = KVManagerMetrics(lambda: service.read(admin.stats), call_log)
+    metrics = KVManagerMetrics(read_stats, call_log)
     service.on_store_write = metrics.redis_write.observe
     return (RpcTimer(metrics.rpc),), serve_metrics(metrics.registry, args.host, int(args.metrics_port))
+
+
+def _elect(args, service, server, redis_url: str, stop):
+    """The leader election over the store's Redis (kvmanager/leader.py): the first one made, the loop started,
+    gRPC health following it. (election, "leader, " or "standby, " for the ready line). Raises as
+    Election.first (Redis unreachable, a state that does not load)."""
+    from kvserve.kvmanager.leader import Election, LeaderLease
+    from kvserve.kvmanager.redis_server import connect
+    from kvserve.kvmanager.server import report_leadership, tune_gc_for_serving
+
+    def on_role(leading: bool) -> None:
+        report_leadership(server, leading)
+        if leading:
+            tune_gc_for_serving()
+
+    # A client of its own, with timeouts well inside the lease: a renewal must not hang past it.
+    client = connect(redis_url, timeout_s=min(2.0, args.leader_lease / 4))
+    address = args.advertise_address or f"{args.host}:{server.port}"
+    election = Election(LeaderLease(client, args.redis_prefix, address, args.leader_lease), service)
+    leading = election.first(stop)
+    election.on_role = on_role
+    on_role(leading)
+    election.spawn()
+    return election, "leader, " if leading else "standby, "
 
 
 def run_kvmanager(args) -> int:
@@ -206,28 +250,36 @@ def run_kvmanager(args) -> int:
             print(f"kvserve: --data-dir {data_dir}: {e.strerror or e}", file=sys.stderr)
             return 2
         service = KVService(KVManager(), store, worker_timeout_s=args.worker_timeout)
-        try:
-            service.load()
-        except Exception as e:  # any store failure at start: say which store and why, serve nothing
-            print(f"kvserve: cannot load the kvmanager state from redis {redis_desc}: {type(e).__name__}: {e}",
-                  file=sys.stderr)
-            return 1
-        tune_gc_for_serving()
+        elected = not args.no_persistence  # with Redis: a standby until it wins the first election
+        service.leading = not elected
+        if not elected:
+            tune_gc_for_serving()
         token, token_where = _admin_token(args, data_dir)
         setup_tracing("kvserve-kvmanager")
         interceptors, metrics_port = _metrics(args, service)
-        try:
+        try:  # a standby until the first election: it binds its port first, to name it in its lease
             server = start_kvmanager_server(service, args.host, args.port, admin_token=token, tokenizer=tokenizer,
                                             interceptors=interceptors)
         except OSError as e:
             print(f"kvserve: {e}", file=sys.stderr)
             return 1
+        election, role = None, ""
+        try:
+            if elected:
+                election, role = _elect(args, service, server, redis_desc, stop)
+        except Exception as e:  # any store failure at start: say which store and why, serve nothing
+            print(f"kvserve: cannot load the kvmanager state from redis {redis_desc}: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            server.stop(0)
+            return 1
         note = metrics_note(args.host, metrics_port)
-        print(f"kvserve kvmanager ready on {args.host}:{server.port} (redis: {redis_desc}{note}) admin token: "
+        print(f"kvserve kvmanager ready on {args.host}:{server.port} ({role}redis: {redis_desc}{note}) admin token: "
               f"{token_where}", flush=True)
         reaper = MemberReaper(service).start()  # declares dead the workers whose lease lapsed
         serve_until_signal(server, stop, "kvmanager")
         reaper.stop()
+        if election is not None:
+            election.close()  # gives the lease up: a standby takes over at its next poll
         close = getattr(store, "close", None)
         if close is not None:
             close()  # lets a snapshot child that is writing finish, while Redis is still up

@@ -21,7 +21,7 @@ from kvserve.v1 import kvmanager_pb2_grpc
 PS = 4
 P1 = list(range(100, 112))  # 3 full pages
 READY_TIMEOUT_S = 30.0
-READY = re.compile(r"^kvserve kvmanager ready on 127\.0\.0\.1:(\d+) \(redis: (.+)\) admin token: (.+)$")
+READY = re.compile(r"^kvserve kvmanager ready on 127\.0\.0\.1:(\d+) \((?:leader, )?redis: (.+)\) admin token: (.+)$")
 
 
 def cli_env(tmp_path: Path) -> dict[str, str]:

@@ -6,7 +6,9 @@ counters, the clock, the remembered answers, and the free lists and LRUs in thei
 allocations depend on).
 
 The replay bugs fixed with snapshots.replay_items (free list order, tenant eviction order, remembered answers)
-each broke this equality."""
+each broke this equality.
+
+LeaderChangeMachine adds leader changes and fenced late writes of the deposed leader (see there)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from test_kvmanager_properties import KVManagerMachine, snapshot
 
 from kvserve.common.wire.pages import StepOps
 from kvserve.kvmanager import admin
-from kvserve.kvmanager.errors import StaleStep, UnknownRequest
+from kvserve.kvmanager.errors import NotLeader, StaleStep, UnknownRequest
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
@@ -46,13 +48,17 @@ class LoggedManager(KVManager):
     def __init__(self, store: LoggedStore):
         super().__init__()
         self.service = KVService(self, store)
+        self.replaying = False  # while its store loads it: the logged calls apply directly
 
     def step(self, ops):
+        if self.replaying:
+            return super().step(ops)
         return self.service.step(ops)  # which calls check and apply_checked, not step
 
     def register_worker(self, spec, release_requests=False):
         result = super().register_worker(spec, release_requests)  # KVService.register_worker would call back here
-        self.service._persist(("register", spec, release_requests))
+        if not self.replaying:
+            self.service._persist(("register", spec, release_requests))
         return result
 
 
@@ -83,10 +89,6 @@ class ReplayMachine(KVManagerMachine):
         if not forked:
             self.store.snapshot(self.mgr)
             return
-        # The reloads of this test claim the prefix as a restart would: the live store claims it back first,
-        # or its child could not switch.
-        self.store.owner = None
-        self.store._claim()
         self.store.snapshot_every, self.store.background = 0, True
         self.store._background_snapshot(self.mgr)  # due (even with an empty log), no child runs: forks now
         self.store.snapshot_every, self.store.background = 1 << 30, False
@@ -159,8 +161,86 @@ class ReplayMachine(KVManagerMachine):
         LoggedStore(connect(REDIS["url"]), self.prefix).load(loaded)
         assert snapshot(loaded, volatile=False) == snapshot(self.mgr, volatile=False)
         assert (loaded.clock, loaded.recent) == (self.mgr.clock, self.mgr.recent)
+        self.claim_back()
+
+    def claim_back(self) -> None:
+        """The reload claimed the prefix, as a restart does: the live store claims it back, or its writes would
+        be refused by the fencing token (kvmanager/fencing.py)."""
+        self.store.owner = None
+        self.store._claim()
 
 
 ReplayMachine.TestCase.settings = settings(
     max_examples=25, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestReplayProperties = ReplayMachine.TestCase
+
+
+class LeaderChangeMachine(ReplayMachine):
+    """ReplayMachine's calls with leader changes (kvmanager/leader.py, fencing.py). A standby kvmanager (a
+    service and store of its own on the same prefix) takes over from Redis while the leader is paused past its
+    lease; the deposed leader then wakes and attempts a late write, which the fencing token refuses. The model
+    carries on over the new leader, so after every step its pools keep every invariant (check_all: no page owned
+    twice, ref counts, free lists, the index), a reload equals it, and nothing of a deposed leader's write is in
+    Redis. Retries of earlier calls (the inherited rules) then reach the new leader, which answers them from the
+    log it loaded."""
+
+    # One rule per kind of late write: more leader changes in each run (each run enables a random subset of the
+    # rules), and every write path of the store refused by the fence.
+    @rule(data=st.data())
+    def leader_change_then_a_late_step(self, data):
+        self.leader_change(data, "step")
+
+    @rule(data=st.data())
+    def leader_change_then_a_late_registration(self, data):
+        self.leader_change(data, "registration")
+
+    @rule(data=st.data())
+    def leader_change_then_a_late_admin_call(self, data):
+        self.leader_change(data, "admin call")
+
+    @rule(data=st.data())
+    def leader_change_then_a_late_inline_snapshot(self, data):
+        self.leader_change(data, "inline snapshot")
+
+    @rule(data=st.data())
+    def leader_change_then_a_late_reset(self, data):
+        self.leader_change(data, "reset")
+
+    def leader_change(self, data, late: str) -> None:
+        old = self.mgr
+        store = LoggedStore(connect(REDIS["url"]), self.prefix, snapshot_every=1 << 30, background=False)
+        new = LoggedManager(store)
+        new.service.leading, new.replaying = False, True
+        new.service.take_over(new)  # claims the prefix (a newer fencing token), then loads
+        new.replaying = False
+        assert snapshot(new, volatile=False) == snapshot(old, volatile=False)
+        assert (new.clock, new.recent) == (old.clock, old.recent)
+        before = redis_contents(store.client, self.prefix)
+        with pytest.raises(NotLeader, match="fencing token"):
+            self.late_write(old, late, data)
+        assert redis_contents(store.client, self.prefix) == before, "a deposed leader's write was applied"
+        assert not old.service.leading
+        self.mgr, self.store = new, store
+
+    def late_write(self, old: LoggedManager, kind: str, data) -> None:
+        """A call that writes, of each path a write to Redis takes: a step's record sent early, a registration's
+        and an admin call's appended, an inline snapshot's MULTI/EXEC (due now, or an admin reset)."""
+        w = data.draw(st.sampled_from(props.WORKERS))
+        if kind in ("step", "inline snapshot"):
+            old.service.store.snapshot_every = 1 if kind == "inline snapshot" else 1 << 30
+            old.step(StepOps(self.next_step(data), allocations=(self.alloc_op(data, self.new_id()),)))
+        elif kind == "registration":
+            old.register_worker(props.spec_for(w, self.epoch[w] + 1, self.num_pages[w]))
+        elif kind == "admin call":
+            old.service.mutate(admin.forget_worker, w, True)
+        else:
+            old.service.mutate(admin.reset, True)
+
+
+def redis_contents(client, prefix: str) -> dict[str, bytes]:
+    return {key: client.dump(key) for key in sorted(client.scan_iter(match=f"{prefix}:*"))}
+
+
+LeaderChangeMachine.TestCase.settings = settings(
+    max_examples=5, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestLeaderChangeProperties = LeaderChangeMachine.TestCase

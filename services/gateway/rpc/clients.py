@@ -58,9 +58,10 @@ def call_with_retries(call, *, retry_on, retry_for_s: float, first_backoff_s: fl
 class _ServiceClient:
     """A channel to one service, a stub on it, and the retry settings of its calls."""
 
-    def __init__(self, address: str, stub_type, timeout_s: float, retry_for_s: float, channel=None):
+    def __init__(self, address: str, stub_type, timeout_s: float, retry_for_s: float,
+                 channel: grpc.Channel | None = None):
         self.address = address
-        self.channel = channel if channel is not None else grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = stub_type(self.channel)
         self.timeout_s, self.retry_for_s = timeout_s, retry_for_s
         self.stopping = threading.Event()  # set by interrupt()
@@ -78,14 +79,16 @@ def _reason(e: grpc.RpcError) -> str:
 
 
 class KVManagerClient(_ServiceClient):
-    """Retries UNAVAILABLE (Redis briefly down) and DEADLINE_EXCEEDED (a call that waited timeout_s for a
-    restarting kvmanager) with capped backoff, for up to retry_for_s. Every call is safe to repeat: StepPages is
-    idempotent per step_id and RegisterWorker per epoch. Place is tried once (see place)."""
+    """Retries UNAVAILABLE (Redis briefly down, a leader stepping down) and DEADLINE_EXCEEDED (a call that waited
+    timeout_s for a restarting kvmanager, or for a standby to take over) with capped backoff, for up to
+    retry_for_s. Every call is safe to repeat: StepPages is idempotent per step_id (a new leader answers a call
+    its predecessor logged from the log) and RegisterWorker per epoch. Place is tried once (see place).
+    ``address``: a --kvmanager value, one address or a list (common/channels.py finds the leader)."""
 
     def __init__(self, address: str, timeout_s: float = 10.0, retry_for_s: float = 60.0,
                  place_timeout_s: float = 2.0):
         super().__init__(address, kvmanager_pb2_grpc.KVManagerServiceStub, timeout_s, retry_for_s,
-                         kvmanager_channel(address))
+                         channel=kvmanager_channel(address))
         self.place_timeout_s = place_timeout_s
 
     def register(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
