@@ -55,7 +55,7 @@ from pathlib import Path
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelConnectionPool
+from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 HOST = "127.0.0.1"
 SENTINEL_SCHEME = "redis+sentinel"
@@ -102,9 +102,30 @@ class PrimaryConnection(redis.Connection):
     def read_response(self, *args, **kwargs):
         try:
             return super().read_response(*args, **kwargs)
-        except redis.ReadOnlyError as e:
+        except redis.ResponseError as e:
+            if not is_read_only(e):
+                raise
             self.disconnect()
             raise redis.ConnectionError(f"{self.host}:{self.port} is a read-only replica now ({e})") from e
+
+
+def is_read_only(error: redis.ResponseError) -> bool:
+    """READONLY, as a command's reply or inside a script's error (a fenced write runs as a Lua script)."""
+    return isinstance(error, redis.ReadOnlyError) or "-READONLY " in str(error)
+
+
+class SentinelPrimaryConnection(SentinelManagedConnection):
+    """redis.sentinel's connection, which drops itself on READONLY (the primary it reached was demoted) and so
+    asks the sentinels again; also when the READONLY comes inside a script's error."""
+
+    def read_response(self, *args, **kwargs):
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.ResponseError as e:
+            if not is_read_only(e):
+                raise
+            self.disconnect()
+            raise redis.ConnectionError(f"the primary this connection reached is a replica now ({e})") from e
 
 
 # -- Sentinel ---------------------------------------------------------------------------------------------------
@@ -171,7 +192,8 @@ def _primary_of(target: SentinelUrl, timeout_s: float, options: dict) -> redis.R
     sentinel_options = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
                         "retry": Retry(NoBackoff(), 0), "password": target.sentinel_password}
     sentinels = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_options)
-    return sentinels.master_for(target.service_name, db=target.db, password=target.password, **options)
+    return sentinels.master_for(target.service_name, db=target.db, password=target.password,
+                                connection_class=SentinelPrimaryConnection, **options)
 
 
 def describe_url(url: str) -> str:
@@ -199,7 +221,8 @@ def fresh_client(client: redis.Redis, **overrides) -> redis.Redis:
                  for s in old.sentinels]
     sentinels = Sentinel(addresses, min_other_sentinels=old.min_other_sentinels, sentinel_kwargs=old.sentinel_kwargs)
     return sentinels.master_for(pool.service_name, connection_pool_class=type(pool),
-                                check_connection=pool.check_connection, **kwargs)
+                                check_connection=pool.check_connection, connection_class=pool.connection_class,
+                                **kwargs)
 
 
 def close_client(client: redis.Redis) -> None:

@@ -148,11 +148,11 @@ def _tokenizer(model: str | None):
 
 
 def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
-    """(store, redis description) for the flags; an embedded Redis is stopped when ``stack`` closes."""
+    """(store, redis url, its description) for the flags; an embedded Redis is stopped when ``stack`` closes."""
     from kvserve.kvmanager.service import NullStore
 
     if args.no_persistence:
-        return NullStore(), "none, --no-persistence"
+        return NullStore(), "", "none, --no-persistence"
     try:
         from kvserve.kvmanager.oplog import LoggedStore
         from kvserve.kvmanager.redis_server import EmbeddedRedis, connect, describe_url, is_sentinel_url
@@ -174,7 +174,7 @@ def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
                         snapshot_bytes=args.snapshot_mb << 20, wait_replicas=wait_replicas,
                         wait_timeout_ms=args.redis_wait_timeout_ms)
     shows_wait = store.wait or is_sentinel_url(url)  # a plain URL without WAIT reads as before
-    return store, describe_url(url) + (f", {store.wait.describe()}" if shows_wait else "")
+    return store, url, describe_url(url) + (f", {store.wait.describe()}" if shows_wait else "")
 
 
 def _metrics(args, service) -> tuple[tuple, int | None]:
@@ -242,7 +242,7 @@ def run_kvmanager(args) -> int:
             tokenizer = _tokenizer(args.model)
             if _uses_data_dir(args):
                 lock_data_dir(data_dir, stack)
-            store, redis_desc = _open_store(args, data_dir, stack)
+            store, redis_url, redis_desc = _open_store(args, data_dir, stack)
         except (ValueError, RuntimeError, FileNotFoundError) as e:
             print(f"kvserve: {e}", file=sys.stderr)
             return 2
@@ -266,7 +266,7 @@ def run_kvmanager(args) -> int:
         election, role = None, ""
         try:
             if elected:
-                election, role = _elect(args, service, server, redis_desc, stop)
+                election, role = _elect(args, service, server, redis_url, stop)
         except Exception as e:  # any store failure at start: say which store and why, serve nothing
             print(f"kvserve: cannot load the kvmanager state from redis {redis_desc}: {type(e).__name__}: {e}",
                   file=sys.stderr)
