@@ -16,16 +16,6 @@ K8S_DIR = ROOT / "k8s"
 AUTOSCALING_DIR = K8S_DIR / "autoscaling"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-# The flags issue 23 adds (its agreed interfaces), built on other branches while these manifests already use
-# them: (subcommand, variable). A name here that the CLI lacks is accepted as that subcommand's; one the CLI
-# has is checked like any other. Empty this set once those branches are merged.
-ISSUE23_PENDING_ENV = frozenset({
-    ("kvmanager", "KVSERVE_WORKER_TIMEOUT"), ("kvmanager", "KVSERVE_LEADER_LEASE"),
-    ("kvmanager", "KVSERVE_ADVERTISE_ADDRESS"), ("kvmanager", "KVSERVE_REDIS_WAIT_REPLICAS"),
-    ("kvmanager", "KVSERVE_REDIS_WAIT_TIMEOUT_MS"),
-    ("worker", "KVSERVE_KVMANAGER"), ("worker", "KVSERVE_ADVERTISE_ADDRESS"), ("worker", "KVSERVE_DRAIN_TIMEOUT"),
-    ("gateway", "KVSERVE_WORKER_TIMEOUT"),
-})
 # The CLI module that defines each service subcommand's flags; services/cli_flags.py adds the shared ones.
 CLI_MODULES = {"kvmanager": "cli_kvmanager.py", "worker": "cli_worker.py", "gateway": "cli_gateway.py"}
 SHARED_CLI_MODULE = "cli_flags.py"

@@ -15,7 +15,6 @@ from urllib.parse import urlparse
 import pytest
 from k8s_manifests import (
     AUTOSCALING_DIR,
-    ISSUE23_PENDING_ENV,
     K8S_DIR,
     all_containers,
     cli_env_names,
@@ -243,8 +242,7 @@ def test_no_secret_values_are_committed() -> None:
 @pytest.mark.parametrize(("workload_name", "command"), SERVICES)
 def test_env_names_are_flags_the_cli_reads(workload_name: str, command: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each KVSERVE_X of the container is a --x flag of its subcommand, and setting the variable gives the
-    same parsed value as passing the flag (so the flag really falls back to that variable). A flag issue 23
-    agreed on but built on another branch (ISSUE23_PENDING_ENV) may still be missing."""
+    same parsed value as passing the flag (so the flag really falls back to that variable)."""
     c = container(workload(workload_name))
     assert c["command"][:2] == ["kvserve", command]
     kvserve_env = _kvserve_env(workload_name)
@@ -255,8 +253,6 @@ def test_env_names_are_flags_the_cli_reads(workload_name: str, command: str, mon
     actions = {s: a for a in _subparser(parser, command)._actions + parser._actions for s in a.option_strings}
     for name, spec in kvserve_env.items():
         flag = _flag_for_env(name)
-        if flag not in actions and (command, name) in ISSUE23_PENDING_ENV:
-            continue
         assert flag in actions, f"{workload_name}: {name} has no {flag} flag in `kvserve {command}`"
         value = spec.get("value", f"from-{name.lower()}")  # valueFrom: any string stands in
         by_flag = getattr(build_parser().parse_args([command, flag, value]), actions[flag].dest)
@@ -269,10 +265,9 @@ def test_env_names_are_flags_the_cli_reads(workload_name: str, command: str, mon
 @pytest.mark.parametrize(("workload_name", "command"), SERVICES)
 def test_env_names_are_env_defaults_in_the_cli_source(workload_name: str, command: str) -> None:
     """The same from the source: every KVSERVE_X a container sets is an ``_env("x")``/``env_default("x")`` of its
-    subcommand's CLI module (services/cli_<command>.py, or cli_flags.py's shared flags), or one of the agreed
-    issue-23 names; a manifest and the flags cannot drift apart, whichever of the two is edited."""
-    known = cli_env_names(command) | {name for cmd, name in ISSUE23_PENDING_ENV if cmd == command}
-    unknown = set(_kvserve_env(workload_name)) - known
+    subcommand's CLI module (services/cli_<command>.py, or cli_flags.py's shared flags); a manifest and the
+    flags cannot drift apart, whichever of the two is edited."""
+    unknown = set(_kvserve_env(workload_name)) - cli_env_names(command)
     assert not unknown, f"{workload_name} sets {sorted(unknown)}, which no flag of `kvserve {command}` reads"
 
 
