@@ -94,6 +94,7 @@ class Election:
         self.lease_deadline = 0.0  # time.monotonic() by which the lease may have lapsed in Redis
         self.num_terms = 0
         self.last_takeover_s = 0.0  # acquire to serving, of the latest term
+        self.last_failure = ""  # why the latest attempt to take over failed
         self.wake = threading.Event()  # set when a write was fenced, or to stop
         self.closing = threading.Event()
         self.thread: threading.Thread | None = None
@@ -193,8 +194,12 @@ class Election:
                 self.lease.release()
             if raise_errors:
                 raise
-            log.warning("kvmanager: could not take over as leader (%s: %s); still a standby", type(e).__name__, e)
+            why = f"{type(e).__name__}: {e}"
+            if why != self.last_failure:  # once, not at every poll while Redis is down
+                log.warning("kvmanager: could not take over as leader (%s); still a standby", why)
+            self.last_failure = why
             return False
+        self.last_failure = ""
         self.leading = True
         self.num_terms += 1
         self.last_takeover_s = time.monotonic() - t0

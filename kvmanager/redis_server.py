@@ -352,8 +352,10 @@ class EmbeddedRedis:
             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
             "--daemonize", "no", "--logfile", str(self.log_path.resolve()), *self.args,
         ]
+        # A process group of its own: a terminal's Ctrl-C (or a signal to its owner's group) must not stop Redis
+        # before its owner (a kvmanager, or kvserve up) has stopped the processes still writing to it.
         return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=die_with_parent, process_group=0)
 
     def _wait_ready(self, proc: subprocess.Popen, port: int) -> bool:
         """Polls PING until it answers (True), the process exits (False), or the deadline passes (raises)."""

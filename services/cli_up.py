@@ -5,11 +5,14 @@
 
 Each service is a child process in its own process group (so a terminal's Ctrl-C reaches ``up`` alone and the
 stop order holds: the gateway drains and frees its pages while the kvmanager still runs), and dies with ``up``
-if ``up`` is killed. If any child exits on its own, ``up`` stops the rest and exits 1.
+if ``up`` is killed. If any child exits on its own, ``up`` stops the rest and exits 1; with
+``--kvmanager-replicas N`` > 1 (a leader and standbys on a Redis ``up`` runs: cli_up_replicas.py) a kvmanager that
+exits is started again instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import subprocess
@@ -40,6 +43,10 @@ def add_commands(sub) -> None:
     u.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port (0 = a free port)")
     u.add_argument("--kvmanager-port", type=int, default=DEFAULT_KVMANAGER_PORT, help="0 = a free port")
     u.add_argument("--workers", type=positive_int, default=1, help="number of worker processes")
+    u.add_argument("--kvmanager-replicas", type=positive_int, default=_env("kvmanager_replicas", "1"),
+                   help="kvmanager processes: one leads, the others stand by to take over (default 1). With more "
+                        "than 1, up runs the Redis they share (unless --redis-url) and their ports are "
+                        "--kvmanager-port, +1, ... (free ports if 0)")
     u.add_argument("--model", default=_env("model"))
     u.add_argument("--cache-dir", type=Path, default=_env("cache_dir"))
     u.add_argument("--data-dir", type=Path, default=_env("data_dir"),
@@ -70,12 +77,13 @@ def _pump(child: Child) -> None:
     child.lines.put(None)
 
 
-def start_child(name: str, argv: list[str]) -> Child:
+def start_child(name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
     """Starts `kvserve ARGV` and returns once it printed its ready line. Raises RuntimeError otherwise."""
     from kvserve.kvmanager.redis_server import die_with_parent  # imported here, never in the forked child
 
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.services.cli", *argv], stdout=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True, process_group=0, preexec_fn=die_with_parent)
+                            stdin=subprocess.DEVNULL, text=True, process_group=0, preexec_fn=die_with_parent,
+                            env=env)
     child = Child(name, proc)
     threading.Thread(target=_pump, args=(child,), daemon=True).start()
     try:
@@ -125,9 +133,9 @@ def _model_argv(args) -> list[str]:
                                                               if args.cache_dir else [])
 
 
-def _gateway_argv(args, kvmanager: Child) -> list[str]:
+def _gateway_argv(args, kvmanager: str) -> list[str]:
     """The gateway follows the workers that join the kvmanager: the stack's workers, and any started later."""
-    argv = ["gateway", "--host", args.host, "--port", str(args.port), "--kvmanager", kvmanager.address,
+    argv = ["gateway", "--host", args.host, "--port", str(args.port), "--kvmanager", kvmanager,
             "--worker-timeout", str(args.worker_timeout), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
@@ -140,8 +148,11 @@ def _gateway_argv(args, kvmanager: Child) -> list[str]:
     return argv + _model_argv(args)
 
 
-def _watch(children: list[Child], stop: threading.Event, died: list[str]) -> None:
-    """One thread per child: a child that exits on its own stops the whole stack."""
+def _watch(children: list[Child], stop: threading.Event, died: list[str], restart: dict | None = None) -> None:
+    """One thread per child: a child that exits on its own stops the whole stack, but one named in ``restart``
+    (a kvmanager replica: its argv for a port, and its environment) is started again."""
+    from kvserve.services.cli_up_replicas import keep_running
+
     def wait(child: Child) -> None:
         child.proc.wait()
         if not stop.is_set():
@@ -149,16 +160,43 @@ def _watch(children: list[Child], stop: threading.Event, died: list[str]) -> Non
             stop.set()
 
     for child in children:
-        threading.Thread(target=wait, args=(child,), daemon=True).start()
+        if child.name in (restart or {}):
+            argv_for_port, env = restart[child.name]
+            target, targs = keep_running, (child, argv_for_port, env, stop, died, start_child, stop_child)
+        else:
+            target, targs = wait, (child,)
+        threading.Thread(target=target, args=targs, daemon=True).start()
 
 
-def _start_stack(args, children: list[Child]) -> None:
+def _start_kvmanagers(args, children: list[Child], stack: contextlib.ExitStack) -> dict:
+    """The kvmanager (or, with --kvmanager-replicas N > 1, N of them on a Redis up runs); what _watch restarts."""
+    from kvserve.services import cli_up_replicas as replicas
     from kvserve.services.model_store import resolve_model
 
-    children.append(start_child("kvmanager", _kvmanager_argv(args, resolve_model(args.model, args.cache_dir))))
+    model_dir = resolve_model(args.model, args.cache_dir)
+    if args.kvmanager_replicas == 1:
+        children.append(start_child("kvmanager", _kvmanager_argv(args, model_dir)))
+        return {}
+    try:
+        shared = replicas.open_shared_redis(args, stack)
+    except (ValueError, OSError) as e:
+        raise RuntimeError(str(e)) from e
+    def argv_for_port(port: int) -> list[str]:
+        return replicas.replica_argv(args, model_dir, shared, port)
+
+    for i in range(args.kvmanager_replicas):
+        children.append(start_child(f"kvmanager-{i}", argv_for_port(replicas.replica_port(args, i)), shared.env))
+    return {child.name: (argv_for_port, shared.env) for child in children}
+
+
+def _start_stack(args, children: list[Child], stack: contextlib.ExitStack) -> tuple[str, dict]:
+    """Starts every service; (the --kvmanager value the gateway got, the kvmanagers _watch restarts)."""
+    restart = _start_kvmanagers(args, children, stack)
+    kvmanager = ",".join(child.address for child in children)
     for i in range(args.workers):
-        children.append(start_child(f"worker-{i}", _worker_argv(args, i, children[0].address)))
-    children.append(start_child("gateway", _gateway_argv(args, children[0])))
+        children.append(start_child(f"worker-{i}", _worker_argv(args, i, kvmanager)))
+    children.append(start_child("gateway", _gateway_argv(args, kvmanager)))
+    return kvmanager, restart
 
 
 def _check_window(args) -> None:
@@ -203,24 +241,25 @@ def run_up(args) -> int:
     stop = install_stop_signals()
     children: list[Child] = []
     died: list[str] = []
-    try:
-        _start_stack(args, children)
-        _watch(children, stop, died)
-        gateway, kvmanager = children[-1], children[0]
-        token = (args.data_dir or default_data_dir()).expanduser() / ADMIN_TOKEN_FILE
-        # "HTTP http://host:port/v1, N workers, prefix caching .., keys"
-        http, details = gateway.ready_line.split("(", 1)[1].rstrip(")").split(", ", 1)
-        print(f"kvserve up ready: gateway on {gateway.address}, OpenAI API at {http.removeprefix('HTTP ')} "
-              f"(kvmanager {kvmanager.address}, {details}; "
-              f"admin token in {token}: {_admin_hint(args, kvmanager.address)})", flush=True)
-        stop.wait()
-    except (RuntimeError, ModelNotFound) as e:
-        print(f"kvserve: {e}", file=sys.stderr)
-        died.append("start-up")
-    finally:
-        stop.set()
-        for child in reversed(children):  # gateway first: it frees its pages while the kvmanager runs
-            stop_child(child)
+    with contextlib.ExitStack() as stack:  # the Redis of --kvmanager-replicas N > 1: stopped after every child
+        try:
+            kvmanager, restart = _start_stack(args, children, stack)
+            _watch(children, stop, died, restart)
+            gateway = children[-1]
+            token = (args.data_dir or default_data_dir()).expanduser() / ADMIN_TOKEN_FILE
+            # "HTTP http://host:port/v1, N workers, prefix caching .., keys"
+            http, details = gateway.ready_line.split("(", 1)[1].rstrip(")").split(", ", 1)
+            print(f"kvserve up ready: gateway on {gateway.address}, OpenAI API at {http.removeprefix('HTTP ')} "
+                  f"(kvmanager {kvmanager}, {details}; "
+                  f"admin token in {token}: {_admin_hint(args, kvmanager)})", flush=True)
+            stop.wait()
+        except (RuntimeError, ModelNotFound) as e:
+            print(f"kvserve: {e}", file=sys.stderr)
+            died.append("start-up")
+        finally:
+            stop.set()
+            for child in reversed(children):  # gateway first: it frees its pages while the kvmanager runs
+                stop_child(child)
     if died:
         print(f"kvserve: stopped because {died[0]} exited", file=sys.stderr)
         return 1

@@ -8,13 +8,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 from service_process import service_process
 
+from kvserve.common.channels import kvmanager_channel
 from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 READY = re.compile(r"^kvserve up ready: gateway on (?P<gateway>[^\s,]+), OpenAI API at (?P<http>\S+) "
-                   r"\(kvmanager (?P<kvmanager>[^,]+), ")
+                   r"\(kvmanager (?P<kvmanager>\S+), ")  # one host:port, or a list (--kvmanager-replicas)
 READY_TIMEOUT_S = 180.0  # kvmanager + model load per worker on 2 busy cores
 
 
@@ -30,7 +30,7 @@ class Stack:
 
     def admin_stats(self) -> kvmanager_pb2.StatsResponse:
         token = (self.data_dir / "admin_token").read_text().strip()
-        with grpc.insecure_channel(self.kvmanager) as channel:
+        with kvmanager_channel(self.kvmanager) as channel:
             stub = kvmanager_pb2_grpc.KVAdminServiceStub(channel)
             return stub.Stats(kvmanager_pb2.StatsRequest(), timeout=10,
                               metadata=[("authorization", f"Bearer {token}")])
