@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-kvquant bench-long bench-streaming bench-http clean
+.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-kvquant bench-long bench-streaming bench-http chaos clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -100,6 +100,14 @@ $(GUIDELLM): | $(PY)
 
 bench-http: model kernels $(GUIDELLM)
 	$(PY) bench/bench_http.py
+
+# Faults under load (issue 23): Redis (Sentinel), a kvmanager leader + standby, 2 workers and a gateway as separate
+# processes on loopback, 6 closed-loop greedy clients; kill -9 of the leader kvmanager, of a worker (restarted, then
+# for good), of the Redis primary, and a worker added mid-load. Requests, lost, wrong (vs HF greedy), pages left
+# and recovery times per fault in bench/results/chaos-<date>.json and .md. A few minutes. tests/test_chaos.py runs
+# a shorter one.
+chaos: model kernels
+	$(PY) bench/chaos.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
