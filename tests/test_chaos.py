@@ -21,7 +21,8 @@ from chaos_run import ChaosConfig, run_chaos  # noqa: E402
 from chaos_stack import Features, StackConfig  # noqa: E402
 
 CFG = ChaosConfig(num_clients=3, max_tokens=16, quiet_requests=3, phase_timeout_s=150.0, request_timeout_s=120.0,
-                  drain_timeout_s=120.0, stack=StackConfig(num_pages=96, worker_timeout_s=3.0))
+                  drain_timeout_s=120.0,
+                  stack=StackConfig(num_pages=96, worker_timeout_s=3.0, replace_lost_worker=False))  # e adds one
 STANDBY_SERVES_WITHIN_S = 5.0  # issue 23's acceptance
 RECOMPUTE_BOUND_S = 30.0  # a lost worker's requests, re-prefilled and decoded again on 2 busy cores
 
