@@ -89,6 +89,16 @@ class KVService:
         with self.lock:
             self._drop_state()
 
+    def fenced(self, error: Fenced) -> NotLeader:
+        """For a write that ``error`` refused, under the lock (any fenced write the service makes, the call log's
+        or another's): stops leading at once, drops the stale state, tells the election loop; returns the
+        NotLeader to raise instead of answering."""
+        self.leading, self.not_leading_why = False, f"not the leader any more: {error}"
+        self._drop_state()
+        if self.on_fenced is not None:
+            self.on_fenced()
+        return NotLeader(self.not_leading_why)
+
     def _drop_state(self) -> None:
         self.manager = KVManager()
         abandon = getattr(self.store, "abandon", None)
@@ -144,11 +154,7 @@ class KVService:
         try:
             self.store.write(self.manager, record, reset=changes.reset)
         except Fenced as e:  # a deposed leader: its state is stale; never acknowledge, never serve again
-            self.leading, self.not_leading_why = False, f"not the leader any more: {e}"
-            self._drop_state()
-            if self.on_fenced is not None:
-                self.on_fenced()
-            raise NotLeader(self.not_leading_why) from e
+            raise self.fenced(e) from e
         except Exception as e:  # any store failure: keep the change, answer UNAVAILABLE
             self.store_ok = False
             raise StoreUnavailable(f"the state store cannot be written ({type(e).__name__}: {e}); "
