@@ -17,6 +17,9 @@ check exactly that).
 A step is appended as soon as it is validated, while the manager applies it (send_early); other calls only
 when they changed state. Retried calls (same step_id) replay their answers, so a record logged twice (its
 first write failed) changes nothing the second time.
+
+Every write is fenced by this store's claim on the prefix (fencing.py): once another kvmanager has claimed it (a
+standby that took over), each write fails with Fenced and nothing of it is applied.
 """
 
 from __future__ import annotations
