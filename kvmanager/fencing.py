@@ -15,7 +15,10 @@ failover) may not have the script cached. A refused write is an error reply star
 errors.Fenced; redis-py raises every other failure as before.
 
 Transactions (MULTI/EXEC of an inline snapshot) are fenced with WATCH on the owner key instead (fenced_pipeline):
-EXEC fails if anyone claimed in between.
+EXEC fails if anyone claimed in between. Left unfenced, because a deposed leader's copy of them is harmless: a
+snapshot child's writes of a new generation's keys (nobody reads them before its switch, which is fenced the
+same way, snapshots.switch) and the deletion of generations older than one already switched to (which nobody
+loads again).
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ acknowledgements than asked fail the write. A failed write then leaves the store
 is an inline snapshot of the whole state (stalling that call, as an admin reset does), so that what the
 replicas, or a replica promoted since, hold is exactly the state in memory again, whichever of the
 unacknowledged writes they had received.
+
+Every write is fenced by this store's claim on the prefix (fencing.py): once another kvmanager has claimed it (a
+standby that took over), each write fails with Fenced and nothing of it is applied.
 """
 
 from __future__ import annotations

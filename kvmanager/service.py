@@ -117,6 +117,16 @@ class KVService:
         with self.lock:
             self._drop_state()
 
+    def fenced(self, error: Fenced) -> NotLeader:
+        """For a write that ``error`` refused, under the lock (any fenced write the service makes, the call log's
+        or another's): stops leading at once, drops the stale state, tells the election loop; returns the
+        NotLeader to raise instead of answering."""
+        self.leading, self.not_leading_why = False, f"not the leader any more: {error}"
+        self._drop_state()
+        if self.on_fenced is not None:
+            self.on_fenced()
+        return NotLeader(self.not_leading_why)
+
     def _drop_state(self) -> None:
         self.manager = KVManager()
         self.members = MemberTable(self.members.lease_s, self.members.clock)
@@ -124,15 +134,6 @@ class KVService:
         abandon = getattr(self.store, "abandon", None)
         if abandon is not None:
             abandon()
-
-    def _stepped_down_by(self, error: Fenced) -> None:
-        """A write was fenced: this is a deposed leader. Its state is stale: dropped, never acknowledged, never
-        served again. Raises NotLeader. Under the lock."""
-        self.leading, self.not_leading_why = False, f"not the leader any more: {error}"
-        self._drop_state()
-        if self.on_fenced is not None:
-            self.on_fenced()
-        raise NotLeader(self.not_leading_why) from error
 
     def _check_leading(self) -> None:
         if not self.leading:
@@ -192,7 +193,7 @@ class KVService:
         try:
             self.store.write(self.manager, record, reset=changes.reset)
         except Fenced as e:  # a deposed leader: its state is stale; never acknowledge, never serve again
-            self._stepped_down_by(e)
+            raise self.fenced(e) from e
         except Exception as e:  # any store failure: keep the change, answer UNAVAILABLE
             self.store_ok = False
             raise StoreUnavailable(f"the state store cannot be written ({type(e).__name__}: {e}); "
@@ -307,7 +308,7 @@ class KVService:
         try:
             self.member_store.write(upserts, [w for w in ids if w not in table])
         except Fenced as e:  # as _persist: a deposed leader
-            self._stepped_down_by(e)
+            raise self.fenced(e) from e
         except Exception as e:  # any store failure, as _persist
             self.store_ok = False
             raise StoreUnavailable(f"the member table cannot be written ({type(e).__name__}: {e}); "

@@ -181,6 +181,7 @@ def _start_kvmanagers(args, children: list[Child], stack: contextlib.ExitStack) 
         shared = replicas.open_shared_redis(args, stack)
     except (ValueError, OSError) as e:
         raise RuntimeError(str(e)) from e
+
     def argv_for_port(port: int) -> list[str]:
         return replicas.replica_argv(args, model_dir, shared, port)
 
@@ -241,25 +242,26 @@ def run_up(args) -> int:
     stop = install_stop_signals()
     children: list[Child] = []
     died: list[str] = []
-    with contextlib.ExitStack() as stack:  # the Redis of --kvmanager-replicas N > 1: stopped after every child
-        try:
-            kvmanager, restart = _start_stack(args, children, stack)
-            _watch(children, stop, died, restart)
-            gateway = children[-1]
-            token = (args.data_dir or default_data_dir()).expanduser() / ADMIN_TOKEN_FILE
-            # "HTTP http://host:port/v1, N workers, prefix caching .., keys"
-            http, details = gateway.ready_line.split("(", 1)[1].rstrip(")").split(", ", 1)
-            print(f"kvserve up ready: gateway on {gateway.address}, OpenAI API at {http.removeprefix('HTTP ')} "
-                  f"(kvmanager {kvmanager}, {details}; "
-                  f"admin token in {token}: {_admin_hint(args, kvmanager)})", flush=True)
-            stop.wait()
-        except (RuntimeError, ModelNotFound) as e:
-            print(f"kvserve: {e}", file=sys.stderr)
-            died.append("start-up")
-        finally:
-            stop.set()
-            for child in reversed(children):  # gateway first: it frees its pages while the kvmanager runs
-                stop_child(child)
+    stack = contextlib.ExitStack()  # the Redis of --kvmanager-replicas N > 1: closed once every child stopped
+    try:
+        kvmanager, restart = _start_stack(args, children, stack)
+        _watch(children, stop, died, restart)
+        gateway = children[-1]
+        token = (args.data_dir or default_data_dir()).expanduser() / ADMIN_TOKEN_FILE
+        # "HTTP http://host:port/v1, N workers, prefix caching .., keys"
+        http, details = gateway.ready_line.split("(", 1)[1].rstrip(")").split(", ", 1)
+        print(f"kvserve up ready: gateway on {gateway.address}, OpenAI API at {http.removeprefix('HTTP ')} "
+              f"(kvmanager {kvmanager}, {details}; "
+              f"admin token in {token}: {_admin_hint(args, kvmanager)})", flush=True)
+        stop.wait()
+    except (RuntimeError, ModelNotFound) as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        died.append("start-up")
+    finally:
+        stop.set()
+        for child in reversed(children):  # gateway first: it frees its pages while the kvmanager runs
+            stop_child(child)
+        stack.close()
     if died:
         print(f"kvserve: stopped because {died[0]} exited", file=sys.stderr)
         return 1
