@@ -39,13 +39,6 @@ def _kvmanager() -> dict:
     return one("StatefulSet", "kvserve-kvmanager")
 
 
-def _kvmanager_addresses() -> list[str]:
-    """kvserve-kvmanager-<i>.<headless Service>:<port> for every kvmanager replica."""
-    statefulset = _kvmanager()
-    (port,) = one("Service", statefulset["spec"]["serviceName"])["spec"]["ports"]
-    return [f"{name}:{port['port']}" for name in pod_dns_names(statefulset)]
-
-
 def _headless(service_name: str) -> dict:
     service = one("Service", service_name)
     assert service["spec"].get("clusterIP") == "None", f"{service_name}: pod DNS names need a headless Service"
@@ -128,11 +121,14 @@ def test_kvmanager_settings_for_the_lease_workers_and_its_address() -> None:
     _advertises_pod_ip(c, KVMANAGER_PORT)
 
 
-def test_gateway_and_workers_list_every_kvmanager_pod() -> None:
-    """KVSERVE_KVMANAGER is the leader and the standby by their stable names, the same list for both clients."""
+def test_gateway_and_workers_reach_every_kvmanager_pod() -> None:
+    """KVSERVE_KVMANAGER is the kvmanager's headless Service as one dns:/// target (re-resolved by gRPC when a
+    pod comes back with a new IP, which a list of names resolved once would miss), the same for both clients."""
     gateway = container(one("Deployment", "kvserve-gateway"))
     worker = container(one("StatefulSet", "kvserve-worker"))
-    assert env_value(gateway, "KVSERVE_KVMANAGER").split(",") == _kvmanager_addresses()
+    statefulset = _kvmanager()
+    (port,) = _headless(statefulset["spec"]["serviceName"])["spec"]["ports"]
+    assert env_value(gateway, "KVSERVE_KVMANAGER") == f"dns:///{statefulset['spec']['serviceName']}:{port['port']}"
     assert env_value(worker, "KVSERVE_KVMANAGER") == env_value(gateway, "KVSERVE_KVMANAGER")
 
 
