@@ -126,9 +126,10 @@ def kill_worker_for_good(stack: ChaosStack, load: ClosedLoop, deadline: float) -
 
 
 def check_dead_pool_dropped(stack: ChaosStack, figures: dict) -> None:
-    """After c: the dead worker's pool is gone from the kvmanager; with membership a fresh worker replaces it."""
+    """After c: the dead worker's pool is gone from the kvmanager; with membership a fresh worker replaces it
+    (unless the config says not to: then e's added worker is the second one again)."""
     figures["dead_pool_dropped"] = figures["victim"] not in stack.pools()
-    if stack.features.membership:
+    if stack.features.membership and stack.cfg.replace_lost_worker:
         t0 = time.monotonic()
         figures["replacement"] = stack.add_worker().name
         figures["replacement_ready_s"] = time.monotonic() - t0
@@ -181,7 +182,7 @@ FAULTS = (
           missing=lambda f: None if f.declare_dead else "the gateway has no declare_dead (worker membership, "
                                                         "issue 23 point 2, not merged)",
           describe=lambda s: "kill -9 of a worker, never restarted" + (
-              "; a fresh worker joins at the end" if s.features.membership else "")),
+              "; a fresh worker joins at the end" if s.features.membership and s.cfg.replace_lost_worker else "")),
     Fault("d", "Redis primary", kill_redis_primary, after=restore_redis, describe=lambda s: s.redis.kind),
     Fault("e", "worker added", add_worker_mid_load, after=count_added_worker_steps,
           missing=lambda f: None if f.membership else "no worker membership (worker --kvmanager, ListWorkers; "

@@ -93,26 +93,27 @@ class Processes:
     """Starts `kvserve` services as children; ``close()`` kills every one still running (use as a context
     manager so that it runs on failure too)."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str] | None = None):
+    def __init__(self, log_dir: Path):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = env
         self.started: list[Service] = []
         self._count = 0
 
-    def start(self, name: str, argv: list[str], ready_timeout_s: float = READY_TIMEOUT_S) -> Service:
-        """Runs `kvserve ARGV` and returns once it printed its ready line; raises RuntimeError otherwise (the
-        process is killed then)."""
-        return self.await_ready(self.spawn(name, argv), ready_timeout_s)
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              ready_timeout_s: float = READY_TIMEOUT_S) -> Service:
+        """Runs `kvserve ARGV` (``env``: variables on top of this process' environment) and returns once it
+        printed its ready line; raises RuntimeError otherwise (the process is killed then)."""
+        return self.await_ready(self.spawn(name, argv, env), ready_timeout_s)
 
-    def spawn(self, name: str, argv: list[str]) -> Service:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Service:
         """Runs `kvserve ARGV` without waiting: await_ready() then (several can load their models at once)."""
         assert threading.current_thread() is threading.main_thread(), "start children from the main thread"
         self._count += 1
         log_path = self.log_dir / f"{self._count:02d}-{name}.log"
         with log_path.open("w") as stderr:
             proc = subprocess.Popen([sys.executable, "-m", "kvserve.services.cli", *argv], stdout=subprocess.PIPE,
-                                    stderr=stderr, stdin=subprocess.DEVNULL, text=True, env=self.env,
+                                    stderr=stderr, stdin=subprocess.DEVNULL, text=True,
+                                    env={**os.environ, **(env or {})},
                                     process_group=0, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
         service = Service(name, argv, proc, log_path)
         self.started.append(service)

@@ -32,7 +32,7 @@ MAX_ERRORS_KEPT = 3
 class ChaosConfig:
     num_clients: int = 6
     max_tokens: int = 32
-    quiet_requests: int = 12  # ended requests before each fault, and again after its recovery
+    quiet_requests: int = 8  # ended requests before each fault, and again after its recovery
     phase_timeout_s: float = 180.0
     request_timeout_s: float = 150.0  # the SDK's deadline of one request: a request past it is lost
     drain_timeout_s: float = 150.0

@@ -64,6 +64,8 @@ class StackConfig:
     page_size: int = 16
     worker_timeout_s: float = 5.0  # the gateway's --worker-timeout
     max_num_seqs: int = 16
+    worker_threads: int = 1  # torch threads per worker: on a small machine two workers would fight over the cores
+    replace_lost_worker: bool = True  # after fault c a fresh worker joins (with membership), so d has two
     admin_token: str = "chaos-admin-token"
 
 
@@ -83,7 +85,7 @@ class ChaosStack:
         self.redis = make_redis(self.data_dir / "redis", self.features.sentinel)
         for _ in range(2 if self.features.standby else 1):
             self.kvmanagers.append(self.start_kvmanager())
-        spawned = [self.procs.spawn(worker_id, self._worker_argv(worker_id, 0))
+        spawned = [self.procs.spawn(worker_id, self._worker_argv(worker_id, 0), self._worker_env)
                    for worker_id in (self._new_worker_id() for _ in range(self.cfg.num_workers))]
         for worker in spawned:  # their models load at the same time
             self.workers[worker.name] = self.procs.await_ready(worker)
@@ -109,8 +111,12 @@ class ChaosStack:
                 str(self.cfg.num_pages), "--page-size", str(self.cfg.page_size), "--metrics-port", "0"]
         return argv + (["--kvmanager", self.kv_spec] if self.features.membership else [])
 
+    @property
+    def _worker_env(self) -> dict[str, str]:
+        return {"OMP_NUM_THREADS": str(self.cfg.worker_threads), "MKL_NUM_THREADS": str(self.cfg.worker_threads)}
+
     def start_worker(self, worker_id: str, port: int = 0) -> Service:
-        worker = self.procs.start(worker_id, self._worker_argv(worker_id, port))
+        worker = self.procs.start(worker_id, self._worker_argv(worker_id, port), self._worker_env)
         self.workers[worker_id] = worker
         return worker
 
