@@ -64,6 +64,23 @@ def hf_reference(prompts: list[list[int]], max_tokens: int) -> tuple[list[list[i
                      "seconds": time.perf_counter() - t0}
 
 
+def kvserve_commit() -> str | None:
+    """The commit of the kvserve code this run used (``+dirty`` with uncommitted changes), None outside git."""
+    import subprocess
+
+    import kvserve.kvmanager
+
+    where = Path(kvserve.kvmanager.__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
 def main(argv=None) -> int:
     from kvserve.common.tokenizer import Tokenizer
     from kvserve.services.model_store import prepare_default_model
@@ -75,7 +92,7 @@ def main(argv=None) -> int:
     report = run_chaos(cfg, prompts, reference, log_dir=args.logs)
     report = {"date": dt.date.today().isoformat(),
               "command": "python bench/chaos.py" + (" " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else ""),
-              "reference": about, "prompts": list(PROMPT_TEXTS), **report}
+              "kvserve_commit": kvserve_commit(), "reference": about, "prompts": list(PROMPT_TEXTS), **report}
     name = "chaos-quick" if args.quick else "chaos"
     write_results(report, name, markdown(report), args.out)
     ran = [p for p in report["phases"] if p["ran"]]
