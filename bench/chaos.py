@@ -12,7 +12,7 @@ Per phase: requests, completed, lost (failed), wrong (token ids other than HF tr
 computed once at start in this process), pages left used on the live pools after the load drained (admin
 Stats), and recovery times. Results: bench/results/chaos-<date>.json and .md. Loopback only; a few minutes.
 
-    python bench/chaos.py [--quick] [--clients N] [--faults abcde] [--out PATH] [--logs DIR]
+    python bench/chaos.py [--quick] [--clients N] [--faults abcde] [--without FEATURES] [--out PATH] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -42,13 +42,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="3 clients, 24 tokens, 4 requests per quiet period")
     p.add_argument("--clients", type=int, help="closed-loop clients (default 6)")
     p.add_argument("--faults", default="abcde", help="which faults, in order a..e (default all)")
+    p.add_argument("--without", default="", help="features not to use, comma-separated, to run the fallbacks: "
+                   "membership (a static --workers list), standby (one kvmanager), sentinel (one Redis), "
+                   "declare_dead (fault c not run)")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/chaos-<date>.json)")
     p.add_argument("--logs", type=Path, help="keep the services' logs in this folder")
     return p.parse_args(argv)
 
 
 def config(args: argparse.Namespace) -> ChaosConfig:
-    cfg = ChaosConfig(faults=args.faults)
+    cfg = ChaosConfig(faults=args.faults, without=tuple(w.strip() for w in args.without.split(",") if w.strip()))
     if args.quick:
         cfg = replace(cfg, **QUICK)
     return replace(cfg, num_clients=args.clients) if args.clients else cfg
@@ -64,6 +67,23 @@ def hf_reference(prompts: list[list[int]], max_tokens: int) -> tuple[list[list[i
                      "seconds": time.perf_counter() - t0}
 
 
+def kvserve_commit() -> str | None:
+    """The commit of the kvserve code this run used (``+dirty`` with uncommitted changes), None outside git."""
+    import subprocess
+
+    import kvserve.kvmanager
+
+    where = Path(kvserve.kvmanager.__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
 def main(argv=None) -> int:
     from kvserve.common.tokenizer import Tokenizer
     from kvserve.services.model_store import prepare_default_model
@@ -75,8 +95,8 @@ def main(argv=None) -> int:
     report = run_chaos(cfg, prompts, reference, log_dir=args.logs)
     report = {"date": dt.date.today().isoformat(),
               "command": "python bench/chaos.py" + (" " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else ""),
-              "reference": about, "prompts": list(PROMPT_TEXTS), **report}
-    name = "chaos-quick" if args.quick else "chaos"
+              "kvserve_commit": kvserve_commit(), "reference": about, "prompts": list(PROMPT_TEXTS), **report}
+    name = "chaos" + ("-quick" if args.quick else "") + "".join(f"-without-{w}" for w in cfg.without)
     write_results(report, name, markdown(report), args.out)
     ran = [p for p in report["phases"] if p["ran"]]
     bad = [p["key"] for p in ran if p["lost"] or p["wrong"] or p["pages_left_total"] or p.get("error")]

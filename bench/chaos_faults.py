@@ -39,19 +39,21 @@ class Fault:
 
 # -- helpers ----------------------------------------------------------------------------------------------
 def pick_victim(stack: ChaosStack, load: ClosedLoop, deadline: float) -> tuple[str, list[InFlight]]:
-    """The live worker with the most streaming requests (at least one), and those requests: asked to the
-    kvmanager (GetPageTable) for each request in flight that has had a delta. Raises TimeoutError."""
+    """The live worker with the most requests in mid-stream (a first delta came, at most half the tokens did, so
+    that the kill lands before they end), and its requests in flight: their workers asked to the kvmanager
+    (GetPageTable). Raises TimeoutError."""
     while time.monotonic() < deadline:
         on: dict[str, list[InFlight]] = {}
         for flight in load.snapshot_in_flight():
             worker_id = stack.worker_of(flight.req_id) if flight.req_id else None
             if worker_id in stack.workers:
                 on.setdefault(worker_id, []).append(flight)
-        if on:
-            worker_id = max(on, key=lambda w: len(on[w]))
+        early = {w: sum(f.num_tokens <= load.max_tokens // 2 for f in flights) for w, flights in on.items()}
+        if any(early.values()):
+            worker_id = max(early, key=early.get)
             return worker_id, on[worker_id]
         time.sleep(POLL_S)  # polling a condition under a deadline
-    raise TimeoutError("no worker had a streaming request to kill")
+    raise TimeoutError("no worker had a request in mid-stream to kill")
 
 
 def _victim_figures(load: ClosedLoop, victim_flights: list[InFlight], fault_at: float, deadline: float) -> dict:
@@ -171,7 +173,7 @@ def count_added_worker_steps(stack: ChaosStack, figures: dict) -> None:
 
 def _describe_a(stack: ChaosStack) -> str:
     return ("kill -9 of the leader kvmanager (the standby takes over)" if stack.features.standby
-            else "kill -9 of the kvmanager, restarted on its port (no standby in this build)")
+            else "kill -9 of the only kvmanager (no standby), restarted on its port")
 
 
 FAULTS = (
@@ -179,13 +181,13 @@ FAULTS = (
     Fault("b", "worker restarted", kill_worker_restart,
           describe=lambda s: "kill -9 of a worker, a new process with the same worker_id on its port"),
     Fault("c", "worker lost for good", kill_worker_for_good, after=check_dead_pool_dropped,
-          missing=lambda f: None if f.declare_dead else "the gateway has no declare_dead (worker membership, "
-                                                        "issue 23 point 2, not merged)",
+          missing=lambda f: None if f.declare_dead else "needs the gateway's declare_dead (issue 23 point 2): "
+                                                        "not in this build, or --without declare_dead",
           describe=lambda s: "kill -9 of a worker, never restarted" + (
               "; a fresh worker joins at the end" if s.features.membership and s.cfg.replace_lost_worker else "")),
     Fault("d", "Redis primary", kill_redis_primary, after=restore_redis, describe=lambda s: s.redis.kind),
     Fault("e", "worker added", add_worker_mid_load, after=count_added_worker_steps,
-          missing=lambda f: None if f.membership else "no worker membership (worker --kvmanager, ListWorkers; "
-                                                      "issue 23 point 1, not merged)",
+          missing=lambda f: None if f.membership else "needs worker membership (worker --kvmanager, ListWorkers; "
+                                                      "issue 23 point 1): not in this build, or --without membership",
           describe=lambda s: "a new worker joins the kvmanager under load"),
 )

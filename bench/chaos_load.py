@@ -40,6 +40,7 @@ class InFlight:
     client: int
     start_s: float
     req_id: str | None = None  # known from the first delta on
+    num_tokens: int = 0  # streamed so far
 
 
 class ClosedLoop:
@@ -82,7 +83,9 @@ class ClosedLoop:
             for delta in self.client.generate(prompt_token_ids=self.prompts[prompt], max_tokens=self.max_tokens,
                                               temperature=0.0, ignore_eos=True):
                 token_ids += delta.token_ids
-                req_id = self.in_flight[i].req_id = delta.req_id
+                flight = self.in_flight[i]
+                req_id = flight.req_id = delta.req_id
+                flight.num_tokens = len(token_ids)
                 finish_reason = delta.finish_reason or finish_reason
         except Exception as e:  # noqa: BLE001 - any failure is this request's outcome: lost
             error = f"{type(e).__name__}: {e}"
@@ -124,7 +127,7 @@ class ClosedLoop:
 
     def snapshot_in_flight(self) -> list[InFlight]:
         with self._cv:
-            return [InFlight(f.client, f.start_s, f.req_id) for f in self.in_flight.values()]
+            return [InFlight(f.client, f.start_s, f.req_id, f.num_tokens) for f in self.in_flight.values()]
 
     def outcomes_between(self, start_s: float, end_s: float) -> list[Outcome]:
         """The requests that started in [start_s, end_s)."""

@@ -47,8 +47,8 @@ def markdown(report: dict) -> str:
         "pools once the phase's load drained. Recovery times are from the kill.",
         "",
         f"Build features: membership {f['membership']}, standby {f['standby']}, sentinel {f['sentinel']}, "
-        f"declare_dead {f['declare_dead']}. Stack start {report['stack_start_s']:.0f} s, whole run "
-        f"{report['total_s']:.0f} s.",
+        f"declare_dead {f['declare_dead']}; kvserve at {report.get('kvserve_commit') or '?'}. Stack start "
+        f"{report['stack_start_s']:.0f} s, whole run {report['total_s']:.0f} s.",
         "",
         "| | fault | requests | completed | lost | wrong | pages left | first completion after the fault | "
         "first new request done | recovery |",

@@ -31,7 +31,7 @@ def sentinel_available() -> bool:
 class SingleRedis:
     """One EmbeddedRedis (AOF, appendfsync everysec), a child of this process."""
 
-    kind = "embedded redis-server (no Sentinel in this build): kill -9, restarted on the same port and AOF"
+    kind = "one embedded redis-server (no Sentinel): kill -9, restarted on the same port and AOF"
 
     def __init__(self, data_dir: Path):
         self.server = EmbeddedRedis(data_dir)

@@ -40,9 +40,15 @@ def hf_greedy(model, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
 
 
 def reference_outputs(model, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
-    """The greedy tokens of each prompt. Raises ValueError if one stops at EOS before ``max_tokens``: the load
-    asks for ignore_eos, so such a prompt has no reference (choose another)."""
-    outputs = [hf_greedy(model, p, max_tokens) for p in prompts]
+    """The greedy tokens of each prompt, on one torch thread (batch 1 of a small model gains little from two, and
+    on a shared 2-core machine OpenMP's threads wait on each other: 4x slower there). Raises ValueError if one
+    stops at EOS before ``max_tokens``: the load asks for ignore_eos, so such a prompt has no reference."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        outputs = [hf_greedy(model, p, max_tokens) for p in prompts]
+    finally:
+        torch.set_num_threads(threads)
     short = [i for i, out in enumerate(outputs) if len(out) != max_tokens]
     if short:
         raise ValueError(f"prompts {short} reach EOS within {max_tokens} greedy tokens; the reference needs "

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import grpc
@@ -44,14 +45,20 @@ class Features:
     declare_dead: bool  # the gateway drops a worker lost for good (KVManagerClient.declare_dead)
 
     @classmethod
-    def detect(cls) -> Features:
+    def detect(cls, without: Sequence[str] = ()) -> Features:
+        """What this build supports, less the features named in ``without`` (to run the fallbacks: a static
+        worker list, one kvmanager, one Redis). Raises ValueError for an unknown name."""
         from kvserve.services.gateway.rpc.clients import KVManagerClient
 
+        unknown = set(without) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown features {sorted(unknown)} (known: {[f.name for f in fields(cls)]})")
         methods = kvmanager_pb2.DESCRIPTOR.services_by_name["KVManagerService"].methods_by_name
-        return cls(membership=_accepts("worker", "--kvmanager", "h:1") and "ListWorkers" in methods,
-                   standby=_accepts("kvmanager", "--leader-lease", "2"),
-                   sentinel=sentinel_available() and _accepts("kvmanager", "--redis-wait-replicas", "1"),
-                   declare_dead=hasattr(KVManagerClient, "declare_dead"))
+        found = cls(membership=_accepts("worker", "--kvmanager", "h:1") and "ListWorkers" in methods,
+                    standby=_accepts("kvmanager", "--leader-lease", "2"),
+                    sentinel=sentinel_available() and _accepts("kvmanager", "--redis-wait-replicas", "1"),
+                    declare_dead=hasattr(KVManagerClient, "declare_dead"))
+        return replace(found, **{name: False for name in without})
 
     def as_dict(self) -> dict:
         return asdict(self)
