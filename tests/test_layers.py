@@ -24,7 +24,8 @@ PACKAGES = {"v1": ROOT / "protos" / "kvserve" / "v1", "common": ROOT / "common",
 RANK = {"v1": 0, "common": 1, "kernels": 2, "worker": 3, "kvmanager": 3, "services": 4}
 # The modules of a domain that may speak gRPC: its servicer, its server, its protobuf converters.
 GRPC_GLUE = {"kvserve.worker.servicer", "kvserve.worker.server", "kvserve.kvmanager.servicer",
-             "kvserve.kvmanager.server", "kvserve.kvmanager.convert"}
+             "kvserve.kvmanager.server", "kvserve.kvmanager.convert",
+             "kvserve.worker.membership"}  # the worker's lease keeper: a client of the kvmanager, server wiring
 TRANSPORT_FREE_CORES = ("kvserve.services.gateway.", "kvserve.kvmanager.", "kvserve.worker.", "kvserve.kernels.")
 
 
