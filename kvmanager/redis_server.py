@@ -94,10 +94,10 @@ def connect(url: str, timeout_s: float = 2.0) -> redis.Redis:
     return redis.Redis.from_url(url, **options)
 
 
-class PrimaryConnection(redis.Connection):
-    """A connection to what should be the primary, which drops itself on READONLY: the node it reached was
-    demoted (a failover behind a DNS name or a load balancer), and a new connection may reach the new primary.
-    The ConnectionError makes the client retry on one (redis.sentinel's connections do the same)."""
+class _DropsOnReadOnly:
+    """A connection to what should be the primary, which drops itself on READONLY (also inside a script's
+    error: a fenced write runs as a Lua script): the node it reached was demoted, and a new connection may reach
+    the new primary. The ConnectionError makes the client retry on one."""
 
     def read_response(self, *args, **kwargs):
         try:
@@ -114,18 +114,12 @@ def is_read_only(error: redis.ResponseError) -> bool:
     return isinstance(error, redis.ReadOnlyError) or "-READONLY " in str(error)
 
 
-class SentinelPrimaryConnection(SentinelManagedConnection):
-    """redis.sentinel's connection, which drops itself on READONLY (the primary it reached was demoted) and so
-    asks the sentinels again; also when the READONLY comes inside a script's error."""
+class PrimaryConnection(_DropsOnReadOnly, redis.Connection):
+    """A plain URL's connection (a failover behind a DNS name or a load balancer)."""
 
-    def read_response(self, *args, **kwargs):
-        try:
-            return super().read_response(*args, **kwargs)
-        except redis.ResponseError as e:
-            if not is_read_only(e):
-                raise
-            self.disconnect()
-            raise redis.ConnectionError(f"the primary this connection reached is a replica now ({e})") from e
+
+class SentinelPrimaryConnection(_DropsOnReadOnly, SentinelManagedConnection):
+    """redis.sentinel's connection: dropped, it asks the sentinels again for the primary."""
 
 
 # -- Sentinel ---------------------------------------------------------------------------------------------------

@@ -173,9 +173,8 @@ class Gateway:
             # Off the engine's thread: a kvmanager that is away too must not hold up the hand-over.
             threading.Thread(target=self._declare_dead, args=(engine.info.worker_id, engine.info.epoch),
                              name="declare-dead", daemon=True).start()
-            if self.membership is not None:
-                self.membership.retired.add((engine.info.worker_id, engine.info.epoch))
-            self.retire(engine, f"no step answered for {self.cfg.worker_timeout_s:g} s: {error}")
+            retire = self.membership.retire if self.membership is not None else self.retire
+            retire(engine, f"no step answered for {self.cfg.worker_timeout_s:g} s: {error}")
             return True
         if self.membership is not None and not self.membership.is_member(engine.info):
             self.retire(engine, f"the kvmanager no longer lists it: {error}")

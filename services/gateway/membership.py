@@ -91,9 +91,9 @@ class Membership:
             if member is None:
                 since = self._missing_since.setdefault(worker_id, now)
                 if now - since >= MISSING_FOR_S:
-                    self._retire(engine, "it left the kvmanager's membership (left, or its lease lapsed)")
+                    self.retire(engine, "it left the kvmanager's membership (left, or its lease lapsed)")
             elif member.address != engine.worker.address:
-                self._retire(engine, f"it joined again at {member.address}")
+                self.retire(engine, f"it joined again at {member.address}")
             elif member.draining and not engine.draining:
                 log.info("worker %s drains: no new requests go to it", worker_id)
                 engine.drain()
@@ -104,7 +104,8 @@ class Membership:
             if engine is None or engine.retiring or member.address != engine.worker.address:
                 self._serve(member)
 
-    def _retire(self, engine, why: str) -> None:
+    def retire(self, engine, why: str) -> None:
+        """Retires the engine and never dials this (worker_id, epoch) again."""
         self.retired.add((engine.info.worker_id, engine.info.epoch))
         self.gateway.retire(engine, why)
 
