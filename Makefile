@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-kvquant bench-long bench-streaming bench-http chaos clean
+.PHONY: install model kernels serve test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -72,6 +72,11 @@ bench-ab: model kernels
 # The gateway's page ops overlapped with compute vs waited for, alternated over 8 rounds.
 bench-overlap: model kernels
 	$(PY) bench/overlap_ab.py
+
+# The kvmanager's wait at GPU step times: a fixed-time fake worker (5/10/20 ms steps, 64 running), reserve-ahead
+# on against off and against every call waited for (bench/bench_reserve_ahead.py, ~6 min).
+bench-reserve-ahead: model
+	$(PY) bench/bench_reserve_ahead.py
 
 # Quantised KV pools (int8, fp8 e4m3 and e5m2) vs float32, one run: perplexity, KL and greedy agreement; memory
 # and concurrency through `kvserve up`; decode and burst speed. bench/bench_kvquant.py --quick: a smaller run.

@@ -40,6 +40,10 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--no-overlap-page-ops", action="store_true",
                    default=_env("no_overlap_page_ops", "") not in ("", "0", "false"),
                    help="wait for every kvmanager call before the worker computes (for comparisons)")
+    p.add_argument("--no-reserve-ahead", action="store_true",
+                   default=_env("no_reserve_ahead", "") not in ("", "0", "false"),
+                   help="admit and free only in calls answered before the worker computes, not in the call that "
+                        "runs while it computes (for comparisons)")
     p.add_argument("--default-max-tokens", type=positive_int, default=_env("default_max_tokens", "256"))
     p.add_argument("--max-tokens-limit", type=positive_int, default=_env("max_tokens_limit", "4096"))
     p.add_argument("--api-keys-file", type=Path, default=_env("api_keys_file"),
@@ -81,6 +85,7 @@ def gateway_config(args):
     return GatewayConfig(model_dir=resolve_model(args.model, args.cache_dir),
                          max_num_seqs=int(args.max_num_seqs), max_num_batched_tokens=int(args.max_num_batched_tokens),
                          prefix_caching=not args.no_prefix_caching, overlap_page_ops=not args.no_overlap_page_ops,
+                         reserve_ahead=not args.no_reserve_ahead,
                          long_prefill_token_threshold=int(args.long_prefill_token_threshold),
                          default_max_tokens=int(args.default_max_tokens),
                          max_tokens_limit=int(args.max_tokens_limit),

@@ -144,6 +144,7 @@ def _gateway_argv(args, kvmanager: str) -> list[str]:
     argv += ["--served-model-name", args.served_model_name] if args.served_model_name else []
     argv += ["--no-prefix-caching"] if args.no_prefix_caching else []
     argv += ["--no-overlap-page-ops"] if args.no_overlap_page_ops else []
+    argv += ["--no-reserve-ahead"] if args.no_reserve_ahead else []
     argv += ["--api-keys-file", str(args.api_keys_file)] if args.api_keys_file else []
     return argv + _model_argv(args)
 

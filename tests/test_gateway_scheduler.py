@@ -15,12 +15,12 @@ from kvserve.services.gateway.scheduler import Scheduler, SchedulerConfig
 PS = 4
 
 
-def setup(num_pages=16, budget=8, max_num_seqs=8, prefix_caching=True, long_prefill=0):
+def setup(num_pages=16, budget=8, max_num_seqs=8, prefix_caching=True, long_prefill=0, reserve_ahead=False):
     mgr = KVManager()
     mgr.register_worker(PoolSpec("w0", 1, num_pages, PS, "fp", "float32", 1))
     cfg = SchedulerConfig("w0", PS, num_pages, max_model_len=1000, eos_token_ids=(0,), max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=budget, prefix_caching=prefix_caching,
-                          long_prefill_token_threshold=long_prefill)
+                          long_prefill_token_threshold=long_prefill, reserve_ahead=reserve_ahead)
     return mgr, Scheduler(cfg)
 
 
@@ -326,6 +326,59 @@ def test_overlapped_calls_compute_the_same_steps_as_calls_waited_for():
     (items, outputs, index, hits, _), (items_o, outputs_o, index_o, hits_o, overlapped) = runs
     assert overlapped >= 5 and hits > 0
     assert items_o == items and outputs_o == outputs and index_o == index and hits_o == hits
+
+
+def test_reserved_ahead_an_admission_rides_with_the_call_made_while_the_others_compute():
+    """With a request decoding, a newcomer's allocation goes out in the call that runs while the worker
+    computes that step (it can overlap), and the newcomer computes its first chunk, from its prefix hit, in
+    the next step. A free rides along the same way. With nothing running, an admission is answered first."""
+    mgr, sched = setup(num_pages=40, budget=8, reserve_ahead=True)
+    a = request("a", range(1, 9), max_tokens=8)
+    sched.add(a)
+    out, step = run_step(mgr, sched, overlap=True)
+    assert out.ops.allocations and not out.can_overlap and [i.req_id for i in step.items] == ["a"]
+    run_step(mgr, sched, overlap=True)  # a decodes
+    b = request("b", list(range(1, 9)) + [50, 51, 52], max_tokens=2)  # a's two prompt pages, then its own
+    sched.add(b)
+    out, step = run_step(mgr, sched, overlap=True)
+    assert out.ahead and out.can_overlap and [c.req.req_id for c in out.admitted] == ["b"]
+    assert [i.req_id for i in step.items] == ["a"]  # b is not in the step its allocation overlapped
+    assert b.status is RequestStatus.RUNNING and b.num_computed_tokens == 8 and b.num_cached_tokens is None
+    out, step = run_step(mgr, sched, overlap=True)
+    assert [(i.req_id, i.start_pos, len(i.token_ids)) for i in step.items] == [("a", 10, 1), ("b", 8, 3)]
+    assert b.num_cached_tokens == 8  # set once its first chunk computed, as for an in-series admission
+    frees = []
+    while sched.has_work():
+        out, _ = run_step(mgr, sched, overlap=True)
+        if out.ops is not None and out.ops.frees:
+            frees.append((out.ops.frees[0].req_id, out.can_overlap))
+        check_invariants(mgr)
+    assert frees == [("b", True), ("a", False)]  # a's free: nothing else runs, nothing to hide behind
+    assert mgr.pools["w0"].num_used == 0
+    assert b.output_token_ids == [111, 112] and a.output_token_ids == [100 + p for p in range(8, 16)]
+
+
+def test_reserved_ahead_the_same_tokens_are_computed_and_few_calls_are_waited_for():
+    """The workload of the overlap comparison above, with more requests than run at once so that admissions
+    and frees come while others decode: the same tokens as with every call waited for, every page back, the
+    same blocks cached; only calls with nothing running beside them (or an extension a step needs) wait."""
+    runs = []
+    for ahead in (False, True):
+        mgr, sched = setup(num_pages=60, budget=6, max_num_seqs=3, reserve_ahead=ahead)
+        shared = list(range(1, 9))
+        for i, n in enumerate((11, 7, 14, 9, 5, 12, 3, 8)):
+            sched.add(request(f"r{i}", shared + list(range(20 + 10 * i, 20 + 10 * i + n)), max_tokens=3 + 2 * i))
+        reqs = dict(sched.requests)
+        steps = drain(mgr, sched, max_steps=300, overlap=True)
+        waited = sum(out.ops is not None and not out.can_overlap for out, _ in steps)
+        ahead_calls = sum(out.ahead and bool(out.admitted) for out, _ in steps)
+        runs.append(({r: req.output_token_ids for r, req in reqs.items()}, sorted(mgr.pools["w0"].index),
+                     {r: req.num_cached_tokens for r, req in reqs.items()}, waited, ahead_calls))
+        assert mgr.pools["w0"].num_used == 0
+    (outputs, index, cached, waited, _), (outputs_a, index_a, cached_a, waited_a, ahead_calls) = runs
+    assert outputs_a == outputs and index_a == index and cached_a == cached
+    assert all(out == [100 + len(reqs[r].prompt_token_ids) + k for k in range(len(out))] for r, out in outputs.items())
+    assert ahead_calls >= 4 and waited_a < waited / 2
 
 
 def test_a_worker_restart_in_an_overlapped_step_leaks_no_page_and_recomputes_identically():

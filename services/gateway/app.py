@@ -52,6 +52,7 @@ class GatewayConfig:
     prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # SchedulerConfig's: a prefill chunk's cap in steps that also decode
     overlap_page_ops: bool = True  # a call that only commits and tops up headroom runs while the worker computes
+    reserve_ahead: bool = True  # with it: frees and admissions for the next step ride along too (scheduler.py)
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
     max_queued_requests: int = 1024  # waiting for pages, over all workers; one more is refused (GatewayBusy)
@@ -117,7 +118,7 @@ class Gateway:
                             max_num_batched_tokens=self.cfg.max_num_batched_tokens,
                             prefix_caching=self.cfg.prefix_caching,
                             long_prefill_token_threshold=self.cfg.long_prefill_token_threshold,
-                            overlap_page_ops=self.cfg.overlap_page_ops,
+                            overlap_page_ops=self.cfg.overlap_page_ops, reserve_ahead=self.cfg.reserve_ahead,
                             observer=self.observe)
         engine.on_lost, engine.hand_over = self._lost, self._hand_over
         return engine

@@ -7,9 +7,9 @@ variable when there is none. One step reads top to bottom:
     output = worker.step(batch)                 3. compute
     scheduler.update(batch, output, stopped)    4. update: tokens, finish reasons; then text deltas to clients
 
-A step whose call only commits pages and tops up headroom (out.can_overlap) sends its call from a helper
-thread while the worker computes, and applies the answer before the step's tokens: the kvmanager's latency
-hides behind the forward pass.
+A step whose call changes nothing the worker computes now (out.can_overlap: commits, headroom, frees, and
+admissions reserved ahead for the next step) sends its call from a helper thread while the worker computes,
+and applies the answer before the step's tokens: the kvmanager's latency hides behind the forward pass.
 
 Front-end threads talk to it through ``submit`` and a handle's ``cancel`` only; everything else (the scheduler,
 the requests' state, the text streams) is touched by the loop thread alone, so none of it needs a lock. The
@@ -57,6 +57,7 @@ class EngineStats:
     num_steps: int = 0
     num_kv_calls: int = 0  # steps that needed a kvmanager round trip
     num_kv_calls_overlapped: int = 0  # of which: made while the worker computed (out.can_overlap)
+    num_admitted_ahead: int = 0  # admissions those calls reserved for the next step
     step_s: float = 0.0  # wall time of whole steps
     kv_wait_s: float = 0.0  # of which: waiting on the kvmanager's StepPages
     compute_s: float = 0.0  # of which: the worker's forward pass and sampling (its compute_ms)
@@ -73,7 +74,7 @@ class EngineStats:
 class EngineLoop:
     def __init__(self, worker: WorkerBackend, info: WorkerInfo, kv: KVManagerBackend, tokenizer: Tokenizer, *,
                  max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
-                 long_prefill_token_threshold: int = 0, overlap_page_ops: bool = True,
+                 long_prefill_token_threshold: int = 0, overlap_page_ops: bool = True, reserve_ahead: bool = True,
                  observer: Observer | None = None):
         self.worker, self.info, self.kv, self.tokenizer = worker, info, kv, tokenizer
         self.overlap_page_ops = overlap_page_ops
@@ -83,7 +84,7 @@ class EngineLoop:
             info.worker_id, info.page_size, info.num_pages, info.max_model_len, info.eos_token_ids,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             prefix_caching=prefix_caching, long_prefill_token_threshold=long_prefill_token_threshold,
-            window=info.sliding_window, sinks=info.attention_sinks))
+            window=info.sliding_window, sinks=info.attention_sinks, reserve_ahead=overlap_page_ops and reserve_ahead))
         self.stats = EngineStats()
         self.handles: dict[str, RequestHandle] = {}  # loop thread only, as the three below
         self.texts: dict[str, TextStream] = {}
@@ -342,8 +343,9 @@ class EngineLoop:
         self._account(t0, t1 - t0)
 
     def _overlapped_step(self, out: SchedulerOutput, t0: float) -> None:
-        """The call (commits and headroom only) runs on the helper thread while the worker computes; its
-        answer is applied before the step's tokens, and before a restarted worker's re-registration."""
+        """The call (commits, headroom, frees, admissions for the next step) runs on the helper thread while
+        the worker computes; its answer is applied before the step's tokens, and before a restarted worker's
+        re-registration. Finished requests whose pages it freed get their last delta then."""
         call = self._kv_thread.submit(self.kv.step_pages, out.ops, dict(self.traceparents))
         batch = self.scheduler.assign(out, StepResults())  # every running chunk: none waits for a page
         t1 = time.perf_counter()
@@ -355,7 +357,10 @@ class EngineLoop:
             results = self._answer(out, call.result)
             t3 = time.perf_counter()
             self.stats.num_kv_calls_overlapped += 1
+            self.stats.num_admitted_ahead += len(out.admitted)
             self.scheduler.apply_late(out, results)
+        self._deliver_freed(f.req_id for f in out.ops.frees)
+        self._observe_assign(out)
         if batch.chunks:
             self._update(batch, output)
         self._account(t0, (t1 - t0) + (t3 - t2))

@@ -56,6 +56,7 @@ class Request:
     num_computed_tokens: int = 0
     num_committed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix hit of the first admission computed: what usage reports
+    admitted_ahead: bool = False  # allocated by a call made while the worker computed; its first chunk is next
     num_preemptions: int = 0
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -95,4 +96,5 @@ class Request:
         self.epoch = 0
         self.num_computed_tokens = 0
         self.num_committed_tokens = 0
+        self.admitted_ahead = False
         self.num_preemptions += 1

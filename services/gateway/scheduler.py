@@ -25,9 +25,19 @@ along with the next call, and every call tops up each running request that has l
 with one more page (while the pool has spare pages), so that decoding sequences cross page boundaries without
 a round trip. A decode-only step mostly has nothing to ask: out.ops is None, and the engine skips the call.
 
-A call that only commits and tops up headroom (out.can_overlap) changes nothing this step computes: the engine
-sends it while the worker computes, builds the batch with assign(out, StepResults()), and applies the answer
-with apply_late(out, results) before update().
+A call that changes nothing this step computes (out.can_overlap) is sent while the worker computes: the engine
+builds the batch with assign(out, StepResults()) and applies the answer with apply_late(out, results) before
+update(). Such a call commits and tops up headroom. With reserve_ahead (the engine's default) it also frees and
+admits: when the running requests can compute this step without a page they do not hold, the waiting requests
+admitted by this call are reserved ahead, for the next step (out.ahead). They compute their first chunk one
+step later than an in-series admission would, and in exchange no step waits on the kvmanager for them, which
+matters when a step takes a few milliseconds (a GPU decode) and the call one or two::
+
+    step N:     [ worker computes the running requests        ]
+                [ StepPages: commit, headroom, free, allocate ]    (in parallel; answered before step N's tokens)
+    step N+1:   [ worker computes the running + the admitted  ]
+
+With nothing running there is nothing to hide behind: an admission is answered first and computes at once.
 """
 
 from __future__ import annotations
@@ -71,6 +81,11 @@ class SchedulerConfig:
     # only the pages its first chunk reads.
     window: int = 0
     sinks: int = 0
+    # Admissions and frees ride with the call made while the worker computes, whenever this step's running
+    # requests need no page they lack (the module docstring); off, only commits and headroom do. The engine
+    # turns it on when it overlaps page ops with compute; a caller that answers every call before computing
+    # (assign with the answer, no apply_late) leaves it off.
+    reserve_ahead: bool = False
 
 
 @dataclass(slots=True)
@@ -89,15 +104,17 @@ class SchedulerOutput:
     running: list[Chunk]  # already running; those with an extension wait for its answer
     admitted: list[Chunk]  # waiting requests asking for an allocation; num_tokens is the budget reserved
     headroom_only: frozenset[str] = frozenset()  # extensions this step could do without (out of pages: no-op)
+    ahead: bool = False  # the admitted compute next step: this call runs while the running requests compute
 
     @property
     def can_overlap(self) -> bool:
-        """Whether the worker can compute this step before the kvmanager answers: the call admits nobody,
-        extends nobody past their pages (headroom only) and frees nothing (a finished request's last delta
-        goes out once its pages are freed, so frees are answered first)."""
+        """Whether the worker can compute this step before the kvmanager answers: the call extends nobody past
+        their pages (headroom only), and either reserves ahead (its admissions compute next step; its frees
+        are answered before this step's tokens, and a finished request's last delta waits for them) or admits
+        and frees nobody."""
         ops = self.ops
-        return (ops is not None and not ops.allocations and not ops.frees
-                and all(e.req_id in self.headroom_only for e in ops.extensions))
+        return (ops is not None and all(e.req_id in self.headroom_only for e in ops.extensions)
+                and (self.ahead or not (ops.allocations or ops.frees)))
 
 
 @dataclass(slots=True)
@@ -216,7 +233,7 @@ class Scheduler:
                 break
             n = min(req.num_uncomputed_tokens, budget, cap)
             budget -= n
-            running.append(Chunk(req, n, req.num_computed_tokens))
+            running.append(Chunk(req, n, req.num_computed_tokens, admitted=req.admitted_ahead))
             end = req.num_computed_tokens + n
             if end > len(req.page_table) * page_size:
                 extensions.append(PageExtension(req.req_id, end))
@@ -235,7 +252,8 @@ class Scheduler:
                             for c in admitted)
         ops = StepOps(next(self._step_ids), allocations, tuple(extensions), tuple(final_commits + commits), frees,
                       releases)
-        return SchedulerOutput(ops, running, admitted, headroom_only)
+        ahead = self.cfg.reserve_ahead and bool(running) and all(e.req_id in headroom_only for e in extensions)
+        return SchedulerOutput(ops, running, admitted, headroom_only, ahead)
 
     def _releases(self, running: list[Chunk]) -> tuple[PageRelease, ...]:
         """With a sliding window: each running request's pages before the window of this step's first position
@@ -328,20 +346,24 @@ class Scheduler:
         skipped = self._apply_extensions(results, out.headroom_only)
         chunks = [c for c in out.running if c.req.status is RequestStatus.RUNNING and c.req.req_id not in skipped]
         batch = ScheduledBatch(chunks)
-        self._apply_allocations(out.admitted, results, batch)
+        if not out.ahead:
+            self._apply_allocations(out.admitted, results, batch)
         return batch
 
     def apply_late(self, out: SchedulerOutput, results: StepResults) -> None:
         """The answer to a call that ran while the worker computed (out.can_overlap; the batch came from
-        assign(out, StepResults())), applied before update(): commits and headroom pages. A headroom page the
-        pool could not give is no loss; a stale epoch fails the worker's step as well, and the engine then
-        re-registers and recomputes."""
-        assert out.can_overlap, "apply_late is for calls that only commit and top up headroom"
+        assign(out, StepResults())), applied before update(): commits, headroom pages and, reserved ahead,
+        admissions, which start running and compute their first chunk next step. A headroom page the pool could
+        not give is no loss; an admission that did not fit waits at the head of the queue; a stale epoch fails
+        the worker's step as well, and the engine then re-registers and recomputes."""
+        assert out.can_overlap, "apply_late is for calls made while the worker computes (out.can_overlap)"
         self._apply_pools_and_commits(out, results)
         for e in results.extensions:
             req = self.requests.get(e.req_id)
             if e.status is OpStatus.OK and req is not None and req.status is RequestStatus.RUNNING:
                 req.page_table.extend(e.new_page_ids)
+        if out.admitted:
+            self._apply_allocations(out.admitted, results, None)
 
     def _apply_pools_and_commits(self, out: SchedulerOutput, results: StepResults) -> None:
         for pool in results.pools:
@@ -379,7 +401,9 @@ class Scheduler:
                     skipped.add(req.req_id)
         return skipped
 
-    def _apply_allocations(self, admitted: list[Chunk], results: StepResults, batch: ScheduledBatch) -> None:
+    def _apply_allocations(self, admitted: list[Chunk], results: StepResults, batch: ScheduledBatch | None) -> None:
+        """Admitted requests start running; each computes its first chunk in ``batch``, or with None (reserved
+        ahead) in the next step's schedule. Those that did not fit go back to the head of the queue."""
         short: list[Request] = []
         for chunk, a in zip(admitted, results.allocations, strict=True):
             req = chunk.req
@@ -389,11 +413,14 @@ class Scheduler:
             req.status, req.page_table, req.epoch = RequestStatus.RUNNING, list(a.page_table), a.epoch
             req.num_computed_tokens = req.num_committed_tokens = a.num_cached_tokens
             self.running.append(req)
-            batch.chunks.append(Chunk(req, min(chunk.num_tokens, req.num_uncomputed_tokens), a.num_cached_tokens,
-                                      admitted=True))
+            if batch is None:
+                req.admitted_ahead = True
+            else:
+                batch.chunks.append(Chunk(req, min(chunk.num_tokens, req.num_uncomputed_tokens),
+                                          a.num_cached_tokens, admitted=True))
         for req in reversed(short):  # back to the head of the queue, in their order
             self.waiting.appendleft(req)
-        if short and not self.running and not self.pending_frees:
+        if short and batch is not None and not self.running and not self.pending_frees:
             self._fail_unplaceable(short[0], batch)
 
     def _fail_unplaceable(self, req: Request, batch: ScheduledBatch) -> None:
@@ -424,6 +451,7 @@ class Scheduler:
         computed: an admission undone before its prefill ran (the worker restarted) does not count."""
         for c in batch.chunks:
             c.req.num_computed_tokens = c.start_pos + c.num_tokens
+            c.req.admitted_ahead = False
             if c.admitted and c.req.num_cached_tokens is None:
                 c.req.num_cached_tokens = c.start_pos
         by_id = {c.req.req_id: c.req for c in batch.chunks}
