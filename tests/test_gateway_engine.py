@@ -108,6 +108,36 @@ def test_cached_tokens_count_the_admission_whose_prefill_ran(engine, backends):
     assert_all_pages_back(kv)
 
 
+@pytest.mark.parametrize("reserve_ahead", [True, False])
+def test_requests_admitted_while_others_run_get_their_pages_ahead_and_the_right_tokens(backends, tokenizer,
+                                                                                      reserve_ahead):
+    """Twelve requests on four sequence slots: each admission and free comes while others decode. Reserved
+    ahead, they ride with the calls made while the worker computes (and those calls are then most of them);
+    the tokens (read back from the pages) and the cache hits are what they are with every call waited for."""
+    kv, worker = backends
+    loop = EngineLoop(worker, worker.info(), kv, tokenizer, max_num_seqs=4, max_num_batched_tokens=8,
+                      prefix_caching=True, reserve_ahead=reserve_ahead)
+    loop.start()
+    try:
+        prompts = [PROMPT[:4 + i % 3 * 4] + list(range(400 + 7 * i, 403 + 7 * i)) for i in range(12)]
+        handles = [loop.submit(Request(f"r{i}", "t", p, RequestParams(max_tokens=5 + i % 4)))
+                   for i, p in enumerate(prompts)]
+        outs = [list(h) for h in handles]
+    finally:
+        loop.stop()
+        loop.join()
+    for i, (prompt, deltas) in enumerate(zip(prompts, outs, strict=True)):
+        assert [t for d in deltas for t in d.token_ids] == reference(prompt, 5 + i % 4)
+    hits = sum(d[-1].usage.num_cached_tokens for d in outs)
+    s = loop.stats
+    if reserve_ahead:
+        assert s.num_admitted_ahead >= 4 and s.num_kv_calls_overlapped > (s.num_kv_calls - s.num_kv_calls_overlapped)
+    else:
+        assert s.num_admitted_ahead == 0
+    assert hits >= 8 * 4  # later requests hit the shared first pages
+    assert_all_pages_back(kv)
+
+
 def test_the_gateway_core_serves_text_and_stops_at_a_stop_string(backends, model_dir):
     kv, worker = backends
     gateway = Gateway(GatewayConfig(model_dir, max_num_batched_tokens=8), ApiKeys(), kv, [worker])
