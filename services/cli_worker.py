@@ -65,10 +65,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     add_kv_format_flags(p, _env("kv_cache_dtype", "auto"), _env("kv_scales", "token_head"))
     add_window_flags(p, _env("sliding_window", "0"), _env("attention_sinks", "0"))
     p.add_argument("--attention-backend", default=_env("attention_backend", "auto"),
-                   choices=["auto", "cpu", "reference"],
-                   help="auto (default): cpu for float32 on CPU when its C++ module builds, else reference; "
+                   choices=["auto", "cpu", "reference", "flash-attn"],
+                   help="auto (default): cpu for float32 on CPU when its C++ module builds, else reference; on "
+                        "CUDA triton when it imports, else reference; "
                         "cpu: the in-place decode kernel and linear layers on packed weights, or an error; "
-                        "reference: gather + SDPA and F.linear")
+                        "reference: gather + SDPA and F.linear; flash-attn: flash-attn 4 (or 2) on CUDA, bf16/fp16, "
+                        "untested on hardware, never picked by auto")
 
 
 def add_commands(sub) -> None:

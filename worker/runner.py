@@ -95,7 +95,8 @@ class ModelRunner:
     def _load(self) -> None:
         self._compute_thread = threading.get_ident()
         # the backend first: one that cannot read this pool's element type fails before any pool is allocated
-        backend = get_backend(self.cfg.attention_backend, self.device, self.dtype, self.pool_size.fmt.name)
+        backend = get_backend(self.cfg.attention_backend, self.device, self.dtype, self.pool_size.fmt.name,
+                              self.pool_size.page_size)
         self.kv_cache = allocate_pool(self.model_cfg, self.pool_size, self.device)
         self.kv_scales = allocate_scales(self.model_cfg, self.pool_size, self.device)
         weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
