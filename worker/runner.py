@@ -48,6 +48,8 @@ class RunnerConfig:
     kv_scales: str = "token_head"  # scales of a quantised cache: "token_head" (stored per token, kv head) or "tensor"
     sliding_window: int = 0  # attend to the last W positions (0: the model's own window, if it has one)
     attention_sinks: int = 0  # with sliding_window: the first S tokens stay visible (StreamingLLM)
+    cuda_graphs: bool = True  # on CUDA with the triton backend: pure-decode steps replay CUDA graphs
+    cuda_graph_max_seqs: int = 64  # the largest decode batch captured (larger ones run eagerly)
 
 
 def resolve_kv_format(kv_cache_dtype: str, dtype: torch.dtype) -> KVFormat:
@@ -101,7 +103,16 @@ class ModelRunner:
         self.kv_scales = allocate_scales(self.model_cfg, self.pool_size, self.device)
         weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
         self.model = LlamaDecoder(self.model_cfg, weights, backend)
+        self.cuda = self._cuda_step() if self.device.type == "cuda" else None
         self._rng = torch.Generator(device=self.device).manual_seed(self.epoch & 0x7FFFFFFF)
+
+    def _cuda_step(self):
+        """The CUDA forward path (worker/cuda_step.py): one stream, pinned staging, decode graphs."""
+        from kvserve.worker.cuda_step import CudaStep
+
+        return CudaStep(self.model, self.kv_cache, self.kv_scales, self.pool_size.page_size, self.window,
+                        self.sinks, self.cfg.cuda_graphs, self.cfg.cuda_graph_max_seqs,
+                        self.model_cfg.max_position_embeddings)
 
     def call(self, fn, *args, **kwargs):
         """Runs ``fn`` on the compute thread and returns its result (re-raising its exception). Re-entrant:
@@ -147,20 +158,27 @@ class ModelRunner:
 
     def _run(self, batch: StepBatch):
         items = batch.items
+        rows = [r for r, i in enumerate(items) if i.sample]
+        hidden = self._forward(items, rows) if self.cuda is None else self.cuda.forward(items, rows)
+        if not rows:
+            return []
+        with torch.inference_mode():
+            logits = self.model.logits(hidden)
+        chosen = [items[r] for r in rows]
+        return sample([i.req_id for i in chosen], logits, [i.sampling for i in chosen],
+                      [i.end_pos for i in chosen], self._rng, stats=self.model.backend.argmax_logsumexp)
+
+    def _forward(self, items, rows: list[int]) -> torch.Tensor | None:
+        """The forward pass on this device; hidden states of the last token of each item in ``rows``."""
         meta = build_metadata([i.start_pos for i in items], [len(i.token_ids) for i in items],
                               [list(i.page_table) for i in items], self.pool_size.page_size, self.device,
                               self.window, self.sinks)
         tokens = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.int64, device=self.device)
         hidden = self.model.forward(tokens, meta, self.kv_cache, self.kv_scales)
-        rows = [r for r, i in enumerate(items) if i.sample]
         if not rows:
-            return []
+            return None
         last = meta.cu_q_lens[1:][torch.tensor(rows, device=self.device)] - 1  # last token of each sampled item
-        with torch.inference_mode():
-            logits = self.model.logits(hidden[last])
-        chosen = [items[r] for r in rows]
-        return sample([i.req_id for i in chosen], logits, [i.sampling for i in chosen],
-                      [i.end_pos for i in chosen], self._rng, stats=self.model.backend.argmax_logsumexp)
+        return hidden[last]
 
 
 __all__ = ["InvalidRequest", "ModelRunner", "RunnerConfig", "StaleEpoch", "WorkerInfo"]

@@ -91,3 +91,26 @@ def model_fingerprint(folder: Path) -> str:
             while chunk := f.read(1 << 24):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                   std: float = 0.02) -> ModelWeights:
+    """Weights of cfg's shapes drawn on ``device`` (normal, ``std``; norms at 1): a model to benchmark or test
+    without any download, e.g. an 8B-shaped one created on the GPU in seconds."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def mat(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+
+    def ones() -> torch.Tensor:
+        return torch.ones(cfg.hidden_size, device=device, dtype=dtype)
+
+    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    layers = [LayerWeights(input_norm=ones(), qkv=mat(qkv_rows, cfg.hidden_size),
+                           qkv_bias=mat(qkv_rows) if cfg.attention_bias else None,
+                           o=mat(cfg.hidden_size, cfg.num_heads * cfg.head_dim), post_norm=ones(),
+                           gate_up=mat(2 * cfg.intermediate_size, cfg.hidden_size),
+                           down=mat(cfg.hidden_size, cfg.intermediate_size)) for _ in range(cfg.num_layers)]
+    embed = mat(cfg.vocab_size, cfg.hidden_size)
+    lm_head = embed if cfg.tie_word_embeddings else mat(cfg.vocab_size, cfg.hidden_size)
+    return ModelWeights(embed=embed, layers=layers, final_norm=ones(), lm_head=lm_head)
