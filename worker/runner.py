@@ -71,8 +71,12 @@ class ModelRunner:
     """Owns the weights and the KV pool of one worker incarnation. Thread-safe: steps run one at a time, on
     one compute thread."""
 
-    def __init__(self, cfg: RunnerConfig, compute: ThreadPoolExecutor | None = None):
+    def __init__(self, cfg: RunnerConfig, compute: ThreadPoolExecutor | None = None, make_weights=None):
         """Loads the model and allocates the pool on the compute thread.
+
+        make_weights: ``(model_cfg, dtype, device) -> ModelWeights`` instead of reading the folder's safetensors
+        (e.g. weights.random_weights: GPU checks and benchmarks of a model shape, no download; the folder then
+        needs only its config.json).
 
         compute: an executor with exactly one thread, to run all torch work on (default: one of its own).
         Share it with any other torch work in the process: libgomp gives every thread that runs a parallel
@@ -91,8 +95,9 @@ class ModelRunner:
         self.pool_size = size_pool(self.model_cfg, resolve_kv_format(cfg.kv_cache_dtype, self.dtype), cfg.page_size,
                                    kv_scales=cfg.kv_scales, kv_cache_bytes=budget, num_pages=cfg.num_pages)
         self.epoch = time.time_ns()
+        self._make_weights = make_weights or (lambda m, dtype, device: load_weights(cfg.model_dir, m, dtype, device))
         self.call(self._load)
-        self.info = self._describe(model_fingerprint(cfg.model_dir))
+        self.info = self._describe(model_fingerprint(cfg.model_dir) if make_weights is None else "made-weights")
 
     def _load(self) -> None:
         self._compute_thread = threading.get_ident()
@@ -101,7 +106,7 @@ class ModelRunner:
                               self.pool_size.page_size)
         self.kv_cache = allocate_pool(self.model_cfg, self.pool_size, self.device)
         self.kv_scales = allocate_scales(self.model_cfg, self.pool_size, self.device)
-        weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
+        weights = self._make_weights(self.model_cfg, self.dtype, self.device)
         self.model = LlamaDecoder(self.model_cfg, weights, backend)
         self.cuda = self._cuda_step() if self.device.type == "cuda" else None
         self._rng = torch.Generator(device=self.device).manual_seed(self.epoch & 0x7FFFFFFF)

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
-from safetensors import safe_open
 
 from kvserve.worker.config import ModelConfig
 
@@ -36,6 +34,8 @@ class ModelWeights:
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open  # here, not at import: a GPU check with random weights runs without it
+
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
@@ -84,6 +84,8 @@ def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: tor
 
 def model_fingerprint(folder: Path) -> str:
     """xxh3-128 over config.json and every safetensors file: equal fingerprints mean equal KV."""
+    import xxhash
+
     h = xxhash.xxh3_128()
     for path in [Path(folder) / "config.json", *sorted(Path(folder).glob("*.safetensors"))]:
         h.update(path.name.encode())
@@ -94,13 +96,15 @@ def model_fingerprint(folder: Path) -> str:
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                   std: float = 0.02) -> ModelWeights:
+                   std: float = 0.02, draw_device: str | torch.device | None = None) -> ModelWeights:
     """Weights of cfg's shapes drawn on ``device`` (normal, ``std``; norms at 1): a model to benchmark or test
-    without any download, e.g. an 8B-shaped one created on the GPU in seconds."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+    without any download, e.g. an 8B-shaped one created on the GPU in seconds. CPU and CUDA generators draw
+    different numbers from one seed: ``draw_device="cpu"`` gives every device the same weights."""
+    draw = torch.device(draw_device or device)
+    gen = torch.Generator(device=draw).manual_seed(seed)
 
     def mat(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+        return (torch.randn(*shape, generator=gen, device=draw, dtype=torch.float32) * std).to(device, dtype)
 
     def ones() -> torch.Tensor:
         return torch.ones(cfg.hidden_size, device=device, dtype=dtype)
