@@ -126,8 +126,9 @@ def _pytest(args) -> dict | None:
     if args.pytest_log is None:
         return None
     lines = Path(args.pytest_log).read_text(errors="replace").splitlines() if Path(args.pytest_log).exists() else []
-    return {"rc": args.pytest_rc, "summary": [ln for ln in lines if ln.startswith(("FAILED", "ERROR", "SKIPPED"))
-                                              or " passed" in ln or " failed" in ln][-30:]}
+    keep = ("FAILED", "ERROR", "SKIPPED", "gpu_check:")
+    return {"rc": args.pytest_rc, "summary": [ln for ln in lines if ln.startswith(keep) or
+                                              any(w in ln for w in (" passed", " failed", " skipped", " error"))][-30:]}
 
 
 def output_path(args) -> Path:
