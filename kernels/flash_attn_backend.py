@@ -21,6 +21,10 @@ Not served: attention sinks (StreamingLLM keeps the first tokens visible beside 
 ``learnable_sink`` is a different thing, a per-head logit) and quantised pages (FA4's fp8 path needs the queries
 in fp8 too, with descales per batch and head, not kvserve's per-token scales).
 
+flash-attn 4 on sm90 reads pages of any size (its non-TMA path when they are not a tile of 128) but does not
+split the KV length (FlashDecoding) there: a long-context decode at a small batch keeps few SMs busy, one more
+reason to measure before ``auto`` may pick it.
+
 RoPE, the K/V write into their slots, norms and linear layers are not flash-attn's: they come from the ``ops``
 backend (the triton backend's where the lead's selection passes it, else the reference's torch ops).
 """

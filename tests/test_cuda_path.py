@@ -146,3 +146,19 @@ def test_the_triton_backend_through_padded_decode_buffers_matches_the_reference(
     got = DecodeGraphs(model, cache, None, PAGE, max_seqs=4, max_model_len=4096, capture=False).run(items)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cache, ref_cache, rtol=1e-4, atol=1e-4)
+
+
+def test_worker_cuda_graph_flags_and_their_env_defaults(monkeypatch):
+    from kvserve.services.cli import build_parser
+
+    args = build_parser().parse_args(["worker"])
+    assert args.cuda_graphs is True and int(args.cuda_graph_max_seqs) == 64
+    args = build_parser().parse_args(["worker", "--no-cuda-graphs", "--cuda-graph-max-seqs", "128"])
+    assert args.cuda_graphs is False and args.cuda_graph_max_seqs == 128
+    monkeypatch.setenv("KVSERVE_CUDA_GRAPHS", "off")
+    monkeypatch.setenv("KVSERVE_CUDA_GRAPH_MAX_SEQS", "32")
+    args = build_parser().parse_args(["worker"])
+    assert args.cuda_graphs is False and args.cuda_graph_max_seqs == 32
+    assert build_parser().parse_args(["worker", "--cuda-graphs"]).cuda_graphs is True
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker", "--cuda-graph-max-seqs", "0"])

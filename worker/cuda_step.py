@@ -30,6 +30,7 @@ class CudaStep:
         self.page_size, self.window, self.sinks = page_size, window, sinks
         self.device = kv_cache.device
         self.stream = torch.cuda.Stream(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights and pool, made before
         torch.cuda.set_stream(self.stream)  # on the compute thread: every later op of the worker runs on it
         why_not = graphs_unavailable(graphs, model.backend.name, window, sinks)
         self.graphs = None if why_not else DecodeGraphs(model, kv_cache, kv_scales, page_size, max_graph_seqs,
