@@ -106,7 +106,7 @@ def decode_bandwidth(backend, device: torch.device, dtype: torch.dtype, context:
     gen = torch.Generator().manual_seed(context + batch)
     perm = torch.randperm(num_pages, generator=gen)
     tables = perm[:batch * pages_per_seq].view(batch, pages_per_seq).tolist()
-    cache = torch.randn(2, num_pages, page_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+    cache = torch.randn(2, num_pages, page_size, kv_heads, head_dim, device=device, dtype=dtype)  # drawn there
     meta = build_metadata([context - 1] * batch, [1] * batch, tables, page_size, device)
     q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
     k = torch.randn(batch, kv_heads, head_dim, device=device, dtype=dtype)
