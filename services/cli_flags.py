@@ -12,6 +12,12 @@ def env_default(name: str, default=None):
     return os.environ.get(f"KVSERVE_{name.upper()}", default)
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off flag's default from ``KVSERVE_<NAME>``: 0, false, no or off (any case) is off, anything else on."""
+    value = env_default(name)
+    return default if value is None else value.strip().lower() not in ("0", "false", "no", "off")
+
+
 def parse_bytes(text: str) -> int:
     """'536870912', '512MiB', '1.5GiB', '64MB' -> bytes. Raises argparse.ArgumentTypeError on bad input."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}

@@ -48,6 +48,18 @@ def add_window_flags(p: argparse.ArgumentParser, window_default: str, sinks_defa
                         "trained with full attention; requests may then run past the model's context")
 
 
+def add_cuda_flags(p: argparse.ArgumentParser) -> None:
+    """--cuda-graphs/--no-cuda-graphs and --cuda-graph-max-seqs: what a CUDA worker captures (ignored on CPU)."""
+    from kvserve.services.cli_flags import env_switch, positive_int
+
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=env_switch("cuda_graphs", True),
+                   help="on CUDA with the triton backend, replay CUDA graphs for pure-decode steps, captured per "
+                        "batch and length bucket the first time one runs (default on)")
+    p.add_argument("--cuda-graph-max-seqs", type=positive_int, default=_env("cuda_graph_max_seqs", "64"),
+                   help="the largest decode batch a CUDA graph is captured for; larger ones run eagerly (default "
+                        "64, the gateway's --max-num-seqs)")
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     from kvserve.services.cli_flags import parse_bytes, positive_int
 
@@ -64,11 +76,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     size.add_argument("--num-pages", type=positive_int, default=_env("num_pages"), action=_PoolSize)
     add_kv_format_flags(p, _env("kv_cache_dtype", "auto"), _env("kv_scales", "token_head"))
     add_window_flags(p, _env("sliding_window", "0"), _env("attention_sinks", "0"))
+    add_cuda_flags(p)
     p.add_argument("--attention-backend", default=_env("attention_backend", "auto"),
-                   choices=["auto", "cpu", "reference"],
-                   help="auto (default): cpu for float32 on CPU when its C++ module builds, else reference; "
+                   choices=["auto", "cpu", "reference", "flash-attn"],
+                   help="auto (default): cpu for float32 on CPU when its C++ module builds, else reference; on "
+                        "CUDA triton when it imports, else reference; "
                         "cpu: the in-place decode kernel and linear layers on packed weights, or an error; "
-                        "reference: gather + SDPA and F.linear")
+                        "reference: gather + SDPA and F.linear; flash-attn: flash-attn 4 (or 2) on CUDA, bf16/fp16, "
+                        "untested on hardware, never picked by auto")
 
 
 def add_commands(sub) -> None:
@@ -120,7 +135,8 @@ def _runner_config(args, **extra):
                         page_size=args.page_size, kv_cache_bytes=kv_bytes, num_pages=num_pages,
                         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
                         kv_scales=args.kv_scales, sliding_window=args.sliding_window,
-                        attention_sinks=args.attention_sinks, **extra)
+                        attention_sinks=args.attention_sinks, cuda_graphs=args.cuda_graphs,
+                        cuda_graph_max_seqs=int(args.cuda_graph_max_seqs), **extra)
 
 
 def _make_runner(args, **extra):

@@ -48,6 +48,8 @@ class RunnerConfig:
     kv_scales: str = "token_head"  # scales of a quantised cache: "token_head" (stored per token, kv head) or "tensor"
     sliding_window: int = 0  # attend to the last W positions (0: the model's own window, if it has one)
     attention_sinks: int = 0  # with sliding_window: the first S tokens stay visible (StreamingLLM)
+    cuda_graphs: bool = True  # on CUDA with the triton backend: pure-decode steps replay CUDA graphs
+    cuda_graph_max_seqs: int = 64  # the largest decode batch captured (larger ones run eagerly)
 
 
 def resolve_kv_format(kv_cache_dtype: str, dtype: torch.dtype) -> KVFormat:
@@ -69,8 +71,12 @@ class ModelRunner:
     """Owns the weights and the KV pool of one worker incarnation. Thread-safe: steps run one at a time, on
     one compute thread."""
 
-    def __init__(self, cfg: RunnerConfig, compute: ThreadPoolExecutor | None = None):
+    def __init__(self, cfg: RunnerConfig, compute: ThreadPoolExecutor | None = None, make_weights=None):
         """Loads the model and allocates the pool on the compute thread.
+
+        make_weights: ``(model_cfg, dtype, device) -> ModelWeights`` instead of reading the folder's safetensors
+        (e.g. weights.random_weights: GPU checks and benchmarks of a model shape, no download; the folder then
+        needs only its config.json).
 
         compute: an executor with exactly one thread, to run all torch work on (default: one of its own).
         Share it with any other torch work in the process: libgomp gives every thread that runs a parallel
@@ -89,18 +95,29 @@ class ModelRunner:
         self.pool_size = size_pool(self.model_cfg, resolve_kv_format(cfg.kv_cache_dtype, self.dtype), cfg.page_size,
                                    kv_scales=cfg.kv_scales, kv_cache_bytes=budget, num_pages=cfg.num_pages)
         self.epoch = time.time_ns()
+        self._make_weights = make_weights or (lambda m, dtype, device: load_weights(cfg.model_dir, m, dtype, device))
         self.call(self._load)
-        self.info = self._describe(model_fingerprint(cfg.model_dir))
+        self.info = self._describe(model_fingerprint(cfg.model_dir) if make_weights is None else "made-weights")
 
     def _load(self) -> None:
         self._compute_thread = threading.get_ident()
         # the backend first: one that cannot read this pool's element type fails before any pool is allocated
-        backend = get_backend(self.cfg.attention_backend, self.device, self.dtype, self.pool_size.fmt.name)
+        backend = get_backend(self.cfg.attention_backend, self.device, self.dtype, self.pool_size.fmt.name,
+                              self.pool_size.page_size)
         self.kv_cache = allocate_pool(self.model_cfg, self.pool_size, self.device)
         self.kv_scales = allocate_scales(self.model_cfg, self.pool_size, self.device)
-        weights = load_weights(self.cfg.model_dir, self.model_cfg, self.dtype, self.device)
+        weights = self._make_weights(self.model_cfg, self.dtype, self.device)
         self.model = LlamaDecoder(self.model_cfg, weights, backend)
+        self.cuda = self._cuda_step() if self.device.type == "cuda" else None
         self._rng = torch.Generator(device=self.device).manual_seed(self.epoch & 0x7FFFFFFF)
+
+    def _cuda_step(self):
+        """The CUDA forward path (worker/cuda_step.py): one stream, pinned staging, decode graphs."""
+        from kvserve.worker.cuda_step import CudaStep
+
+        return CudaStep(self.model, self.kv_cache, self.kv_scales, self.pool_size.page_size, self.window,
+                        self.sinks, self.cfg.cuda_graphs, self.cfg.cuda_graph_max_seqs,
+                        self.model_cfg.max_position_embeddings)
 
     def call(self, fn, *args, **kwargs):
         """Runs ``fn`` on the compute thread and returns its result (re-raising its exception). Re-entrant:
@@ -146,20 +163,27 @@ class ModelRunner:
 
     def _run(self, batch: StepBatch):
         items = batch.items
+        rows = [r for r, i in enumerate(items) if i.sample]
+        hidden = self._forward(items, rows) if self.cuda is None else self.cuda.forward(items, rows)
+        if not rows:
+            return []
+        with torch.inference_mode():
+            logits = self.model.logits(hidden)
+        chosen = [items[r] for r in rows]
+        return sample([i.req_id for i in chosen], logits, [i.sampling for i in chosen],
+                      [i.end_pos for i in chosen], self._rng, stats=self.model.backend.argmax_logsumexp)
+
+    def _forward(self, items, rows: list[int]) -> torch.Tensor | None:
+        """The forward pass on this device; hidden states of the last token of each item in ``rows``."""
         meta = build_metadata([i.start_pos for i in items], [len(i.token_ids) for i in items],
                               [list(i.page_table) for i in items], self.pool_size.page_size, self.device,
                               self.window, self.sinks)
         tokens = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.int64, device=self.device)
         hidden = self.model.forward(tokens, meta, self.kv_cache, self.kv_scales)
-        rows = [r for r, i in enumerate(items) if i.sample]
         if not rows:
-            return []
+            return None
         last = meta.cu_q_lens[1:][torch.tensor(rows, device=self.device)] - 1  # last token of each sampled item
-        with torch.inference_mode():
-            logits = self.model.logits(hidden[last])
-        chosen = [items[r] for r in rows]
-        return sample([i.req_id for i in chosen], logits, [i.sampling for i in chosen],
-                      [i.end_pos for i in chosen], self._rng, stats=self.model.backend.argmax_logsumexp)
+        return hidden[last]
 
 
 __all__ = ["InvalidRequest", "ModelRunner", "RunnerConfig", "StaleEpoch", "WorkerInfo"]

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
-from safetensors import safe_open
 
 from kvserve.worker.config import ModelConfig
 
@@ -36,6 +34,8 @@ class ModelWeights:
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open  # here, not at import: a GPU check with random weights runs without it
+
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
@@ -84,6 +84,8 @@ def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: tor
 
 def model_fingerprint(folder: Path) -> str:
     """xxh3-128 over config.json and every safetensors file: equal fingerprints mean equal KV."""
+    import xxhash
+
     h = xxhash.xxh3_128()
     for path in [Path(folder) / "config.json", *sorted(Path(folder).glob("*.safetensors"))]:
         h.update(path.name.encode())
@@ -91,3 +93,28 @@ def model_fingerprint(folder: Path) -> str:
             while chunk := f.read(1 << 24):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                   std: float = 0.02, draw_device: str | torch.device | None = None) -> ModelWeights:
+    """Weights of cfg's shapes drawn on ``device`` (normal, ``std``; norms at 1): a model to benchmark or test
+    without any download, e.g. an 8B-shaped one created on the GPU in seconds. CPU and CUDA generators draw
+    different numbers from one seed: ``draw_device="cpu"`` gives every device the same weights."""
+    draw = torch.device(draw_device or device)
+    gen = torch.Generator(device=draw).manual_seed(seed)
+
+    def mat(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=draw, dtype=torch.float32) * std).to(device, dtype)
+
+    def ones() -> torch.Tensor:
+        return torch.ones(cfg.hidden_size, device=device, dtype=dtype)
+
+    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    layers = [LayerWeights(input_norm=ones(), qkv=mat(qkv_rows, cfg.hidden_size),
+                           qkv_bias=mat(qkv_rows) if cfg.attention_bias else None,
+                           o=mat(cfg.hidden_size, cfg.num_heads * cfg.head_dim), post_norm=ones(),
+                           gate_up=mat(2 * cfg.intermediate_size, cfg.hidden_size),
+                           down=mat(cfg.hidden_size, cfg.intermediate_size)) for _ in range(cfg.num_layers)]
+    embed = mat(cfg.vocab_size, cfg.hidden_size)
+    lm_head = embed if cfg.tie_word_embeddings else mat(cfg.vocab_size, cfg.hidden_size)
+    return ModelWeights(embed=embed, layers=layers, final_norm=ones(), lm_head=lm_head)
