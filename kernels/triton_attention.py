@@ -27,6 +27,18 @@ KV_VALUES, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 = 0, 1, 2, 3
 
 
 @triton.jit
+def cast(x, DT: tl.constexpr):
+    """float32 x -> DT, rounding to nearest even. bfloat16 is rounded on its bits: Triton's CPU interpreter
+    truncates in its own conversion (a GPU's is exact, and this gives the same bits)."""
+    if DT == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DT)
+
+
+@triton.jit
 def _dequantise(raw, KV_KIND: tl.constexpr):
     """Stored elements -> float32: values as they are, int8 as its integer, fp8 bytes (uint8) bitcast."""
     if KV_KIND == 2:
@@ -71,7 +83,7 @@ def _load_kv(cache_ptr, scales_ptr, table_ptr, pos, valid, kvh, offs_d, d_mask, 
 def _scores(q, q_sink, k, pos, qk_scale, SINKS: tl.constexpr, HAS_SINKS: tl.constexpr,
             DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
     """q @ k.T times qk_scale (log2 units); with sinks, sink keys scored against q_sink (kernels/window.py)."""
-    kt = tl.trans(k.to(DOT_DTYPE))
+    kt = tl.trans(cast(k, DOT_DTYPE))
     s = tl.dot(q, kt, input_precision=PREC)
     if HAS_SINKS:
         s = tl.where(pos[None, :] < SINKS, tl.dot(q_sink, kt, input_precision=PREC), s)
@@ -87,7 +99,7 @@ def _online_softmax_step(s, m, lsum, acc, v, DOT_DTYPE: tl.constexpr, PREC: tl.c
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m - m_safe)
     lsum = lsum * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PREC)
+    acc = acc * alpha[:, None] + tl.dot(cast(p, DOT_DTYPE), cast(v, DOT_DTYPE), input_precision=PREC)
     return m_new, lsum, acc
 
 
@@ -140,7 +152,7 @@ def decode_split_kernel(
     if DIRECT:
         out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
         o_off = row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+        tl.store(out_ptr + o_off, cast(out, out_ptr.dtype.element_ty), mask=qd_mask)
     else:
         part = (i * num_heads + heads) * num_splits + split  # [BLOCK_G] rows of [seqs, heads, splits]
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=qd_mask)
@@ -173,7 +185,7 @@ def reduce_splits_kernel(
     w = tl.where(s_mask & (m > float("-inf")), tl.math.exp2(m - tl.where(m_all > float("-inf"), m_all, 0.0)), 0.0)
     total = tl.sum(w * lsum, 0)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, cast(out, out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -231,7 +243,7 @@ def prefill_kernel(
         m, lsum, acc = _online_softmax_step(s, m, lsum, acc, v, DOT_DTYPE, PREC)
     out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     o_off = (first_row + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+    tl.store(out_ptr + o_off, cast(out, out_ptr.dtype.element_ty), mask=qd_mask)
 
 
 def next_power_of_2(n: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton_attention import KV_FP8_E4M3, KV_INT8  # noqa: F401 - the kinds, for callers
+from kvserve.kernels.triton_attention import cast
 
 
 @triton.jit
@@ -22,7 +22,7 @@ def _round(x, DT: tl.constexpr):
     if DT == tl.float32:
         return x
     else:
-        return x.to(DT).to(tl.float32)
+        return cast(x, DT).to(tl.float32)
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def _store_kv_rows(cache_ptr, scales_ptr, x, slot, kv_rows, d_offs, d_mask, stri
     mask = (kv_rows[:, None] >= 0) & d_mask[None, :]
     off = slot * stride_tok + kv_rows[:, None] * stride_head + d_offs[None, :]
     if KV_KIND == 0:
-        tl.store(cache_ptr + off, x.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(cache_ptr + off, cast(x, cache_ptr.dtype.element_ty), mask=mask)
     else:
         stored, s = _quantise_rows(x, d_mask, QMAX, KV_KIND, PER_TOKEN)
         tl.store(cache_ptr + off, stored, mask=mask)
@@ -130,11 +130,11 @@ def rope_store_kernel(
         o_mask = h_mask[:, None] & d_mask[None, :]
         q = _rope_rows(q_ptr, t * stride_qt + h * stride_qh, h_mask, cos_ptr, sin_ptr, t, stride_ct, HEAD_DIM,
                        BLOCK_D, DT)
-        tl.store(q_out_ptr + o_off, q.to(q_out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(q_out_ptr + o_off, cast(q, q_out_ptr.dtype.element_ty), mask=o_mask)
         if HAS_SINKS:
             q = _rope_rows(q_ptr, t * stride_qt + h * stride_qh, h_mask, sink_cos_ptr, sink_sin_ptr, t,
                            stride_ct, HEAD_DIM, BLOCK_D, DT)
-            tl.store(q_sink_out_ptr + o_off, q.to(q_out_ptr.dtype.element_ty), mask=o_mask)
+            tl.store(q_sink_out_ptr + o_off, cast(q, q_out_ptr.dtype.element_ty), mask=o_mask)
     slot = tl.load(slots_ptr + t)
     if slot >= 0:
         kvh = tl.arange(0, BLOCK_KVH)
@@ -166,12 +166,12 @@ def rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, num_rows, hidden, eps, str
     if HAS_DELTA:
         delta = tl.load(delta_ptr + r[:, None] * stride_d + d[None, :], mask=mask, other=0.0).to(tl.float32)
         x = _round(x + delta, DT)
-        tl.store(x_ptr + r[:, None] * stride_x + d[None, :], x.to(x_ptr.dtype.element_ty), mask=mask)
+        tl.store(x_ptr + r[:, None] * stride_x + d[None, :], cast(x, x_ptr.dtype.element_ty), mask=mask)
     mean = tl.sum(x * x, 1) / hidden
     inv = tl.math.div_rn(tl.full(mean.shape, 1.0, tl.float32), tl.sqrt_rn(mean + eps))
     w = tl.load(w_ptr + d, mask=d < hidden, other=0.0).to(tl.float32)
     y = _round(x * inv[:, None], DT)
-    tl.store(out_ptr + r[:, None] * stride_o + d[None, :], (w[None, :] * y).to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + r[:, None] * stride_o + d[None, :], cast(w[None, :] * y, out_ptr.dtype.element_ty),
              mask=mask)
 
 
@@ -185,4 +185,4 @@ def silu_mul_kernel(x_ptr, out_ptr, num_rows, inter, stride_x, stride_o, BLOCK_R
     gate = tl.load(x_ptr + r[:, None] * stride_x + j[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + r[:, None] * stride_x + inter + j[None, :], mask=mask, other=0.0).to(tl.float32)
     silu = _round(gate / (1.0 + tl.exp(-gate)), DT)
-    tl.store(out_ptr + r[:, None] * stride_o + j[None, :], (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + r[:, None] * stride_o + j[None, :], cast(silu * up, out_ptr.dtype.element_ty), mask=mask)

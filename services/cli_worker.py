@@ -65,9 +65,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     add_kv_format_flags(p, _env("kv_cache_dtype", "auto"), _env("kv_scales", "token_head"))
     add_window_flags(p, _env("sliding_window", "0"), _env("attention_sinks", "0"))
     p.add_argument("--attention-backend", default=_env("attention_backend", "auto"),
-                   choices=["auto", "cpu", "reference"],
-                   help="auto (default): cpu for float32 on CPU when its C++ module builds, else reference; "
+                   choices=["auto", "cpu", "triton", "reference"],
+                   help="auto (default): on CUDA triton when it imports; on CPU cpu for float32 when its C++ "
+                        "module builds; else reference; "
                         "cpu: the in-place decode kernel and linear layers on packed weights, or an error; "
+                        "triton: the in-place Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1), or an error; "
                         "reference: gather + SDPA and F.linear")
 
 
