@@ -225,7 +225,8 @@ class TritonBackend:
             kv_scales.stride(2) if kv_scales is not None else 0, q.shape[1], num_kv_heads,
             HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim), BLOCK_H=_pow2(q.shape[1]), BLOCK_KVH=_pow2(num_kv_heads),
             ROTATE=rotate, HAS_SINKS=sink_rope is not None, KV_KIND=kind, QMAX=qmax,
-            PER_TOKEN=kv_scales is not None, DT=_triton_dtype(k.dtype))
+            PER_TOKEN=kv_scales is not None, DT=_triton_dtype(k.dtype),
+            enable_fp_fusion=False)  # no FMA: x c + r s rounded as torch rounds it, so quantised bytes match
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, state: TritonState, scale: float,
                kv_scales: torch.Tensor | None = None, q_sink: torch.Tensor | None = None) -> torch.Tensor:
