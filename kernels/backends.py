@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from kvserve.kernels import cpu_paged
+from kvserve.kernels import cpu_paged, triton_paged
 from kvserve.kernels.paged_attention import PagedAttentionBackend
 from kvserve.kernels.reference import ReferenceBackend
 
@@ -19,18 +19,24 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype = torch.floa
                 kv_dtype: str = "float32", page_size: int = 16) -> PagedAttentionBackend:
     """Returns the backend called ``name`` for a model of ``dtype`` on ``device`` over pages of ``kv_dtype`` and
     ``page_size`` tokens: "reference", "cpu" (the in-place kernels: float32 compute on CPU, over float32, int8 or
-    fp8 pages), "flash-attn" (CUDA, bf16/fp16: kernels/flash_attn_backend.py), or "auto": on CPU "cpu" where it
-    applies and builds, else "reference"; on CUDA "triton" where it imports, else "reference" (never flash-attn:
-    it is untested on hardware). ValueError for a backend that cannot serve."""
+    fp8 pages), "triton" (the in-place Triton kernels: CUDA, or the CPU under TRITON_INTERPRET=1), "flash-attn"
+    (CUDA, bf16/fp16: kernels/flash_attn_backend.py), or "auto": on CPU "cpu" where it applies and builds, else
+    "reference"; on CUDA "triton" where it runs, else "reference" (never flash-attn: it is untested on hardware).
+    ValueError for a backend that cannot serve."""
     if name == "reference":
         return ReferenceBackend()
+    if name == "triton":
+        reason = _triton_reason(device, kv_dtype)
+        if reason is not None:
+            raise ValueError(f"the triton attention backend is not available: {reason}")
+        return triton_paged.TritonBackend()
     if name == "flash-attn":
         return flash_attn_backend(device, dtype, kv_dtype, page_size)
     if name == "auto" and device.type == "cuda":
-        return _auto_cuda(kv_dtype)
+        return _auto_cuda(device, kv_dtype)
     if name in ("cpu", "auto"):
         return _cpu_or_reference(name, device, dtype, kv_dtype)
-    raise ValueError(f"unknown attention backend {name!r}; known: reference, cpu, flash-attn, auto")
+    raise ValueError(f"unknown attention backend {name!r}; known: reference, cpu, triton, flash-attn, auto")
 
 
 def _cpu_or_reference(name: str, device: torch.device, dtype: torch.dtype, kv_dtype: str) -> PagedAttentionBackend:
@@ -49,18 +55,24 @@ def _cpu_or_reference(name: str, device: torch.device, dtype: torch.dtype, kv_dt
     return ReferenceBackend()
 
 
-def _triton_backend(kv_dtype: str) -> PagedAttentionBackend | None:
-    """The triton backend (kernels/triton_paged.py) when it imports and reads pages of ``kv_dtype``, else None."""
-    try:
-        from kvserve.kernels.triton_paged import TritonBackend
-    except ImportError as e:
-        log.info("attention backend: triton does not import (%s)", e)
+def _triton_reason(device: torch.device, kv_dtype: str) -> str | None:
+    """Why the triton backend cannot serve pages of ``kv_dtype`` on ``device``, or None."""
+    if kv_dtype not in triton_paged.TritonBackend.kv_dtypes:
+        return f"it reads {', '.join(triton_paged.TritonBackend.kv_dtypes)} pages, not {kv_dtype}"
+    return triton_paged.unavailable_reason(device)
+
+
+def _triton_backend(device: torch.device, kv_dtype: str) -> PagedAttentionBackend | None:
+    """The triton backend (kernels/triton_paged.py) when it runs on ``device`` over ``kv_dtype``, else None."""
+    reason = _triton_reason(device, kv_dtype)
+    if reason is not None:
+        log.info("attention backend: triton cannot serve (%s)", reason)
         return None
-    return TritonBackend() if kv_dtype in TritonBackend.kv_dtypes else None
+    return triton_paged.TritonBackend()
 
 
-def _auto_cuda(kv_dtype: str) -> PagedAttentionBackend:
-    backend = _triton_backend(kv_dtype) or ReferenceBackend()
+def _auto_cuda(device: torch.device, kv_dtype: str) -> PagedAttentionBackend:
+    backend = _triton_backend(device, kv_dtype) or ReferenceBackend()
     log.info("attention backend auto on cuda: %s (flash-attn is never picked by auto: untested on hardware; "
              "--attention-backend flash-attn forces it)", backend.name)
     return backend
@@ -82,7 +94,7 @@ def flash_attn_backend(device: torch.device, dtype: torch.dtype, kv_dtype: str,
     if varlen is None and kvcache is None:
         raise ValueError(f"the flash-attn attention backend is not available: {why} (pip install flash-attn-4)")
     kernel = fa.pick_kernel(varlen, kvcache, torch.cuda.get_device_capability(device), page_size, why)
-    backend = fa.FlashAttnBackend(**kernel, ops=_triton_backend(kv_dtype))
+    backend = fa.FlashAttnBackend(**kernel, ops=_triton_backend(device, kv_dtype))
     log.warning("attention backend: %s with %s ops (UNTESTED ON HARDWARE: no GPU run has compared it with the "
                 "reference yet)", backend.kernel, backend.ops.name)
     return backend

@@ -78,10 +78,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     add_window_flags(p, _env("sliding_window", "0"), _env("attention_sinks", "0"))
     add_cuda_flags(p)
     p.add_argument("--attention-backend", default=_env("attention_backend", "auto"),
-                   choices=["auto", "cpu", "reference", "flash-attn"],
+                   choices=["auto", "cpu", "triton", "reference", "flash-attn"],
                    help="auto (default): cpu for float32 on CPU when its C++ module builds, else reference; on "
-                        "CUDA triton when it imports, else reference; "
+                        "CUDA triton when it runs, else reference; "
                         "cpu: the in-place decode kernel and linear layers on packed weights, or an error; "
+                        "triton: the in-place Triton kernels (CUDA; CPU only under TRITON_INTERPRET=1), or an error; "
                         "reference: gather + SDPA and F.linear; flash-attn: flash-attn 4 (or 2) on CUDA, bf16/fp16, "
                         "untested on hardware, never picked by auto")
 

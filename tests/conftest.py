@@ -12,6 +12,13 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import grpc  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The triton backend's kernels run on the CPU in Triton's interpreter where there is no GPU (its tests compare
+# them with the reference there); it is read when the kernels are defined, so before any test imports them.
+# Never where CUDA is: there they are compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TEST_NUM_PAGES = 256
 TEST_PAGE_SIZE = 16
