@@ -66,7 +66,7 @@ def _triton_backend(device: torch.device, kv_dtype: str) -> PagedAttentionBacken
     """The triton backend (kernels/triton_paged.py) when it runs on ``device`` over ``kv_dtype``, else None."""
     reason = _triton_reason(device, kv_dtype)
     if reason is not None:
-        log.info("attention backend: triton cannot serve (%s)", reason)
+        log.warning("attention backend: triton is not available (%s)", reason)
         return None
     return triton_paged.TritonBackend()
 
