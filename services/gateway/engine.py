@@ -59,7 +59,7 @@ class EngineStats:
     num_kv_calls_overlapped: int = 0  # of which: made while the worker computed (out.can_overlap)
     num_admitted_ahead: int = 0  # admissions those calls reserved for the next step
     step_s: float = 0.0  # wall time of whole steps
-    kv_wait_s: float = 0.0  # of which: waiting on the kvmanager's StepPages
+    kv_wait_s: float = 0.0  # of which: blocked on the kvmanager's StepPages answer (not scheduling, not sending)
     compute_s: float = 0.0  # of which: the worker's forward pass and sampling (its compute_ms)
 
     @property
@@ -330,6 +330,7 @@ class EngineLoop:
         if self.overlap_page_ops and out.can_overlap:
             self._overlapped_step(out, t0)
             return
+        ts = time.perf_counter()
         results = self._step_pages(out)
         t1 = time.perf_counter()
         if out.ops is not None:
@@ -340,7 +341,7 @@ class EngineLoop:
             self._complete(self.handles.pop(req.req_id))
         if batch.chunks:
             self._update(batch, self._compute(batch))
-        self._account(t0, t1 - t0)
+        self._account(t0, t1 - ts)
 
     def _overlapped_step(self, out: SchedulerOutput, t0: float) -> None:
         """The call (commits, headroom, frees, admissions for the next step) runs on the helper thread while
@@ -348,7 +349,6 @@ class EngineLoop:
         re-registration. Finished requests whose pages it freed get their last delta then."""
         call = self._kv_thread.submit(self.kv.step_pages, out.ops, dict(self.traceparents))
         batch = self.scheduler.assign(out, StepResults())  # every running chunk: none waits for a page
-        t1 = time.perf_counter()
         output = None
         try:
             output = self._compute(batch) if batch.chunks else None
@@ -363,7 +363,7 @@ class EngineLoop:
         self._observe_assign(out)
         if batch.chunks:
             self._update(batch, output)
-        self._account(t0, (t1 - t0) + (t3 - t2))
+        self._account(t0, t3 - t2)
 
     def _account(self, t0: float, kv_wait_s: float) -> None:
         t = time.perf_counter()
