@@ -57,6 +57,9 @@ REDIS_CONFIGMAP = "kvserve-redis-config"
 SECRET_LIKE_ENV = re.compile(r"TOKEN|PASSWORD|SECRET|PASSWD|CREDENTIAL", re.IGNORECASE)
 # A variable Kubernetes fills from the pod (the downward API) only to be expanded into another one, $(NAME).
 DOWNWARD_API_ENV = {"POD_IP": "status.podIP", "POD_NAME": "metadata.name"}
+# A library's own variable that names a writable directory (the root filesystem is read-only): its value must be
+# the mount path of an emptyDir of the pod. torch's cpp_extension build root, for the worker's CPU kernels.
+WRITABLE_DIR_ENV = {"TORCH_EXTENSIONS_DIR"}
 HASH_SUFFIX = re.compile(r"-[a-z0-9]{10}$")
 needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
 
@@ -283,12 +286,18 @@ def test_cli_source_parser_finds_the_flags_it_should() -> None:
 @pytest.mark.parametrize(("workload_name", "command"), SERVICES)
 def test_service_env_is_kvserve_flags_opentelemetry_or_the_downward_api(workload_name: str, command: str) -> None:
     """test_env_names_are_flags_the_cli_reads checks KVSERVE_* only; anything else must be OTEL_* (read by the
-    OpenTelemetry SDK) or a downward-API value that a later variable expands as $(NAME), so a misspelt prefix
-    cannot slip past both."""
+    OpenTelemetry SDK), a downward-API value that a later variable expands as $(NAME), or a library's directory
+    variable that names an emptyDir of the pod, so a misspelt prefix cannot slip past both."""
     c = container(workload(workload_name))
     names = [e["name"] for e in c["env"]]
+    pod_spec = workload(workload_name)["spec"]["template"]["spec"]
+    empty_dirs = {v["name"] for v in pod_spec.get("volumes", []) if "emptyDir" in v}
     for i, name in enumerate(names):
         if name.startswith(("KVSERVE_", "OTEL_")):
+            continue
+        if name in WRITABLE_DIR_ENV:
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            assert mounts.get(env(c)[name]["value"]) in empty_dirs, f"{workload_name}: {name} is no emptyDir mount"
             continue
         assert name in DOWNWARD_API_ENV, f"{workload_name}: {name}"
         assert env(c)[name]["valueFrom"] == {"fieldRef": {"fieldPath": DOWNWARD_API_ENV[name]}}, name
