@@ -141,13 +141,13 @@ def test_every_pod_has_its_own_policy_and_prometheus_reaches_every_metrics_port(
 
 def test_the_policies_admit_exactly_the_connections_the_services_make() -> None:
     """Clients reach only the gateway; only the gateway reaches the workers; the gateway, the workers
-    (membership) and the admin pod, all of this namespace, reach the kvmanager; only the kvmanager and the
-    Redis pods themselves (replication, Sentinel) reach Redis."""
+    (membership), the kvmanager pods (`kubectl exec ... kvserve admin`) and the admin pod, all of this namespace,
+    reach the kvmanager; only the kvmanager and the Redis pods themselves (replication, Sentinel) reach Redis."""
     gw, wk, km, rd = "kvserve-gateway", "kvserve-worker", "kvserve-kvmanager", "kvserve-redis"
     assert admitted() == {
         (ANYONE, gw, 50050), (ANYONE, gw, 8000),
         (gw, wk, 50061),
-        (gw, km, 50051), (wk, km, 50051), (ADMIN, km, 50051),
+        (gw, km, 50051), (wk, km, 50051), (km, km, 50051), (ADMIN, km, 50051),
         (km, rd, 6379), (km, rd, 26379), (rd, rd, 6379), (rd, rd, 26379),
     }
 
