@@ -32,6 +32,8 @@ from k8s_manifests import (
 TLS_DIR = K8S_DIR / "tls"
 TLS_SECRET = "kvserve-tls"
 TLS_ENV = {"KVSERVE_TLS_CERT": "tls.crt", "KVSERVE_TLS_KEY": "tls.key", "KVSERVE_TLS_CA": "ca.crt"}
+# The gateway dials the workers by pod IP: it verifies what it dials by a name of the shared certificate.
+SERVER_NAME_ENV = "KVSERVE_TLS_SERVER_NAME"
 # The kvserve services (workload, `kvserve` subcommand, gRPC port).
 SERVICES = (("kvserve-kvmanager", "kvmanager", 50051), ("kvserve-worker", "worker", 50061),
             ("kvserve-gateway", "gateway", 50050))
@@ -260,6 +262,10 @@ def test_every_service_request_cites_a_benchmark_figure(workload_name: str, cont
 # --- the TLS Component ----------------------------------------------------------------------------------------------
 
 
+def _tls_env(command: str) -> set[str]:
+    return set(TLS_ENV) | ({SERVER_NAME_ENV} if command == "gateway" else set())
+
+
 def _with_tls(tmp_path: Path) -> list[dict]:
     """The base with the TLS Component, as an overlay of one's own would apply it (kustomize refuses paths
     that leave the overlay's root by an absolute path, so base and overlay sit side by side)."""
@@ -299,7 +305,10 @@ def test_tls_component_mounts_the_secret_and_points_the_flags_at_it(tmp_path: Pa
         assert env(c)[name]["value"] == f"{mount['mountPath']}/{key}", name
     # Everything of the base is still there (a strategic merge adds; it replaces nothing but the probes).
     base = container(workload(workload_name), command)
-    assert set(env(base)) | set(TLS_ENV) == set(env(c))
+    assert set(env(base)) | set(_tls_env(command)) == set(env(c))
+    if command == "gateway":
+        (leaf,) = [d for d in load_docs(TLS_DIR / "certificate.yaml") if d["spec"].get("secretName") == TLS_SECRET]
+        assert env(c)[SERVER_NAME_ENV]["value"] in leaf["spec"]["dnsNames"]
     # The kubelet's gRPC probes cannot speak TLS: tcpSocket on the same port instead.
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert "grpc" not in c[probe] and c[probe]["tcpSocket"] == {"port": port}, probe
@@ -309,8 +318,9 @@ def test_tls_component_mounts_the_secret_and_points_the_flags_at_it(tmp_path: Pa
 
 @pytest.mark.parametrize(("workload_name", "command", "port"), SERVICES)
 def test_tls_component_env_names_are_flags_the_cli_reads(workload_name: str, command: str, port: int) -> None:
-    """--tls-cert, --tls-key, --tls-ca of every service (with their KVSERVE_ env defaults)."""
-    unknown = set(TLS_ENV) - cli_env_names(command)
+    """--tls-cert, --tls-key, --tls-ca of every service, and the gateway's --tls-server-name (with their
+    KVSERVE_ env defaults)."""
+    unknown = _tls_env(command) - cli_env_names(command)
     assert not unknown, f"`kvserve {command}` has no flag for {sorted(unknown)}"
 
 
