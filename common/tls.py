@@ -47,11 +47,12 @@ class Tls:
     key_path: Path | None = None
     ca_path: Path | None = None
     server_name: str | None = None  # the name a client verifies the server's certificate against, if not its host
+    client_auth: bool = True  # on a server with a CA: require client certificates (False: the CA only dials)
 
     @property
     def mutual(self) -> bool:
         """On a server: client certificates are required and verified against the CA."""
-        return self.ca is not None
+        return self.ca is not None and self.client_auth
 
     def describe(self) -> str:
         return "mutual TLS" if self.mutual else "TLS"
@@ -120,7 +121,7 @@ def _no_password() -> bytes:
 
 def server_credentials(tls: Tls) -> grpc.ServerCredentials:
     """A server's credentials: its certificate, and with a CA client certificates required and verified."""
-    return grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
+    return grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca if tls.mutual else None,
                                        require_client_auth=tls.mutual)
 
 

@@ -6,12 +6,15 @@ API keys: ``--api-keys-file`` (JSON ``{"key": "tenant"}`` or lines of ``key=tena
 
 TLS: ``--tls-cert``/``--tls-key`` serve gRPC and HTTPS with that certificate and dial the kvmanager and the
 workers with TLS, presenting it as the client certificate; ``--tls-ca`` verifies those services with that CA and
-requires client certificates it signed on both front-ends (mutual TLS); common/tls.py.
+requires client certificates it signed on both front-ends (mutual TLS; ``--no-tls-client-auth``: only between
+the services, API clients need TLS alone); common/tls.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 DEFAULT_GATEWAY_PORT = 50050
@@ -65,7 +68,7 @@ def add_gateway_flags(p) -> None:
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli_flags import add_observability_flags, add_tls_flags
+    from kvserve.services.cli_flags import add_observability_flags, add_tls_flags, env_switch
 
     g = sub.add_parser("gateway", help="run the gateway: public API and continuous batching")
     g.add_argument("--host", default=_env("host", "127.0.0.1"))
@@ -80,6 +83,11 @@ def add_commands(sub) -> None:
     add_gateway_flags(g)
     add_observability_flags(g)
     add_tls_flags(g, "both", dials="the kvmanager")
+    g.add_argument("--tls-client-auth", action=argparse.BooleanOptionalAction,
+                   default=env_switch("tls_client_auth", True),
+                   help="with --tls-ca, require client certificates from the gateway's own API clients, gRPC and "
+                        "HTTP (default on); --no-tls-client-auth lets them in with TLS alone (and API keys), while "
+                        "the kvmanager and the workers are still dialled with the gateway's certificate")
     g.set_defaults(func=run_gateway)
 
 
@@ -141,8 +149,9 @@ def run_gateway(args) -> int:
         print(f"kvserve: cannot reach the kvmanager or a worker: {e}", file=sys.stderr)
         return 1
     try:
-        server = start_gateway_server(gateway, args.host, args.port, tls=tls)
-        http = start_http(gateway, args, metrics, tls)
+        served = replace(tls, client_auth=args.tls_client_auth) if tls is not None else None
+        server = start_gateway_server(gateway, args.host, args.port, tls=served)
+        http = start_http(gateway, args, metrics, served)
     except OSError as e:
         gateway.close(drain_s=0.0)
         print(f"kvserve: {e}", file=sys.stderr)
@@ -150,7 +159,7 @@ def run_gateway(args) -> int:
     metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None
     print(f"kvserve gateway ready on {args.host}:{server.port} (HTTP {http.base_url}, {len(gateway.engines)} workers, "
           f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {describe_keys(keys)}"
-          f"{metrics_note(args.host, metrics_port)}{tls_note(tls)})", flush=True)
+          f"{metrics_note(args.host, metrics_port)}{tls_note(served)})", flush=True)
     stop.wait()
     server.health.enter_graceful_shutdown()
     gateway.close(drain_s=5.0)  # stop admitting (HTTP: 503), finish or cancel in-flight work, free its pages
