@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import json
 import socket
+from dataclasses import replace
 
 import grpc
 
 from kvserve.common.grpc_server import CHANNEL_OPTIONS
+from kvserve.common.tls import Tls, address_host, open_channel
 
 KVMANAGER_SERVICE = "kvserve.v1.KVManagerService"
 # Round robin over the healthy backends only (gRPC's client-side health checking needs a balancer other than
@@ -79,7 +81,11 @@ def _resolve(address: str) -> tuple[int, str]:
     return family, (f"{ip}:{port}" if family == socket.AF_INET else f"[{ip}]:{port}")
 
 
-def kvmanager_channel(spec: str, options: tuple = CHANNEL_OPTIONS) -> grpc.Channel:
-    """A channel to the kvmanager leader among those ``spec`` names (see the module docstring)."""
-    return grpc.insecure_channel(kvmanager_target(spec),
-                                 options=(*options, ("grpc.service_config", KVMANAGER_SERVICE_CONFIG)))
+def kvmanager_channel(spec: str, options: tuple = CHANNEL_OPTIONS, tls: Tls | None = None) -> grpc.Channel:
+    """A channel to the kvmanager leader among those ``spec`` names (see the module docstring); with ``tls``, a
+    TLS one (a list of addresses verifies every kvmanager's certificate against one name: common/tls.py)."""
+    addresses = kvmanager_addresses(spec)
+    if tls is not None and tls.server_name is None and len(addresses) > 1:  # the first host as written, not its IP
+        tls = replace(tls, server_name=address_host(addresses[0]))
+    return open_channel(kvmanager_target(spec), tls,
+                        options=(*options, ("grpc.service_config", KVMANAGER_SERVICE_CONFIG)))

@@ -27,6 +27,7 @@ from kvserve.common.errors import (
     Unauthenticated,
     Unavailable,
 )
+from kvserve.common.tls import Tls, server_credentials, warn_if_plaintext
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Channels between kvserve's own services carry whole prompts' token ids: the same limits as the servers.
@@ -146,9 +147,11 @@ class GrpcServer:
 def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.Server], None],
                       service_names: Sequence[str], *, interceptors: Sequence[grpc.ServerInterceptor] = (),
                       max_threads: int = 8, max_receive_bytes: int = MAX_MESSAGE_BYTES,
-                      serving: bool = True) -> GrpcServer:
+                      serving: bool = True, tls: Tls | None = None) -> GrpcServer:
     """Serves on host:port (0 = a free port) with health SERVING for "" and ``service_names``, and reflection;
-    returns once the port is bound. A call larger than max_receive_bytes is refused with RESOURCE_EXHAUSTED.
+    returns once the port is bound. ``tls``: serve TLS with its files (mutual TLS when it has a CA); None serves
+    plaintext, and says so at warning level when host is not loopback. A call larger than max_receive_bytes is
+    refused with RESOURCE_EXHAUSTED.
     ``serving`` False: ``service_names`` report NOT_SERVING from the start (a standby), "" SERVING (the
     process is up). Raises OSError when it cannot be bound."""
     options = [("grpc.max_receive_message_length", max_receive_bytes),
@@ -161,7 +164,7 @@ def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.Server
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = _add_port(server, host, port, tls)
     except RuntimeError as e:  # how grpcio says it, for a port in use among others
         raise OSError(f"could not bind {host}:{port} (in use?): {e}") from e
     if bound == 0:
@@ -169,7 +172,16 @@ def start_grpc_server(host: str, port: int, add_servicers: Callable[[grpc.Server
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     set_serving(health_servicer, service_names, serving)
     server.start()
+    if tls is None:
+        warn_if_plaintext(f"gRPC ({', '.join(service_names)})", host, bound)
     return GrpcServer(server=server, port=bound, health=health_servicer)
+
+
+def _add_port(server: grpc.Server, host: str, port: int, tls: Tls | None) -> int:
+    """The port bound (0 when it could not be), plaintext or with ``tls``'s credentials."""
+    if tls is None:
+        return server.add_insecure_port(f"{host}:{port}")
+    return server.add_secure_port(f"{host}:{port}", server_credentials(tls))
 
 
 def set_serving(health_servicer: health.HealthServicer, service_names: Sequence[str], serving: bool) -> None:

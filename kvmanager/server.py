@@ -19,6 +19,7 @@ import grpc
 
 from kvserve.common.credentials import bearer_token
 from kvserve.common.grpc_server import GrpcServer, set_serving, start_grpc_server
+from kvserve.common.tls import Tls
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.servicer import KVAdminServicer, KVManagerServicer, TextEncoder
 from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
@@ -96,9 +97,10 @@ def tune_gc_for_serving() -> None:
 
 def start_kvmanager_server(service: KVService, host: str = "127.0.0.1", port: int = 0, *, admin_token: str,
                            tokenizer: TextEncoder | None = None, max_threads: int = 8,
-                           interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> GrpcServer:
+                           interceptors: tuple[grpc.ServerInterceptor, ...] = (), tls: Tls | None = None) -> GrpcServer:
     """Serves ``service`` on host:port (0 = a free port); returns once the port is bound and serving, as the
-    leader if ``service.leading`` (else as a standby: report_leadership flips it later).
+    leader if ``service.leading`` (else as a standby: report_leadership flips it later). ``tls``: TLS (mutual
+    with a CA: only clients with a certificate it signed get in), else plaintext.
 
     ``tokenizer`` (optional) turns the admin calls' text input into token ids. Raises OSError when the port
     cannot be bound, ValueError for an empty admin token.
@@ -109,4 +111,4 @@ def start_kvmanager_server(service: KVService, host: str = "127.0.0.1", port: in
 
     return start_grpc_server(host, port, add_servicers, (MANAGER_SERVICE, ADMIN_SERVICE),
                              interceptors=[*interceptors, AdminAuthInterceptor(admin_token), LeaderGate(service)],
-                             max_threads=max_threads, serving=service.leading)
+                             max_threads=max_threads, serving=service.leading, tls=tls)

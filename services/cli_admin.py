@@ -49,6 +49,9 @@ def _common_flags() -> argparse.ArgumentParser:
                         help="data dir of a local kvmanager, for its admin_token file (default: <cache dir>/kvmanager)")
     common.add_argument("--json", action="store_true", help="print the answer as JSON")
     common.add_argument("--timeout", type=float, default=10.0, help="deadline of the call in seconds")
+    from kvserve.services.cli_flags import add_tls_flags
+
+    add_tls_flags(common, "client", dials="the kvmanager")
     return common
 
 
@@ -162,6 +165,7 @@ def run_admin(args) -> int:
     import grpc
 
     from kvserve.common.channels import kvmanager_channel
+    from kvserve.services.cli_flags import tls_from_args
     from kvserve.v1 import kvmanager_pb2_grpc
 
     if args.admin_command == "reset" and not args.yes:
@@ -171,8 +175,8 @@ def run_admin(args) -> int:
     token = _client_token(args)
     metadata = [("authorization", f"Bearer {token}")] if token else []
     try:
-        channel = kvmanager_channel(args.kvmanager)
-    except ValueError as e:
+        channel = kvmanager_channel(args.kvmanager, tls=tls_from_args(args, server=False))
+    except ValueError as e:  # a --kvmanager that is not host:port, a TLS file missing or wrong (TlsError)
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
     with channel:

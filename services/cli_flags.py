@@ -82,3 +82,43 @@ def add_observability_flags(p: argparse.ArgumentParser) -> None:
 
 def metrics_note(host: str, port: int | None) -> str:
     return f", metrics on {host}:{port}" if port is not None else ""
+
+
+TLS_HELP = {
+    "server": ("serve TLS with this PEM certificate (with --tls-key; default: plaintext)",
+               "require client certificates signed by this PEM CA (mutual TLS)"),
+    "client": ("a PEM client certificate, for a server that requires one (mutual TLS; with --tls-key)",
+               "dial with TLS and verify the server's certificate with this PEM CA (default: plaintext)"),
+    "both": ("serve TLS with this PEM certificate (with --tls-key), also presented as the client certificate to "
+             "the services this one dials, which it dials with TLS too (default: plaintext)",
+             "require client certificates signed by this PEM CA (mutual TLS) and verify the services dialled "
+             "with it"),
+}
+
+
+def add_tls_flags(p: argparse.ArgumentParser, role: str, dials: str = "the server") -> None:
+    """--tls-cert, --tls-key, --tls-ca (KVSERVE_TLS_CERT, _KEY, _CA) for a ``role``: "server", "client" or "both"
+    (the gateway, a worker: one certificate both ways). A role that dials gets --tls-server-name too, the name
+    that ``dials``' certificate is verified against when it is not the host dialled (common/tls.py)."""
+    cert_help, ca_help = TLS_HELP[role]
+    p.add_argument("--tls-cert", default=env_default("tls_cert"), help=cert_help)
+    p.add_argument("--tls-key", default=env_default("tls_key"), help="the PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=env_default("tls_ca"), help=ca_help)
+    if role != "server":
+        p.add_argument("--tls-server-name", default=env_default("tls_server_name"),
+                       help=f"verify {dials}'s certificate against this name (default: the host dialled; for a "
+                            "list of addresses, the first one's)")
+
+
+def tls_from_args(args, server: bool):
+    """The TLS files the flags name, loaded (common.tls.Tls), or None for plaintext. Raises common.tls.TlsError
+    (a ValueError) naming the flag and path of a file that is missing or wrong."""
+    from kvserve.common.tls import load_tls
+
+    return load_tls(args.tls_cert, args.tls_key, args.tls_ca, server=server,
+                    server_name=getattr(args, "tls_server_name", None))
+
+
+def tls_note(tls) -> str:
+    """For a ready line: ", TLS" or ", mutual TLS" when serving it; nothing for plaintext."""
+    return "" if tls is None else f", {tls.describe()}"

@@ -3,11 +3,18 @@
 API keys: ``--api-keys-file`` (JSON ``{"key": "tenant"}`` or lines of ``key=tenant``) or ``KVSERVE_API_KEYS``
 (``key=tenant,key2=tenant2``). Without either the gateway runs in dev mode: no key needed, one tenant
 (``default``), and it says so in its ready line.
+
+TLS: ``--tls-cert``/``--tls-key`` serve gRPC and HTTPS with that certificate and dial the kvmanager and the
+workers with TLS, presenting it as the client certificate; ``--tls-ca`` verifies those services with that CA and
+requires client certificates it signed on both front-ends (mutual TLS; ``--no-tls-client-auth``: only between
+the services, API clients need TLS alone); common/tls.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 DEFAULT_GATEWAY_PORT = 50050
@@ -61,7 +68,7 @@ def add_gateway_flags(p) -> None:
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli_flags import add_observability_flags
+    from kvserve.services.cli_flags import add_observability_flags, add_tls_flags, env_switch
 
     g = sub.add_parser("gateway", help="run the gateway: public API and continuous batching")
     g.add_argument("--host", default=_env("host", "127.0.0.1"))
@@ -75,6 +82,12 @@ def add_commands(sub) -> None:
     g.add_argument("--cache-dir", type=Path, default=_env("cache_dir"))
     add_gateway_flags(g)
     add_observability_flags(g)
+    add_tls_flags(g, "both", dials="the kvmanager")
+    g.add_argument("--tls-client-auth", action=argparse.BooleanOptionalAction,
+                   default=env_switch("tls_client_auth", True),
+                   help="with --tls-ca, require client certificates from the gateway's own API clients, gRPC and "
+                        "HTTP (default on); --no-tls-client-auth lets them in with TLS alone (and API keys), while "
+                        "the kvmanager and the workers are still dialled with the gateway's certificate")
     g.set_defaults(func=run_gateway)
 
 
@@ -101,20 +114,20 @@ def describe_keys(keys) -> str:
     return f"{len(keys.keys)} API keys, {len({t for _, t in keys.keys})} tenants"
 
 
-def start_http(gateway, args, metrics):
-    """The OpenAI-compatible front-end on --http-port, over the same gateway core as gRPC."""
+def start_http(gateway, args, metrics, tls=None):
+    """The OpenAI-compatible front-end on --http-port, over the same gateway core as gRPC (HTTPS with ``tls``)."""
     from kvserve.services.gateway.http.app import HttpFrontEnd
     from kvserve.services.gateway.http.server import HttpServer
 
     model_name = args.served_model_name or gateway.cfg.model_dir.name
-    return HttpServer(HttpFrontEnd(gateway, model_name, metrics).app, args.host, int(args.http_port))
+    return HttpServer(HttpFrontEnd(gateway, model_name, metrics).app, args.host, int(args.http_port), tls=tls)
 
 
 def run_gateway(args) -> int:
     from kvserve.common.grpc_server import install_stop_signals
     from kvserve.common.metrics import GatewayMetrics, serve_metrics
     from kvserve.common.telemetry import setup_tracing, shutdown_tracing
-    from kvserve.services.cli_flags import metrics_note
+    from kvserve.services.cli_flags import metrics_note, tls_from_args, tls_note
     from kvserve.services.gateway.auth import load_keys
     from kvserve.services.gateway.errors import BackendFailure
     from kvserve.services.gateway.rpc.connect import connect_gateway
@@ -126,8 +139,9 @@ def run_gateway(args) -> int:
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip()) if args.workers else None
     metrics = GatewayMetrics() if args.metrics_port is not None else None
     try:
+        tls = tls_from_args(args, server=True)  # TlsError is a ValueError: exit 2 before anything is dialled
         keys = load_keys(args.api_keys_file, _env("api_keys"))
-        gateway = connect_gateway(args.kvmanager, workers, gateway_config(args), keys, metrics)
+        gateway = connect_gateway(args.kvmanager, workers, gateway_config(args), keys, metrics, tls=tls)
     except (ValueError, OSError, ModelNotFound) as e:
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
@@ -135,8 +149,9 @@ def run_gateway(args) -> int:
         print(f"kvserve: cannot reach the kvmanager or a worker: {e}", file=sys.stderr)
         return 1
     try:
-        server = start_gateway_server(gateway, args.host, args.port)
-        http = start_http(gateway, args, metrics)
+        served = replace(tls, client_auth=args.tls_client_auth) if tls is not None else None
+        server = start_gateway_server(gateway, args.host, args.port, tls=served)
+        http = start_http(gateway, args, metrics, served)
     except OSError as e:
         gateway.close(drain_s=0.0)
         print(f"kvserve: {e}", file=sys.stderr)
@@ -144,7 +159,7 @@ def run_gateway(args) -> int:
     metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None
     print(f"kvserve gateway ready on {args.host}:{server.port} (HTTP {http.base_url}, {len(gateway.engines)} workers, "
           f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {describe_keys(keys)}"
-          f"{metrics_note(args.host, metrics_port)})", flush=True)
+          f"{metrics_note(args.host, metrics_port)}{tls_note(served)})", flush=True)
     stop.wait()
     server.health.enter_graceful_shutdown()
     gateway.close(drain_s=5.0)  # stop admitting (HTTP: 503), finish or cancel in-flight work, free its pages

@@ -17,6 +17,9 @@ answer UNAVAILABLE naming the leader, report gRPC health NOT_SERVING, and take o
 leader's death. The ready line says which this one is: ``(leader, redis: ...)`` or ``(standby, redis: ...)``; a
 lone kvmanager is the leader at once (after a kill -9, once the dead one's lease lapses).
 
+TLS: ``--tls-cert`` and ``--tls-key`` serve TLS, ``--tls-ca`` requires client certificates signed by that CA
+(mutual TLS: the gateway, the workers and ``kvserve admin`` then present theirs); common/tls.py.
+
 Admin token (for KVAdminService and ``kvserve admin``): ``--admin-token`` or ``KVSERVE_ADMIN_TOKEN``; else a
 random token generated at every start and written to ``<data-dir>/admin_token`` (mode 0600), where
 ``kvserve admin`` finds it on the same machine.
@@ -50,7 +53,13 @@ def default_data_dir() -> Path:
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli_flags import add_observability_flags, non_negative_int, positive_float, positive_int
+    from kvserve.services.cli_flags import (
+        add_observability_flags,
+        add_tls_flags,
+        non_negative_int,
+        positive_float,
+        positive_int,
+    )
 
     k = sub.add_parser("kvmanager", help="run the kvmanager: page tables, prefix index, admin RPCs")
     k.add_argument("--host", default=_env("host", "127.0.0.1"))
@@ -85,6 +94,7 @@ def add_commands(sub) -> None:
                    help="host:port the others reach this kvmanager at, which a standby names as the leader's "
                         "(default: --host:port as bound)")
     add_observability_flags(k)
+    add_tls_flags(k, "server")
     k.set_defaults(func=run_kvmanager)
 
 
@@ -233,12 +243,13 @@ def run_kvmanager(args) -> int:
     from kvserve.kvmanager.reaper import MemberReaper
     from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
     from kvserve.kvmanager.service import KVService
-    from kvserve.services.cli_flags import metrics_note
+    from kvserve.services.cli_flags import metrics_note, tls_from_args, tls_note
 
     stop = install_stop_signals()  # first: a SIGTERM during start-up still stops the embedded Redis
     data_dir = (args.data_dir or default_data_dir()).expanduser()
     with contextlib.ExitStack() as stack:
         try:
+            tls = tls_from_args(args, server=True)  # first: a bad file leaves nothing started
             tokenizer = _tokenizer(args.model)
             if _uses_data_dir(args):
                 lock_data_dir(data_dir, stack)
@@ -259,7 +270,7 @@ def run_kvmanager(args) -> int:
         interceptors, metrics_port = _metrics(args, service)
         try:  # a standby until the first election: it binds its port first, to name it in its lease
             server = start_kvmanager_server(service, args.host, args.port, admin_token=token, tokenizer=tokenizer,
-                                            interceptors=interceptors)
+                                            interceptors=interceptors, tls=tls)
         except OSError as e:
             print(f"kvserve: {e}", file=sys.stderr)
             return 1
@@ -272,7 +283,7 @@ def run_kvmanager(args) -> int:
                   file=sys.stderr)
             server.stop(0)
             return 1
-        note = metrics_note(args.host, metrics_port)
+        note = metrics_note(args.host, metrics_port) + tls_note(tls)
         print(f"kvserve kvmanager ready on {args.host}:{server.port} ({role}redis: {redis_desc}{note}) admin token: "
               f"{token_where}", flush=True)
         reaper = MemberReaper(service).start()  # declares dead the workers whose lease lapsed

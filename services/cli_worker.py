@@ -88,7 +88,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli_flags import add_observability_flags, positive_float, positive_int
+    from kvserve.services.cli_flags import add_observability_flags, add_tls_flags, positive_float, positive_int
 
     w = sub.add_parser("worker", help="run a worker: model weights + KV page pool, serving Step and Info")
     _add_engine_flags(w)
@@ -104,10 +104,12 @@ def add_commands(sub) -> None:
                    help="with --kvmanager: on SIGTERM, seconds to let the running requests finish before "
                         "leaving (default 30)")
     add_observability_flags(w)
+    add_tls_flags(w, "both", dials="the kvmanager")
     w.set_defaults(func=run_worker)
 
     info = sub.add_parser("info", help="print a running worker's Info")
     info.add_argument("--worker", default=_env("worker", f"127.0.0.1:{DEFAULT_WORKER_PORT}"))
+    add_tls_flags(info, "client", dials="the worker")
     info.set_defaults(func=run_info)
 
     g = sub.add_parser("generate", help="stream a completion from a running gateway (or --local)")
@@ -122,6 +124,7 @@ def add_commands(sub) -> None:
     g.add_argument("--gateway", default=_env("gateway", "127.0.0.1:50050"), help="gateway host:port")
     g.add_argument("--api-key", default=_env("api_key"), help="API key (not needed in dev mode)")
     g.add_argument("--timeout", type=positive_float, default=300.0, help="deadline of the call in seconds")
+    add_tls_flags(g, "client", dials="the gateway")
     _add_engine_flags(g)
     g.set_defaults(func=run_generate)
 
@@ -156,10 +159,13 @@ def run_worker(args) -> int:
     from kvserve.common.grpc_server import install_stop_signals
     from kvserve.common.metrics import WorkerMetrics, serve_metrics
     from kvserve.common.telemetry import setup_tracing, shutdown_tracing
-    from kvserve.services.cli_flags import metrics_note
+    from kvserve.services.cli_flags import metrics_note, tls_note
     from kvserve.worker.server import start_worker_server
 
     if not _kvmanager_flag_ok(args):
+        return 2
+    tls = _tls(args, server=True)
+    if tls is False:
         return 2
     runner = _make_runner(args, worker_id=args.worker_id)
     if runner is None:
@@ -169,19 +175,19 @@ def run_worker(args) -> int:
     metrics = WorkerMetrics() if args.metrics_port is not None else None
     metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None
     try:
-        ws = start_worker_server(runner, args.host, args.port, metrics=metrics)
+        ws = start_worker_server(runner, args.host, args.port, metrics=metrics, tls=tls)
     except OSError as e:
         print(f"kvserve: {e}", file=sys.stderr)
         return 1
     from kvserve.worker.model import describe_weights
 
-    keeper = _join(args, runner, ws, stop)
+    keeper = _join(args, runner, ws, stop, tls)
     i = runner.info
     scales = f", {i.kv_scales} scales" if i.kv_scales else ""
     print(f"kvserve worker {i.worker_id} ready on {args.host}:{ws.port}: model {i.model_name} on {i.device}, "
           f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
           f"({i.kv_dtype}{scales}); linear weights: {describe_weights(runner.model.weights)}"
-          f"{metrics_note(args.host, metrics_port)}{_member_note(keeper)}", flush=True)
+          f"{metrics_note(args.host, metrics_port)}{tls_note(tls)}{_member_note(keeper)}", flush=True)
     code = _serve(args, ws, stop, keeper)
     shutdown_tracing()
     return code
@@ -200,17 +206,31 @@ def _kvmanager_flag_ok(args) -> bool:
     return True
 
 
+def _tls(args, server: bool):
+    """The TLS files of the flags (common.tls.Tls), None for plaintext, or False after printing why they are
+    wrong (checked before the model loads)."""
+    from kvserve.common.tls import TlsError
+    from kvserve.services.cli_flags import tls_from_args
+
+    try:
+        return tls_from_args(args, server=server)
+    except TlsError as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return False
+
+
 JOIN_WAIT_S = 10.0  # the ready line waits this long for the join, so that a gateway started next sees the worker
 
 
-def _join(args, runner, ws, stop):
-    """With --kvmanager: the lease keeper, started, once it joined (or JOIN_WAIT_S passed); else None."""
+def _join(args, runner, ws, stop, tls):
+    """With --kvmanager: the lease keeper, started, once it joined (or JOIN_WAIT_S passed); else None. With
+    ``tls`` it dials the kvmanager with TLS, its certificate as the client certificate."""
     if not args.kvmanager:
         return None
     from kvserve.worker.membership import LeaseKeeper
 
     address = args.advertise_address or f"{args.host}:{ws.port}"
-    keeper = LeaseKeeper(runner, args.kvmanager, address, on_failed=stop.set).start()
+    keeper = LeaseKeeper(runner, args.kvmanager, address, on_failed=stop.set, tls=tls).start()
     keeper.joined.wait(JOIN_WAIT_S)
     return keeper
 
@@ -241,9 +261,13 @@ def run_info(args) -> int:
     import grpc
     from google.protobuf import json_format
 
+    from kvserve.common.tls import open_channel
     from kvserve.v1 import worker_pb2, worker_pb2_grpc
 
-    with grpc.insecure_channel(args.worker) as channel:
+    tls = _tls(args, server=False)
+    if tls is False:
+        return 2
+    with open_channel(args.worker, tls) as channel:
         try:
             info = worker_pb2_grpc.WorkerServiceStub(channel).Info(worker_pb2.InfoRequest(), timeout=10)
         except grpc.RpcError as e:
@@ -259,11 +283,15 @@ def run_generate(args) -> int:
         return run_generate_local(args)
     from kvserve.services.client import Client, KVServeError
 
+    tls = _tls(args, server=False)
+    if tls is False:
+        return 2
     messages = [{"role": "user", "content": args.prompt}] if args.chat else None
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                     seed=args.seed)
     try:
-        with Client(args.gateway, api_key=args.api_key, timeout_s=args.timeout) as client:
+        with Client(args.gateway, api_key=args.api_key, timeout_s=args.timeout, **_client_tls(tls, args.gateway)) \
+                as client:
             stream = client.generate(prompt=None if args.chat else args.prompt, messages=messages, **sampling)
             for delta in stream:
                 print(delta.text, end="", flush=True)
@@ -278,6 +306,17 @@ def run_generate(args) -> int:
         return 130
     print()
     return 0
+
+
+def _client_tls(tls, address: str) -> dict:
+    """The SDK Client's credentials and channel options for ``tls`` ({} for plaintext)."""
+    if tls is None:
+        return {}
+    from kvserve.common.tls import channel_credentials, channel_options
+    from kvserve.services.client.client import DEFAULT_CHANNEL_OPTIONS
+
+    return {"credentials": channel_credentials(tls),
+            "channel_options": (*DEFAULT_CHANNEL_OPTIONS, *channel_options(tls, address))}
 
 
 def run_generate_local(args) -> int:

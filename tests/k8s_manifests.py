@@ -145,14 +145,15 @@ def kubectl_kustomize(directory: Path) -> list[dict]:
 
 def cli_env_names(command: str) -> set[str]:
     """Every KVSERVE_<NAME> that `kvserve COMMAND`'s flags fall back to: the literal first argument of each
-    ``_env(...)`` / ``env_default(...)`` call in its CLI module and in the shared flags module, read from the
-    source (not by parsing), so a variable that only a code path far from argparse reads counts too."""
+    ``_env(...)`` / ``env_default(...)`` / ``env_switch(...)`` call in its CLI module and in the shared flags
+    module, read from the source (not by parsing), so a variable that only a code path far from argparse reads
+    counts too."""
     names: set[str] = set()
     for module in (CLI_MODULES[command], SHARED_CLI_MODULE):
         tree = ast.parse((ROOT / "services" / module).read_text())
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id in ("_env", "env_default") and node.args
+                    and node.func.id in ("_env", "env_default", "env_switch") and node.args
                     and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
                 names.add(f"KVSERVE_{node.args[0].value.upper()}")
     return names

@@ -24,6 +24,7 @@ import grpc
 from kvserve.common.channels import kvmanager_channel
 from kvserve.common.convert import membership as cv
 from kvserve.common.grpc_server import GrpcServer
+from kvserve.common.tls import Tls
 from kvserve.common.wire.membership import HeartbeatResult
 from kvserve.common.wire.pages import PoolSpec
 from kvserve.v1 import kvmanager_pb2 as pb
@@ -42,15 +43,16 @@ MAX_BACKOFF_S = 2.0
 class LeaseKeeper:
     """Joins the kvmanager's membership as ``runner``'s incarnation at ``address`` and keeps the lease, on a
     thread of its own (start), until drain() or close(). ``failed`` holds why it gave up (the kvmanager refused
-    the pool as malformed), else None; ``on_failed`` is called then (the CLI stops the worker)."""
+    the pool as malformed), else None; ``on_failed`` is called then (the CLI stops the worker). ``tls``: the
+    kvmanager is dialled with TLS (the worker's certificate as its client certificate), else plaintext."""
 
     def __init__(self, runner: ModelRunner, kvmanager: str, address: str, clock=time.monotonic,
-                 on_failed: Callable[[], None] | None = None):
+                 on_failed: Callable[[], None] | None = None, tls: Tls | None = None):
         self.runner = runner
         self.on_failed = on_failed
         self.address = address
         self.clock = clock
-        self.channel = kvmanager_channel(kvmanager)
+        self.channel = kvmanager_channel(kvmanager, tls=tls)
         self.stub = kvmanager_pb2_grpc.KVManagerServiceStub(self.channel)
         self.lease_ms = 0  # 0 until joined
         self.joined = threading.Event()

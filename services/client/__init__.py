@@ -7,12 +7,21 @@
             print(delta.text, end="")
         print(client.complete(messages=[{"role": "user", "content": "Hi"}]).text)
 
+Over TLS: ``Client(address, credentials=tls_credentials(ca="ca.crt"))``, and for a gateway that requires client
+certificates (mutual TLS) ``tls_credentials(ca=..., cert="client.crt", key="client.key")``.
+
 ``AsyncClient`` offers the same on asyncio. Failures raise the ``KVServeError`` subclasses; UNAVAILABLE is
 retried with backoff within the call's deadline (a stream only before its first delta).
 """
 
 from kvserve.services.client.aio import AsyncClient, AsyncGenerateStream
-from kvserve.services.client.client import DEFAULT_GATEWAY_ADDRESS, DEFAULT_TIMEOUT_S, Client, GenerateStream
+from kvserve.services.client.client import (
+    DEFAULT_GATEWAY_ADDRESS,
+    DEFAULT_TIMEOUT_S,
+    Client,
+    GenerateStream,
+    tls_credentials,
+)
 from kvserve.services.client.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -55,4 +64,5 @@ __all__ = [
     "Usage",
     "build_request",
     "from_rpc_error",
+    "tls_credentials",
 ]

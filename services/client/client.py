@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 from opentelemetry import propagate
 
+from kvserve.common.tls import channel_credentials, load_tls
 from kvserve.services.client.errors import from_rpc_error, rpc_error_code
 from kvserve.services.client.retry import RetryPolicy, retry_wait_s
 from kvserve.services.client.types import (
@@ -157,6 +158,14 @@ class GenerateStream:
             self.cancel()
 
 
+def tls_credentials(ca: str | None = None, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials:
+    """TLS channel credentials for ``Client(credentials=...)`` from PEM files: ``ca`` verifies the gateway
+    (None: the system's roots), ``cert`` and ``key`` are the client certificate for a gateway that requires one
+    (mutual TLS). Raises ValueError (kvserve.common.tls.TlsError) naming a file that is missing or wrong."""
+    tls = load_tls(cert, key, ca, server=False)
+    return channel_credentials(tls) if tls is not None else grpc.ssl_channel_credentials()
+
+
 class ClientBase:
     """What Client and AsyncClient share: settings, call metadata and a channel from ``_channels`` (the grpc
     module for the sync client, grpc.aio for the asyncio one)."""
@@ -186,7 +195,8 @@ class Client(ClientBase):
         timeout_s: the default deadline of every call, in seconds (a whole stream included).
         retry: the backoff policy for UNAVAILABLE.
         channel_options: gRPC channel arguments.
-        credentials: TLS channel credentials; None uses an insecure channel.
+        credentials: TLS channel credentials (``tls_credentials(ca, cert, key)``); None uses an insecure
+            channel.
 
     Raises:
         ValueError: timeout_s is not positive.

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 
 import grpc
 
@@ -17,6 +18,7 @@ from kvserve.common.convert import pages as kv_convert
 from kvserve.common.convert import worker as worker_convert
 from kvserve.common.grpc_server import CHANNEL_OPTIONS
 from kvserve.common.telemetry import NO_TRACES
+from kvserve.common.tls import Tls, open_channel
 from kvserve.common.wire.membership import WorkerMember
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
 from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
@@ -58,10 +60,9 @@ def call_with_retries(call, *, retry_on, retry_for_s: float, first_backoff_s: fl
 class _ServiceClient:
     """A channel to one service, a stub on it, and the retry settings of its calls."""
 
-    def __init__(self, address: str, stub_type, timeout_s: float, retry_for_s: float,
-                 channel: grpc.Channel | None = None):
+    def __init__(self, address: str, stub_type, timeout_s: float, retry_for_s: float, channel: grpc.Channel):
         self.address = address
-        self.channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = channel
         self.stub = stub_type(self.channel)
         self.timeout_s, self.retry_for_s = timeout_s, retry_for_s
         self.stopping = threading.Event()  # set by interrupt()
@@ -83,12 +84,13 @@ class KVManagerClient(_ServiceClient):
     timeout_s for a restarting kvmanager, or for a standby to take over) with capped backoff, for up to
     retry_for_s. Every call is safe to repeat: StepPages is idempotent per step_id (a new leader answers a call
     its predecessor logged from the log) and RegisterWorker per epoch. Place is tried once (see place).
-    ``address``: a --kvmanager value, one address or a list (common/channels.py finds the leader)."""
+    ``address``: a --kvmanager value, one address or a list (common/channels.py finds the leader); ``tls``: dial
+    it with TLS (common/tls.py), else plaintext."""
 
     def __init__(self, address: str, timeout_s: float = 10.0, retry_for_s: float = 60.0,
-                 place_timeout_s: float = 2.0):
+                 place_timeout_s: float = 2.0, tls: Tls | None = None):
         super().__init__(address, kvmanager_pb2_grpc.KVManagerServiceStub, timeout_s, retry_for_s,
-                         channel=kvmanager_channel(address))
+                         channel=kvmanager_channel(address, tls=tls))
         self.place_timeout_s = place_timeout_s
 
     def register(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
@@ -148,6 +150,12 @@ class KVManagerClient(_ServiceClient):
         return kind(f"kvmanager {what} failed: {_reason(e)}")
 
 
+def _without_server_name(tls: Tls | None) -> Tls | None:
+    """The gateway's TLS settings for a worker: --tls-server-name names the kvmanager, each worker is verified
+    against its own address's host."""
+    return tls if tls is None or tls.server_name is None else replace(tls, server_name=None)
+
+
 # A worker that went away is dialled again every 0.1-0.5 s (gRPC's default backoff grows to 120 s): a restarted
 # worker is noticed within the worker timeout, and a lost one is declared dead after it.
 WORKER_CHANNEL_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
@@ -161,11 +169,12 @@ class WorkerClient(_ServiceClient):
     the same slots), and a restarted worker answers FAILED_PRECONDITION (new epoch), which the engine turns into
     re-registration and recompute. After retry_for_s the step fails with WorkerUnavailable: the gateway
     declares the worker dead and hands its requests over. A try fails at once while the worker is unreachable
-    (no wait_for_ready), so that the worker timeout bounds the wait, whatever the step's own deadline."""
+    (no wait_for_ready), so that the worker timeout bounds the wait, whatever the step's own deadline.
+    ``tls``: dial it with TLS (its certificate is verified against the host of ``address``), else plaintext."""
 
-    def __init__(self, address: str, timeout_s: float = 120.0, retry_for_s: float = 5.0):
+    def __init__(self, address: str, timeout_s: float = 120.0, retry_for_s: float = 5.0, tls: Tls | None = None):
         super().__init__(address, worker_pb2_grpc.WorkerServiceStub, timeout_s, retry_for_s,
-                         grpc.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS))
+                         open_channel(address, _without_server_name(tls), options=WORKER_CHANNEL_OPTIONS))
         self._lock = threading.Lock()
         self._step_call: grpc.Future | None = None  # the Step in flight
 
