@@ -89,7 +89,9 @@ class Runner:
         if c.get("securityContext", {}).get("readOnlyRootFilesystem"):
             args += ["--read-only", "--read-only-tmpfs=false"]
         for path, source in mounts.items():
-            args += ["--tmpfs", f"{path}:rw,mode=1777"] if source == "tmpfs" else ["-v", f"{source}:{path}"]
+            src, _, options = source.partition(":")  # "volume:U", "/host/dir:ro": options follow the path
+            args += ["--tmpfs", f"{path}:rw,mode=1777"] if source == "tmpfs" else \
+                ["-v", f"{src}:{path}" + (f":{options}" if options else "")]
         for key, value in env.items():
             args += ["-e", f"{key}={value}"]
         command = c["command"]
@@ -124,6 +126,7 @@ class Runner:
 
     def cleanup(self) -> None:
         for full in reversed(self.started):
+            print(f"--- {full}\n{self.logs(full)[-3000:]}")  # shown by pytest when a test failed
             self.cli("rm", "-f", full, check=False)
         for v in self.volumes:
             self.cli("volume", "rm", "-f", v, check=False)

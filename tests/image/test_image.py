@@ -77,7 +77,9 @@ def stack(tmp_path_factory):
                 shared=None, timeout: float = 600) -> str:
             pod = pod_spec(workload)
             c = named(pod["containers"], name)
-            env = container_env(c, pod_name, subs, {**container_ports, 9100: free_port()})
+            all_ports = {**container_ports, 9100: free_port()}
+            c = {**c, "command": [subs.value(arg, all_ports) for arg in c["command"]]}  # --port 50051 etc.
+            env = container_env(c, pod_name, subs, all_ports)
             env |= extra_env or {}
             args = runner.run_args(name, pod, c, env, mounts(pod, c, shared or {}, secrets))
             return runner.start(args, name, timeout)
