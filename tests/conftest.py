@@ -20,6 +20,10 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# tests/image/ runs the stack from the built image (`make image-test`, which sets KVSERVE_IMAGE): not part of the
+# default run, which builds no image.
+collect_ignore = [] if os.environ.get("KVSERVE_IMAGE") else ["image"]
+
 TEST_NUM_PAGES = 256
 TEST_PAGE_SIZE = 16
 
