@@ -143,6 +143,23 @@ def kubectl_kustomize(directory: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc is not None]
 
 
+def copy_of_k8s(tmp_path: Path) -> Path:
+    """A copy of k8s/ at tmp_path/k8s, to edit or to put an overlay beside."""
+    return Path(shutil.copytree(K8S_DIR, tmp_path / "k8s"))
+
+
+def kustomize_with_component(tmp_path: Path, component: str) -> list[dict]:
+    """The base with the Component k8s/<component>, as an overlay of one's own would apply it (kustomize refuses
+    paths that leave the overlay's root by an absolute path, so a copy of the base and the overlay sit side by
+    side)."""
+    copy_of_k8s(tmp_path)
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(
+        {"resources": ["../k8s"], "components": [f"../k8s/{component}"]}))
+    return kubectl_kustomize(overlay)
+
+
 def cli_env_names(command: str) -> set[str]:
     """Every KVSERVE_<NAME> that `kvserve COMMAND`'s flags fall back to: the literal first argument of each
     ``_env(...)`` / ``env_default(...)`` / ``env_switch(...)`` call in its CLI module and in the shared flags

@@ -21,6 +21,7 @@ from k8s_manifests import (
     config_map_files,
     container,
     container_port,
+    copy_of_k8s,
     env,
     env_value,
     generated_config_maps,
@@ -160,11 +161,7 @@ def test_kubectl_kustomize_points_the_pods_at_the_hashed_redis_config() -> None:
 def test_kubectl_kustomize_with_the_autoscaling_component(tmp_path: Path) -> None:
     """Turned on as k8s/kustomization.yaml says (uncommenting `components`), the HPA joins, labelled like the
     rest, and the worker StatefulSet loses its replicas to it."""
-    base = tmp_path / "k8s"
-    base.mkdir()
-    for path in K8S_DIR.rglob("*"):
-        target = base / path.relative_to(K8S_DIR)
-        target.mkdir(exist_ok=True) if path.is_dir() else target.write_bytes(path.read_bytes())
+    base = copy_of_k8s(tmp_path)
     text = (base / "kustomization.yaml").read_text()
     (base / "kustomization.yaml").write_text(text.replace("# components:\n#   - autoscaling",
                                                           "components:\n  - autoscaling"))

@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
 from k8s_manifests import (
     K8S_DIR,
     ROOT,
@@ -18,8 +17,8 @@ from k8s_manifests import (
     cli_env_names,
     container,
     env,
-    kubectl_kustomize,
     kustomization,
+    kustomize_with_component,
     load_docs,
     of_kind,
     one,
@@ -268,18 +267,7 @@ def _tls_env(command: str) -> set[str]:
 
 
 def _with_tls(tmp_path: Path) -> list[dict]:
-    """The base with the TLS Component, as an overlay of one's own would apply it (kustomize refuses paths
-    that leave the overlay's root by an absolute path, so base and overlay sit side by side)."""
-    base = tmp_path / "k8s"
-    for path in K8S_DIR.rglob("*"):
-        target = base / path.relative_to(K8S_DIR)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.mkdir(exist_ok=True) if path.is_dir() else target.write_bytes(path.read_bytes())
-    overlay = tmp_path / "overlay"
-    overlay.mkdir()
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(
-        {"resources": ["../k8s"], "components": ["../k8s/tls"]}))
-    return kubectl_kustomize(overlay)
+    return kustomize_with_component(tmp_path, "tls")
 
 
 def test_tls_component_is_off_by_default_and_lists_its_patches() -> None:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import yaml
-from k8s_manifests import K8S_DIR, kubectl_kustomize, load_docs
+from k8s_manifests import K8S_DIR, kubectl_kustomize, kustomize_with_component, load_docs
 
 # The oldest Kubernetes the manifests are written for (README, "Kubernetes"; gRPC probes are GA since 1.27), and
 # the newest whose schema kubernetes-validate ships, so that a field removed since is caught too.
@@ -27,18 +26,7 @@ NOT_IN_THE_SCHEMA = {
 
 
 def _render(tmp_path: Path, component: str | None) -> list[dict]:
-    if component is None:
-        return kubectl_kustomize(K8S_DIR)
-    base = tmp_path / "k8s"
-    for path in K8S_DIR.rglob("*"):
-        target = base / path.relative_to(K8S_DIR)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.mkdir(exist_ok=True) if path.is_dir() else target.write_bytes(path.read_bytes())
-    overlay = tmp_path / "overlay"
-    overlay.mkdir()
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(
-        {"resources": ["../k8s"], "components": [f"../k8s/{component}"]}))
-    return kubectl_kustomize(overlay)
+    return kubectl_kustomize(K8S_DIR) if component is None else kustomize_with_component(tmp_path, component)
 
 
 def _validate(doc: dict, version: str) -> None:
