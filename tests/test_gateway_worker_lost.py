@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from polling import wait_for
 
 from kvserve.common.wire.worker import SamplingParams
 from kvserve.kvmanager import admin
@@ -179,13 +180,6 @@ def membership_stack(model_dir, worker_ids=("worker-a",)):
         for server in servers.values():
             server.stop(0)
         kv_server.stop(0)
-
-
-def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)  # polling a condition under a deadline
 
 
 def test_the_gateway_follows_membership_a_joining_worker_takes_traffic_a_leaving_one_hands_over(model_dir, reference):

@@ -13,12 +13,12 @@ import contextlib
 import os
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 from k8s_manifests import K8S_DIR
+from polling import wait_for
 
 from kvserve.kvmanager.redis_server import die_with_parent, redis_server_executable
 
@@ -46,14 +46,8 @@ def _script_env(**values: str) -> dict[str, str]:
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}", **values}
 
 
-def _poll(condition, what: str, deadline_s: float = DEADLINE_S):
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(0.1)  # polling a condition under a deadline
-    raise AssertionError(f"not within {deadline_s} s: {what}")
+def _poll(condition, what: str):
+    return wait_for(condition, what, DEADLINE_S)
 
 
 @dataclass

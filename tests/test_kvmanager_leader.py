@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from polling import wait_for
 from test_kvmanager_snapshot_layout import alloc, spec
 
 from kvserve.common.wire.pages import PageCommit, PageFree, StepOps
@@ -253,13 +254,6 @@ def health_of(port: int) -> int:
                                                          timeout=5).status
 
 
-def wait_for(condition, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)  # polling a condition under a deadline
-
-
 def test_a_retried_step_pages_crosses_a_leader_change_to_the_remembered_answer(redis_server):
     services = [KVService(store=LoggedStore(connect(redis_server.url), PREFIX, background=False)) for _ in range(2)]
     for service in services:
@@ -291,7 +285,8 @@ def test_a_retried_step_pages_crosses_a_leader_change_to_the_remembered_answer(r
             new.election.tick()
             old.election.tick()
             assert not old.election.leading and new.election.leading
-            wait_for(lambda: health_of(ports[0]) == health_pb2.HealthCheckResponse.NOT_SERVING)
+            wait_for(lambda: health_of(ports[0]) == health_pb2.HealthCheckResponse.NOT_SERVING,
+                     "the deposed leader reports NOT_SERVING", timeout_s=5.0)
             again = client.step_pages(step)  # the gateway's retry, same step_id: on the new leader
             assert again.allocations == first.allocations
             assert new.service.manager.requests["a"].page_table == first.allocations[0].page_table

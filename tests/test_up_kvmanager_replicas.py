@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 
 import grpc
 from gateway_stack import running_stack
 from grpc_health.v1 import health_pb2
+from polling import wait_for
 from service_process import EXIT_TIMEOUT_S
 from test_cli_process import cli_env, run_cli
 from test_kvmanager_standby import health
@@ -61,14 +61,6 @@ def status(port: int) -> int | None:
         return health(port)
     except grpc.RpcError:
         return None
-
-
-def wait_for(condition, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)  # polling a condition under a deadline
-    return value
 
 
 def test_up_with_two_kvmanagers_survives_a_kill9_of_the_leader(tmp_path):

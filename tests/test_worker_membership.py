@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from polling import wait_for
 from test_cli_process import cli_env, info_of, worker_process
 from test_kvmanager_cli import kvmanager_process
 from test_kvmanager_service import Admin
@@ -29,15 +30,8 @@ WORKER = "w-m"
 PROMPT = [1, 2, 3]
 
 
-def poll(condition, what: str, timeout_s: float = WAIT_S):
-    """condition()'s first truthy value, polled until the deadline; fails with ``what`` otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)  # polling a condition under a deadline
-    raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+def poll(condition, what: str):
+    return wait_for(condition, what, WAIT_S)
 
 
 @contextlib.contextmanager
