@@ -75,8 +75,10 @@ class Gateway:
         self.cfg, self.keys, self.kv = cfg, keys, kv
         self.observe = Observer(metrics)
         self.tokenizer = Tokenizer(cfg.model_dir)
-        self._lock = threading.Lock()  # guards _engines, _parked, closing, _placing_by_load
+        self._lock = threading.Lock()  # guards _engines, _parked, _declared_dead, closing, _placing_by_load
         self._engines: dict[str, EngineLoop] = {}
+        # engines given up on whose pool the kvmanager has not dropped yet: their hand-over drops it first
+        self._declared_dead: set[EngineLoop] = set()
         self._parked: list[tuple[float, Transfer]] = []  # handed over while no worker was live: (since, request)
         self._placing_by_load = False  # the kvmanager did not answer the last placement
         self.closing = False
@@ -171,9 +173,8 @@ class Gateway:
             if not others:  # a static list names no worker to take them, and none will join: they fail
                 return False
         if isinstance(error, WorkerUnavailable):
-            # Off the engine's thread: a kvmanager that is away too must not hold up the hand-over.
-            threading.Thread(target=self._declare_dead, args=(engine.info.worker_id, engine.info.epoch),
-                             name="declare-dead", daemon=True).start()
+            with self._lock:
+                self._declared_dead.add(engine)  # the kvmanager is told in _hand_over, before any is placed
             retire = self.membership.retire if self.membership is not None else self.retire
             retire(engine, f"no step answered for {self.cfg.worker_timeout_s:g} s: {error}")
             return True
@@ -191,7 +192,14 @@ class Gateway:
 
     def _hand_over(self, engine: EngineLoop, transfers: list[Transfer]) -> None:
         """Places requests handed over from a lost or draining worker on live ones, or parks them until one
-        joins (for at most cfg.connect_timeout_s)."""
+        joins (for at most cfg.connect_timeout_s). A worker declared dead is dropped at the kvmanager first
+        (on the lost engine's thread, waiting for a kvmanager that is away as any call does): until then its
+        requests' allocations are live there, and a live worker's allocation of the same req_id is refused."""
+        with self._lock:
+            declared_dead = engine in self._declared_dead
+            self._declared_dead.discard(engine)
+        if declared_dead:
+            self._declare_dead(engine.info.worker_id, engine.info.epoch)
         for t in transfers:
             with self._lock:
                 target = self._placeable(exclude=engine)
