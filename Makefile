@@ -121,6 +121,8 @@ chaos: model kernels
 # by default a local Debian base is made once with debootstrap (image/base.sh) so that no registry is needed.
 IMAGE ?= kvserve:latest
 IMAGE_BASE ?= kvserve-base:bookworm
+# The CPU kernels' -march in the image (Containerfile's CPU_MARCH): x86-64-v3 loads on any node with AVX2/FMA.
+CPU_MARCH ?= x86-64-v3
 IMAGE_CONTEXT := build/image
 CONTAINER_TOOL ?= $(shell if command -v podman >/dev/null; then echo podman; elif docker info >/dev/null 2>&1; then echo docker; else echo podman; fi)
 export CONTAINERS_CONF := $(CURDIR)/image/containers.conf
@@ -141,7 +143,7 @@ image-base: image-tools
 	@if [ "$(IMAGE_BASE)" = kvserve-base:bookworm ]; then PODMAN=$(CONTAINER_TOOL) image/base.sh $(IMAGE_BASE); fi
 
 image: image-context image-base image-tools
-	$(CONTAINER_TOOL) build -q -f Containerfile --build-arg BASE=$(IMAGE_BASE) -t $(IMAGE) $(IMAGE_CONTEXT)
+	$(CONTAINER_TOOL) build -q -f Containerfile --build-arg BASE=$(IMAGE_BASE) --build-arg CPU_MARCH=$(CPU_MARCH) -t $(IMAGE) $(IMAGE_CONTEXT)
 	@$(CONTAINER_TOOL) image inspect --format '$(IMAGE): {{.Size}} bytes' $(IMAGE)
 
 # The stack from the image as separate containers (Redis, kvmanager, worker, gateway), configured as the rendered

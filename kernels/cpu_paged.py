@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.cpu_march import cpu_flags_line, kernel_march
 from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
 from kvserve.kernels.reference import ReferenceBackend, ReferenceState, attend_groups, group_state, sink_query
 
@@ -47,20 +48,22 @@ HEADERS = [Path(__file__).parent / name for name in ("cpu_vec.h", "cpu_parallel.
 # -fopenmp: at::parallel_for is a header template that runs its loop inline, on one thread, unless the code
 # that instantiates it is compiled with OpenMP. The extension then links the libgomp torch already loaded.
 OPENMP = ["-fopenmp"]
-CFLAGS = ["-O3", "-ffast-math", "-march=native"]
+
+def compile_flags() -> list[str]:
+    """-march from KVSERVE_CPU_MARCH (kernels/cpu_march.py): native by default, a level in a container image."""
+    return ["-O3", "-ffast-math", f"-march={kernel_march()}"]
+
 PANEL = 32  # output columns per packed weight panel (kPanel in packed_linear.cpp), and weights per block along K
 BLOCK_BITS = (4, 8)  # the block formats pack_weight tries, in order (block_linear.cpp)
 
 
 def _build_name(cflags: list[str]) -> str:
     """The extension's name, which keys torch's build cache: ``-march=native`` code must not be reused on a
-    machine with other instruction sets (a shared home directory), so the CPU's flags are part of it, and so is
-    the text of every source and header: torch's JIT build does not watch included headers, and two checkouts of
-    different sources (a worktree beside the main one) must not rebuild one shared directory under each other."""
-    flags = ""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    machine with other instruction sets (a shared home directory), so the CPU's flags are part of it (a named
+    -march is in ``cflags``, and its build is the same on every CPU that runs it), and so is the text of every
+    source and header: torch's JIT build does not watch included headers, and two checkouts of different
+    sources (a worktree beside the main one) must not rebuild one shared directory under each other."""
+    flags = cpu_flags_line() if "-march=native" in cflags else ""
     texts = "".join(f.read_text() for f in [*SOURCES, *HEADERS])
     digest = hashlib.sha256(f"{platform.machine()} {flags} {cflags} {texts}".encode()).hexdigest()[:12]
     return f"kvserve_paged_decode_{digest}"
@@ -77,14 +80,14 @@ def load_extension():
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     except ImportError:
         pass
-    sources = [str(s) for s in SOURCES]
+    sources, cflags = [str(s) for s in SOURCES], compile_flags()
     try:
-        return _load_guarded(load, _build_name(CFLAGS + OPENMP), sources, extra_cflags=CFLAGS + OPENMP,
+        return _load_guarded(load, _build_name(cflags + OPENMP), sources, extra_cflags=cflags + OPENMP,
                              extra_ldflags=OPENMP)
     except Exception as e:  # noqa: BLE001 - a compiler without OpenMP (Apple clang): build without it
         log.warning("cpu kernels: the build with OpenMP failed (%s); trying without OpenMP, where they run on "
                     "one thread", str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
-    return _load_guarded(load, _build_name(CFLAGS), sources, extra_cflags=CFLAGS)
+    return _load_guarded(load, _build_name(cflags), sources, extra_cflags=cflags)
 
 
 def _load_guarded(load, name: str, sources: list[str], **flags):

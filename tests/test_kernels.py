@@ -458,10 +458,10 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load():
     killed a building worker, and each worker after it hung without a word)."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from kvserve.kernels.cpu_paged import CFLAGS, OPENMP, _build_name, load_extension
+    from kvserve.kernels.cpu_paged import OPENMP, _build_name, compile_flags, load_extension
 
     load_extension()  # built, or loaded, here first
-    lock = Path(_get_build_directory(_build_name(CFLAGS + OPENMP), verbose=False)) / "lock"
+    lock = Path(_get_build_directory(_build_name(compile_flags() + OPENMP), verbose=False)) / "lock"
     lock.touch()  # what a killed build leaves
     code = "from kvserve.kernels.cpu_paged import load_extension; load_extension(); print('loaded')"
     try:

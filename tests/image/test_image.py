@@ -32,6 +32,7 @@ from container_stack import (
 from k8s_manifests import K8S_DIR, kubectl_kustomize, one
 from otlp_collector import OtlpCollector
 
+from kvserve.kernels import cpu_paged
 from kvserve.services.client import Client
 
 IMAGE = os.environ.get("KVSERVE_IMAGE", "kvserve:latest")
@@ -93,9 +94,13 @@ def test_the_image_runs_as_the_manifests_uid_and_any_subcommand():
     assert all(sub in helped for sub in ("gateway", "kvmanager", "worker"))
 
 
-def test_the_worker_loads_the_kernels_the_image_built(stack):
+def test_the_worker_loads_the_kernels_the_image_built(stack, monkeypatch):
     assert stack["kernels"], "the kernels init container copied no compiled kernels"
     assert stack["kernels_after"] == stack["kernels"]  # loaded as copied: nothing recompiled at start
+    # built for the image's x86-64 level (make image's CPU_MARCH), under the name every node with it computes
+    monkeypatch.setenv("KVSERVE_CPU_MARCH", "x86-64-v3")
+    expected = cpu_paged._build_name(cpu_paged.compile_flags() + cpu_paged.OPENMP)
+    assert {p.parent.name for p in stack["kernels"]} == {expected}
 
 
 def test_sdk_requests_are_token_identical_to_hf(stack, hf_greedy, tokenizer):
