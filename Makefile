@@ -115,10 +115,11 @@ chaos: model kernels
 	$(PY) bench/chaos.py
 
 # The CPU image kvserve:latest (Containerfile), the image k8s/ names, with podman (runc, see image/containers.conf)
-# where it is installed, else docker where a Docker daemon answers, else podman installed by image-tools. The build context is made here (image/context.sh): a wheelhouse of kvserve, its
-# dependencies and torch's CPU wheel, and the converted default model; nothing is fetched inside the build, and a
-# change to kvserve's code rebuilds only the image's last layers. IMAGE_BASE=python:3.11-slim builds on the public base;
-# by default a local Debian base is made once with debootstrap (image/base.sh) so that no registry is needed.
+# where it is installed, else docker where a Docker daemon answers, else podman installed by image-tools. The
+# build context is made here (image/context.sh): a wheelhouse of kvserve, its dependencies and torch's CPU wheel,
+# and the converted default model; nothing is fetched inside the build, and a change to kvserve's code rebuilds
+# only the image's last layers. IMAGE_BASE=python:3.11-slim builds on the public base; by default a local Debian
+# base is made once with debootstrap (image/base.sh) so that no registry is needed.
 IMAGE ?= kvserve:latest
 IMAGE_BASE ?= kvserve-base:bookworm
 # The CPU kernels' -march in the image (Containerfile's CPU_MARCH): x86-64-v3 loads on any node with AVX2/FMA.
@@ -142,7 +143,7 @@ image-tools:
 image-base: image-tools
 	@if [ "$(IMAGE_BASE)" = kvserve-base:bookworm ]; then PODMAN=$(CONTAINER_TOOL) image/base.sh $(IMAGE_BASE); fi
 
-image: image-context image-base image-tools
+image: image-context image-base
 	$(CONTAINER_TOOL) build -q -f Containerfile --build-arg BASE=$(IMAGE_BASE) --build-arg CPU_MARCH=$(CPU_MARCH) -t $(IMAGE) $(IMAGE_CONTEXT)
 	@$(CONTAINER_TOOL) image inspect --format '$(IMAGE): {{.Size}} bytes' $(IMAGE)
 

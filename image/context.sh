@@ -15,7 +15,6 @@ out=$2
 spec=.${3:+[$3]}
 rm -rf "$out"
 mkdir -p "$out/wheels" "$out/kvserve"
-$py -m pip download -q --no-deps torch==2.13.0 -d "$out/wheels"
 SOURCE_DATE_EPOCH=315532800 $py -m pip wheel -q -w "$out/wheels" "$spec" torch==2.13.0
 mv "$out"/wheels/kvserve-*.whl "$out/kvserve/"
 # redis' dependency on Pythons before 3.11.3, such as Debian bookworm's 3.11.2 (the local base)

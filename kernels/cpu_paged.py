@@ -48,13 +48,13 @@ HEADERS = [Path(__file__).parent / name for name in ("cpu_vec.h", "cpu_parallel.
 # -fopenmp: at::parallel_for is a header template that runs its loop inline, on one thread, unless the code
 # that instantiates it is compiled with OpenMP. The extension then links the libgomp torch already loaded.
 OPENMP = ["-fopenmp"]
+PANEL = 32  # output columns per packed weight panel (kPanel in packed_linear.cpp), and weights per block along K
+BLOCK_BITS = (4, 8)  # the block formats pack_weight tries, in order (block_linear.cpp)
+
 
 def compile_flags() -> list[str]:
     """-march from KVSERVE_CPU_MARCH (kernels/cpu_march.py): native by default, a level in a container image."""
     return ["-O3", "-ffast-math", f"-march={kernel_march()}"]
-
-PANEL = 32  # output columns per packed weight panel (kPanel in packed_linear.cpp), and weights per block along K
-BLOCK_BITS = (4, 8)  # the block formats pack_weight tries, in order (block_linear.cpp)
 
 
 def _build_name(cflags: list[str]) -> str:

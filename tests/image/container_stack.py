@@ -97,12 +97,12 @@ class Runner:
         command = [*c.get("command", []), *c.get("args", [])]  # no command: the image's entrypoint ran args
         return [*args, "--entrypoint", command[0], self.image, *command[1:]]
 
-    def start(self, args: list[str], name: str, timeout: float = 600) -> str:
+    def start(self, args: list[str], name: str, ready: re.Pattern = READY, timeout: float = 600) -> str:
         """Starts a container detached and waits for its ready line (or any line matching `ready`)."""
         full = f"{self.prefix}-{name}"
         self.cli(args[0], "-d", *args[1:])
         self.started.append(full)
-        return self.wait_log(full, READY, timeout)
+        return self.wait_log(full, ready, timeout)
 
     def wait_log(self, full: str, pattern: re.Pattern, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -178,9 +178,7 @@ class Pods:
         c = {**c, **{k: [self.subs.value(arg, ports) for arg in c[k]] for k in ("command", "args") if k in c}}
         args = self.runner.run_args(f"{pod_name}-{name}", pod, c, container_env(c, pod_name, self.subs, ports),
                                     mounts(pod, c, shared, self.folders))
-        self.runner.cli(args[0], "-d", *args[1:])
-        self.runner.started.append(f"{self.runner.prefix}-{pod_name}-{name}")
-        return self.runner.wait_log(f"{self.runner.prefix}-{pod_name}-{name}", ready, timeout)
+        return self.runner.start(args, f"{pod_name}-{name}", ready, timeout)
 
 
 def redis_hosts(count: int) -> tuple[dict[str, str], list[dict[int, int]]]:
