@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+from free_ports import free_port
 from k8s_manifests import K8S_DIR
 from polling import wait_for
 
@@ -31,12 +32,6 @@ SCRIPT_TIMEOUT_S = 20.0
 
 def _bind_addresses() -> list[str]:
     return sorted({"127.0.0.1"} | {a[4][0] for a in socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)})
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _script_env(**values: str) -> dict[str, str]:
@@ -108,7 +103,7 @@ class Pod:
 @contextlib.contextmanager
 def pods(tmp_path: Path):
     """Pod 0 (127.0.0.1) and pod 1 (localhost), nothing running yet; every process is killed afterwards."""
-    made = [Pod(host, tmp_path / f"pod-{i}", _free_port(), _free_port(), {}) for i, host in enumerate(POD_HOSTS)]
+    made = [Pod(host, tmp_path / f"pod-{i}", free_port(), free_port(), {}) for i, host in enumerate(POD_HOSTS)]
     try:
         yield made
     finally:
@@ -120,7 +115,7 @@ def pods(tmp_path: Path):
 def _first_start(pod0: Pod, pod1: Pod) -> None:
     """Both pods as on the very first start: pod 0 the primary, pod 1 its replica, both Sentinels up and aware of
     the replica and of each other (which a failover needs)."""
-    dead_sentinel = f"127.0.0.1:{_free_port()}"
+    dead_sentinel = f"127.0.0.1:{free_port()}"
     assert pod0.init(pod0.host, [dead_sentinel, pod1.sentinel]) == f"{pod0.host}: primary {pod0.host}:{pod0.redis_port}"
     pod0.start("redis")
     pod0.start("sentinel")
@@ -175,7 +170,7 @@ def test_first_start_makes_pod_0_the_primary_and_pod_1_its_replica_announced_by_
         assert pod1.client().info("replication")["role"] == "slave"
         assert pod0.master_addr() == pod1.master_addr() == (pod0.host, pod0.redis_port)
 
-        url = f"redis+sentinel://127.0.0.1:{_free_port()},{pod1.sentinel}/{MASTER_NAME}/0"
+        url = f"redis+sentinel://127.0.0.1:{free_port()},{pod1.sentinel}/{MASTER_NAME}/0"
         assert _wait_for_primary(url, 1) == 0  # past the dead Sentinel, to the next
         assert _wait_for_primary(url, 2, timeout_s=2.5) == -1  # one replica only: it keeps waiting
         assert _wait_for_primary(f"redis+sentinel://{pod0.sentinel}/no-such-name/0", 0, timeout_s=2.5) == -1
@@ -209,7 +204,7 @@ def test_with_no_sentinel_up_a_pod_follows_the_primary_its_sentinel_last_knew(tm
     myid = "0123456789abcdef0123456789abcdef01234567"
     (tmp_path / "sentinel.conf").write_text(f"port 26379\nsentinel myid {myid}\nsentinel monitor {MASTER_NAME} "
                                             "kvserve-redis-2.kvserve-redis 6379 2\nsentinel current-epoch 3\n")
-    dead = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
+    dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     assert pod0.init(pod0.host, dead) == f"{pod0.host}: primary kvserve-redis-2.kvserve-redis:6379"
     assert (tmp_path / "redis.conf").read_text().splitlines()[-1] == "replicaof kvserve-redis-2.kvserve-redis 6379"
     sentinel_conf = (tmp_path / "sentinel.conf").read_text()
@@ -220,7 +215,7 @@ def test_with_no_sentinel_up_a_pod_follows_the_primary_its_sentinel_last_knew(tm
 
 def test_the_very_first_start_names_pod_0_by_its_dns_name(tmp_path: Path) -> None:
     pod1 = Pod("kvserve-redis-1.kvserve-redis", tmp_path, 6379, 26379, {})
-    assert pod1.init("kvserve-redis-0.kvserve-redis", [f"127.0.0.1:{_free_port()}"]) == (
+    assert pod1.init("kvserve-redis-0.kvserve-redis", [f"127.0.0.1:{free_port()}"]) == (
         "kvserve-redis-1.kvserve-redis: primary kvserve-redis-0.kvserve-redis:6379")
     redis_conf = (tmp_path / "redis.conf").read_text()
     assert "replica-announce-ip kvserve-redis-1.kvserve-redis\n" in redis_conf

@@ -7,20 +7,15 @@ shares the host's loopback, so each port is a free one and each Service or pod n
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from free_ports import free_port
+
 READY = re.compile(r"kvserve \S+(?: \S+)? ready on ")
 POD_IP = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pod_spec(workload: dict) -> dict:

@@ -22,13 +22,13 @@ from container_stack import (
     Pods,
     Runner,
     Substitutions,
-    free_port,
     pod_spec,
     redis_hosts,
     start_redis,
     write_config_map,
     write_keys,
 )
+from free_ports import free_port
 from k8s_manifests import K8S_DIR, kubectl_kustomize, one
 from otlp_collector import OtlpCollector
 
