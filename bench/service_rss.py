@@ -12,6 +12,7 @@ loaded) precedes the measurement. VmRSS and VmHWM from /proc/<pid>/status, in Mi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
 import socket
@@ -27,10 +28,13 @@ POOL_BYTES = 1 << 30  # k8s/worker-statefulset.yaml's KVSERVE_KV_CACHE_BYTES
 SETTLE_S = 3.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: the probe sockets stay bound until all are picked, so none comes back twice."""
+    with contextlib.ExitStack() as stack:
+        probes = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in probes:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in probes]
 
 
 def _wait_serving(port: int, proc: subprocess.Popen, deadline_s: float = 600.0) -> None:
@@ -61,7 +65,7 @@ def _memory_mib(pid: int) -> dict[str, int]:
 def measure() -> dict[str, dict[str, int]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSERVE_", "OTEL_"))}
     cli = [sys.executable, "-m", "kvserve.services.cli"]
-    km, wk, gw, http = (_free_port() for _ in range(4))
+    km, wk, gw, http = _free_ports(4)
     commands = {
         "kvmanager": ["kvmanager", "--port", str(km), "--no-persistence", "--admin-token", "bench"],
         "worker": ["worker", "--port", str(wk), "--kvmanager", f"127.0.0.1:{km}", "--worker-id", "w0",
