@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import socket
 import threading
 import time
 from concurrent import futures
 
 import grpc
 import pytest
+from free_ports import free_port
 
 from kvserve.services.client import (
     AsyncClient,
@@ -134,9 +134,7 @@ def gateway():
 
 
 def closed_port_address() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"  # nothing listens there
 
 
 class FakeRpcError(grpc.RpcError):

@@ -8,6 +8,7 @@ import signal
 
 import pytest
 import redis
+from free_ports import free_port
 from test_kvmanager_snapshot_layout import alloc, build_history, spec
 
 from kvserve.common.errors import InvalidRequest
@@ -125,12 +126,7 @@ def test_failed_append_is_kept_and_logged_once_when_the_retry_succeeds(tmp_path)
 
 
 def test_a_store_on_a_closed_port_answers_unavailable_and_keeps_the_call():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once the with block ends: nothing listens there
-    store = LoggedStore(connect(f"redis://127.0.0.1:{port}/0", timeout_s=0.5))
+    store = LoggedStore(connect(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5))  # nothing listens there
     svc = KVService(KVManager(), store)
     with pytest.raises(StoreUnavailable, match="ConnectionError"):
         svc.register_worker(spec("w0"))
