@@ -9,7 +9,19 @@ from __future__ import annotations
 
 
 class DomainError(Exception):
-    """Base of every typed error; the message says what was wrong."""
+    """Base of every typed error; the message says what was wrong. ``param`` names the request field at fault
+    (OpenAI's error.param) and ``req_id`` the one request at fault, where there is one: the gateway then fails that
+    request alone and the rest of its step goes on."""
+
+    param: str | None = None
+    req_id: str | None = None
+
+    def __init__(self, message: str = "", *, param: str | None = None, req_id: str | None = None):
+        super().__init__(message)
+        if param is not None:
+            self.param = param
+        if req_id is not None:
+            self.req_id = req_id
 
 
 class InvalidArgument(DomainError):

@@ -321,14 +321,14 @@ def _client_tls(tls, address: str) -> dict:
 
 def run_generate_local(args) -> int:
     from kvserve.common.errors import InvalidRequest
+    from kvserve.common.request_checks import check_sampling
     from kvserve.common.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
     from kvserve.common.wire.worker import SamplingParams
     from kvserve.worker.local_engine import GenerateParams, generate
-    from kvserve.worker.validate import validate_sampling
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     try:
-        validate_sampling("sampling flags", sampling)
+        check_sampling("sampling flags", sampling)
         runner = _make_runner(args)
         if runner is None:
             return 2

@@ -159,6 +159,11 @@ BAD = [  # (path, body, status, what the message says); each body otherwise vali
     ("/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "above this gateway's limit"),
     ("/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4,
+                           "temperature": 1e308}, 400, "temperature must be finite and >= 0 as a float32"),
+    ("/completions", {"prompt": "hi", "top_p": 1e-50}, 400, "top_p must lie in (0, 1] as a float32"),
+    ("/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed must lie in [0, 2**64)"),
+    ("/completions", {"prompt": "hi", "top_k": 2**40}, 400, "top_k must be >= 0"),
     ("/completions", {"prompt": "hi", "stop": ["x"] * 9}, 400, "at most 8 stop strings"),
     ("/completions", {"prompt": "hi", "echo": True}, 400, "echo is not supported"),
     ("/chat/completions", {"messages": []}, 400, "empty messages"),
@@ -189,6 +194,9 @@ def test_keys_body_size_and_invalid_json(stack):
     assert big.status_code == 413 and "bytes" in big.json()["error"]["message"]
     bad_json = httpx.post(url, content=b"{not json", headers={"authorization": "Bearer key-a"}, timeout=60)
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    surrogate = httpx.post(url, content=b'{"prompt": "hi \\ud800"}', headers={"authorization": "Bearer key-a"},
+                           timeout=60)  # valid JSON, not valid Unicode: no tokenizer can encode it
+    assert surrogate.status_code == 400 and "lone UTF-16 surrogate" in surrogate.json()["error"]["message"]
     with pytest.raises(openai.AuthenticationError):  # the official client's own view of the 401
         with openai.OpenAI(base_url=stack.http, api_key="nope", max_retries=0) as c:
             c.completions.create(model=MODEL, prompt="hi", max_tokens=1)

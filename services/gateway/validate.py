@@ -7,13 +7,11 @@ import uuid
 from dataclasses import dataclass
 
 from kvserve.common.errors import InvalidRequest
+from kvserve.common.request_checks import check_sampling, check_stop, check_text
 from kvserve.common.tokenizer import ChatTemplateError, Tokenizer
 from kvserve.common.wire.worker import SamplingParams
 from kvserve.services.gateway.request import Request, RequestParams
-from kvserve.worker.validate import validate_sampling
 
-MAX_STOP_STRINGS = 8
-MAX_STOP_CHARS = 256
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -56,41 +54,36 @@ def _prompt_ids(inp: GenerateInput, tokenizer: Tokenizer, vocab_size: int) -> li
     bad = next((i for i, t in enumerate(inp.prompt_token_ids) if not 0 <= t < limit), None)
     if bad is not None:
         raise InvalidRequest(f"prompt_token_ids[{bad}] = {inp.prompt_token_ids[bad]} is not a token id of this "
-                             f"model (0 to {vocab_size - 1})")
+                             f"model (0 to {vocab_size - 1})", param="prompt")
     return list(inp.prompt_token_ids)
 
 
 def _prompt_text(inp: GenerateInput, tokenizer: Tokenizer) -> str:
     if inp.prompt is not None:
         if not inp.prompt:
-            raise InvalidRequest("empty prompt: send at least one character")
+            raise InvalidRequest("empty prompt: send at least one character", param="prompt")
+        check_text("prompt", inp.prompt)
         return inp.prompt
     if not inp.messages:
         raise InvalidRequest("empty messages: send at least one chat message")
-    for i, (role, _) in enumerate(inp.messages):
+    for i, (role, content) in enumerate(inp.messages):
         if role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+            raise InvalidRequest(f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}",
+                                 param=f"messages.{i}.role")
+        check_text(f"messages[{i}].content", content)
     try:
         return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in inp.messages])
     except ChatTemplateError as e:
         raise InvalidRequest(str(e)) from e
 
 
-def _check_stop(stop: tuple[str, ...]) -> None:
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-    for i, s in enumerate(stop):
-        if not s or len(s) > MAX_STOP_CHARS:
-            raise InvalidRequest(f"stop[{i}] must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
-
-
 def _max_tokens(inp: GenerateInput, num_prompt: int, limits: Limits) -> int:
     room = limits.max_request_tokens - num_prompt
     if inp.max_tokens < 0:
-        raise InvalidRequest(f"max_tokens must be >= 0 (0 = default), got {inp.max_tokens}")
+        raise InvalidRequest(f"max_tokens must be >= 0 (0 = default), got {inp.max_tokens}", param="max_tokens")
     if inp.max_tokens > limits.max_tokens_limit:
         raise InvalidRequest(f"max_tokens {inp.max_tokens} is above this gateway's limit of "
-                             f"{limits.max_tokens_limit}")
+                             f"{limits.max_tokens_limit}", param="max_tokens")
     if inp.max_tokens > room:
         raise InvalidRequest(f"prompt ({num_prompt} tokens) + max_tokens ({inp.max_tokens}) exceeds the "
                              f"{num_prompt + room} tokens a request may have (model context "
@@ -100,8 +93,10 @@ def _max_tokens(inp: GenerateInput, num_prompt: int, limits: Limits) -> int:
 
 def validate_request(inp: GenerateInput, tenant: str, tokenizer: Tokenizer, limits: Limits) -> Request:
     """Validates and tokenises. Raises InvalidRequest with a message that says what was wrong."""
-    validate_sampling("sampling", inp.sampling)
-    _check_stop(inp.stop)
+    check_sampling("", inp.sampling)
+    check_stop(inp.stop)
+    for i, stop in enumerate(inp.stop):
+        check_text(f"stop[{i}]", stop)
     prompt_ids = _prompt_ids(inp, tokenizer, limits.vocab_size)
     if not prompt_ids:
         raise InvalidRequest("the prompt encodes to no tokens")

@@ -24,8 +24,7 @@ class ParamError(InvalidRequest):
     """A request body field is malformed or unsupported; ``param`` names it (OpenAI's error.param)."""
 
     def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param=param)
 
 
 class _Body(BaseModel):
