@@ -43,8 +43,9 @@ class FixedTimeWorker:
     def step(self, batch: StepBatch, traceparents=NO_TRACES) -> StepOutput:
         t0 = time.perf_counter()
         i = self.info_now
-        validate_batch(batch, vocab_size=i.vocab_size, num_pages=i.num_pages, page_size=i.page_size,
-                       max_model_len=i.max_model_len, max_step_tokens=1 << 16)
+        rejected = validate_batch(batch, vocab_size=i.vocab_size, num_pages=i.num_pages, page_size=i.page_size,
+                                  max_model_len=i.max_model_len, max_step_tokens=1 << 16)
+        assert not rejected, f"the benchmark's engine sent malformed items: {rejected}"
         sampled = [SampledToken(item.req_id, 1000 + item.end_pos % 97, -0.5) for item in batch.items if item.sample]
         hold(self.step_s - (time.perf_counter() - t0))
         self.num_steps += 1

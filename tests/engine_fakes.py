@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
-from kvserve.common.wire.worker import SampledToken, StepBatch, StepOutput, WorkerInfo
+from kvserve.common.wire.worker import RejectedItem, SampledToken, StepBatch, StepOutput, WorkerInfo
+from kvserve.kvmanager.admin import forget_worker
 from kvserve.kvmanager.manager import KVManager
 from kvserve.services.gateway.errors import KVManagerUnavailable, WorkerRestarted
 from kvserve.worker.validate import validate_batch
@@ -57,6 +58,15 @@ class InProcessKVManager:
         self._check()
         return self.mgr.place(tenant, tuple(token_ids), num_queued).worker_id
 
+    def declare_dead(self, worker_id: str, epoch: int) -> tuple[str, ...]:
+        self._check()
+        pool = self.mgr.pools.get(worker_id)
+        if pool is None or pool.spec.epoch != epoch:
+            return ()
+        dropped = tuple(r for r, req in self.mgr.requests.items() if req.worker_id == worker_id)
+        forget_worker(self.mgr, worker_id, force=True)
+        return dropped
+
     def interrupt(self) -> None:
         pass
 
@@ -94,16 +104,18 @@ class PagedRuleWorker:
             self.restart()
         if batch.epoch and batch.epoch != self.epoch:
             raise WorkerRestarted(f"worker {self.worker_id} restarted: epoch {batch.epoch} is not {self.epoch}")
-        validate_batch(batch, vocab_size=49152, num_pages=self.num_pages, page_size=self.page_size,
-                       max_model_len=self.max_model_len, max_step_tokens=4096)
+        rejected = validate_batch(batch, vocab_size=49152, num_pages=self.num_pages, page_size=self.page_size,
+                                  max_model_len=self.max_model_len, max_step_tokens=4096)
+        items = [i for i in batch.items if i.req_id not in rejected]
         sampled = []
-        for item in batch.items:
+        for item in items:
             for offset, token in enumerate(item.token_ids):
                 self.slots[self._slot(item.page_table, item.start_pos + offset)] = token
             if item.sample:
                 context = [self.slots.get(self._slot(item.page_table, p), -1) for p in range(item.end_pos)]
                 sampled.append(SampledToken(item.req_id, next_token(context), -0.5))
-        return StepOutput(sampled, sum(len(i.token_ids) for i in batch.items), 0.1)
+        return StepOutput(sampled, sum(len(i.token_ids) for i in items), 0.1,
+                          [RejectedItem(req_id, message) for req_id, message in rejected.items()])
 
     def _slot(self, page_table, position: int) -> int:
         return page_table[position // self.page_size] * self.page_size + position % self.page_size

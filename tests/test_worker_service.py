@@ -36,32 +36,51 @@ def test_health_is_serving(worker_channel):
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-BAD_STEPS = [
-    ("empty batch", [], "empty batch"),
-    ("page table too short", [item(token_ids=tuple(range(1, 21)), page_table=(0,))],
+BAD_ITEMS = [  # each rejected alone: the step computes the good item beside it (page 3)
+    ("page table too short", item(token_ids=tuple(range(1, 21)), page_table=(0,)),
      "page_table has 1 pages but positions [0, 20) need 2"),
-    ("page id out of range", [item(page_table=(TEST_NUM_PAGES,))], f"page id {TEST_NUM_PAGES} is out of range"),
-    ("negative page id", [item(page_table=(-1,))], "page id -1 is out of range"),
-    ("token id >= vocab", [item(token_ids=(5, 49152))], "token id 49152 is outside the vocabulary"),
-    ("negative token id", [item(token_ids=(-3,))], "token id -3 is outside"),
-    ("negative position", [item(start_pos=-1)], "start_pos -1 is negative"),
-    ("empty token_ids", [item(token_ids=())], "token_ids must not be empty"),
-    ("position past the model", [item(start_pos=8190, page_table=tuple(range(TEST_NUM_PAGES)))],
+    ("page id out of range", item(page_table=(TEST_NUM_PAGES,)), f"page id {TEST_NUM_PAGES} is out of range"),
+    ("negative page id", item(page_table=(-1,)), "page id -1 is out of range"),
+    ("token id >= vocab", item(token_ids=(5, 49152)), "token id 49152 is outside the vocabulary"),
+    ("negative token id", item(token_ids=(-3,)), "token id -3 is outside"),
+    ("negative position", item(start_pos=-1), "start_pos -1 is negative"),
+    ("empty token_ids", item(token_ids=()), "token_ids must not be empty"),
+    ("position past the model", item(start_pos=8190, page_table=tuple(range(4, TEST_NUM_PAGES))),
      "exceed max_model_len 8192"),
-    ("negative temperature", [item(temperature=-0.5)], "temperature must be finite and >= 0"),
-    ("nan temperature", [item(temperature=math.nan)], "temperature must be finite"),
-    ("top_p above one", [item(top_p=1.5)], "top_p must lie in (0, 1]"),
-    ("top_p zero", [item(top_p=0.0)], "top_p must lie in (0, 1]"),
-    ("negative top_k", [item(top_k=-2)], "top_k must be >= 0"),
-    ("too many logprobs", [item(top_logprobs=50)], "top_logprobs must lie in [0, 20]"),
+    ("negative temperature", item(temperature=-0.5), "temperature must be finite and >= 0"),
+    ("nan temperature", item(temperature=math.nan), "temperature must be finite"),
+    ("temperature past float32", item(temperature=math.inf), "temperature must be finite"),
+    ("top_p above one", item(top_p=1.5), "top_p must lie in (0, 1]"),
+    ("top_p zero", item(top_p=0.0), "top_p must lie in (0, 1]"),
+    ("negative top_k", item(top_k=-2), "top_k must be >= 0"),
+    ("too many logprobs", item(top_logprobs=50), "top_logprobs must lie in [0, 20]"),
+    ("a page twice in one table", item(token_ids=(7,), start_pos=16, page_table=(4, 4)),
+     "page 4 appears twice in its page_table"),
+    ("a page twice past the positions", item(page_table=(4,) + (5,) * 1000), "page 5 appears twice"),
+]
+
+
+@pytest.mark.parametrize("bad,message", [(i, m) for _, i, m in BAD_ITEMS], ids=[c[0] for c in BAD_ITEMS])
+def test_a_bad_item_is_rejected_alone_and_the_step_computes_the_others(worker_stub, runner, bad, message):
+    alone = worker_stub.Step(worker_pb2.StepRequest(items=[item("good", page_table=(3,))]), timeout=30)
+    runner.kv_cache.zero_()
+    resp = worker_stub.Step(worker_pb2.StepRequest(items=[bad, item("good", page_table=(3,))]), timeout=30)
+    assert [(r.req_id, r.invalid) for r in resp.rejected] == [("r", True)] and message in resp.rejected[0].message
+    assert [r.req_id for r in resp.results] == ["good"] and resp.num_tokens == 3
+    assert resp.results[0].token_id == alone.results[0].token_id  # the good item's answer is unchanged
+    written = runner.kv_cache.abs().sum(dim=(0, 1, 4, 5)) != 0  # [num_pages, page_size]
+    assert written[3, :3].all() and written.sum() == 3, "the rejected item must write nothing"
+
+
+BAD_STEPS = [  # malformed as a whole: nothing computed
+    ("empty batch", [], "empty batch"),
+    ("step past the worker's tokens", [item(token_ids=(1,) * 16385, page_table=tuple(range(TEST_NUM_PAGES)))],
+     "takes at most 16384"),
     ("duplicate req_id", [item(page_table=(0,)), item(page_table=(1,))], "duplicate req_id 'r'"),
     ("shared page", [item("a", page_table=(4,)), item("b", page_table=(4,))], "both write page 4"),
     ("a page one item reads and another writes",  # r reads page 4 (its prefix) while w writes into it
      [item("r", token_ids=(7,), start_pos=16, page_table=(4, 5)), item("w", page_table=(4,))],
      "item 'r' reads page 4, which item 'w' writes in the same step"),
-    ("a page twice in one table", [item(token_ids=(7,), start_pos=16, page_table=(4, 4))],
-     "page 4 appears twice in its page_table"),
-    ("a page twice past the positions", [item(page_table=(4,) + (5,) * 1000)], "page 5 appears twice"),
     ("empty req_id", [item(req_id="")], "empty req_id"),
 ]
 
@@ -113,3 +132,54 @@ def test_sampled_results_come_in_item_order_with_logprobs(worker_stub):
     b = resp.results[0]
     assert len(b.top_logprobs) == 3 and b.top_logprobs[0].token_id == b.token_id  # greedy = the most likely
     assert b.logprob == pytest.approx(b.top_logprobs[0].logprob) and b.logprob <= 0
+
+
+def test_an_item_whose_logits_are_not_finite_fails_alone(runner, monkeypatch):
+    """A NaN or inf logit row cannot be sampled (multinomial raises, argmax is arbitrary): that item is answered
+    as rejected (not invalid: it was computed) and the other items of the step get their tokens."""
+    from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
+
+    logits = runner.model.logits
+
+    def poisoned(hidden):
+        out = logits(hidden)
+        out[1, 7] = math.nan  # the second sampled row
+        out[2, 9] = math.inf
+        return out
+
+    items = tuple(StepItem(req_id, (1, 2, 3), 0, (page,), sampling=SamplingParams(temperature=t, seed=1))
+                  for req_id, page, t in (("a", 40, 0.0), ("nan", 41, 0.8), ("inf", 42, 0.0), ("b", 43, 0.8)))
+    clean = runner.step(StepBatch(items))
+    monkeypatch.setattr(runner.model, "logits", poisoned)
+    out = runner.step(StepBatch(items))
+    assert [(r.req_id, r.invalid) for r in out.rejected] == [("nan", False), ("inf", False)]
+    assert "NaN or an infinity at position 3" in out.rejected[0].message
+    assert [(s.req_id, s.token_id) for s in out.sampled] == [(s.req_id, s.token_id) for s in clean.sampled
+                                                             if s.req_id in ("a", "b")]
+
+
+def test_the_gateway_client_reads_rejected_items_and_a_refused_step_as_the_worker_alive(worker_server, runner,
+                                                                                     monkeypatch):
+    """Over real gRPC: an item rejected alone comes back in StepOutput.rejected, with the other item's token;
+    an error while computing (UNKNOWN) is WorkerRejected, never WorkerUnavailable (which declares it gone)."""
+    from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
+    from kvserve.services.gateway.errors import WorkerRejected, WorkerUnavailable
+    from kvserve.services.gateway.rpc.clients import WorkerClient
+
+    client = WorkerClient(f"127.0.0.1:{worker_server.port}", retry_for_s=1.0)
+    try:
+        batch = StepBatch((StepItem("hot", (1, 2, 3), 0, (50,), sampling=SamplingParams(temperature=1e308)),
+                           StepItem("ok", (1, 2, 3), 0, (51,))))
+        out = client.step(batch)
+        assert [(r.req_id, r.invalid) for r in out.rejected] == [("hot", True)]
+        assert "temperature must be finite" in out.rejected[0].message and [s.req_id for s in out.sampled] == ["ok"]
+
+        def broken(_batch):
+            raise RuntimeError("a bug while computing")
+
+        monkeypatch.setattr(runner, "step", broken)
+        with pytest.raises(WorkerRejected) as err:
+            client.step(batch)
+        assert not isinstance(err.value, WorkerUnavailable) and "a bug while computing" in str(err.value)
+    finally:
+        client.close()

@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 
 from kvserve.common.errors import InvalidRequest, StaleEpoch
-from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
+from kvserve.common.wire.worker import RejectedItem, StepBatch, StepOutput, WorkerInfo
 from kvserve.kernels.backends import get_backend
 from kvserve.kernels.kv_quant import FORMAT_OF_DTYPE, KVFormat, kv_format
 from kvserve.kernels.paged_attention import build_metadata
 from kvserve.worker.config import ModelConfig, resolve_window
 from kvserve.worker.kv_pool import allocate_pool, allocate_scales, size_pool
 from kvserve.worker.model import LlamaDecoder
-from kvserve.worker.sampler import sample
+from kvserve.worker.sampler import non_finite_rows, sample
 from kvserve.worker.validate import validate_batch
 from kvserve.worker.weights import load_weights, model_fingerprint
 
@@ -149,26 +149,40 @@ class ModelRunner:
         return self.epoch
 
     def step(self, batch: StepBatch) -> StepOutput:
-        """Runs one step. Raises InvalidRequest (nothing computed) or StaleEpoch."""
+        """Runs one step. Raises InvalidRequest for a step malformed as a whole (nothing computed) or StaleEpoch.
+        An item malformed alone, or whose logits come out non-finite, is answered in StepOutput.rejected and
+        the others are computed."""
         if batch.epoch and batch.epoch != self.epoch:
             raise StaleEpoch(f"step addressed epoch {batch.epoch}, but this worker is epoch {self.epoch}")
         info = self.info
-        validate_batch(batch, vocab_size=info.vocab_size, num_pages=info.num_pages, page_size=info.page_size,
-                       max_model_len=info.max_model_len, max_step_tokens=self.cfg.max_step_tokens,
-                       window=self.window, sinks=self.sinks)
+        malformed = validate_batch(batch, vocab_size=info.vocab_size, num_pages=info.num_pages,
+                                   page_size=info.page_size, max_model_len=info.max_model_len,
+                                   max_step_tokens=self.cfg.max_step_tokens, window=self.window, sinks=self.sinks)
+        rejected = [RejectedItem(req_id, message) for req_id, message in malformed.items()]
+        items = tuple(i for i in batch.items if i.req_id not in malformed)
         t0 = time.perf_counter()
-        sampled = self.call(self._run, batch)
+        sampled = self.call(self._run, items, rejected) if items else []
         ms = (time.perf_counter() - t0) * 1000
-        return StepOutput(sampled=sampled, num_tokens=sum(len(i.token_ids) for i in batch.items), compute_ms=ms)
+        return StepOutput(sampled=sampled, num_tokens=sum(len(i.token_ids) for i in items), compute_ms=ms,
+                          rejected=rejected)
 
-    def _run(self, batch: StepBatch):
-        items = batch.items
+    def _run(self, items, rejected: list[RejectedItem]):
+        """The forward pass and sampling; an item whose logits are non-finite goes to ``rejected``."""
         rows = [r for r, i in enumerate(items) if i.sample]
         hidden = self._forward(items, rows) if self.cuda is None else self.cuda.forward(items, rows)
         if not rows:
             return []
         with torch.inference_mode():
             logits = self.model.logits(hidden)
+        bad = non_finite_rows(logits)
+        if bad:
+            rejected += [RejectedItem(items[rows[k]].req_id, f"item {items[rows[k]].req_id!r}: its logits hold a "
+                                      f"NaN or an infinity at position {items[rows[k]].end_pos}", invalid=False)
+                         for k in bad]
+            keep = sorted(set(range(len(rows))) - set(bad))
+            logits, rows = logits[keep], [rows[k] for k in keep]
+            if not rows:
+                return []
         chosen = [items[r] for r in rows]
         return sample([i.req_id for i in chosen], logits, [i.sampling for i in chosen],
                       [i.end_pos for i in chosen], self._rng, stats=self.model.backend.argmax_logsumexp)

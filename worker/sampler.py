@@ -41,6 +41,13 @@ def _draw(logits: torch.Tensor, params: SamplingParams, position: int, rng: torc
     return int(torch.multinomial(probs, 1, generator=rng))
 
 
+def non_finite_rows(logits: torch.Tensor) -> list[int]:
+    """Rows of ``logits`` [n, vocab] that hold a NaN or an infinity: no token can be drawn from them (softmax
+    is NaN, multinomial raises, argmax is arbitrary), so their requests fail alone."""
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    return bad.nonzero().flatten().tolist() if bool(bad.any()) else []
+
+
 def sample(
     req_ids: list[str],
     logits: torch.Tensor,  # [n, vocab] fp32, one row per sampled item

@@ -1,40 +1,47 @@
-"""Checks a step before anything touches the pool: a malformed step computes nothing and writes nothing."""
+"""Checks a step before anything touches the pool. A step malformed as a whole computes nothing and writes
+nothing; an item malformed alone is rejected alone (its request fails at the gateway) and the step computes the
+others: one bad request never costs the others their step."""
 
 from __future__ import annotations
 
-import math
-
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.pages import HOLE, num_pages_for, pages_read
+from kvserve.common.request_checks import check_sampling
 from kvserve.common.tokens import check_token_ids
-from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
-
-MAX_TOP_LOGPROBS = 20
+from kvserve.common.wire.worker import StepBatch, StepItem
 
 
 def validate_batch(batch: StepBatch, *, vocab_size: int, num_pages: int, page_size: int,
-                   max_model_len: int, max_step_tokens: int, window: int = 0, sinks: int = 0) -> None:
-    """Raises InvalidRequest naming the first problem found. With a sliding window (kernels/window.py) a page
-    table may hold HOLEs where no position of the item is read or written."""
+                   max_model_len: int, max_step_tokens: int, window: int = 0, sinks: int = 0) -> dict[str, str]:
+    """Raises InvalidRequest for a step malformed as a whole: no item, an empty or repeated req_id, more tokens
+    than the worker takes, two items writing one page. Returns the items rejected alone, req_id -> what is
+    wrong (a position, token id, page table or sampling parameter); the step computes the others. With a sliding
+    window (kernels/window.py) a page table may hold HOLEs where no position of the item is read or written."""
     if not batch.items:
         raise InvalidRequest("empty batch: a step needs at least one item")
     seen: set[str] = set()
     for item in batch.items:
+        if not item.req_id:
+            raise InvalidRequest("an item has an empty req_id")
         if item.req_id in seen:
             raise InvalidRequest(f"duplicate req_id {item.req_id!r} in one step")
         seen.add(item.req_id)
-        _check_item(item, vocab_size, num_pages, page_size, max_model_len, window, sinks)
     num_tokens = sum(len(i.token_ids) for i in batch.items)
     if num_tokens > max_step_tokens:
         raise InvalidRequest(f"step has {num_tokens} tokens; this worker takes at most {max_step_tokens}")
-    _check_no_shared_slots(batch.items, page_size)
+    rejected: dict[str, str] = {}
+    for item in batch.items:
+        try:
+            _check_item(item, vocab_size, num_pages, page_size, max_model_len, window, sinks)
+        except InvalidRequest as e:
+            rejected[item.req_id] = str(e)
+    _check_no_shared_slots(tuple(i for i in batch.items if i.req_id not in rejected), page_size)
+    return rejected
 
 
 def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int, max_model_len: int,
                 window: int, sinks: int) -> None:
     where = f"item {item.req_id!r}"
-    if not item.req_id:
-        raise InvalidRequest("an item has an empty req_id")
     if item.start_pos < 0:
         raise InvalidRequest(f"{where}: start_pos {item.start_pos} is negative")
     if item.end_pos > max_model_len:
@@ -57,7 +64,7 @@ def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int,
         twice = next(p for p in pages if p in seen or seen.add(p))
         raise InvalidRequest(f"{where}: page {twice} appears twice in its page_table")
     if item.sample:
-        validate_sampling(where, item.sampling)
+        check_sampling(where, item.sampling)
 
 
 def _check_holes(where: str, item: StepItem, window: int, sinks: int, page_size: int) -> None:
@@ -66,19 +73,6 @@ def _check_holes(where: str, item: StepItem, window: int, sinks: int, page_size:
         if item.page_table[index] == HOLE:
             raise InvalidRequest(f"{where}: page_table[{index}] is a hole, but positions {item.start_pos}.."
                                  f"{item.end_pos - 1} read it (window {window}, sinks {sinks})")
-
-
-def validate_sampling(where: str, p: SamplingParams) -> None:
-    if not math.isfinite(p.temperature) or p.temperature < 0:
-        raise InvalidRequest(f"{where}: temperature must be finite and >= 0, got {p.temperature}")
-    if p.top_k < 0:
-        raise InvalidRequest(f"{where}: top_k must be >= 0 (0 disables it), got {p.top_k}")
-    if not math.isfinite(p.top_p) or not 0 < p.top_p <= 1:
-        raise InvalidRequest(f"{where}: top_p must lie in (0, 1], got {p.top_p}")
-    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"{where}: top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
-    if p.seed is not None and p.seed < 0:
-        raise InvalidRequest(f"{where}: seed must be >= 0, got {p.seed}")
 
 
 def _check_no_shared_slots(items: tuple[StepItem, ...], page_size: int) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from kvserve.common.convert.sampling import sampling_from_proto, sampling_to_proto
 from kvserve.common.telemetry import NO_TRACES
-from kvserve.common.wire.worker import SampledToken, StepBatch, StepItem, StepOutput, WorkerInfo
+from kvserve.common.wire.worker import RejectedItem, SampledToken, StepBatch, StepItem, StepOutput, WorkerInfo
 from kvserve.v1 import common_pb2, worker_pb2
 
 
@@ -45,13 +45,16 @@ def output_to_proto(out: StepOutput) -> worker_pb2.StepResponse:
         )
         for s in out.sampled
     ]
-    return worker_pb2.StepResponse(results=results, num_tokens=out.num_tokens, compute_ms=out.compute_ms)
+    rejected = [worker_pb2.RejectedItem(req_id=r.req_id, message=r.message, invalid=r.invalid) for r in out.rejected]
+    return worker_pb2.StepResponse(results=results, num_tokens=out.num_tokens, compute_ms=out.compute_ms,
+                                   rejected=rejected)
 
 
 def output_from_proto(r: worker_pb2.StepResponse) -> StepOutput:
     sampled = [SampledToken(s.req_id, s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top_logprobs])
                for s in r.results]
-    return StepOutput(sampled=sampled, num_tokens=r.num_tokens, compute_ms=r.compute_ms)
+    rejected = [RejectedItem(x.req_id, x.message, x.invalid) for x in r.rejected]
+    return StepOutput(sampled=sampled, num_tokens=r.num_tokens, compute_ms=r.compute_ms, rejected=rejected)
 
 
 def info_to_proto(info: WorkerInfo) -> worker_pb2.InfoResponse:

@@ -52,11 +52,21 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
 
 
+@dataclass(frozen=True, slots=True)
+class RejectedItem:
+    """An item the worker rejected alone: its request fails, the step's other items are answered."""
+
+    req_id: str
+    message: str  # what was wrong, naming the field; or that its logits came out non-finite
+    invalid: bool = True  # malformed input, nothing written (INVALID_ARGUMENT); False: non-finite logits (INTERNAL)
+
+
 @dataclass(slots=True)
 class StepOutput:
-    sampled: list[SampledToken]  # one per item with sample=True, in item order
+    sampled: list[SampledToken]  # one per item with sample=True and not rejected, in item order
     num_tokens: int
     compute_ms: float
+    rejected: list[RejectedItem] = field(default_factory=list)  # items answered with no token: their requests fail
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,15 +45,27 @@ class StepResult(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     def __init__(self, req_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
+class RejectedItem(_message.Message):
+    __slots__ = ("req_id", "message", "invalid")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    message: str
+    invalid: bool
+    def __init__(self, req_id: _Optional[str] = ..., message: _Optional[str] = ..., invalid: _Optional[bool] = ...) -> None: ...
+
 class StepResponse(_message.Message):
-    __slots__ = ("results", "num_tokens", "compute_ms")
+    __slots__ = ("results", "num_tokens", "compute_ms", "rejected")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StepResult]
     num_tokens: int
     compute_ms: float
-    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    rejected: _containers.RepeatedCompositeFieldContainer[RejectedItem]
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., rejected: _Optional[_Iterable[_Union[RejectedItem, _Mapping]]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
