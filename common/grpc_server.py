@@ -52,8 +52,15 @@ def status_for(error: Exception) -> grpc.StatusCode:
     return next((code for kind, code in ERROR_STATUS.items() if isinstance(error, kind)), grpc.StatusCode.INTERNAL)
 
 
+REQ_ID_METADATA = "kvserve-req-id"  # trailing metadata: the one request an error is about (DomainError.req_id)
+
+
 def abort(context: grpc.ServicerContext, error: Exception):
-    """Ends the call with the error's status and its message (raises, as context.abort does)."""
+    """Ends the call with the error's status and its message (raises, as context.abort does); an error about one
+    request names it in the trailing metadata, so that the caller fails that request alone."""
+    req_id = getattr(error, "req_id", None)
+    if req_id:
+        context.set_trailing_metadata(((REQ_ID_METADATA, req_id),))
     context.abort(status_for(error), str(error))
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from kvserve.common.errors import InvalidRequest
+from kvserve.common.errors import DomainError, InvalidRequest
 from kvserve.common.pages import HOLE, num_pages_for
 from kvserve.common.tokens import check_token_ids
 from kvserve.common.wire.pages import PageAllocation, PageCommit, PageExtension, PageRelease, StepOps
@@ -21,23 +23,40 @@ def check_tenant(tenant: str) -> None:
         raise InvalidRequest("tenant must not be empty")
 
 
+@contextmanager
+def _about(req_id: str) -> Iterator[None]:
+    """An op's refusal names its request (DomainError.req_id), so that the gateway fails that one alone."""
+    try:
+        yield
+    except DomainError as e:
+        if e.req_id is None and req_id:
+            e.req_id = req_id
+        raise
+
+
 def validate_step(mgr: KVManager, ops: StepOps) -> None:
+    """Raises the typed error of the first bad op, naming its request (req_id) where an op is at fault."""
     if ops.step_id < 0:
         raise InvalidRequest(f"step_id must be >= 0, got {ops.step_id}")
     _check_unique(ops)
     for f in ops.frees:
         if not f.req_id:
             raise InvalidRequest("a free has an empty req_id")
-        _check_not_stale(mgr, f.req_id, "free", ops.step_id)
+        with _about(f.req_id):
+            _check_not_stale(mgr, f.req_id, "free", ops.step_id)
     for c in ops.commits:
-        _check_commit(mgr, c, ops.step_id)
+        with _about(c.req_id):
+            _check_commit(mgr, c, ops.step_id)
     for r in ops.releases:
-        _check_release(mgr, r, ops.step_id)
+        with _about(r.req_id):
+            _check_release(mgr, r, ops.step_id)
     releasing = {r.req_id: r.page_indices for r in ops.releases}
     for e in ops.extensions:
-        _check_extend(mgr, e, ops.step_id, releasing.get(e.req_id, ()))
+        with _about(e.req_id):
+            _check_extend(mgr, e, ops.step_id, releasing.get(e.req_id, ()))
     for a in ops.allocations:
-        _check_allocate(mgr, a, ops.step_id)
+        with _about(a.req_id):
+            _check_allocate(mgr, a, ops.step_id)
 
 
 def _check_unique(ops: StepOps) -> None:
@@ -48,7 +67,7 @@ def _check_unique(ops: StepOps) -> None:
         if len(set(ids)) != len(ids):
             seen: set[str] = set()
             dup = next(i for i in ids if i in seen or seen.add(i))  # linear: a call may carry thousands
-            raise InvalidRequest(f"req_id {dup!r} appears twice in {name}")
+            raise InvalidRequest(f"req_id {dup!r} appears twice in {name}", req_id=dup)
     # A request may commit its last full pages in the call that frees it (applied commit first); an extension
     # or a release of a request being freed, or an allocation sharing a req_id with any other op, makes no sense.
     running = set(lists["extensions"]) | set(lists["commits"]) | set(lists["releases"])
@@ -56,7 +75,8 @@ def _check_unique(ops: StepOps) -> None:
                  ("allocations", set(lists["frees"]))):
         both = set(lists[a]) & b
         if both:
-            raise InvalidRequest(f"req_id {sorted(both)[0]!r} appears in {a} and in another list of the same call")
+            raise InvalidRequest(f"req_id {sorted(both)[0]!r} appears in {a} and in another list of the same call",
+                                 req_id=sorted(both)[0])
 
 
 def _live_or_stale(mgr: KVManager, req_id: str) -> RequestPages:

@@ -400,3 +400,28 @@ def test_the_gateway_client_lists_workers_and_declares_one_dead(kv_server):
             gone.list_workers()
     finally:
         gone.close()
+
+
+def test_a_refused_page_op_names_its_request_to_the_gateway_client(kv_server):
+    """A StepPages refused over one op carries that op's req_id (trailing metadata), so the gateway fails that
+    request alone; nothing of the call is applied."""
+    from kvserve.common.wire.pages import PageAllocation, PageExtension, StepOps
+    from kvserve.services.gateway.errors import KVManagerFailed, KVManagerUnavailable
+    from kvserve.services.gateway.rpc.clients import KVManagerClient
+
+    svc, address = kv_server
+    svc.join_worker(spec("w0"), "a:1")
+    run_request(svc, "r", "w0")
+    client = KVManagerClient(address)
+    try:
+        fine = PageAllocation("new", "t", (1, 2, 3), "w0")
+        for ops, blamed, message in [
+                (StepOps(5, (fine,), (PageExtension("ghost", 4),)), "ghost", "'ghost' is not live"),
+                (StepOps(6, (fine, PageAllocation("r", "t", (1,), "w0"))), "r", "req_id is already live")]:
+            with pytest.raises(KVManagerFailed) as err:
+                client.step_pages(ops)
+            assert not isinstance(err.value, KVManagerUnavailable)
+            assert err.value.req_id == blamed and message in str(err.value)
+            assert "new" not in svc.manager.requests  # nothing of the call applied
+    finally:
+        client.close()

@@ -31,7 +31,16 @@ from kvserve.common.tokenizer import Tokenizer
 from kvserve.common.wire.pages import PoolSpec, StepResults
 from kvserve.common.wire.worker import StepOutput, WorkerInfo
 from kvserve.services.gateway.backends import KVManagerBackend, WorkerBackend
-from kvserve.services.gateway.errors import BackendFailure, WorkerIncompatible, WorkerRestarted
+from kvserve.services.gateway.errors import (
+    BackendFailure,
+    KVManagerFailed,
+    KVManagerUnavailable,
+    RequestFailed,
+    RequestRejected,
+    WorkerIncompatible,
+    WorkerRejected,
+    WorkerRestarted,
+)
 from kvserve.services.gateway.handle import OutputDelta, RequestHandle
 from kvserve.services.gateway.observe import Observer
 from kvserve.services.gateway.request import FinishReason, Request, RequestStatus
@@ -39,6 +48,12 @@ from kvserve.services.gateway.scheduler import ScheduledBatch, Scheduler, Schedu
 from kvserve.services.gateway.textstream import TextStream
 
 log = logging.getLogger("kvserve.gateway")
+MAX_FAILED_STEPS = 2  # a request in this many failed steps in a row (the last one alone) fails, never moves on
+
+
+class StepUndone(Exception):
+    """The kvmanager refused a step's page ops for one request: that request has failed, nothing of the step was
+    applied, and the loop goes on with the others (they compute in the next step)."""
 
 
 @dataclass(slots=True)
@@ -189,6 +204,8 @@ class EngineLoop:
         while self._next_work():
             try:
                 self._step()
+            except StepUndone:
+                pass
             except BackendFailure as e:
                 with self._cv:
                     stopping = self._stopping
@@ -349,9 +366,9 @@ class EngineLoop:
         re-registration. Finished requests whose pages it freed get their last delta then."""
         call = self._kv_thread.submit(self.kv.step_pages, out.ops, dict(self.traceparents))
         batch = self.scheduler.assign(out, StepResults())  # every running chunk: none waits for a page
-        output = None
+        computing, output = bool(batch.chunks), None
         try:
-            output = self._compute(batch) if batch.chunks else None
+            output = self._compute(batch) if computing else None
         finally:
             t2 = time.perf_counter()
             results = self._answer(out, call.result)
@@ -361,7 +378,7 @@ class EngineLoop:
             self.scheduler.apply_late(out, results)
         self._deliver_freed(f.req_id for f in out.ops.frees)
         self._observe_assign(out)
-        if batch.chunks:
+        if computing:  # a restart (output None) re-registers, even when no chunk is left to update
             self._update(batch, output)
         self._account(t0, t3 - t2)
 
@@ -382,13 +399,27 @@ class EngineLoop:
         with the next one, and the error is raised."""
         try:
             results = get()
-        except Exception:
+        except Exception as e:
             self.scheduler.resend_frees(out)
+            if isinstance(e, KVManagerFailed) and not isinstance(e, KVManagerUnavailable) and e.req_id:
+                self._refused(out, e)
+                raise StepUndone(str(e)) from e
             self._kv_failed = True
             raise
         self._kv_failed = False
         self.stats.num_kv_calls += 1
         return results
+
+    def _refused(self, out: SchedulerOutput, error: KVManagerFailed) -> None:
+        """The kvmanager refused the call for one request (error.req_id) and applied none of it: that request
+        fails, the step is undone (its admissions queue again), and the others go on."""
+        req_id = error.req_id
+        log.warning("engine %s: the kvmanager refused request %s's page op (%s); that request fails alone",
+                    self.info.worker_id, req_id, error)
+        self.scheduler.undo(out, req_id)
+        self._end(req_id, self.scheduler.fail, RequestFailed(f"request {req_id}: the kvmanager refused its page "
+                                                              f"op: {error}"))
+        self._deliver_freed([req_id])  # when what was refused was its free: nothing more to wait for
 
     def _observe_assign(self, out: SchedulerOutput) -> None:
         for chunk in out.admitted:
@@ -401,11 +432,52 @@ class EngineLoop:
                 self.observe.preempted(req)
 
     def _compute(self, batch: ScheduledBatch) -> StepOutput | None:
-        """The worker's Step; None when the worker restarted."""
+        """The worker's Step; None when the worker restarted. A step that failed without an answer for its
+        requests counts against each of them (_failed_step); one the worker refused as a whole is skipped (its
+        requests compute again, each alone), and the worker is not suspected of being gone."""
         try:
             return self.worker.step(batch.to_step(self.info.epoch), self.traceparents)
-        except WorkerRestarted:
+        except WorkerRestarted as e:
+            self._failed_step(batch, e)
             return None
+        except WorkerRejected as e:
+            log.warning("engine %s: the worker refused a step of %d requests (%s); each computes alone next",
+                        self.info.worker_id, len(batch.chunks), e)
+            self._failed_step(batch, e)
+            self.scheduler.skip(batch)
+            return StepOutput(sampled=[], num_tokens=0, compute_ms=0.0)
+        except BackendFailure as e:
+            self._failed_step(batch, e)
+            if batch.chunks:
+                raise
+            # it held only a request that has now failed in its second step in a row, alone: that request, not the
+            # worker, is what failed (a worker that is really gone fails the next step too)
+            return StepOutput(sampled=[], num_tokens=0, compute_ms=0.0)
+
+    def _failed_step(self, batch: ScheduledBatch, error: BackendFailure) -> None:
+        """Counts the failed step against each of its requests; one at MAX_FAILED_STEPS (the last one computed
+        alone, by the scheduler's rule, or on another worker) fails now, and is never handed around again."""
+        for chunk in list(batch.chunks):
+            req = chunk.req
+            req.num_failed_steps += 1
+            if req.num_failed_steps >= MAX_FAILED_STEPS and req.req_id in self.handles:
+                batch.chunks.remove(chunk)
+                log.error("engine %s: request %s failed in %d steps in a row; it fails (%s)", self.info.worker_id,
+                          req.req_id, req.num_failed_steps, error)
+                self._end(req.req_id, self.scheduler.fail, RequestFailed(
+                    f"request {req.req_id} failed in {req.num_failed_steps} steps in a row, the last one computed "
+                    f"alone: {error}"))
+
+    def _rejected(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """Items the worker rejected alone: their requests fail, out of the batch; the others are answered."""
+        if not output.rejected:
+            return
+        rejected = {r.req_id: r for r in output.rejected}
+        batch.chunks = [c for c in batch.chunks if c.req.req_id not in rejected]
+        for req_id, r in rejected.items():
+            log.warning("engine %s: the worker rejected request %s: %s", self.info.worker_id, req_id, r.message)
+            error = RequestRejected(r.message) if r.invalid else RequestFailed(r.message)
+            self._end(req_id, self.scheduler.fail, error)
 
     def _update(self, batch: ScheduledBatch, output: StepOutput | None) -> None:
         """The step's tokens: pushed through each request's text stream (which sees stop strings), then to the
@@ -414,6 +486,7 @@ class EngineLoop:
             self._reregister()  # the worker restarted: its pages are gone, recompute what ran
             return
         self.stats.compute_s += output.compute_ms / 1000
+        self._rejected(batch, output)
         texts = {s.req_id: self.texts[s.req_id].push(s.token_id) for s in output.sampled}
         stopped = frozenset(req_id for req_id, (_, stop) in texts.items() if stop)
         for req, sampled in self.scheduler.update(batch, output.sampled, stopped):

@@ -6,7 +6,7 @@ BackendFailure family, so that the engine acts on what happened, never on a tran
 
 from __future__ import annotations
 
-from kvserve.common.errors import ResourceExhausted, Unavailable
+from kvserve.common.errors import Internal, InvalidArgument, ResourceExhausted, Unavailable
 
 
 class ShuttingDown(Unavailable):
@@ -35,6 +35,22 @@ class KVManagerUnavailable(KVManagerFailed):
 
 class WorkerUnavailable(BackendFailure):
     """A worker did not answer a step, also after the client's retries, or refused it."""
+
+
+class WorkerRejected(BackendFailure):
+    """A worker refused a whole step for another reason than a lost connection, a timeout or a new epoch (a step
+    malformed as a whole, an error while computing it). It is alive: never a reason to declare it gone. The
+    engine retries the step's requests one at a time, and fails the one that fails alone."""
+
+
+class RequestRejected(InvalidArgument):
+    """A worker rejected this request's item of a step as malformed (its own check): this request alone fails."""
+
+
+class RequestFailed(Internal):
+    """This request alone could not be computed: its logits came out non-finite, the kvmanager refused its page
+    op, or its steps failed twice in a row (on two workers, or twice on one, the second time computed alone). It
+    is never handed around again."""
 
 
 class WorkerRestarted(BackendFailure):

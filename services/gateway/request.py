@@ -58,6 +58,10 @@ class Request:
     num_cached_tokens: int | None = None  # prefix hit of the first admission computed: what usage reports
     admitted_ahead: bool = False  # allocated by a call made while the worker computed; its first chunk is next
     num_preemptions: int = 0
+    # Steps with it in them that failed in a row without an answer for it (the worker refused the step as a whole,
+    # restarted or was lost in it). While > 0 it computes alone; at 2 it fails (engine.py); an answered step
+    # resets it.
+    num_failed_steps: int = 0
     first_token_s: float | None = None
     last_token_s: float | None = None
     finish_reason: FinishReason | None = None

@@ -171,7 +171,7 @@ class Scheduler:
             return req.req_id in self.pending_frees
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self._queue_free(req)
+            self._queue_free(req, commit=reason is not FinishReason.ERROR)
         elif req in self.waiting:
             self.waiting.remove(req)
         else:  # between schedule() and assign(): its allocation may have been applied
@@ -180,10 +180,11 @@ class Scheduler:
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
         return req.req_id in self.pending_frees
 
-    def _queue_free(self, req: Request) -> None:
-        """Its pages go back with the next call, after the commit of those it filled since its last one."""
+    def _queue_free(self, req: Request, commit: bool = True) -> None:
+        """Its pages go back with the next call, after the commit of those it filled since its last one (none for a
+        request that failed: what it computed last is not trusted to the cache)."""
         self.pending_frees.append(req.req_id)
-        commit = self._commit_for(req)
+        commit = self._commit_for(req) if commit else None
         if commit is not None:
             self.final_commits.append(commit)
 
@@ -206,6 +207,22 @@ class Scheduler:
         self.pending_frees, self.final_commits = [], []
         return num
 
+    def skip(self, batch: ScheduledBatch) -> None:
+        """The worker computed none of ``batch`` (it refused the step): each request computes the same tokens
+        in a later step, an admission's first chunk still as its first. ``batch`` is emptied."""
+        for chunk in batch.chunks:
+            chunk.req.admitted_ahead = chunk.req.admitted_ahead or chunk.admitted
+        batch.chunks.clear()
+
+    def undo(self, out: SchedulerOutput, refused_req_id: str) -> None:
+        """The kvmanager refused ``out.ops`` for ``refused_req_id`` and applied none of it (its frees are already
+        queued again by resend_frees): the admissions go back to the head of the queue, and the refused request's
+        own free is not sent again (it was what the kvmanager refused, or the request fails and frees anew)."""
+        for chunk in reversed(out.admitted):
+            if chunk.req.status is RequestStatus.WAITING and chunk.req.req_id in self.requests:
+                self.waiting.appendleft(chunk.req)
+        self.pending_frees = [r for r in self.pending_frees if r != refused_req_id]
+
     def resize(self, num_pages: int) -> None:
         """The worker came back with a pool of ``num_pages`` pages (its requests were preempted first)."""
         self.cfg = replace(self.cfg, num_pages=num_pages)
@@ -220,6 +237,25 @@ class Scheduler:
 
     # -- 1. schedule ------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """A request whose last step failed without an answer for it (num_failed_steps) computes alone: the
+        first such running one, with nobody admitted; else the head of the queue, admitted alone, when the pool
+        has room for it. So a request that breaks its steps fails alone, not beside the others."""
+        suspect = next((r for r in self.running if r.num_failed_steps), None)
+        if suspect is not None:
+            return self._schedule([suspect], max_admitted=0)
+        head = self.waiting[0] if self.waiting else None
+        if head is not None and head.num_failed_steps and self._fits(head):
+            return self._schedule([], max_admitted=1)
+        return self._schedule(self.running, max_admitted=self.cfg.max_num_seqs)
+
+    def _fits(self, req: Request) -> bool:
+        """Whether ``req`` can be admitted now: a sequence free, and the pool has its pages as of the last answer
+        (always, with nothing running). While not, the running requests compute as usual, until one ends."""
+        n = min(req.num_tokens, self.cfg.max_num_batched_tokens)
+        return not self.running or (len(self.running) < self.cfg.max_num_seqs
+                                    and self._pages_needed(req, n) <= self.num_available_pages)
+
+    def _schedule(self, computing: list[Request], max_admitted: int) -> SchedulerOutput:
         page_size = self.cfg.page_size
         budget = self.cfg.max_num_batched_tokens
         frees = tuple(PageFree(r) for r in self.pending_frees)
@@ -228,7 +264,7 @@ class Scheduler:
         commits = [c for c in map(self._commit_for, self.running) if c is not None]
         running, extensions, pages_needed = [], [], 0
         cap = self._prefill_cap()
-        for req in self.running:
+        for req in computing:
             if budget == 0:
                 break
             n = min(req.num_uncomputed_tokens, budget, cap)
@@ -240,7 +276,7 @@ class Scheduler:
                 pages_needed += num_pages_for(end, page_size) - len(req.page_table)
         releases = self._releases(running)
         spare = self.num_available_pages - pages_needed + sum(len(r.page_indices) for r in releases)
-        admitted = self._admit(budget, spare, freeing, cap)
+        admitted = self._admit(budget, spare, freeing, cap, max_admitted)
         prompt_commits = any(c.start_pos < len(self.requests[c.req_id].prompt_token_ids) for c in commits)
         if not (frees or admitted or extensions or prompt_commits or releases):
             return SchedulerOutput(None, running, admitted)
@@ -320,11 +356,13 @@ class Scheduler:
         tokens = req.token_ids(req.num_committed_tokens, full)
         return PageCommit(req.req_id, req.num_committed_tokens, tokens, req.num_computed_tokens)
 
-    def _admit(self, budget: int, available: int, freeing: set[str], cap: int) -> list[Chunk]:
+    def _admit(self, budget: int, available: int, freeing: set[str], cap: int, max_admitted: int) -> list[Chunk]:
         """Waiting requests, first come first served, while sequences, tokens and (pessimistically, as if
-        nothing hit the cache) pages last. With nothing running, the first one is always tried."""
+        nothing hit the cache) pages last, at most ``max_admitted``. With nothing running, the first one is
+        always tried."""
         admitted: list[Chunk] = []
-        while self.waiting and budget > 0 and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) + len(admitted) < self.cfg.max_num_seqs
+               and len(admitted) < max_admitted):
             req = self.waiting[0]
             if req.req_id in freeing:  # a free and an allocation of one req_id cannot share a call
                 break
@@ -452,6 +490,7 @@ class Scheduler:
         for c in batch.chunks:
             c.req.num_computed_tokens = c.start_pos + c.num_tokens
             c.req.admitted_ahead = False
+            c.req.num_failed_steps = 0
             if c.admitted and c.req.num_cached_tokens is None:
                 c.req.num_cached_tokens = c.start_pos
         by_id = {c.req.req_id: c.req for c in batch.chunks}

@@ -16,7 +16,7 @@ from kvserve.common.channels import kvmanager_channel
 from kvserve.common.convert import membership as member_convert
 from kvserve.common.convert import pages as kv_convert
 from kvserve.common.convert import worker as worker_convert
-from kvserve.common.grpc_server import CHANNEL_OPTIONS
+from kvserve.common.grpc_server import CHANNEL_OPTIONS, REQ_ID_METADATA
 from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.tls import Tls, open_channel
 from kvserve.common.wire.membership import WorkerMember
@@ -25,6 +25,7 @@ from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
 from kvserve.services.gateway.errors import (
     KVManagerFailed,
     KVManagerUnavailable,
+    WorkerRejected,
     WorkerRestarted,
     WorkerUnavailable,
 )
@@ -33,6 +34,9 @@ from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc, worker_pb2, worker_pb2
 log = logging.getLogger("kvserve.gateway")
 MAX_BACKOFF_S = 2.0
 RETRY_STEP = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the worker went away mid-step
+# A step that ended with one of these reached no answer from the worker (gone, or no answer in time): the worker
+# may be lost. Any other status is the worker's own answer (it is alive), a rejection of that step.
+STEP_UNANSWERED = (*RETRY_STEP, grpc.StatusCode.DEADLINE_EXCEEDED)
 KV_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # Redis down; kvmanager restarting
 LIST_WORKERS_TIMEOUT_S = 2.0  # a poll of the membership: the next poll comes soon, so never wait long
 
@@ -146,8 +150,11 @@ class KVManagerClient(_ServiceClient):
         return convert(reply)
 
     def _failure(self, what: str, e: grpc.RpcError) -> KVManagerFailed:
-        kind = KVManagerUnavailable if e.code() in KV_RETRY else KVManagerFailed
-        return kind(f"kvmanager {what} failed: {_reason(e)}")
+        """A refusal names the one request it is about, when it is about one (common/grpc_server.abort)."""
+        if e.code() in KV_RETRY:
+            return KVManagerUnavailable(f"kvmanager {what} failed: {_reason(e)}")
+        req_id = dict(e.trailing_metadata() or ()).get(REQ_ID_METADATA)
+        return KVManagerFailed(f"kvmanager {what} failed: {_reason(e)}", req_id=req_id)
 
 
 def _without_server_name(tls: Tls | None) -> Tls | None:
@@ -187,7 +194,12 @@ class WorkerClient(_ServiceClient):
         return worker_convert.info_from_proto(reply)
 
     def step(self, batch: StepBatch, traceparents: Mapping[str, str] = NO_TRACES) -> StepOutput:
-        request = worker_convert.batch_to_proto(batch, traceparents)
+        """Raises WorkerRestarted (a new epoch), WorkerUnavailable (no answer: gone, or none in time, also after
+        retries) or WorkerRejected (the worker refused the step as a whole; it is alive)."""
+        try:
+            request = worker_convert.batch_to_proto(batch, traceparents)
+        except (ValueError, TypeError) as e:  # a value the wire cannot carry: a bug, this step's alone
+            raise WorkerRejected(f"the step to worker {self.address} cannot be encoded: {e}") from e
         warned: list[bool] = []
 
         def on_retry(e, _backoff_s):
@@ -204,7 +216,9 @@ class WorkerClient(_ServiceClient):
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # a new epoch: the worker restarted
                 raise WorkerRestarted(f"worker {self.address} restarted: {e.details()}") from e
-            raise WorkerUnavailable(f"worker {self.address} step failed: {_reason(e)}") from e
+            if e.code() in STEP_UNANSWERED:
+                raise WorkerUnavailable(f"worker {self.address} step failed: {_reason(e)}") from e
+            raise WorkerRejected(f"worker {self.address} refused the step: {_reason(e)}") from e
         return worker_convert.output_from_proto(reply)
 
     def _step_once(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
