@@ -57,6 +57,8 @@ async def read_json(request: Request, max_bytes: int):
         return json.loads(b"".join(chunks))
     except ValueError as e:  # also bytes that are not UTF-8
         raise ParamError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # json's decoder recurses per level: [[[[... a few thousand deep
+        raise ParamError("the request body nests arrays or objects too deeply to be a request") from None
 
 
 class HttpFrontEnd:
