@@ -194,6 +194,11 @@ def test_keys_body_size_and_invalid_json(stack):
     assert big.status_code == 413 and "bytes" in big.json()["error"]["message"]
     bad_json = httpx.post(url, content=b"{not json", headers={"authorization": "Bearer key-a"}, timeout=60)
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    for method, path, status in (("GET", "/nowhere", 404), ("GET", "/completions", 405)):
+        reply = httpx.request(method, stack.http + path, headers={"authorization": "Bearer key-a"}, timeout=60)
+        assert reply.status_code == status and path in reply.json()["error"]["message"]
+    deep = httpx.post(url, content=b"[" * 100000, headers={"authorization": "Bearer key-a"}, timeout=60)
+    assert deep.status_code == 400 and "too deeply" in deep.json()["error"]["message"]
     surrogate = httpx.post(url, content=b'{"prompt": "hi \\ud800"}', headers={"authorization": "Bearer key-a"},
                            timeout=60)  # valid JSON, not valid Unicode: no tokenizer can encode it
     assert surrogate.status_code == 400 and "lone UTF-16 surrogate" in surrogate.json()["error"]["message"]

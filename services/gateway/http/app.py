@@ -16,6 +16,7 @@ import time
 
 import anyio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -73,8 +74,14 @@ class HttpFrontEnd:
                   Route("/v1/models/{model:path}", self.model),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
-        app = Starlette(routes=routes)
+        app = Starlette(routes=routes, exception_handlers={HTTPException: self.http_error})
         self.app = HttpMetricsMiddleware(app, metrics, [r.path for r in routes]) if metrics else app
+
+    async def http_error(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's own answers (an unknown path, a method a path does not take) in OpenAI's error shape."""
+        body = {"error": {"message": f"{request.method} {request.url.path}: {exc.detail}", "type":
+                          "invalid_request_error", "param": None, "code": None}}
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
