@@ -84,6 +84,12 @@ def kvserve_commit() -> str | None:
     return commit + ("+dirty" if dirty else "")
 
 
+def command_line(argv: list[str]) -> str:
+    """How the run was started, for its report: a --logs folder (a path of the machine) shown as DIR."""
+    shown = ["DIR" if i and argv[i - 1] == "--logs" else a for i, a in enumerate(argv)]
+    return " ".join(["python bench/chaos.py", *shown])
+
+
 def main(argv=None) -> int:
     from kvserve.common.tokenizer import Tokenizer
     from kvserve.services.model_store import prepare_default_model
@@ -94,7 +100,7 @@ def main(argv=None) -> int:
     reference, about = hf_reference(prompts, cfg.max_tokens)
     report = run_chaos(cfg, prompts, reference, log_dir=args.logs)
     report = {"date": dt.date.today().isoformat(),
-              "command": "python bench/chaos.py" + (" " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else ""),
+              "command": command_line(sys.argv[1:]),
               "kvserve_commit": kvserve_commit(), "reference": about, "prompts": list(PROMPT_TEXTS), **report}
     name = "chaos" + ("-quick" if args.quick else "") + "".join(f"-without-{w}" for w in cfg.without)
     write_results(report, name, markdown(report), args.out)
