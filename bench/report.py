@@ -43,6 +43,7 @@ import bench_long as bl  # noqa: E402
 import bench_worker as bw  # noqa: E402
 import hf_reference as hf  # noqa: E402
 import report_output  # noqa: E402
+from results_io import cpu_info  # noqa: E402
 
 from kvserve.common.tokenizer import Tokenizer  # noqa: E402
 from kvserve.services.client import Client  # noqa: E402
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Report(args.quick).run()
     out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                       "python": platform.python_version()}
+    out["cpu"] = cpu_info()
     stem = args.out_dir / f"{dt.date.today()}{'-quick' if args.quick else ''}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(out, indent=2))

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_gateway as bg  # noqa: E402
 import hf_reference as hf  # noqa: E402
+from results_io import cpu_info  # noqa: E402
 
 from kvserve.common.tokenizer import Tokenizer  # noqa: E402
 from kvserve.services.model_store import prepare_default_model  # noqa: E402
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
                        "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"]})
         print(f"round {r + 1}: kvserve {ours['tokens_per_s']:.1f} tok/s, HF continuous batching "
               f"{theirs['tokens_per_s']:.1f} tok/s, {rounds[-1]['ratio']:.2f}x", flush=True)
-    report = {"date": str(dt.date.today()), "rounds": rounds,
+    report = {"date": str(dt.date.today()), "cpu": cpu_info(), "rounds": rounds,
               "median_kvserve_tok_s": statistics.median(x["kvserve_tok_s"] for x in rounds),
               "median_hf_generate_batch_tok_s": statistics.median(x["hf_generate_batch_tok_s"] for x in rounds),
               "median_ratio": statistics.median(x["ratio"] for x in rounds)}
