@@ -9,7 +9,7 @@ Why: in a decode step the reference backend copies every sequence's pages into a
 reads the copy, so K/V cross memory three times; with contexts of a few hundred tokens that gather cost as
 much as all the GEMMs. The kernel walks each sequence's page table once, with an online softmax, on torch's
 intra-op (OpenMP) threads. For prefill chunks the reference made a dozen small torch ops per chunk and layer;
-the prefill kernel reads the pages in place, two rows and one kv head per work item.
+the prefill kernel reads the pages in place, a block of up to 16 query rows and one kv head per work item.
 
 The pool is float32, or 1-byte elements (int8, float8_e4m3fn, float8_e5m2: ``kernels/kv_quant.py``) with one
 scale per token and kv head in ``kv_scales`` or none (the tensor scheme). The kernels read those elements in
