@@ -95,3 +95,21 @@ def tokenizer(model_dir):
     from kvserve.common.tokenizer import Tokenizer
 
     return Tokenizer(model_dir)
+
+
+# The fast lane (`make test-fast`, `pytest -m "not slow"`) leaves out every test that loads the real model or
+# starts processes: those using a fixture that loads the model, and every test of a module that starts
+# `kvserve` processes or builds a model runner. Tests mark themselves only where these rules miss them.
+MODEL_FIXTURES = {"runner", "worker_server", "worker_channel", "worker_stub", "hf_model", "hf_greedy"}
+SLOW_MODULE_SOURCES = ("service_process", "running_stack", "ModelRunner(", "from_pretrained(")
+
+
+def pytest_collection_modifyitems(config, items):
+    slow_modules: dict[str, bool] = {}
+    for item in items:
+        path = item.path
+        if str(path) not in slow_modules:
+            text = path.read_text() if path.suffix == ".py" else ""
+            slow_modules[str(path)] = any(s in text for s in SLOW_MODULE_SOURCES)
+        if slow_modules[str(path)] or MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
