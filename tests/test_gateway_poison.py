@@ -60,9 +60,18 @@ class PoisonWorker(PagedRuleWorker):
         return out
 
 
-def start(workers, kv: InProcessKVManager, tokenizer_dir) -> Gateway:
-    return Gateway(GatewayConfig(tokenizer_dir, max_num_batched_tokens=16, worker_timeout_s=5.0), ApiKeys(), kv,
-                   workers)
+def serve(workers, kv: InProcessKVManager, tokenizer_dir):
+    """The poisoned request among four others through a gateway over ``workers``, each run to its end. Returns
+    (handles, out, poisoned_s, engines at the start, engines at the end): see submit_all and collect."""
+    gateway = Gateway(GatewayConfig(tokenizer_dir, max_num_batched_tokens=16, worker_timeout_s=5.0), ApiKeys(), kv,
+                      workers)
+    before = gateway.engines
+    try:
+        handles = submit_all(gateway)
+        out, poisoned_s = collect(handles)
+        return handles, out, poisoned_s, before, gateway.engines
+    finally:
+        gateway.close(drain_s=1.0)
 
 
 def submit_all(gateway: Gateway):
@@ -95,19 +104,14 @@ def check_the_others(out, handles) -> None:
 
 def test_an_item_the_worker_rejects_fails_that_request_alone(tokenizer, model_dir):
     kv, worker = InProcessKVManager(), PoisonWorker("w0", "item")
-    gateway = start([worker], kv, model_dir)
-    engine, epoch = gateway.engines[0], worker.epoch
-    try:
-        handles = submit_all(gateway)
-        out, poisoned_s = collect(handles)
-    finally:
-        gateway.close(drain_s=1.0)
+    epoch = worker.epoch
+    handles, out, poisoned_s, before, after = serve([worker], kv, model_dir)
     tokens, last = out["r2"]
     assert tokens == [] and last.finish_reason is FinishReason.ERROR
     assert isinstance(handles["r2"][1].req.error, RequestRejected) and "token id 666" in str(handles["r2"][1].req.error)
     assert worker.poisoned_steps == 1 and poisoned_s < DEADLINE_S
     check_the_others(out, handles)
-    assert not engine.retiring and worker.epoch == epoch  # no membership change: the worker still serves
+    assert after == before and not after[0].retiring and worker.epoch == epoch  # no membership change
     assert_all_pages_back(kv)
 
 
@@ -121,13 +125,7 @@ def test_a_request_that_fails_on_every_worker_ends_in_seconds_and_is_never_hande
     back after each: everything it ran is recomputed, the poisoned request alone first, and it fails there."""
     kv = InProcessKVManager()
     workers = [PoisonWorker("w0", how), PoisonWorker("w1", how)]
-    gateway = start(workers, kv, model_dir)
-    try:
-        handles = submit_all(gateway)
-        out, poisoned_s = collect(handles)
-        engines = gateway.engines
-    finally:
-        gateway.close(drain_s=1.0)
+    handles, out, poisoned_s, _, engines = serve(workers, kv, model_dir)
     tokens, last = out["r2"]
     assert tokens == [] and last.finish_reason is FinishReason.ERROR and poisoned_s < DEADLINE_S
     error = handles["r2"][1].req.error
@@ -155,16 +153,10 @@ class RefusingKVManager(InProcessKVManager):
 
 def test_a_page_op_the_kvmanager_refuses_fails_its_request_not_the_engine(tokenizer, model_dir):
     kv, worker = RefusingKVManager(), PagedRuleWorker("w0", num_pages=64)
-    gateway = start([worker], kv, model_dir)
-    engine = gateway.engines[0]
-    try:
-        handles = submit_all(gateway)
-        out, poisoned_s = collect(handles)
-    finally:
-        gateway.close(drain_s=1.0)
+    handles, out, poisoned_s, before, after = serve([worker], kv, model_dir)
     tokens, last = out["r2"]
     assert tokens == [] and last.finish_reason is FinishReason.ERROR and poisoned_s < DEADLINE_S
     assert "the kvmanager refused its page op" in str(handles["r2"][1].req.error)
     check_the_others(out, handles)
-    assert not engine.retiring and engine.thread.is_alive() is False  # closed by the test, never retired
+    assert after == before and not after[0].retiring  # the engine served on: never retired
     assert_all_pages_back(kv)
