@@ -121,7 +121,8 @@ def test_a_request_that_fails_on_every_worker_ends_in_seconds_and_is_never_hande
     """Two workers, each breaking any step that holds the poisoned request. "step": the worker refuses the step
     (it is alive): the step's requests compute one at a time, the poisoned one fails alone, on the worker where it
     failed twice. "lost": its steps fail as if the worker died: the first worker is declared gone, the request goes
-    to the second, computes alone there, fails again and is failed, never handed back. "restart": the worker comes
+    to the second, where it is the only request under suspicion in its step, fails again and is failed, never
+    handed back. "restart": the worker comes
     back after each: everything it ran is recomputed, the poisoned request alone first, and it fails there."""
     kv = InProcessKVManager()
     workers = [PoisonWorker("w0", how), PoisonWorker("w1", how)]

@@ -48,7 +48,7 @@ from kvserve.services.gateway.scheduler import ScheduledBatch, Scheduler, Schedu
 from kvserve.services.gateway.textstream import TextStream
 
 log = logging.getLogger("kvserve.gateway")
-MAX_FAILED_STEPS = 2  # a request in this many failed steps in a row (the last one alone) fails, never moves on
+MAX_FAILED_STEPS = 2  # a request in this many failed steps in a row fails and never moves on (scheduler.py)
 
 
 class StepUndone(Exception):
@@ -434,39 +434,44 @@ class EngineLoop:
     def _compute(self, batch: ScheduledBatch) -> StepOutput | None:
         """The worker's Step; None when the worker restarted. A step that failed without an answer for its
         requests counts against each of them (_failed_step); one the worker refused as a whole is skipped (its
-        requests compute again, each alone), and the worker is not suspected of being gone."""
+        requests compute again, one under suspicion per step), and the worker is not suspected of being gone."""
         try:
             return self.worker.step(batch.to_step(self.info.epoch), self.traceparents)
         except WorkerRestarted as e:
             self._failed_step(batch, e)
             return None
         except WorkerRejected as e:
-            log.warning("engine %s: the worker refused a step of %d requests (%s); each computes alone next",
+            log.warning("engine %s: the worker refused a step of %d requests (%s); they compute again, one "
+                        "under suspicion per step",
                         self.info.worker_id, len(batch.chunks), e)
             self._failed_step(batch, e)
             self.scheduler.skip(batch)
             return StepOutput(sampled=[], num_tokens=0, compute_ms=0.0)
         except BackendFailure as e:
-            self._failed_step(batch, e)
-            if batch.chunks:
+            if not self._failed_step(batch, e):
                 raise
-            # it held only a request that has now failed in its second step in a row, alone: that request, not the
-            # worker, is what failed (a worker that is really gone fails the next step too)
+            # the step held a request in its second failed step in a row, the only one under suspicion in it: that
+            # request, not the worker, is what failed (a worker that is really gone fails the next step too)
+            self.scheduler.skip(batch)
             return StepOutput(sampled=[], num_tokens=0, compute_ms=0.0)
 
-    def _failed_step(self, batch: ScheduledBatch, error: BackendFailure) -> None:
-        """Counts the failed step against each of its requests; one at MAX_FAILED_STEPS (the last one computed
-        alone, by the scheduler's rule, or on another worker) fails now, and is never handed around again."""
+    def _failed_step(self, batch: ScheduledBatch, error: BackendFailure) -> bool:
+        """Counts the failed step against each of its requests; one at MAX_FAILED_STEPS (the last time as the
+        only suspect in its step, by the scheduler's rule, here or on another worker) fails now, and is never
+        handed around again. Returns whether one did."""
+        struck_out = False
         for chunk in list(batch.chunks):
             req = chunk.req
             req.num_failed_steps += 1
             if req.num_failed_steps >= MAX_FAILED_STEPS and req.req_id in self.handles:
+                struck_out = True
                 batch.chunks.remove(chunk)
                 log.error("engine %s: request %s failed in %d steps in a row; it fails (%s)", self.info.worker_id,
                           req.req_id, req.num_failed_steps, error)
                 self._end(req.req_id, self.scheduler.fail, RequestFailed(
-                    f"request {req.req_id} failed in {req.num_failed_steps} steps in a row, the last one computed "
-                    f"alone: {error}"))
+                    f"request {req.req_id} failed in {req.num_failed_steps} steps in a row, the last one as the "
+                    f"only request under suspicion in its step: {error}"))
+        return struck_out
 
     def _rejected(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """Items the worker rejected alone: their requests fail, out of the batch; the others are answered."""

@@ -40,7 +40,8 @@ class WorkerUnavailable(BackendFailure):
 class WorkerRejected(BackendFailure):
     """A worker refused a whole step for another reason than a lost connection, a timeout or a new epoch (a step
     malformed as a whole, an error while computing it). It is alive: never a reason to declare it gone. The
-    engine retries the step's requests one at a time, and fails the one that fails alone."""
+    engine computes the step's requests again, one under suspicion per step, and fails the one whose step fails
+    again."""
 
 
 class RequestRejected(InvalidArgument):
@@ -49,8 +50,8 @@ class RequestRejected(InvalidArgument):
 
 class RequestFailed(Internal):
     """This request alone could not be computed: its logits came out non-finite, the kvmanager refused its page
-    op, or its steps failed twice in a row (on two workers, or twice on one, the second time computed alone). It
-    is never handed around again."""
+    op, or its steps failed twice in a row (on two workers, or twice on one, the second time as the only request
+    under suspicion in its step). It is never handed around again."""
 
 
 class WorkerRestarted(BackendFailure):

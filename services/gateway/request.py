@@ -59,8 +59,8 @@ class Request:
     admitted_ahead: bool = False  # allocated by a call made while the worker computed; its first chunk is next
     num_preemptions: int = 0
     # Steps with it in them that failed in a row without an answer for it (the worker refused the step as a whole,
-    # restarted or was lost in it). While > 0 it computes alone; at 2 it fails (engine.py); an answered step
-    # resets it.
+    # restarted or was lost in it). While > 0 it is under suspicion: at most one such request computes per step
+    # (scheduler.py); at 2 it fails (engine.py); an answered step resets it.
     num_failed_steps: int = 0
     first_token_s: float | None = None
     last_token_s: float | None = None

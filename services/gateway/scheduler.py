@@ -237,25 +237,16 @@ class Scheduler:
 
     # -- 1. schedule ------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """A request whose last step failed without an answer for it (num_failed_steps) computes alone: the
-        first such running one, with nobody admitted; else the head of the queue, admitted alone, when the pool
-        has room for it. So a request that breaks its steps fails alone, not beside the others."""
+        """At most one request under suspicion (num_failed_steps: its last step failed without an answer for it)
+        computes per step, beside the requests that are not; the other suspects wait their turn (a running one
+        sits the step out, a queued one at the head holds the queue for a step). So a request that breaks its
+        steps is the only suspect in its second failed step, and fails there, while the requests it shared the
+        first one with are cleared one by one, and the rest runs on."""
         suspect = next((r for r in self.running if r.num_failed_steps), None)
-        if suspect is not None:
-            return self._schedule([suspect], max_admitted=0)
-        head = self.waiting[0] if self.waiting else None
-        if head is not None and head.num_failed_steps and self._fits(head):
-            return self._schedule([], max_admitted=1)
-        return self._schedule(self.running, max_admitted=self.cfg.max_num_seqs)
+        computing = [r for r in self.running if not r.num_failed_steps or r is suspect]
+        return self._schedule(computing, suspect is not None)
 
-    def _fits(self, req: Request) -> bool:
-        """Whether ``req`` can be admitted now: a sequence free, and the pool has its pages as of the last answer
-        (always, with nothing running). While not, the running requests compute as usual, until one ends."""
-        n = min(req.num_tokens, self.cfg.max_num_batched_tokens)
-        return not self.running or (len(self.running) < self.cfg.max_num_seqs
-                                    and self._pages_needed(req, n) <= self.num_available_pages)
-
-    def _schedule(self, computing: list[Request], max_admitted: int) -> SchedulerOutput:
+    def _schedule(self, computing: list[Request], suspect_computing: bool) -> SchedulerOutput:
         page_size = self.cfg.page_size
         budget = self.cfg.max_num_batched_tokens
         frees = tuple(PageFree(r) for r in self.pending_frees)
@@ -276,7 +267,7 @@ class Scheduler:
                 pages_needed += num_pages_for(end, page_size) - len(req.page_table)
         releases = self._releases(running)
         spare = self.num_available_pages - pages_needed + sum(len(r.page_indices) for r in releases)
-        admitted = self._admit(budget, spare, freeing, cap, max_admitted)
+        admitted = self._admit(budget, spare, freeing, cap, suspect_computing)
         prompt_commits = any(c.start_pos < len(self.requests[c.req_id].prompt_token_ids) for c in commits)
         if not (frees or admitted or extensions or prompt_commits or releases):
             return SchedulerOutput(None, running, admitted)
@@ -356,16 +347,19 @@ class Scheduler:
         tokens = req.token_ids(req.num_committed_tokens, full)
         return PageCommit(req.req_id, req.num_committed_tokens, tokens, req.num_computed_tokens)
 
-    def _admit(self, budget: int, available: int, freeing: set[str], cap: int, max_admitted: int) -> list[Chunk]:
+    def _admit(self, budget: int, available: int, freeing: set[str], cap: int, suspect_taken: bool) -> list[Chunk]:
         """Waiting requests, first come first served, while sequences, tokens and (pessimistically, as if
-        nothing hit the cache) pages last, at most ``max_admitted``. With nothing running, the first one is
-        always tried."""
+        nothing hit the cache) pages last, and at most one suspect in the step (``suspect_taken``: a running one
+        computes in it). With nothing running, the first one is always tried."""
         admitted: list[Chunk] = []
-        while (self.waiting and budget > 0 and len(self.running) + len(admitted) < self.cfg.max_num_seqs
-               and len(admitted) < max_admitted):
+        while self.waiting and budget > 0 and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             if req.req_id in freeing:  # a free and an allocation of one req_id cannot share a call
                 break
+            if req.num_failed_steps:
+                if suspect_taken:
+                    break
+                suspect_taken = True
             n = min(req.num_tokens, budget, cap)
             need = self._pages_needed(req, n)
             if need > available and (self.running or admitted):
