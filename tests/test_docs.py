@@ -125,6 +125,13 @@ def test_every_repository_path_the_docs_name_exists(path):
     assert [p for p in named_paths(path.read_text()) if not exists(p)] == []
 
 
+def test_the_readme_links_only_to_files_that_exist():
+    """GitHub shows README.md outside the site: its relative links must name files in the repository (the
+    generated reference pages exist only in the built site)."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    assert [link for link in links if "://" not in link and not (ROOT / link).exists()] == []
+
+
 class _AnyTag(yaml.SafeLoader):
     """mkdocs.yml may hold python tags (!!python/name:...): read them as plain values."""
 
