@@ -161,13 +161,15 @@ class ModelRunner:
         rejected = [RejectedItem(req_id, message) for req_id, message in malformed.items()]
         items = tuple(i for i in batch.items if i.req_id not in malformed)
         t0 = time.perf_counter()
-        sampled = self.call(self._run, items, rejected) if items else []
+        sampled = self.call(self._run, StepBatch(items, batch.epoch), rejected) if items else []
         ms = (time.perf_counter() - t0) * 1000
         return StepOutput(sampled=sampled, num_tokens=sum(len(i.token_ids) for i in items), compute_ms=ms,
                           rejected=rejected)
 
-    def _run(self, items, rejected: list[RejectedItem]):
-        """The forward pass and sampling; an item whose logits are non-finite goes to ``rejected``."""
+    def _run(self, batch: StepBatch, rejected: list[RejectedItem] | None = None):
+        """The forward pass and sampling of a validated batch; an item whose logits are non-finite is not sampled
+        and goes to ``rejected``."""
+        items, rejected = batch.items, [] if rejected is None else rejected
         rows = [r for r, i in enumerate(items) if i.sample]
         hidden = self._forward(items, rows) if self.cuda is None else self.cuda.forward(items, rows)
         if not rows:
