@@ -49,13 +49,14 @@ def check_sampling(where: str, p: SamplingParams) -> None:
 
 
 def check_stop(stop: tuple[str, ...]) -> None:
-    """At most MAX_STOP_STRINGS stop strings of 1 to MAX_STOP_CHARS characters each."""
+    """At most MAX_STOP_STRINGS stop strings of 1 to MAX_STOP_CHARS characters each, valid Unicode text."""
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
     for i, s in enumerate(stop):
         if not s or len(s) > MAX_STOP_CHARS:
             raise InvalidRequest(f"stop[{i}] must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}",
                                  param="stop")
+        check_text(f"stop[{i}]", s)
 
 
 def check_text(param: str, text: str) -> None:

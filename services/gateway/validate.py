@@ -95,8 +95,6 @@ def validate_request(inp: GenerateInput, tenant: str, tokenizer: Tokenizer, limi
     """Validates and tokenises. Raises InvalidRequest with a message that says what was wrong."""
     check_sampling("", inp.sampling)
     check_stop(inp.stop)
-    for i, stop in enumerate(inp.stop):
-        check_text(f"stop[{i}]", stop)
     prompt_ids = _prompt_ids(inp, tokenizer, limits.vocab_size)
     if not prompt_ids:
         raise InvalidRequest("the prompt encodes to no tokens")
