@@ -445,15 +445,18 @@ class EngineLoop:
                         "under suspicion per step",
                         self.info.worker_id, len(batch.chunks), e)
             self._failed_step(batch, e)
-            self.scheduler.skip(batch)
-            return StepOutput(sampled=[], num_tokens=0, compute_ms=0.0)
+            return self._not_computed(batch)
         except BackendFailure as e:
             if not self._failed_step(batch, e):
                 raise
             # the step held a request in its second failed step in a row, the only one under suspicion in it: that
             # request, not the worker, is what failed (a worker that is really gone fails the next step too)
-            self.scheduler.skip(batch)
-            return StepOutput(sampled=[], num_tokens=0, compute_ms=0.0)
+            return self._not_computed(batch)
+
+    def _not_computed(self, batch: ScheduledBatch) -> StepOutput:
+        """The answer for a step the worker computed none of: its requests compute the same tokens later."""
+        self.scheduler.skip(batch)
+        return StepOutput(sampled=[], num_tokens=0, compute_ms=0.0)
 
     def _failed_step(self, batch: ScheduledBatch, error: BackendFailure) -> bool:
         """Counts the failed step against each of its requests; one at MAX_FAILED_STEPS (the last time as the
