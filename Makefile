@@ -132,16 +132,16 @@ bench-http: model kernels $(GUIDELLM)
 # Faults under load (issue 23): Redis (Sentinel), a kvmanager leader + standby, 2 workers and a gateway as separate
 # processes on loopback, 6 closed-loop greedy clients; kill -9 of the leader kvmanager, of a worker (restarted, then
 # for good), of the Redis primary, and a worker added mid-load. Requests, lost, wrong (vs HF greedy), pages left
-# and recovery times per fault in bench/results/chaos-<date>.json and .md. A few minutes. tests/test_chaos.py runs
+# and recovery times per fault in bench/results/chaos-<date>.json and .md. A few minutes. tests/e2e/test_chaos.py runs
 # a shorter one.
 chaos: model kernels
 	$(PY) bench/chaos.py
 
 # Malformed and extreme bodies at the HTTP and gRPC front-ends of one `kvserve up` (issue 35): thousands, from
-# tests/fuzz_bodies.py's hypothesis strategies, 4 clients at once. Every answer a 2xx or a 4xx in the API's error
+# tests/support/fuzz_bodies.py's hypothesis strategies, 4 clients at once. Every answer a 2xx or a 4xx in the API's error
 # shape, no 5xx, no hang; afterwards no page used, no request live, no worker declared dead. Counts in
 # bench/results/fuzz-<date>.json and .md, and docs/reliability.md written from them. A few minutes.
-# tests/test_fuzz_frontends.py runs a short one.
+# tests/e2e/test_fuzz_frontends.py runs a short one.
 fuzz: model kernels
 	$(PY) bench/fuzz_frontends.py
 
@@ -179,9 +179,9 @@ image: image-context image-base
 	@$(CONTAINER_TOOL) image inspect --format '$(IMAGE): {{.Size}} bytes' $(IMAGE)
 
 # The stack from the image as separate containers (Redis, kvmanager, worker, gateway), configured as the rendered
-# k8s/ manifests configure them, checked token for token against HF transformers (tests/image/).
+# k8s/ manifests configure them, checked token for token against HF transformers (tests/deploy/image/).
 image-test: image model
-	KVSERVE_IMAGE=$(IMAGE) CONTAINER_TOOL=$(CONTAINER_TOOL) $(PY) -m pytest -q tests/image $(PYTEST_ARGS)
+	KVSERVE_IMAGE=$(IMAGE) CONTAINER_TOOL=$(CONTAINER_TOOL) $(PY) -m pytest -q tests/deploy/image $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(1, str(Path(__file__).parent.parent / "tests"))  # otlp_collector: the tests' OTLP sink
+sys.path.insert(1, str(Path(__file__).parent.parent / "tests" / "support"))  # otlp_collector: the tests' OTLP sink
 import hf_reference as hf  # noqa: E402
 
 from kvserve.common.tokenizer import Tokenizer  # noqa: E402

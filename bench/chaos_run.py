@@ -1,6 +1,6 @@
 """One chaos run: the stack (chaos_stack.py), the closed-loop load (chaos_load.py), then a fault-free baseline
 and each fault of chaos_faults.py in turn, with a quiet period around each. Used by bench/chaos.py (`make
-chaos`) and, shorter, by tests/test_chaos.py.
+chaos`) and, shorter, by tests/e2e/test_chaos.py.
 
 A phase:
 

@@ -1,4 +1,4 @@
-"""`make fuzz`: the long fuzz run of issue 35. Thousands of malformed and extreme bodies (tests/fuzz_bodies.py's
+"""`make fuzz`: the long fuzz run of issue 35. Thousands of malformed and extreme bodies (tests/support/fuzz_bodies.py's
 hypothesis strategies) at the HTTP and gRPC front-ends of one `kvserve up`, from 4 closed-loop clients (so that
 odd requests share the engine's steps with valid ones):
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(1, str(Path(__file__).parent.parent / "tests"))  # the strategies and the stack the tests use
+sys.path.insert(1, str(Path(__file__).parent.parent / "tests" / "support"))  # the tests' strategies and stack
 import fuzz_bodies as fb  # noqa: E402
 import grpc  # noqa: E402
 import httpx  # noqa: E402

@@ -52,7 +52,7 @@ def docs_page(report: dict, json_name: str) -> str:
      `python bench/fuzz_frontends.py --docs-only bench/results/{json_name}` rewrites it. -->
 
 kvserve's HTTP (OpenAI-compatible) and gRPC front-ends are fuzzed with property-based tests
-([hypothesis](https://hypothesis.readthedocs.io)); the strategies are in `tests/fuzz_bodies.py`. Most bodies are
+([hypothesis](https://hypothesis.readthedocs.io)); the strategies are in `tests/support/fuzz_bodies.py`. Most bodies are
 valid but for one or two fields, so that they reach the engine; the odd values are:
 
 - numbers finite in float64 that overflow float32 (`1e39`, `1e308`) or vanish in it (`1e-50`, subnormals),
@@ -78,7 +78,7 @@ the gateway's log).
   4 concurrent clients so that odd requests share the engine's steps with valid ones; `--quick` sends 500 bodies,
   `--bodies N` any number, `--clients N`. It writes `bench/results/fuzz-<date>.json` and `.md` and this page,
   and exits 1 when anything was wrong.
-- `pytest tests/test_fuzz_frontends.py`: a short run in the default suite (a few hundred bodies, one at a time,
+- `pytest tests/e2e/test_fuzz_frontends.py`: a short run in the default suite (a few hundred bodies, one at a time,
   after one body of each kind of failure found so far).
 
 ## Figures: {report['bodies']} bodies ({report['date']}, {report['wall_s']:.0f} s)

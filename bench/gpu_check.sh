@@ -37,10 +37,10 @@ fi
 LOG="$SHIM/pytest.log"
 RC=-1
 if $PY -c "import pytest" 2> /dev/null; then
-    ARGS=(-m gpu tests/test_gpu.py -q -rfEs -p no:cacheprovider -o addopts="" -o timeout=0)
+    ARGS=(-m gpu tests/unit/kernels/test_gpu.py -q -rfEs -p no:cacheprovider -o addopts="" -o timeout=0)
     if ! $PY -c "import grpc; from kvserve.services.model_store import default_gguf_path; default_gguf_path()" \
             2> /dev/null; then
-        ARGS+=(--noconftest --deselect tests/test_gpu.py::test_runner_on_cuda_fp32_matches_cpu)
+        ARGS+=(--noconftest --deselect tests/unit/kernels/test_gpu.py::test_runner_on_cuda_fp32_matches_cpu)
         echo "gpu_check: no grpc or default model here: test_runner_on_cuda_fp32_matches_cpu left out" | tee "$LOG"
     fi
     timeout 180 $PY -m pytest "${ARGS[@]}" 2>&1 | tee -a "$LOG" | tail -15

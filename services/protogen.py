@@ -5,7 +5,7 @@
 Runs grpc_tools' bundled protoc with `-I<repo>/protos` (plus grpc_tools' own include folder for the
 google/protobuf/*.proto files) and writes `*_pb2.py`, `*_pb2.pyi` and `*_pb2_grpc.py` into DIR/kvserve/v1/.
 DIR defaults to the repository's protos/ folder, where the generated modules are committed; `make protos`
-calls this, and tests/test_protos.py regenerates into a temporary folder to check they are not stale.
+calls this, and tests/repo/test_protos.py regenerates into a temporary folder to check they are not stale.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# tests/image/ runs the stack from the built image (`make image-test`, which sets KVSERVE_IMAGE): not part of the
+# tests/deploy/image/ runs the stack from the built image (`make image-test`, which sets KVSERVE_IMAGE): not part of the
 # default run, which builds no image.
-collect_ignore = [] if os.environ.get("KVSERVE_IMAGE") else ["image"]
+collect_ignore = [] if os.environ.get("KVSERVE_IMAGE") else ["deploy/image"]
 
 TEST_NUM_PAGES = 256
 TEST_PAGE_SIZE = 16
@@ -98,18 +98,29 @@ def tokenizer(model_dir):
 
 
 # The fast lane (`make test-fast`, `pytest -m "not slow"`) leaves out every test that loads the real model or
-# starts processes: those using a fixture that loads the model, and every test of a module that starts
-# `kvserve` processes or builds a model runner. Tests mark themselves only where these rules miss them.
+# starts kvserve processes: every test under tests/e2e/ (separate processes by definition) and tests/deploy/image/,
+# those using a fixture that loads the model, and every test of a module that starts `kvserve` processes or builds a
+# model runner. Tests mark themselves only where these rules miss them. An embedded redis-server, as a port on
+# 127.0.0.1, is a fixture of the fast lane.
+SLOW_FOLDERS = ("e2e", "deploy/image")
 MODEL_FIXTURES = {"runner", "worker_server", "worker_channel", "worker_stub", "hf_model", "hf_greedy"}
-SLOW_MODULE_SOURCES = ("service_process", "running_stack", "ModelRunner(", "from_pretrained(")
+SLOW_MODULE_SOURCES = ("service_process", "kvmanager_process(", "worker_process(", "running_stack", "ModelRunner(",
+                       "from_pretrained(")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _slow_module(path) -> bool:
+    rel = os.path.relpath(str(path), TESTS).replace(os.sep, "/")
+    if any(rel.startswith(folder + "/") for folder in SLOW_FOLDERS):
+        return True
+    text = path.read_text() if path.suffix == ".py" else ""
+    return any(s in text for s in SLOW_MODULE_SOURCES)
 
 
 def pytest_collection_modifyitems(config, items):
     slow_modules: dict[str, bool] = {}
     for item in items:
-        path = item.path
-        if str(path) not in slow_modules:
-            text = path.read_text() if path.suffix == ".py" else ""
-            slow_modules[str(path)] = any(s in text for s in SLOW_MODULE_SOURCES)
-        if slow_modules[str(path)] or MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if str(item.path) not in slow_modules:
+            slow_modules[str(item.path)] = _slow_module(item.path)
+        if slow_modules[str(item.path)] or MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)

@@ -1,6 +1,6 @@
 """The two Containerfiles stay in step (the CUDA worker's image cannot be built on these machines, so this is what
 checks it), and image/requirements.py pins a wheelhouse for pip's hash-checking mode. `make image-test`
-(tests/image/) builds and runs the CPU image itself."""
+(tests/deploy/image/) builds and runs the CPU image itself."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CPU, CUDA = ROOT / "Containerfile", ROOT / "Containerfile.cuda"
 
 

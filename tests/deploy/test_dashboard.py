@@ -20,7 +20,7 @@ from kvserve.common.metrics import (
     WorkerMetrics,
 )
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "k8s" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana-dashboard.json"
 METRIC_TOKEN = re.compile(r"kvserve:[a-zA-Z0-9_:]+")
 PANEL_KINDS = {"timeseries", "stat", "gauge"}
 

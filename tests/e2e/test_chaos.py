@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from chaos_output import markdown  # noqa: E402
 from chaos_reference import prompt_token_ids, reference_outputs  # noqa: E402
 from chaos_run import ChaosConfig, run_chaos  # noqa: E402
@@ -33,7 +33,7 @@ def report(hf_model, tokenizer, tmp_path_factory) -> dict:
     prompts = prompt_token_ids(tokenizer)
     reference = reference_outputs(hf_model, prompts, CFG.max_tokens)
     out = run_chaos(CFG, prompts, reference, log_dir=tmp_path_factory.mktemp("chaos-logs"))
-    out.update(date="test", command="tests/test_chaos.py", reference={"source": "HF transformers greedy"},
+    out.update(date="test", command="tests/e2e/test_chaos.py", reference={"source": "HF transformers greedy"},
                prompts=prompts)
     print(markdown(out))  # shown when a test fails
     return out

@@ -1,5 +1,5 @@
 """Malformed and extreme requests at both front-ends of a real `kvserve up` (issue 35): one body of each kind of
-failure found so far, then a short hypothesis run per front-end (tests/fuzz_bodies.py), one request at a time.
+failure found so far, then a short hypothesis run per front-end (tests/support/fuzz_bodies.py), one request at a time.
 Every answer a 2xx or a client error in the API's shape, never a 5xx or a hang; afterwards no page used, no
 request live, no worker lost or declared dead. The long run is bench/fuzz_frontends.py (`make fuzz`).
 

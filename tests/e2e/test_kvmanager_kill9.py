@@ -10,7 +10,7 @@ kvmanager's SIGKILL as a managed Redis would.
 from __future__ import annotations
 
 import grpc
-from test_kvmanager_cli import kvmanager_process, stop_cleanly
+from kvmanager_processes import kvmanager_process, stop_cleanly
 
 from kvserve.common.convert.pages import step_from_proto
 from kvserve.common.pages import HOLE

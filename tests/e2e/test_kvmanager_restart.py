@@ -13,15 +13,14 @@ import sys
 import threading
 from pathlib import Path
 
+from kvmanager_soak import assert_last_ops_persisted, make_store, replay, snapshot  # noqa: E402
+
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.redis_server import EmbeddedRedis
 from kvserve.kvmanager.service import KVService
 
-sys.path.insert(0, str(Path(__file__).parent))
-from kvmanager_soak import assert_last_ops_persisted, make_store, replay, snapshot  # noqa: E402
-
-SOAK = Path(__file__).parent / "kvmanager_soak.py"
+SOAK = Path(__file__).resolve().parents[1] / "support" / "kvmanager_soak.py"
 KILL_AFTER_STEP = 40
 PREFIX = "soak"
 

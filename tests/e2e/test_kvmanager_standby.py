@@ -14,9 +14,9 @@ import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvmanager_histories import alloc, spec
+from kvmanager_processes import READY_TIMEOUT_S, cli_env
 from service_process import service_process
-from test_kvmanager_cli import READY_TIMEOUT_S, cli_env
-from test_kvmanager_snapshot_layout import alloc, spec
 
 from kvserve.common.channels import kvmanager_channel
 from kvserve.common.wire.pages import PageCommit, PageFree, StepOps

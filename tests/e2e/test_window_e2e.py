@@ -8,8 +8,7 @@ import pytest
 import torch
 from gateway_stack import running_stack
 from test_cli_process import cli_env
-from test_window import WINDOW, hf_model
-from window_models import save_tiny
+from window_models import WINDOW, hf_model, save_tiny
 
 from kvserve.common.tokenizer import Tokenizer
 from kvserve.services.client import Client

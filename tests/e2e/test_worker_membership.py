@@ -15,10 +15,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from kvmanager_processes import kvmanager_process
+from kvmanager_rpc import Admin
 from polling import wait_for
 from test_cli_process import cli_env, info_of, worker_process
-from test_kvmanager_cli import kvmanager_process
-from test_kvmanager_service import Admin
 
 from kvserve.common.tokens import le_uint32
 from kvserve.v1 import kvmanager_pb2 as pb

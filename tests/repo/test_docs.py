@@ -16,7 +16,7 @@ import yaml
 
 from kvserve.services.cli import build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 TOP = ("common", "worker", "kvmanager", "kernels", "services", "protos", "k8s", "image", "tests", "bench", "docs",
        ".ci")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"v1": ROOT / "protos" / "kvserve" / "v1", "common": ROOT / "common", "kernels": ROOT / "kernels",
             "worker": ROOT / "worker", "kvmanager": ROOT / "kvmanager", "services": ROOT / "services"}
 RANK = {"v1": 0, "common": 1, "kernels": 2, "worker": 3, "kvmanager": 3, "services": 4}

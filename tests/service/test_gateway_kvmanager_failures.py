@@ -27,7 +27,7 @@ import threading
 import grpc
 import pytest
 from conftest import TEST_NUM_PAGES, TEST_PAGE_SIZE
-from test_kvmanager_cli import kvmanager_process, stop_cleanly
+from kvmanager_processes import kvmanager_process, stop_cleanly
 
 from kvserve.common.wire.pages import PageAllocation, PageCommit, PoolSpec, StepOps
 from kvserve.common.wire.worker import SamplingParams

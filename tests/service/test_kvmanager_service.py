@@ -6,11 +6,11 @@ import contextlib
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvmanager_rpc import TOKEN, WORDS, Admin, write_word_tokenizer
 
 from kvserve.common.tokens import le_uint32
 from kvserve.kvmanager import admin
@@ -24,32 +24,8 @@ from kvserve.v1 import kvmanager_pb2_grpc
 
 PS = 4  # page size
 BYTES_PER_TOKEN = 100
-TOKEN = "s3cret-admin-token"
 OK, OOP, STALE = pb.PAGE_OP_STATUS_OK, pb.PAGE_OP_STATUS_OUT_OF_PAGES, pb.PAGE_OP_STATUS_STALE_EPOCH
 P1 = list(range(100, 112))  # 3 full pages
-WORDS = "the cat sat on a mat and dog ran far".split()  # ids 1.. in the tiny word-level tokenizer
-
-
-def write_word_tokenizer(folder: Path) -> Path:
-    """A real tokenizer.json (word level, whitespace split): 'the cat sat on' -> [1, 2, 3, 4]."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    return folder
-
-
-class Admin:
-    """KVAdminService stub that sends the admin token (or ``token``) on every call."""
-
-    def __init__(self, channel, token: str | None = TOKEN):
-        self._stub = kvmanager_pb2_grpc.KVAdminServiceStub(channel)
-        self._metadata = [("authorization", f"Bearer {token}")] if token is not None else []
-
-    def __getattr__(self, name):
-        return lambda request: getattr(self._stub, name)(request, metadata=self._metadata, timeout=10)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Malformed and extreme requests for the gateway's two front-ends, as hypothesis strategies, how to send one,
 and what a right answer is (issue 35): a 2xx in the API's shape, or a client error (HTTP 4xx with OpenAI's error
 object, gRPC INVALID_ARGUMENT and kin) that says what was wrong. Never a 5xx, INTERNAL or UNAVAILABLE, never a
-hang. Shared by tests/test_fuzz_frontends.py (a short run) and bench/fuzz_frontends.py (the long one).
+hang. Shared by tests/e2e/test_fuzz_frontends.py (a short run) and bench/fuzz_frontends.py (the long one).
 
 Most bodies are valid but for one or two fields, so that they reach the engine: values finite in float64 that
 overflow or underflow float32, NaN and Infinity as raw JSON tokens, integers past int32/int64/uint64, token ids

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S_DIR = ROOT / "k8s"
 AUTOSCALING_DIR = K8S_DIR / "autoscaling"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")

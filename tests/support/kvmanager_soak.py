@@ -2,7 +2,7 @@
 of scheduler steps (shared prefixes, commits, decode extensions, frees, preemption) that a child process runs
 against Redis and the test replays in-process.
 
-Run as a script (``python tests/kvmanager_soak.py REDIS_URL PREFIX``) it is the child: it prints
+Run as a script (``python tests/support/kvmanager_soak.py REDIS_URL PREFIX``) it is the child: it prints
 ``done <step_id>`` after each step call has been made durable in the call log, until it is killed.
 """
 

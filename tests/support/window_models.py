@@ -12,6 +12,7 @@ import torch
 
 from kvserve.common.pages import HOLE, num_pages_for, releasable_pages
 
+WINDOW = 40  # the tiny Mistral's sliding window, in tokens
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -153,3 +154,12 @@ def paged_logits(runner, tokens: list[int], chunks: list[int]) -> torch.Tensor:
         out.append(runner.call(run))
         at, i = at + n, i + 1
     return torch.cat(out)
+
+
+def hf_model(folder, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True, **overrides)
+    model.generation_config.eos_token_id = None  # the loop here never stops early either
+    model.generation_config.pad_token_id = 0
+    return model.eval()

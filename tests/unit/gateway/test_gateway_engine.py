@@ -1,4 +1,4 @@
-"""The gateway's engine loop on in-process backends (tests/engine_fakes.py): no gRPC, no model, no processes.
+"""The gateway's engine loop on in-process backends (tests/support/engine_fakes.py): no gRPC, no model, no processes.
 The rule worker answers from the K/V its page tables point at, so a request's tokens equal the reference only if
 every page op and page table on the way was right."""
 

@@ -61,7 +61,7 @@ def test_runner_on_cuda_fp32_matches_cpu(model_dir, runner):
 
 # --- issue 24: the triton backend, the CUDA path's graphs, bf16 runners (random weights: no download needed) ---
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 from gpu_attention import mixed_step  # noqa: E402
 from gpu_models import TINY_LLAMA, greedy, random_runner  # noqa: E402
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvmanager_histories import alloc, spec
 from polling import wait_for
-from test_kvmanager_snapshot_layout import alloc, spec
 
 from kvserve.common.wire.pages import PageCommit, PageFree, StepOps
 from kvserve.kvmanager import admin

@@ -9,7 +9,7 @@ import signal
 import pytest
 import redis
 from free_ports import free_port
-from test_kvmanager_snapshot_layout import alloc, build_history, spec
+from kvmanager_histories import alloc, build_history, spec
 
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.wire.pages import OpStatus, PageCommit, PageExtension, PageFree, StepOps

@@ -9,8 +9,8 @@ import signal
 
 import grpc
 import pytest
+from kvmanager_histories import alloc, build_history, spec
 from test_kvmanager_oplog import exact, live_keys, reload
-from test_kvmanager_snapshot_layout import alloc, build_history, spec
 
 from kvserve.common.tokens import le_uint32
 from kvserve.common.wire.pages import PageCommit, PageFree, StepOps

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import grpc
 import pytest
+from kvmanager_soak import snapshot  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -53,9 +52,6 @@ from kvserve.services.cli import main as cli_main
 from kvserve.services.gateway.errors import KVManagerFailed
 from kvserve.services.gateway.rpc.clients import KVManagerClient
 from kvserve.v1 import kvmanager_pb2_grpc
-
-sys.path.insert(0, str(Path(__file__).parent))
-from kvmanager_soak import snapshot  # noqa: E402
 
 PS = 4  # page size
 

@@ -10,8 +10,8 @@ from collections import deque
 
 import pytest
 import redis
-from test_kvmanager_cli import kvmanager_process, populate, run_cli, stop_cleanly
-from test_kvmanager_snapshot_layout import P, alloc, spec
+from kvmanager_histories import P, alloc, spec
+from kvmanager_processes import kvmanager_process, populate, run_cli, stop_cleanly
 
 from kvserve.common.wire.pages import PageCommit, PageFree, StepOps
 from kvserve.kvmanager.errors import StoreUnavailable

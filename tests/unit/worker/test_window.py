@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from window_models import paged_logits, run_windowed, save_tiny, streaming_reference_logits
+from window_models import WINDOW, hf_model, paged_logits, run_windowed, save_tiny, streaming_reference_logits
 
 from kvserve.common.pages import max_window_pages, num_pages_for
 from kvserve.worker.runner import ModelRunner, RunnerConfig
 
-WINDOW, PAGE = 40, 16
+PAGE = 16
 PROMPT_LENGTHS = (130, 37, 100)
 NEW_TOKENS = 60
 BACKENDS = ("reference", "cpu")
@@ -28,15 +28,6 @@ def tiny(tmp_path_factory, model_dir):
 def make_runner(folder, backend: str, **kw) -> ModelRunner:
     return ModelRunner(RunnerConfig(model_dir=folder, num_pages=96, page_size=PAGE, device="cpu", dtype="float32",
                                     attention_backend=backend, **kw))
-
-
-def hf_model(folder, **overrides):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True, **overrides)
-    model.generation_config.eos_token_id = None  # the loop here never stops early either
-    model.generation_config.pad_token_id = 0
-    return model.eval()
 
 
 def prompts() -> list[list[int]]:
