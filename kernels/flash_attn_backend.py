@@ -5,8 +5,7 @@ bf16/fp16 models and pages.
 UNTESTED ON HARDWARE: no machine with flash-attn installed has run ``bench/gpu_check.sh`` yet. It is written to
 the libraries' documented signatures and its adapter (metadata conversion, checks, selection) is unit-tested on
 CPU behind those signatures (tests/unit/kernels/test_flash_attn_backend.py), but ``--attention-backend auto``
-never picks it
-(HARDWARE_TESTED) until such a run has compared it with the reference.
+never picks it (HARDWARE_TESTED) until such a run has compared it with the reference.
 
 Both libraries read the layer cache in place: kvserve's ``[2, num_pages, page_size, kv_heads, d]`` gives
 ``k = kv_cache[0]`` and ``v = kv_cache[1]``, each ``[num_pages, page_size, kv_heads, d]``, the layout both take with
