@@ -181,8 +181,7 @@ FAULTS = (
     Fault("b", "worker restarted", kill_worker_restart,
           describe=lambda s: "kill -9 of a worker, a new process with the same worker_id on its port"),
     Fault("c", "worker lost for good", kill_worker_for_good, after=check_dead_pool_dropped,
-          missing=lambda f: None if f.declare_dead else "needs the gateway's declare_dead (issue 23 point 2): "
-                                                        "not in this build, or --without declare_dead",
+          missing=lambda f: None if f.declare_dead else "run --without declare_dead",
           describe=lambda s: "kill -9 of a worker, never restarted" + (
               "; a fresh worker joins at the end" if s.features.membership and s.cfg.replace_lost_worker else "")),
     Fault("d", "Redis primary", kill_redis_primary, after=restore_redis, describe=lambda s: s.redis.kind),

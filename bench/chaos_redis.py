@@ -19,15 +19,6 @@ from pathlib import Path
 from kvserve.kvmanager.redis_server import EmbeddedRedis
 
 
-def sentinel_available() -> bool:
-    """Whether this kvserve ships the Sentinel helper (kvmanager/redis_sentinel.py, SentinelCluster)."""
-    try:
-        module = importlib.import_module("kvserve.kvmanager.redis_sentinel")
-    except ImportError:
-        return False
-    return hasattr(module, "SentinelCluster")
-
-
 class SingleRedis:
     """One EmbeddedRedis (AOF, appendfsync everysec), a child of this process."""
 

@@ -38,14 +38,14 @@ class ChaosConfig:
     drain_timeout_s: float = 150.0
     pages_timeout_s: float = 15.0
     faults: str = "abcde"
-    without: tuple[str, ...] = ()  # features not to use even if the build has them (Features.detect)
+    without: tuple[str, ...] = ()  # features not to use, to run the fallbacks (Features.all_but)
     stack: StackConfig = field(default_factory=StackConfig)
 
 
 def run_chaos(cfg: ChaosConfig, prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]],
               log_dir: Path | None = None) -> dict:
     """Starts everything, runs the baseline and the faults, stops everything (also on failure); the report."""
-    features = Features.detect(cfg.without)
+    features = Features.all_but(cfg.without)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvserve-chaos-") as tmp:
         log_dir = Path(log_dir or Path(tmp) / "logs")

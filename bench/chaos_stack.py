@@ -3,9 +3,9 @@
     Redis (Sentinel, or one embedded)  ──  kvmanager × 2 (leader + standby; 1 without a standby)
          ──  worker × 2 (small pools; they join the kvmanager)  ──  gateway (follows the membership)
 
-What this build of kvserve supports decides the wiring (Features.detect): without worker membership the
-workers are a static --workers list of the gateway, and a restarted worker binds its old port again; without a
-standby one kvmanager runs and its fault is a restart on the same port.
+Every feature is used unless the run is told to go without it (Features.all_but, `--without`): without worker
+membership the workers are a static --workers list of the gateway, and a restarted worker binds its old port
+again; without a standby one kvmanager runs and its fault is a restart on the same port.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import grpc
 from chaos_procs import Processes, Service
-from chaos_redis import make_redis, sentinel_available
+from chaos_redis import make_redis
 
 from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
@@ -29,36 +29,22 @@ ADMIN_TIMEOUT_S = 2.0
 STATIC_WORKERS_TIMEOUT_S = 45.0
 
 
-def _accepts(command: str, *flag_and_value: str) -> bool:
-    """Whether `kvserve COMMAND` knows the flag (parsed in-process, nothing run)."""
-    from kvserve.services.cli import build_parser
-
-    _, unknown = build_parser().parse_known_args([command, *flag_and_value])
-    return not unknown
-
 
 @dataclass(frozen=True, slots=True)
 class Features:
     membership: bool  # worker --kvmanager + ListWorkers: workers join, the gateway follows them (no --workers)
     standby: bool  # kvmanager --leader-lease: a second kvmanager on the same Redis waits as standby
-    sentinel: bool  # kvmanager/redis_sentinel.py SentinelCluster and redis+sentinel:// URLs
+    sentinel: bool  # three Redis under Sentinel, the kvmanagers on a redis+sentinel:// URL
     declare_dead: bool  # the gateway drops a worker lost for good (KVManagerClient.declare_dead)
 
     @classmethod
-    def detect(cls, without: Sequence[str] = ()) -> Features:
-        """What this build supports, less the features named in ``without`` (to run the fallbacks: a static
-        worker list, one kvmanager, one Redis). Raises ValueError for an unknown name."""
-        from kvserve.services.gateway.rpc.clients import KVManagerClient
-
+    def all_but(cls, without: Sequence[str] = ()) -> Features:
+        """Every feature, less those named in ``without`` (to run the fallbacks: a static worker list, one
+        kvmanager, one Redis). Raises ValueError for an unknown name."""
         unknown = set(without) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown features {sorted(unknown)} (known: {[f.name for f in fields(cls)]})")
-        methods = kvmanager_pb2.DESCRIPTOR.services_by_name["KVManagerService"].methods_by_name
-        found = cls(membership=_accepts("worker", "--kvmanager", "h:1") and "ListWorkers" in methods,
-                    standby=_accepts("kvmanager", "--leader-lease", "2"),
-                    sentinel=sentinel_available() and _accepts("kvmanager", "--redis-wait-replicas", "1"),
-                    declare_dead=hasattr(KVManagerClient, "declare_dead"))
-        return replace(found, **{name: False for name in without})
+        return cls(**{f.name: f.name not in without for f in fields(cls)})
 
     def as_dict(self) -> dict:
         return asdict(self)
