@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
+.PHONY: install model kernels serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -91,6 +91,11 @@ bench-snapshots: install
 # The report's mixed burst, kvserve and HF's continuous batching alternated over rounds.
 bench-ab: model kernels
 	$(PY) bench/throughput_ab.py
+
+# kvserve at BEFORE (a git revision: make bench-revisions BEFORE=<rev>) vs the working tree, alternated round by
+# round: a refactor should leave the burst, prefix-hit and latency figures where they were.
+bench-revisions: model kernels
+	$(PY) bench/revisions_ab.py --before $(BEFORE)
 
 # The gateway's page ops overlapped with compute vs waited for, alternated over 8 rounds.
 bench-overlap: model kernels
