@@ -157,6 +157,7 @@ def test_every_page_is_in_the_nav_and_every_nav_entry_is_a_page():
     assert len(nav) == len(set(nav))
 
 
+@pytest.mark.slow  # a whole site build, over a minute: `make docs` in CI runs the same
 def test_the_site_builds_strict(tmp_path):
     """Internal links, anchors and the nav resolve; the generated reference and benchmark pages build."""
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir",
