@@ -141,7 +141,7 @@ def run_side(kv_address: str, model, step_ms: int, overlap: bool, ahead: bool, s
         a, tokens_a, t_a, calls_a = stats_of(engine), load.num_tokens, time.perf_counter(), len(kv.call_s)
         time.sleep(seconds)
         b, tokens_b, t_b, calls = stats_of(engine), load.num_tokens, time.perf_counter(), kv.call_s[calls_a:]
-        running = len(engine.scheduler.running)
+        running = engine.core.scheduler.num_running
     finally:
         load.stop()
         gateway.close(drain_s=5.0)

@@ -21,7 +21,8 @@ from kvserve.common.tokenizer import Tokenizer
 from kvserve.common.wire.pages import PoolSpec
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.backends import KVManagerBackend, WorkerBackend
-from kvserve.services.gateway.engine import EngineLoop, Transfer, incompatible_change
+from kvserve.services.gateway.core import incompatible_change
+from kvserve.services.gateway.engine import EngineLoop, Transfer
 from kvserve.services.gateway.errors import (
     BackendFailure,
     GatewayBusy,
@@ -32,7 +33,8 @@ from kvserve.services.gateway.errors import (
 from kvserve.services.gateway.handle import RequestHandle
 from kvserve.services.gateway.membership import Membership
 from kvserve.services.gateway.observe import Observer
-from kvserve.services.gateway.request import FinishReason, Request, RequestStatus
+from kvserve.services.gateway.request import FinishReason, Request
+from kvserve.services.gateway.scheduler import Scheduler
 from kvserve.services.gateway.validate import GenerateInput, Limits, validate_request
 
 log = logging.getLogger("kvserve.gateway")
@@ -227,8 +229,8 @@ class Gateway:
 
     def _fail_parked(self, t: Transfer, error: Exception) -> None:
         req = t.handle.req
-        req.status, req.error = RequestStatus.FINISHED, error
-        req.finish_reason = FinishReason.CANCELLED if isinstance(error, ShuttingDown) else FinishReason.ERROR
+        Scheduler.finish_unheld(req, FinishReason.CANCELLED if isinstance(error, ShuttingDown) else FinishReason.ERROR,
+                                error)
         self.observe.finished(req)
         t.handle.finish()
 

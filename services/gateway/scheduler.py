@@ -14,7 +14,9 @@ One step, in three calls (the engine loop does the I/O between them):
                                             (``stopped``: the engine's text streams saw one) or a length limit
 
 Every finish reason is decided here: those three by update(), CANCELLED by cancel(), ERROR by fail(), and
-finish() is the only writer of a request's finish_reason.
+finish() is the only writer of a request's finish_reason (through finish_unheld(), which also ends a request
+no scheduler holds). Nothing outside this module writes the scheduler's fields: the engine core asks it
+(add, take_waiting, reset, the counts), and a test checks it by reading the code.
 
 Finished, cancelled and preempted requests are freed by the next step's page operations, together with the
 commit of the pages they filled since their last one.
@@ -177,8 +179,14 @@ class Scheduler:
         else:  # between schedule() and assign(): its allocation may have been applied
             self.pending_frees.append(req.req_id)
         self.requests.pop(req.req_id, None)
-        req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
+        self.finish_unheld(req, reason, error)
         return req.req_id in self.pending_frees
+
+    @staticmethod
+    def finish_unheld(req: Request, reason: FinishReason, error: Exception | None = None) -> None:
+        """Ends a request that no scheduler holds (handed over from a lost worker and parked, waiting for a live
+        one): the write finish() ends with, and the only writer of a request's finish_reason."""
+        req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
 
     def _queue_free(self, req: Request, commit: bool = True) -> None:
         """Its pages go back with the next call, after the commit of those it filled since its last one (none for a
@@ -234,6 +242,36 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.pending_frees)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_queued(self) -> int:
+        """Unfinished requests that hold no pages (read from other threads: a snapshot). A waiting request being
+        admitted is out of ``waiting`` for the length of a kvmanager call, and still queued."""
+        return len(self.requests) - len(self.running)
+
+    def take_waiting(self) -> list[Request]:
+        """Takes the queued requests out (they hold no pages), in their order: they leave this worker."""
+        waiting = list(self.waiting)
+        for req in waiting:
+            del self.requests[req.req_id]
+        self.waiting.clear()
+        return waiting
+
+    def reset(self) -> None:
+        """Forgets every request and page op (the worker's pool is gone: what they held lived on it); the step_id
+        sequence goes on."""
+        self.waiting.clear()
+        self.running, self.pending_frees, self.final_commits, self.preempted = [], [], [], []
+        self.requests = {}
+        self.num_available_pages = self.cfg.num_pages
 
     # -- 1. schedule ------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

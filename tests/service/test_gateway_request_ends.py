@@ -80,7 +80,7 @@ def test_stopping_ends_the_queued_requests_stream_too(gateway):
 
 def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(gateway, monkeypatch):
     engine = gateway.engines[0]
-    update = engine.scheduler.update
+    update = engine.core.scheduler.update
     raised = []
 
     def update_once_broken(batch, sampled, stopped):
@@ -89,7 +89,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(gateway,
             raise RuntimeError("a bug")
         return update(batch, sampled, stopped)
 
-    monkeypatch.setattr(engine.scheduler, "update", update_once_broken)
+    monkeypatch.setattr(engine.core.scheduler, "update", update_once_broken)
     broken = gateway.submit(request(max_tokens=5), "default")
     end = last_delta(broken)
     assert end.finish_reason is FinishReason.ERROR and "internal error in the gateway: RuntimeError: a bug" in str(

@@ -160,7 +160,7 @@ def test_a_worker_restarted_with_another_config_is_followed_or_refused(model_dir
         got = tokens(handle, restart_at(3, servers, restarted, port))
         engine = gateway.engines[0]
         if change == "a resized pool":
-            assert got == expected and engine.scheduler.cfg.num_pages == 48
+            assert got == expected and engine.core.scheduler.cfg.num_pages == 48
             assert service.manager.pools["worker-0"].spec.num_pages == 48
             return
         assert handle.req.finish_reason.name == "ERROR" and "page size 16 -> 32" in str(handle.req.error)
