@@ -25,10 +25,10 @@ import grpc
 import torch
 from results_io import write_results
 
-from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
+from kvserve.common.wire.worker import StepBatch, StepItem
+from kvserve.services.gateway.llm import LLM
 from kvserve.services.model_store import prepare_default_model
 from kvserve.v1 import worker_pb2_grpc
-from kvserve.worker.local_engine import GenerateParams, generate
 from kvserve.worker.runner import ModelRunner, RunnerConfig
 from kvserve.worker.server import start_worker_server
 
@@ -161,7 +161,7 @@ def generate_without_cache(runner: ModelRunner, prompt: list[int], num_tokens: i
 
 def bench_kv_cache(runner, hf, num_tokens: int, prompt_len: int = 32) -> dict:
     prompt = prompt_ids(1, prompt_len)[0].tolist()
-    params = GenerateParams(max_tokens=num_tokens, sampling=SamplingParams(), stop_at_eos=False)
+    llm = LLM(runner, prefix_caching=False)  # every run computes the prompt: no hit on the run before
     results: dict[str, list[int]] = {}
 
     def ours_cached():

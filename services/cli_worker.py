@@ -120,7 +120,9 @@ def add_commands(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--local", action="store_true", help="run the worker engine in this process (no services)")
+    g.add_argument("--local", action="store_true",
+                   help="generate in this process: the engine core over an in-process kvmanager and worker "
+                        "(no services)")
     g.add_argument("--gateway", default=_env("gateway", "127.0.0.1:50050"), help="gateway host:port")
     g.add_argument("--api-key", default=_env("api_key"), help="API key (not needed in dev mode)")
     g.add_argument("--timeout", type=positive_float, default=300.0, help="deadline of the call in seconds")
@@ -320,11 +322,11 @@ def _client_tls(tls, address: str) -> dict:
 
 
 def run_generate_local(args) -> int:
-    from kvserve.common.errors import InvalidRequest
+    from kvserve.common.errors import DomainError
     from kvserve.common.request_checks import check_sampling
-    from kvserve.common.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+    from kvserve.common.tokenizer import ChatTemplateError, Tokenizer
     from kvserve.common.wire.worker import SamplingParams
-    from kvserve.worker.local_engine import GenerateParams, generate
+    from kvserve.services.gateway.llm import LLM
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     try:
@@ -334,10 +336,9 @@ def run_generate_local(args) -> int:
             return 2
         tok = Tokenizer(runner.cfg.model_dir)
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-        detok = IncrementalDetokenizer(tok)
-        for token in generate(runner, tok.encode(text), GenerateParams(args.max_tokens, sampling)):
-            print(detok.push(token), end="", flush=True)
-    except (InvalidRequest, ChatTemplateError) as e:
+        for piece in LLM(runner, tokenizer=tok).stream(tok.encode(text), args.max_tokens, sampling):
+            print(piece, end="", flush=True)
+    except (DomainError, ChatTemplateError) as e:
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
     print()

@@ -11,7 +11,7 @@ from test_cli_process import cli_env, run_cli
 
 from kvserve.common.tokenizer import Tokenizer
 from kvserve.services.client import Client
-from kvserve.worker.local_engine import GenerateParams, generate
+from kvserve.services.gateway.llm import LLM
 from kvserve.worker.runner import ModelRunner, RunnerConfig
 
 PROMPT = "A short history of the printing press. " * 8 + "Summarise it in one sentence:"
@@ -22,7 +22,7 @@ NEW_TOKENS = 16
 def test_an_int8_stack_serves_what_an_int8_runner_generates_and_reports_its_kv_dtype(tmp_path, model_dir):
     tok = Tokenizer(model_dir)
     local = ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=32, kv_cache_dtype="int8", device="cpu"))
-    expected = list(generate(local, tok.encode(PROMPT), GenerateParams(NEW_TOKENS)))
+    (expected,) = LLM(local).generate([tok.encode(PROMPT)], NEW_TOKENS)
     assert (local.info.kv_dtype, local.info.kv_scales) == ("int8", "token_head")
     del local
 

@@ -1,7 +1,9 @@
 """In-process backends for the gateway core (services/gateway/backends.py), for engine tests without gRPC:
 
-- InProcessKVManager: the real kvmanager domain (KVManager) called directly, with a switch that makes it
-  unreachable (every call raises KVManagerUnavailable, as the gRPC client does once its retries run out).
+- InProcessKVManager: the package's (services/gateway/inprocess.py: the real KVManager called directly), with a
+  switch that makes it unreachable (every call raises KVManagerUnavailable, as the gRPC client does once its
+  retries run out).
+- InlineExecutor: a core's overlapped calls made at once, in order (the engine loop makes them on a thread).
 - PagedRuleWorker: a worker whose "model" is a rule over the KV cache it reads. Its cache holds the token id
   written at each slot; the token sampled after positions [0, n) is next_token() of the n token ids found
   in the request's page_table slots. A wrong page table, a stale prefix hit or a page written by another
@@ -10,11 +12,14 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Executor, Future
+
 from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
 from kvserve.common.wire.worker import RejectedItem, SampledToken, StepBatch, StepOutput, WorkerInfo
 from kvserve.kvmanager.admin import forget_worker
 from kvserve.kvmanager.manager import KVManager
+from kvserve.services.gateway import inprocess
 from kvserve.services.gateway.errors import KVManagerUnavailable, WorkerRestarted
 from kvserve.worker.validate import validate_batch
 
@@ -35,9 +40,21 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
     return out
 
 
-class InProcessKVManager:
+class InlineExecutor(Executor):
+    """Runs what is submitted at once, in the caller's thread: a core's overlapped calls, answered in order."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:
+            future.set_exception(e)
+        return future
+
+
+class InProcessKVManager(inprocess.InProcessKVManager):
     def __init__(self):
-        self.mgr = KVManager()
+        super().__init__(KVManager())
         self.reachable = True
         self.num_calls = 0
 
@@ -47,16 +64,16 @@ class InProcessKVManager:
 
     def register(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
         self._check()
-        return self.mgr.register_worker(spec, release_requests)
+        return super().register(spec, release_requests)
 
     def step_pages(self, ops: StepOps, traceparents=NO_TRACES) -> StepResults:
         self._check()
         self.num_calls += 1
-        return self.mgr.step(ops)
+        return super().step_pages(ops, traceparents)
 
     def place(self, tenant, token_ids, num_queued) -> str:
         self._check()
-        return self.mgr.place(tenant, tuple(token_ids), num_queued).worker_id
+        return super().place(tenant, token_ids, num_queued)
 
     def declare_dead(self, worker_id: str, epoch: int) -> tuple[str, ...]:
         self._check()
@@ -67,11 +84,6 @@ class InProcessKVManager:
         forget_worker(self.mgr, worker_id, force=True)
         return dropped
 
-    def interrupt(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class PagedRuleWorker:

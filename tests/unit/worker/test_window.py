@@ -169,17 +169,15 @@ def test_kv_mem_counts_the_pages_a_windowed_request_really_holds(tiny):
 
 
 def test_local_generation_with_sinks_reuses_pages_past_the_pool_and_the_context(tiny):
-    """`kvserve generate --local` (worker/local_engine.py) with sinks: the pages behind the window are released
-    and reused, so a pool of 8 pages serves 1,100 tokens; the tokens are those of the step loop above."""
-    from kvserve.common.wire.worker import SamplingParams
-    from kvserve.worker.local_engine import GenerateParams, generate
+    """`kvserve generate --local` (the engine core over an in-process kvmanager, services/gateway/llm.py) with
+    sinks: the pages behind the window are released and reused, so a pool of 8 pages serves 1,100 tokens; the
+    tokens are those of the step loop above."""
+    from kvserve.services.gateway.llm import LLM
 
     kw = {"sliding_window": SINK_WINDOW, "attention_sinks": SINKS}
     small = ModelRunner(RunnerConfig(model_dir=tiny["llama"], num_pages=8, page_size=PAGE, device="cpu",
                                      dtype="float32", attention_backend="reference", **kw))
     prompt = torch.randint(3, 49152, (1040,), generator=torch.Generator().manual_seed(3)).tolist()
-    params = GenerateParams(max_tokens=60, sampling=SamplingParams(temperature=0.0), prefill_chunk=64,
-                            stop_at_eos=False)
-    got = list(generate(small, prompt, params))
+    (got,) = LLM(small, max_num_batched_tokens=64).generate([prompt], 60, ignore_eos=True)
     (want,) = run_windowed(make_runner(tiny["llama"], "reference", **kw), [prompt], 60, budget=64)
     assert got == want.output and len(got) == 60
