@@ -69,15 +69,15 @@ from results_io import write_results
 from kvserve.common.convert.pages import step_to_request_proto
 from kvserve.common.pages import num_pages_for
 from kvserve.common.wire import pages as wire
-from kvserve.common.wire.worker import SampledToken
+from kvserve.common.wire.worker import SampledToken, StepOutput, WorkerInfo
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.oplog import LoggedStore
 from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
 from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.kvmanager.servicer import KVManagerServicer
-from kvserve.services.gateway.request import Request, RequestParams
-from kvserve.services.gateway.scheduler import Scheduler, SchedulerConfig
+from kvserve.services.gateway.core import EngineCore, scheduler_config
+from kvserve.services.gateway.request import FinishReason, Request, RequestParams
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -149,6 +149,35 @@ def to_proto(ops: wire.StepOps) -> pb.StepPagesRequest:
     return step_to_request_proto(ops)  # what the gateway sends
 
 
+class RecordingKV:
+    """The "gateway" scenario's kvmanager, as the engine core sees it: each call is applied to the workload's
+    reference and recorded (timed under ``kind``, "gateway: admits" when it carries an allocation)."""
+
+    def __init__(self, workload: Workload):
+        self.workload, self.kind = workload, None
+
+    def step_pages(self, ops: wire.StepOps, traceparents=None) -> wire.StepResults:
+        kind = self.kind and ("gateway: admits" if ops.allocations else self.kind)
+        return self.workload._call(kind, ops)
+
+
+class StandInWorker:
+    """The "gateway" scenario's worker: computes nothing, samples a random token for each item that samples."""
+
+    address = "stand-in"
+
+    def __init__(self, rng, info: WorkerInfo):
+        self.rng, self._info, self.num_items = rng, info, 0
+
+    def info(self, wait_s: float = 60.0) -> WorkerInfo:
+        return self._info
+
+    def step(self, batch, traceparents=None) -> StepOutput:
+        self.num_items = len(batch.items)
+        return StepOutput([SampledToken(i.req_id, int(self.rng.integers(100, 32000)), 0.0)
+                           for i in batch.items if i.sample], 0, 0.0)
+
+
 class Workload:
     """Generates a scenario's calls with a reference KVManager (the commits need its num_cached_tokens) and
     checks that the workload is what it claims: every op OK, hit requests hit exactly PREFIX_TOKENS."""
@@ -165,8 +194,12 @@ class Workload:
         self.prefixes = [(t, self._tokens(PREFIX_TOKENS)) for t in TENANTS for _ in range(PREFIXES_PER_TENANT)]
         self.running: dict[str, Running] = {}
         self.calls: list[Call] = []
-        # "gateway": the gateway's scheduler, and how many of its steps (timed ones) made a call
-        self.sched = Scheduler(SchedulerConfig("w0", PAGE_SIZE, NUM_PAGES, max_model_len=4096))
+        # "gateway": the gateway's engine core, and how many of its steps (timed ones) made a call
+        info = WorkerInfo("w0", 1, "bench", SPEC.model_fingerprint, PAGE_SIZE, NUM_PAGES, "float32", 1, 1, 1, 1, 1, 1,
+                          32000, 4096, (), "cpu", "none")
+        self.kv, self.worker = RecordingKV(self), StandInWorker(self.rng, info)
+        self.core = EngineCore(self.worker, info, self.kv, scheduler_config(info, max_num_seqs=64,
+                                                                            max_num_batched_tokens=512))
         self.gateway_steps = {"steps": 0, "calls": 0, "running": []}
 
     def _tokens(self, n: int) -> tuple[int, ...]:
@@ -265,7 +298,7 @@ class Workload:
                 self._mixed_call(None)
         elif self.scenario == "gateway":
             for _ in range(100_000):
-                if self.ref.pools["w0"].num_free == 0 and len(self.sched.running) == BATCH:
+                if self.ref.pools["w0"].num_free == 0 and self.core.scheduler.num_running == BATCH:
                     break
                 self._gateway_step(None)
             else:
@@ -297,28 +330,25 @@ class Workload:
         self._free(kind and "admit: free", [r.req_id for r in runs])
 
     def _gateway_step(self, kind: str | None) -> bool:
-        """One step of the gateway's scheduler, with a stand-in worker; True when the step called the
+        """One step of the gateway's engine core, with a stand-in worker; True when the step called the
         kvmanager (a timed call under ``kind``, "gateway: admits" when it carries an allocation)."""
-        sched = self.sched
-        while len(sched.waiting) < GATEWAY_QUEUE:
+        core = self.core
+        while core.scheduler.num_waiting < GATEWAY_QUEUE:
             a, _ = self._new_requests(1, offset=self.num_req)[0]  # every other request hits a shared prefix
-            sched.add(Request(a.req_id, a.tenant, list(a.token_ids),
-                              RequestParams(max_tokens=GATEWAY_GEN_TOKENS, ignore_eos=True)))
-        out = sched.schedule()
-        if out.ops is None:
-            results = wire.StepResults()
-        else:
-            results = self._call(kind and ("gateway: admits" if out.ops.allocations else kind), out.ops)
-        batch = sched.assign(out, results)
-        assert not sched.preempted and not batch.failed, "the gateway scenario ran out of pages"
-        sched.update(batch, [SampledToken(c.req.req_id, int(self.rng.integers(100, 32000)), 0.0)
-                             for c in batch.chunks if c.start_pos + c.num_tokens == c.req.num_tokens])
+            core.add(Request(a.req_id, a.tenant, list(a.token_ids),
+                             RequestParams(max_tokens=GATEWAY_GEN_TOKENS, ignore_eos=True)))
+        self.kv.kind, self.worker.num_items = kind, 0
+        num_preemptions = core.scheduler.num_preemptions
+        events = core.step()
+        failed = [req for req, _ in events.ended if req.finish_reason is FinishReason.ERROR]
+        assert core.scheduler.num_preemptions == num_preemptions and not failed, "the gateway scenario ran out of pages"
+        called = events.scheduled.ops is not None
         if kind is not None:
             g = self.gateway_steps
             g["steps"] += 1
-            g["calls"] += out.ops is not None
-            g["running"].append(len(batch.chunks))
-        return out.ops is not None
+            g["calls"] += called
+            g["running"].append(self.worker.num_items)
+        return called
 
     def _mixed_call(self, kind: str | None) -> None:
         churn = CHURN[self.scenario]
