@@ -119,7 +119,7 @@ class Call:
     ops: wire.StepOps
     expect: tuple  # fingerprint of the reference answer
     num_requests: int
-    msg: pb.StepPagesRequest | None = None
+    msg: pb.StepOps | None = None
 
 
 @dataclass(slots=True)
@@ -132,7 +132,7 @@ class Running:
 
 
 def fingerprint(res) -> tuple:
-    """(ops not OK, cached tokens, pages handed out) of a StepResults or a StepPagesResponse."""
+    """(ops not OK, cached tokens, pages handed out) of a StepResults, the dataclass or the proto."""
     if isinstance(res, wire.StepResults):
         groups = (res.allocations, res.extensions, res.commits, res.frees)
         bad = sum(r.status is not wire.OpStatus.OK for g in groups for r in g)
@@ -145,7 +145,7 @@ def fingerprint(res) -> tuple:
             + sum(len(e.new_page_ids) for e in res.extension_results))
 
 
-def to_proto(ops: wire.StepOps) -> pb.StepPagesRequest:
+def to_proto(ops: wire.StepOps) -> pb.StepOps:
     return step_to_request_proto(ops)  # what the gateway sends
 
 
@@ -441,7 +441,7 @@ class GrpcTarget(Target):
         self.handle_ms = 0.0
 
     def register(self):
-        self.stub.RegisterWorker(pb.RegisterWorkerRequest(
+        self.stub.RegisterWorker(pb.PoolSpec(
             worker_id=SPEC.worker_id, epoch=SPEC.epoch, num_pages=SPEC.num_pages, page_size=SPEC.page_size,
             model_fingerprint=SPEC.model_fingerprint, kv_dtype=SPEC.kv_dtype, bytes_per_token=SPEC.bytes_per_token),
             timeout=30)
@@ -657,7 +657,7 @@ def markdown(report: dict) -> str:
                      f"| {r['p99_ms']:.3f} | {r['mean_ms']:.3f} | {r['requests_per_s']:,.0f} "
                      f"| {'' if inside is None else f'{inside:.3f}'} |")
     lines += ["", "Requests/s: distinct requests per call / mean call time. Inside: for gRPC, the server's own time "
-              "(StepPagesResponse.handle_ms: request conversion, the service, the store write); for KVService "
+              "(StepResults.handle_ms: request conversion, the service, the store write); for KVService "
               "over the call log, the store write (KVService.last_store_ms)."]
     v = report["verdict"]
 
@@ -705,7 +705,7 @@ def grpc_floor(num_calls: int) -> dict:
     try:
         target.register()
         health_stub = health_pb2_grpc.HealthStub(target.channel)
-        calls = {"empty StepPages": lambda: target.stub.StepPages(pb.StepPagesRequest(), timeout=10),
+        calls = {"empty StepPages": lambda: target.stub.StepPages(pb.StepOps(), timeout=10),
                  "health Check": lambda: health_stub.Check(health_pb2.HealthCheckRequest(), timeout=10)}
         samples = {k: [] for k in calls}
         for _ in range(num_calls):

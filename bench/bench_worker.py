@@ -95,7 +95,7 @@ class GrpcDecode(OursDecode):
             items = [worker_pb2.StepItem(req_id=f"r{b}", token_ids=[t], start_pos=context + s,
                                          page_table=self.tables[b], sample=True, sampling=greedy)
                      for b, t in enumerate(tokens)]
-            tokens = [r.token_id for r in self.stub.Step(worker_pb2.StepRequest(items=items), timeout=600).results]
+            tokens = [r.token_id for r in self.stub.Step(worker_pb2.StepBatch(items=items), timeout=600).results]
 
 
 class HFDecode:

@@ -35,7 +35,7 @@ class Features:
     membership: bool  # worker --kvmanager + ListWorkers: workers join, the gateway follows them (no --workers)
     standby: bool  # kvmanager --leader-lease: a second kvmanager on the same Redis waits as standby
     sentinel: bool  # three Redis under Sentinel, the kvmanagers on a redis+sentinel:// URL
-    declare_dead: bool  # the gateway drops a worker lost for good (KVManagerClient.declare_dead)
+    declare_dead: bool  # the gateway declares a worker lost for good dead; it leaves (KVManagerClient.leave_worker)
 
     @classmethod
     def all_but(cls, without: Sequence[str] = ()) -> Features:
@@ -146,7 +146,7 @@ class ChaosStack:
                 return kvmanager
         return None
 
-    def stats(self) -> kvmanager_pb2.StatsResponse:
+    def stats(self) -> kvmanager_pb2.ClusterStats:
         """Stats from the leader; raises grpc.RpcError when no kvmanager answers."""
         error = None
         for kvmanager in self.kvmanagers:

@@ -97,7 +97,7 @@ class KVManagerMetrics:
 
 
 class _StateCollector:
-    """kvmanager state as metrics at scrape time: ``read_stats()`` returns kvmanager.admin.Stats."""
+    """kvmanager state as metrics at scrape time: ``read_stats()`` returns kvmanager.admin.ClusterStats."""
 
     def __init__(self, read_stats: Callable[[], object]):
         self.read_stats = read_stats

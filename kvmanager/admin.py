@@ -58,7 +58,7 @@ class TenantStats:
 
 
 @dataclass(slots=True)
-class Stats:
+class ClusterStats:
     pools: list[PoolStats]
     tenants: list[TenantStats]
     prefix_cache_queries: int
@@ -187,10 +187,10 @@ def _tenant_stats(mgr: KVManager) -> dict[str, TenantStats]:
     return dict(sorted(out.items()))
 
 
-def stats(mgr: KVManager) -> Stats:
+def stats(mgr: KVManager) -> ClusterStats:
     """Per pool (sorted by worker_id) and per tenant (sorted) counters, and their totals."""
     tenants = list(_tenant_stats(mgr).values())
-    return Stats(pools=[_pool_stats(mgr.pools[w]) for w in sorted(mgr.pools)], tenants=tenants,
+    return ClusterStats(pools=[_pool_stats(mgr.pools[w]) for w in sorted(mgr.pools)], tenants=tenants,
                  prefix_cache_queries=sum(t.prefix_cache_queries for t in tenants),
                  prefix_cache_hits=sum(t.prefix_cache_hits for t in tenants),
                  num_evicted_blocks=sum(p.num_evicted for p in mgr.pools.values()))

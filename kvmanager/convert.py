@@ -13,26 +13,26 @@ def tenant_to_proto(t: admin.TenantStats) -> pb.TenantStats:
     return to_message(t, pb.TenantStats)
 
 
-def stats_to_proto(s: admin.Stats, store_ok: bool) -> pb.StatsResponse:
-    return pb.StatsResponse(pools=[to_message(p, pb.PoolStats) for p in s.pools],
-                            tenants=[tenant_to_proto(t) for t in s.tenants],
-                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-                            num_evicted_blocks=s.num_evicted_blocks, store_ok=store_ok)
+def stats_to_proto(s: admin.ClusterStats, store_ok: bool) -> pb.ClusterStats:
+    return pb.ClusterStats(pools=[to_message(p, pb.PoolStats) for p in s.pools],
+                           tenants=[tenant_to_proto(t) for t in s.tenants],
+                           prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+                           num_evicted_blocks=s.num_evicted_blocks, store_ok=store_ok)
 
 
-def inspect_to_proto(r: admin.TenantReport) -> pb.InspectTenantResponse:
-    return pb.InspectTenantResponse(stats=tenant_to_proto(r.stats),
-                                    blocks=[to_message(b, pb.CachedBlock) for b in r.blocks],
-                                    prefixes=[to_message(p, pb.CachedPrefix) for p in r.prefixes])
+def inspect_to_proto(r: admin.TenantReport) -> pb.TenantReport:
+    return pb.TenantReport(stats=tenant_to_proto(r.stats),
+                           blocks=[to_message(b, pb.CachedBlock) for b in r.blocks],
+                           prefixes=[to_message(p, pb.CachedPrefix) for p in r.prefixes])
 
 
-def probe_to_proto(r: admin.ProbeResult) -> pb.ProbeResponse:
-    return pb.ProbeResponse(num_query_tokens=r.num_query_tokens, num_cached_tokens=r.num_cached_tokens,
-                            worker_id=r.worker_id, hits=[to_message(h, pb.ProbeHit) for h in r.hits])
+def probe_to_proto(r: admin.ProbeResult) -> pb.ProbeResult:
+    return pb.ProbeResult(num_query_tokens=r.num_query_tokens, num_cached_tokens=r.num_cached_tokens,
+                          worker_id=r.worker_id, hits=[to_message(h, pb.ProbeHit) for h in r.hits])
 
 
-def page_table_to_proto(t: admin.PageTable) -> pb.GetPageTableResponse:
-    return pb.GetPageTableResponse(
+def page_table_to_proto(t: admin.PageTable) -> pb.PageTable:
+    return pb.PageTable(
         req_id=t.req_id, tenant=t.tenant, worker_id=t.worker_id, epoch=t.epoch, page_table=t.page_table,
         pages=[to_message(p, pb.PageInfo) for p in t.pages], num_committed_tokens=t.num_committed_tokens,
         num_prompt_tokens=t.num_prompt_tokens, last_step_id=t.last_step_id, page_size=t.page_size)

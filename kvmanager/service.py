@@ -249,11 +249,6 @@ class KVService:
             self._check_leading()
             return self._drop(worker_id, epoch)
 
-    def declare_dead(self, worker_id: str, epoch: int) -> tuple[str, ...]:
-        """The gateway gave up on (worker_id, epoch): dropped as by leave_worker; a no-op when that epoch is not
-        the worker's current one."""
-        return self.leave_worker(worker_id, epoch)
-
     def list_workers(self) -> list[WorkerMember]:
         """The live members (lease held, pool of their epoch registered), by worker_id."""
         with self.lock:

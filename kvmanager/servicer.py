@@ -54,7 +54,7 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
     def Place(self, request, context):
         token_ids = page_cv.unpack_token_ids("place", request.packed_token_ids)
         result = self.service.place(request.tenant, token_ids, dict(request.num_queued))
-        return pb.PlaceResponse(worker_id=result.worker_id, num_cached_tokens=result.num_cached_tokens)
+        return pb.Placement(worker_id=result.worker_id, num_cached_tokens=result.num_cached_tokens)
 
     # -- membership ---------------------------------------------------------------------------------------
     @aborts_on_domain_errors
@@ -73,11 +73,6 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
     @aborts_on_domain_errors
     def ListWorkers(self, request, context):
         return member_cv.workers_to_proto(self.service.list_workers())
-
-    @aborts_on_domain_errors
-    def DeclareWorkerDead(self, request, context):
-        dropped = self.service.declare_dead(request.worker_id, request.epoch)
-        return pb.DeclareWorkerDeadResponse(dropped_req_ids=dropped)
 
 
 class KVAdminServicer(kvmanager_pb2_grpc.KVAdminServiceServicer):
@@ -120,13 +115,12 @@ class KVAdminServicer(kvmanager_pb2_grpc.KVAdminServiceServicer):
     @aborts_on_domain_errors
     def EvictTenant(self, request, context):
         result = self.service.mutate(admin.evict_tenant, request.tenant, request.worker_id, request.include_pinned)
-        return pb.EvictTenantResponse(num_evicted_blocks=result.num_evicted_blocks,
-                                      num_kept_blocks=result.num_kept_blocks)
+        return pb.EvictResult(num_evicted_blocks=result.num_evicted_blocks, num_kept_blocks=result.num_kept_blocks)
 
     @aborts_on_domain_errors
     def Pin(self, request, context):
         result = self.service.mutate(admin.pin, request.tenant, self._token_ids(request), request.worker_id)
-        return pb.PinResponse(num_pinned_blocks=result.num_pinned_blocks, num_pinned_tokens=result.num_pinned_tokens)
+        return pb.PinResult(num_pinned_blocks=result.num_pinned_blocks, num_pinned_tokens=result.num_pinned_tokens)
 
     @aborts_on_domain_errors
     def Unpin(self, request, context):
@@ -142,11 +136,11 @@ class KVAdminServicer(kvmanager_pb2_grpc.KVAdminServiceServicer):
         if not request.confirm:
             raise InvalidRequest("reset drops every cached block and counter: set confirm (kvserve admin reset --yes)")
         result = self.service.mutate(admin.reset, request.force)
-        return pb.ResetResponse(num_dropped_requests=result.num_dropped_requests,
-                                num_dropped_blocks=result.num_dropped_blocks)
+        return pb.DropResult(num_dropped_requests=result.num_dropped_requests,
+                             num_dropped_blocks=result.num_dropped_blocks)
 
     @aborts_on_domain_errors
     def ForgetWorker(self, request, context):
         result = self.service.mutate(admin.forget_worker, request.worker_id, request.force)
-        return pb.ForgetWorkerResponse(num_dropped_requests=result.num_dropped_requests,
-                                       num_dropped_blocks=result.num_dropped_blocks)
+        return pb.DropResult(num_dropped_requests=result.num_dropped_requests,
+                             num_dropped_blocks=result.num_dropped_blocks)

@@ -39,7 +39,7 @@ KINDS = (("allocate", "allocations", _allocate_attrs), ("extend", "extensions", 
 
 
 def record_op_spans(tracer, request, results: StepResults, start_ns: int, end_ns: int, num_evicted: int) -> None:
-    """``request``: the StepPagesRequest proto; spans only for ops that carry a traceparent. ``num_evicted``:
+    """``request``: the StepOps proto; spans only for ops that carry a traceparent. ``num_evicted``:
     blocks the call evicted, as an event on the spans of the ops that took pages (allocate, extend)."""
     for kind, field, attrs in KINDS:
         for op, res in zip(getattr(request, field), getattr(results, field), strict=True):

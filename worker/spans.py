@@ -8,7 +8,7 @@ from kvserve.common.telemetry import context_of, link_of
 
 
 def record_step_spans(tracer, items, start_ns: int, end_ns: int) -> None:
-    """``items``: the StepRequest's StepItems; only those with a traceparent are recorded."""
+    """``items``: the StepBatch's StepItems; only those with a traceparent are recorded."""
     links = []
     for item in items:
         if not item.traceparent:

@@ -17,12 +17,12 @@ def join_from_proto(r: pb.JoinWorkerRequest) -> tuple[PoolSpec, str]:
     return spec_from_proto(r.pool), r.address
 
 
-def join_to_proto(r: JoinResult) -> pb.JoinWorkerResponse:
-    return pb.JoinWorkerResponse(registered=register_to_proto(r.registered), lease_ms=r.lease_ms)
+def join_to_proto(r: JoinResult) -> pb.JoinResult:
+    return pb.JoinResult(registered=register_to_proto(r.registered), lease_ms=r.lease_ms)
 
 
-def heartbeat_to_proto(r: HeartbeatResult) -> pb.HeartbeatResponse:
-    return to_message(r, pb.HeartbeatResponse)
+def heartbeat_to_proto(r: HeartbeatResult) -> pb.HeartbeatResult:
+    return to_message(r, pb.HeartbeatResult)
 
 
 def workers_to_proto(members: list[WorkerMember]) -> pb.ListWorkersResponse:
@@ -34,11 +34,11 @@ def join_to_request_proto(spec: PoolSpec, address: str) -> pb.JoinWorkerRequest:
     return pb.JoinWorkerRequest(pool=spec_to_proto(spec), address=address)
 
 
-def join_result_from_proto(r: pb.JoinWorkerResponse) -> JoinResult:
+def join_result_from_proto(r: pb.JoinResult) -> JoinResult:
     return JoinResult(registered=register_from_proto(r.registered), lease_ms=r.lease_ms)
 
 
-def heartbeat_result_from_proto(r: pb.HeartbeatResponse) -> HeartbeatResult:
+def heartbeat_result_from_proto(r: pb.HeartbeatResult) -> HeartbeatResult:
     return HeartbeatResult(known=r.known, num_requests=r.num_requests, lease_ms=r.lease_ms)
 
 

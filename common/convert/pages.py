@@ -22,14 +22,14 @@ OK = pb.PAGE_OP_STATUS_OK
 
 
 # -- the kvmanager's side: requests in, answers out -----------------------------------------------------------
-def spec_from_proto(r: pb.RegisterWorkerRequest) -> wire.PoolSpec:
+def spec_from_proto(r: pb.PoolSpec) -> wire.PoolSpec:
     return wire.PoolSpec(r.worker_id, r.epoch, r.num_pages, r.page_size, r.model_fingerprint, r.kv_dtype,
                          r.bytes_per_token, r.kv_scales, r.sliding_window, r.attention_sinks)
 
 
-def register_to_proto(r: wire.RegisterResult) -> pb.RegisterWorkerResponse:
-    return pb.RegisterWorkerResponse(ok=True, previous_epoch=r.previous_epoch, dropped_req_ids=r.dropped_req_ids,
-                                     released_req_ids=r.released_req_ids)
+def register_to_proto(r: wire.RegisterResult) -> pb.RegisterResult:
+    return pb.RegisterResult(ok=True, previous_epoch=r.previous_epoch, dropped_req_ids=r.dropped_req_ids,
+                             released_req_ids=r.released_req_ids)
 
 
 def unpack_token_ids(where: str, packed: bytes):
@@ -50,7 +50,7 @@ def _commit(c: pb.PageCommit) -> wire.PageCommit:
     return wire.PageCommit(c.req_id, c.start_pos, token_ids, c.num_computed_tokens)
 
 
-def step_from_proto(r: pb.StepPagesRequest) -> wire.StepOps:
+def step_from_proto(r: pb.StepOps) -> wire.StepOps:
     return wire.StepOps(step_id=r.step_id, allocations=tuple(map(_allocation, r.allocations)),
                         extensions=tuple(wire.PageExtension(e.req_id, e.num_tokens) for e in r.extensions),
                         commits=tuple(map(_commit, r.commits)),
@@ -85,8 +85,8 @@ def _add_release(add, r: wire.PageReleaseResult) -> None:
     add(req_id=r.req_id, status=OP_STATUS[r.status], num_released=r.num_released)
 
 
-def step_to_proto(r: wire.StepResults, handle_ms: float) -> pb.StepPagesResponse:
-    out = pb.StepPagesResponse(handle_ms=handle_ms)
+def step_to_proto(r: wire.StepResults, handle_ms: float) -> pb.StepResults:
+    out = pb.StepResults(handle_ms=handle_ms)
     for results, repeated, add_one in ((r.allocations, out.allocation_results, _add_allocation),
                                        (r.extensions, out.extension_results, _add_extension),
                                        (r.commits, out.commit_results, _add_commit),
@@ -101,24 +101,24 @@ def step_to_proto(r: wire.StepResults, handle_ms: float) -> pb.StepPagesResponse
 
 
 # -- the gateway's side: requests out, answers in -------------------------------------------------------------
-def spec_to_proto(s: wire.PoolSpec, release_requests: bool = False) -> pb.RegisterWorkerRequest:
-    msg = to_message(s, pb.RegisterWorkerRequest)
+def spec_to_proto(s: wire.PoolSpec, release_requests: bool = False) -> pb.PoolSpec:
+    msg = to_message(s, pb.PoolSpec)
     msg.release_requests = release_requests
     return msg
 
 
-def register_from_proto(r: pb.RegisterWorkerResponse) -> wire.RegisterResult:
+def register_from_proto(r: pb.RegisterResult) -> wire.RegisterResult:
     return wire.RegisterResult(previous_epoch=r.previous_epoch, dropped_req_ids=tuple(r.dropped_req_ids),
                                released_req_ids=tuple(r.released_req_ids))
 
 
-def step_to_request_proto(ops: wire.StepOps, traceparents: Mapping[str, str] = NO_TRACES) -> pb.StepPagesRequest:
+def step_to_request_proto(ops: wire.StepOps, traceparents: Mapping[str, str] = NO_TRACES) -> pb.StepOps:
     """``traceparents``: req_id -> W3C traceparent of the request's span, for the ops of traced requests."""
     def tp(op) -> dict:
         parent = traceparents.get(op.req_id)
         return {"traceparent": parent} if parent else {}
 
-    return pb.StepPagesRequest(
+    return pb.StepOps(
         step_id=ops.step_id,
         allocations=[pb.PageAllocation(req_id=a.req_id, tenant=a.tenant, worker_id=a.worker_id,
                                        packed_token_ids=le_uint32(a.token_ids),
@@ -146,7 +146,7 @@ def _extension_result(e: pb.PageExtensionResult) -> wire.PageExtensionResult:
                                     e.num_pages_short)
 
 
-def step_results_from_proto(r: pb.StepPagesResponse) -> wire.StepResults:
+def step_results_from_proto(r: pb.StepResults) -> wire.StepResults:
     return wire.StepResults(
         allocations=list(map(_allocation_result, r.allocation_results)),
         extensions=list(map(_extension_result, r.extension_results)),

@@ -11,7 +11,7 @@ from kvserve.common.wire.worker import RejectedItem, SampledToken, StepBatch, St
 from kvserve.v1 import common_pb2, worker_pb2
 
 
-def batch_from_proto(req: worker_pb2.StepRequest) -> StepBatch:
+def batch_from_proto(req: worker_pb2.StepBatch) -> StepBatch:
     items = tuple(
         StepItem(
             req_id=i.req_id,
@@ -26,18 +26,18 @@ def batch_from_proto(req: worker_pb2.StepRequest) -> StepBatch:
     return StepBatch(items=items, epoch=req.epoch)
 
 
-def batch_to_proto(batch: StepBatch, traceparents: Mapping[str, str] = NO_TRACES) -> worker_pb2.StepRequest:
+def batch_to_proto(batch: StepBatch, traceparents: Mapping[str, str] = NO_TRACES) -> worker_pb2.StepBatch:
     """``traceparents``: req_id -> W3C traceparent of the request's span, for traced requests."""
     items = [worker_pb2.StepItem(req_id=i.req_id, token_ids=i.token_ids, start_pos=i.start_pos,
                                  page_table=i.page_table, sample=i.sample, sampling=sampling_to_proto(i.sampling),
                                  traceparent=traceparents.get(i.req_id, ""))
              for i in batch.items]
-    return worker_pb2.StepRequest(items=items, epoch=batch.epoch)
+    return worker_pb2.StepBatch(items=items, epoch=batch.epoch)
 
 
-def output_to_proto(out: StepOutput) -> worker_pb2.StepResponse:
+def output_to_proto(out: StepOutput) -> worker_pb2.StepOutput:
     results = [
-        worker_pb2.StepResult(
+        worker_pb2.SampledToken(
             req_id=s.req_id,
             token_id=s.token_id,
             logprob=s.logprob,
@@ -46,24 +46,24 @@ def output_to_proto(out: StepOutput) -> worker_pb2.StepResponse:
         for s in out.sampled
     ]
     rejected = [worker_pb2.RejectedItem(req_id=r.req_id, message=r.message, invalid=r.invalid) for r in out.rejected]
-    return worker_pb2.StepResponse(results=results, num_tokens=out.num_tokens, compute_ms=out.compute_ms,
-                                   rejected=rejected)
+    return worker_pb2.StepOutput(results=results, num_tokens=out.num_tokens, compute_ms=out.compute_ms,
+                                 rejected=rejected)
 
 
-def output_from_proto(r: worker_pb2.StepResponse) -> StepOutput:
+def output_from_proto(r: worker_pb2.StepOutput) -> StepOutput:
     sampled = [SampledToken(s.req_id, s.token_id, s.logprob, [(t.token_id, t.logprob) for t in s.top_logprobs])
                for s in r.results]
     rejected = [RejectedItem(x.req_id, x.message, x.invalid) for x in r.rejected]
     return StepOutput(sampled=sampled, num_tokens=r.num_tokens, compute_ms=r.compute_ms, rejected=rejected)
 
 
-def info_to_proto(info: WorkerInfo) -> worker_pb2.InfoResponse:
+def info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
     fields = {k: getattr(info, k) for k in info.__slots__}
     fields["eos_token_ids"] = list(info.eos_token_ids)
-    return worker_pb2.InfoResponse(**fields)
+    return worker_pb2.WorkerInfo(**fields)
 
 
-def info_from_proto(r: worker_pb2.InfoResponse) -> WorkerInfo:
+def info_from_proto(r: worker_pb2.WorkerInfo) -> WorkerInfo:
     fields = {k: getattr(r, k) for k in WorkerInfo.__slots__}
     fields["eos_token_ids"] = tuple(r.eos_token_ids)
     return WorkerInfo(**fields)

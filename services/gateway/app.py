@@ -188,7 +188,7 @@ class Gateway:
     def _declare_dead(self, worker_id: str, epoch: int) -> None:
         """Tells the kvmanager to drop the pool of a worker this gateway gave up on (never served again)."""
         try:
-            self.kv.declare_dead(worker_id, epoch)
+            self.kv.leave_worker(worker_id, epoch)
         except BackendFailure as e:  # its lease lapses there anyway; here it is not served again
             log.warning("could not declare worker %s dead at the kvmanager: %s", worker_id, e)
 

@@ -36,9 +36,10 @@ class KVManagerBackend(Protocol):
         Raises KVManagerUnavailable while it does not answer."""
         ...
 
-    def declare_dead(self, worker_id: str, epoch: int) -> tuple[str, ...]:
-        """Declares a worker incarnation dead (its steps failed for --worker-timeout): its pool is dropped; the
-        live req_ids dropped with it (empty when that epoch is not the current one). Retried as step_pages."""
+    def leave_worker(self, worker_id: str, epoch: int) -> tuple[str, ...]:
+        """A worker incarnation leaves the membership (the gateway declared it dead: its steps failed for
+        --worker-timeout): its pool is dropped; the live req_ids dropped with it (empty when that epoch is not
+        the current one). Retried as step_pages."""
         ...
 
     def interrupt(self) -> None:

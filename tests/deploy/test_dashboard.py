@@ -26,7 +26,8 @@ PANEL_KINDS = {"timeseries", "stat", "gauge"}
 
 
 def _read_stats() -> SimpleNamespace:
-    """A stand-in for kvmanager.admin.Stats with one pool and one tenant, so every labelled family has samples."""
+    """A stand-in for kvmanager.admin.ClusterStats with one pool and one tenant, so every labelled family has
+    samples."""
     pool = SimpleNamespace(worker_id="w0", kv_dtype="int8", num_used_pages=3, num_pages=8, num_cached_pages=2,
                            num_window_released_pages=5)
     tenant = SimpleNamespace(tenant="t0", prefix_cache_queries=10, prefix_cache_hits=4)

@@ -50,14 +50,14 @@ def worker_process(tmp_path: Path, *args: str, worker_id: str = "worker-0", env:
         yield proc, int(match.group(1))
 
 
-def info_of(port: int) -> worker_pb2.InfoResponse:
+def info_of(port: int) -> worker_pb2.WorkerInfo:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         return worker_pb2_grpc.WorkerServiceStub(channel).Info(worker_pb2.InfoRequest(), timeout=10)
 
 
-def step_request() -> worker_pb2.StepRequest:
+def step_request() -> worker_pb2.StepBatch:
     item = worker_pb2.StepItem(req_id="r", token_ids=[1, 2, 3], start_pos=0, page_table=[0], sample=True)
-    return worker_pb2.StepRequest(items=[item])
+    return worker_pb2.StepBatch(items=[item])
 
 
 def stop_and_expect_clean_exit(proc: subprocess.Popen) -> None:

@@ -72,7 +72,7 @@ def run_through_step(stub, prompts, *, eos_id, page_size, free_pages) -> list[Se
             items.append(worker_pb2.StepItem(
                 req_id=s.req_id, token_ids=tokens, start_pos=s.num_computed, page_table=s.page_table,
                 sample=end >= len(s.prompt), sampling=common_pb2.SamplingParams(temperature=0.0)))
-        resp = stub.Step(worker_pb2.StepRequest(items=items), timeout=120)
+        resp = stub.Step(worker_pb2.StepBatch(items=items), timeout=120)
         by_id = {r.req_id: r for r in resp.results}
         for it in items:
             s = next(x for x in seqs if x.req_id == it.req_id)

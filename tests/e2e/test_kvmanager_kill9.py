@@ -27,7 +27,7 @@ SYSTEM = list(range(1000, 1012))  # a 3-page shared system prompt
 REQ_IDS = [f"r{i}" for i in range(8)]
 
 
-def workload() -> list[pb.StepPagesRequest]:
+def workload() -> list[pb.StepOps]:
     """Deterministic scheduler-like steps: admissions with shared prefixes, commits, decode growth that releases
     the page its window moved past (page 1, a shared prefix page: position 15 attends 8..15), frees."""
     steps, computed, step_id = [], {}, 0
@@ -35,7 +35,7 @@ def workload() -> list[pb.StepPagesRequest]:
     def call(**ops):
         nonlocal step_id
         step_id += 1
-        steps.append(pb.StepPagesRequest(step_id=step_id, **ops))
+        steps.append(pb.StepOps(step_id=step_id, **ops))
 
     for i, req_id in enumerate(REQ_IDS):
         tenant = "A" if i % 2 == 0 else "B"
@@ -56,12 +56,12 @@ def workload() -> list[pb.StepPagesRequest]:
 
 
 def register(stub) -> None:
-    stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id="w0", epoch=7, num_pages=NUM_PAGES, page_size=PS,
-                                                 model_fingerprint="fp", kv_dtype="float32", bytes_per_token=100,
-                                                 sliding_window=WINDOW, attention_sinks=SINKS), timeout=10)
+    stub.RegisterWorker(pb.PoolSpec(worker_id="w0", epoch=7, num_pages=NUM_PAGES, page_size=PS,
+                                    model_fingerprint="fp", kv_dtype="float32", bytes_per_token=100,
+                                    sliding_window=WINDOW, attention_sinks=SINKS), timeout=10)
 
 
-def replay(steps: list[pb.StepPagesRequest]) -> KVManager:
+def replay(steps: list[pb.StepOps]) -> KVManager:
     mgr = KVManager()
     mgr.register_worker(PoolSpec("w0", 7, NUM_PAGES, PS, "fp", "float32", 100, "", WINDOW, SINKS))
     for s in steps:
@@ -124,13 +124,13 @@ def test_kill9_mid_traffic_then_restart_recovers_every_page(tmp_path):
             final = observed_view(admin, metadata)
             assert final == expected_view(replay(steps))
             assert {r for r, t in final["tables"].items() if HOLE in t[0]} == {"r3", "r4"} and final["released"] == 5
-            late = stub.StepPages(pb.StepPagesRequest(step_id=len(steps) + 1, allocations=[
+            late = stub.StepPages(pb.StepOps(step_id=len(steps) + 1, allocations=[
                 pb.PageAllocation(req_id="late", tenant="A", worker_id="w0",
                                   packed_token_ids=le_uint32(SYSTEM + [9]))]), timeout=10)
             assert late.allocation_results[0].num_cached_tokens == 12  # the index survived the kill
             live = [r for r in REQ_IDS + ["late"] if r in observed_view(admin, metadata)["tables"]] + ["late"]
-            stub.StepPages(pb.StepPagesRequest(step_id=len(steps) + 2,
-                                               frees=[pb.PageFree(req_id=r) for r in dict.fromkeys(live)]),
+            stub.StepPages(pb.StepOps(step_id=len(steps) + 2,
+                                      frees=[pb.PageFree(req_id=r) for r in dict.fromkeys(live)]),
                            timeout=10)
             pool = admin.Stats(pb.StatsRequest(), metadata=metadata, timeout=10).pools[0]
             assert pool.num_used_pages == 0 and pool.num_cached_pages + pool.num_free_pages == NUM_PAGES

@@ -95,7 +95,7 @@ def close_within_120_s(gateway: Gateway) -> None:
     assert not closing.is_alive()
 
 
-def admin_stats(port: int) -> pb.StatsResponse:
+def admin_stats(port: int) -> pb.ClusterStats:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         return kvmanager_pb2_grpc.KVAdminServiceStub(channel).Stats(
             pb.StatsRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)

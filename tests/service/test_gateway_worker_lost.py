@@ -27,9 +27,10 @@ from kvserve.worker.server import start_worker_server
 PROMPTS = ["The history of the railway in Europe began", "A short guide to growing tomatoes at home:",
            "In mathematics, a prime number is", "The old lighthouse keeper looked out at the sea and"]
 WORKER_TIMEOUT_S = 1.0
-# The kvmanager's answer to DeclareWorkerDead, slowed: a hand-over placed before the lost worker's pool is dropped
-# would have the live worker allocate req_ids that are still live there, and be refused.
-DECLARE_DEAD_LATENCY_S = 0.5
+# The kvmanager's answer to the LeaveWorker of a worker the gateway declared dead, slowed: a hand-over placed
+# before the lost worker's pool is dropped would have the live worker allocate req_ids that are still live there,
+# and be refused.
+LEAVE_LATENCY_S = 0.5
 MAX_TOKENS = 24
 TIMEOUT_S = 120.0
 
@@ -81,19 +82,19 @@ def reference(model_dir, hf_greedy, tokenizer):
     return {p: hf_greedy(tokenizer.encode(p), MAX_TOKENS) for p in PROMPTS}
 
 
-def slow_declare_dead(service: KVService) -> None:
-    declare_dead = service.declare_dead
+def slow_leave(service: KVService) -> None:
+    leave_worker = service.leave_worker
 
     def slowly(worker_id: str, epoch: int) -> tuple[str, ...]:
-        time.sleep(DECLARE_DEAD_LATENCY_S)  # a slow answer, not a synchronisation: nothing waits on it here
-        return declare_dead(worker_id, epoch)
+        time.sleep(LEAVE_LATENCY_S)  # a slow answer, not a synchronisation: nothing waits on it here
+        return leave_worker(worker_id, epoch)
 
-    service.declare_dead = slowly
+    service.leave_worker = slowly
 
 
 def test_a_worker_lost_mid_stream_has_its_requests_finished_on_the_live_worker(model_dir, reference, tokenizer):
     with two_workers(model_dir) as (gateway, service, servers):
-        slow_declare_dead(service)
+        slow_leave(service)
         handles = [gateway.submit(greedy(p), "t") for p in PROMPTS]
         victim = handles[0].worker_id
         on_victim = [h for h in handles if h.worker_id == victim]

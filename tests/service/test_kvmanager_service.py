@@ -37,13 +37,13 @@ class KV:
     channel: grpc.Channel
 
     def register(self, worker="w0", epoch=1, num_pages=8):
-        return self.stub.RegisterWorker(pb.RegisterWorkerRequest(
+        return self.stub.RegisterWorker(pb.PoolSpec(
             worker_id=worker, epoch=epoch, num_pages=num_pages, page_size=PS, model_fingerprint="fp",
             kv_dtype="float32", bytes_per_token=BYTES_PER_TOKEN), timeout=10)
 
     def step(self, step_id=0, allocations=(), extensions=(), commits=(), frees=()):
-        return self.stub.StepPages(pb.StepPagesRequest(step_id=step_id, allocations=allocations,
-                                                       extensions=extensions, commits=commits, frees=frees),
+        return self.stub.StepPages(pb.StepOps(step_id=step_id, allocations=allocations,
+                                              extensions=extensions, commits=commits, frees=frees),
                                    timeout=10)
 
     def alloc(self, req_id, tokens, tenant="A", worker="w0", step_id=0):
@@ -208,8 +208,8 @@ def test_bad_registration_is_invalid_argument(kv):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "worker_id must not be empty" in err.details()
     err = rpc_error(kv.register, "w0", 1, 2**31 - 1)  # would take ~100 GB of bookkeeping, under the lock
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "past what the kvmanager tracks" in err.details()
-    huge = pb.RegisterWorkerRequest(worker_id="w0", epoch=1, num_pages=8, page_size=PS, model_fingerprint="fp",
-                                    kv_dtype="float32", bytes_per_token=2**61)  # Stats could not say its bytes
+    huge = pb.PoolSpec(worker_id="w0", epoch=1, num_pages=8, page_size=PS, model_fingerprint="fp",
+                       kv_dtype="float32", bytes_per_token=2**61)  # Stats could not say its bytes
     err = rpc_error(kv.stub.RegisterWorker, huge)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not fit in an int64" in err.details()
     assert list(kv.stats().pools) == []

@@ -62,9 +62,9 @@ BAD_ITEMS = [  # each rejected alone: the step computes the good item beside it 
 
 @pytest.mark.parametrize("bad,message", [(i, m) for _, i, m in BAD_ITEMS], ids=[c[0] for c in BAD_ITEMS])
 def test_a_bad_item_is_rejected_alone_and_the_step_computes_the_others(worker_stub, runner, bad, message):
-    alone = worker_stub.Step(worker_pb2.StepRequest(items=[item("good", page_table=(3,))]), timeout=30)
+    alone = worker_stub.Step(worker_pb2.StepBatch(items=[item("good", page_table=(3,))]), timeout=30)
     runner.kv_cache.zero_()
-    resp = worker_stub.Step(worker_pb2.StepRequest(items=[bad, item("good", page_table=(3,))]), timeout=30)
+    resp = worker_stub.Step(worker_pb2.StepBatch(items=[bad, item("good", page_table=(3,))]), timeout=30)
     assert [(r.req_id, r.invalid) for r in resp.rejected] == [("r", True)] and message in resp.rejected[0].message
     assert [r.req_id for r in resp.results] == ["good"] and resp.num_tokens == 3
     assert resp.results[0].token_id == alone.results[0].token_id  # the good item's answer is unchanged
@@ -89,36 +89,36 @@ BAD_STEPS = [  # malformed as a whole: nothing computed
 def test_bad_step_is_invalid_argument_and_writes_nothing(worker_stub, runner, items, message):
     before = runner.kv_cache.clone()
     with pytest.raises(grpc.RpcError) as err:
-        worker_stub.Step(worker_pb2.StepRequest(items=items), timeout=30)
+        worker_stub.Step(worker_pb2.StepBatch(items=items), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
     assert torch.equal(runner.kv_cache, before), "a rejected step must not touch the pool"
     # the worker keeps serving the next valid request
-    ok = worker_stub.Step(worker_pb2.StepRequest(items=[item(page_table=(3,))]), timeout=30)
+    ok = worker_stub.Step(worker_pb2.StepBatch(items=[item(page_table=(3,))]), timeout=30)
     assert len(ok.results) == 1 and 0 <= ok.results[0].token_id < 49152 and ok.num_tokens == 3
 
 
 def test_a_temperature_too_small_to_divide_by_samples_greedily(worker_stub):
     """logits / 1e-38 overflows to inf and softmax to NaN: below 1e-5 the temperature means greedy."""
-    greedy = worker_stub.Step(worker_pb2.StepRequest(items=[item(page_table=(3,))]), timeout=30)
-    tiny = worker_stub.Step(worker_pb2.StepRequest(items=[item(page_table=(3,), temperature=1e-38)]), timeout=30)
+    greedy = worker_stub.Step(worker_pb2.StepBatch(items=[item(page_table=(3,))]), timeout=30)
+    tiny = worker_stub.Step(worker_pb2.StepBatch(items=[item(page_table=(3,), temperature=1e-38)]), timeout=30)
     assert tiny.results[0].token_id == greedy.results[0].token_id
 
 
 def test_stale_epoch_is_failed_precondition(worker_stub, runner):
     with pytest.raises(grpc.RpcError) as err:
-        worker_stub.Step(worker_pb2.StepRequest(items=[item()], epoch=runner.epoch - 1), timeout=30)
+        worker_stub.Step(worker_pb2.StepBatch(items=[item()], epoch=runner.epoch - 1), timeout=30)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert str(runner.epoch) in err.value.details()
-    ok = worker_stub.Step(worker_pb2.StepRequest(items=[item()], epoch=runner.epoch), timeout=30)
+    ok = worker_stub.Step(worker_pb2.StepBatch(items=[item()], epoch=runner.epoch), timeout=30)
     assert len(ok.results) == 1
 
 
 def test_step_writes_kv_only_into_the_assigned_slots(worker_stub, runner):
     """A 20-token prefill on pages (9, 5) fills all of page 9 and 4 slots of page 5, nothing else."""
     runner.kv_cache.zero_()
-    worker_stub.Step(worker_pb2.StepRequest(items=[item(token_ids=tuple(range(100, 120)), page_table=(9, 5),
-                                                        sample=False)]), timeout=30)
+    worker_stub.Step(worker_pb2.StepBatch(items=[item(token_ids=tuple(range(100, 120)), page_table=(9, 5),
+                                                      sample=False)]), timeout=30)
     written = runner.kv_cache.abs().sum(dim=(0, 1, 4, 5)) != 0  # [num_pages, page_size]
     assert written[9].all() and written[5, :4].all()
     assert written.sum() == 20
@@ -127,7 +127,7 @@ def test_step_writes_kv_only_into_the_assigned_slots(worker_stub, runner):
 def test_sampled_results_come_in_item_order_with_logprobs(worker_stub):
     items = [item("b", (7, 8), page_table=(20,), top_logprobs=3), item("a", (9,), page_table=(21,), sample=False),
              item("c", (10, 11, 12), page_table=(22,))]
-    resp = worker_stub.Step(worker_pb2.StepRequest(items=items), timeout=30)
+    resp = worker_stub.Step(worker_pb2.StepBatch(items=items), timeout=30)
     assert [r.req_id for r in resp.results] == ["b", "c"] and resp.num_tokens == 6 and resp.compute_ms > 0
     b = resp.results[0]
     assert len(b.top_logprobs) == 3 and b.top_logprobs[0].token_id == b.token_id  # greedy = the most likely

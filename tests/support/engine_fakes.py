@@ -75,7 +75,7 @@ class InProcessKVManager(inprocess.InProcessKVManager):
         self._check()
         return super().place(tenant, token_ids, num_queued)
 
-    def declare_dead(self, worker_id: str, epoch: int) -> tuple[str, ...]:
+    def leave_worker(self, worker_id: str, epoch: int) -> tuple[str, ...]:
         self._check()
         pool = self.mgr.pools.get(worker_id)
         if pool is None or pool.spec.epoch != epoch:

@@ -28,7 +28,7 @@ class Stack:
     proc: object
     ready_line: str
 
-    def admin_stats(self) -> kvmanager_pb2.StatsResponse:
+    def admin_stats(self) -> kvmanager_pb2.ClusterStats:
         token = (self.data_dir / "admin_token").read_text().strip()
         with kvmanager_channel(self.kvmanager) as channel:
             stub = kvmanager_pb2_grpc.KVAdminServiceStub(channel)

@@ -46,14 +46,14 @@ def populate(port: int) -> None:
     """One pool; tenant A's prompt P1 cached (3 blocks, ref_cnt 0); tenant B's request running (2 pages)."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = kvmanager_pb2_grpc.KVManagerServiceStub(channel)
-        stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id="w0", epoch=1, num_pages=8, page_size=PS,
-                                                     model_fingerprint="fp", kv_dtype="float32",
-                                                     bytes_per_token=100), timeout=10)
-        steps = [pb.StepPagesRequest(step_id=1, allocations=[pb.PageAllocation(req_id="a", tenant="A", worker_id="w0",
+        stub.RegisterWorker(pb.PoolSpec(worker_id="w0", epoch=1, num_pages=8, page_size=PS,
+                                        model_fingerprint="fp", kv_dtype="float32",
+                                        bytes_per_token=100), timeout=10)
+        steps = [pb.StepOps(step_id=1, allocations=[pb.PageAllocation(req_id="a", tenant="A", worker_id="w0",
                                                                               packed_token_ids=le_uint32(P1 + [1]))]),
-                 pb.StepPagesRequest(step_id=2, commits=[pb.PageCommit(req_id="a", packed_token_ids=le_uint32(P1),
-                                                                       num_computed_tokens=12)]),
-                 pb.StepPagesRequest(step_id=3, frees=[pb.PageFree(req_id="a")], allocations=[
+                 pb.StepOps(step_id=2, commits=[pb.PageCommit(req_id="a", packed_token_ids=le_uint32(P1),
+                                                              num_computed_tokens=12)]),
+                 pb.StepOps(step_id=3, frees=[pb.PageFree(req_id="a")], allocations=[
                      pb.PageAllocation(req_id="b", tenant="B", worker_id="w0", packed_token_ids=le_uint32(range(5)))])]
         for step in steps:
             stub.StepPages(step, timeout=10)

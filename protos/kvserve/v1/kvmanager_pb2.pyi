@@ -20,7 +20,7 @@ PAGE_OP_STATUS_OUT_OF_PAGES: PageOpStatus
 PAGE_OP_STATUS_STALE_EPOCH: PageOpStatus
 PAGE_OP_STATUS_UNKNOWN_REQUEST: PageOpStatus
 
-class RegisterWorkerRequest(_message.Message):
+class PoolSpec(_message.Message):
     __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests", "kv_scales", "sliding_window", "attention_sinks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -46,7 +46,7 @@ class RegisterWorkerRequest(_message.Message):
     attention_sinks: int
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ...) -> None: ...
 
-class RegisterWorkerResponse(_message.Message):
+class RegisterResult(_message.Message):
     __slots__ = ("ok", "previous_epoch", "dropped_req_ids", "released_req_ids")
     OK_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -62,17 +62,17 @@ class JoinWorkerRequest(_message.Message):
     __slots__ = ("pool", "address")
     POOL_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    pool: RegisterWorkerRequest
+    pool: PoolSpec
     address: str
-    def __init__(self, pool: _Optional[_Union[RegisterWorkerRequest, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
+    def __init__(self, pool: _Optional[_Union[PoolSpec, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
 
-class JoinWorkerResponse(_message.Message):
+class JoinResult(_message.Message):
     __slots__ = ("registered", "lease_ms")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
-    registered: RegisterWorkerResponse
+    registered: RegisterResult
     lease_ms: int
-    def __init__(self, registered: _Optional[_Union[RegisterWorkerResponse, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, registered: _Optional[_Union[RegisterResult, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "epoch", "draining")
@@ -84,7 +84,7 @@ class HeartbeatRequest(_message.Message):
     draining: bool
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
-class HeartbeatResponse(_message.Message):
+class HeartbeatResult(_message.Message):
     __slots__ = ("known", "num_requests", "lease_ms")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -131,20 +131,6 @@ class ListWorkersResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerMember]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ...) -> None: ...
-
-class DeclareWorkerDeadRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    worker_id: str
-    epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
-
-class DeclareWorkerDeadResponse(_message.Message):
-    __slots__ = ("dropped_req_ids",)
-    DROPPED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
-    dropped_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, dropped_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PageAllocation(_message.Message):
     __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent", "chunk_tokens")
@@ -266,7 +252,7 @@ class PageReleaseResult(_message.Message):
     num_released: int
     def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., num_released: _Optional[int] = ...) -> None: ...
 
-class StepPagesRequest(_message.Message):
+class StepOps(_message.Message):
     __slots__ = ("step_id", "allocations", "extensions", "commits", "frees", "releases")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -294,7 +280,7 @@ class PoolSummary(_message.Message):
     num_evictable_pages: int
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_evictable_pages: _Optional[int] = ...) -> None: ...
 
-class StepPagesResponse(_message.Message):
+class StepResults(_message.Message):
     __slots__ = ("allocation_results", "extension_results", "commit_results", "free_results", "pools", "handle_ms", "release_results")
     ALLOCATION_RESULTS_FIELD_NUMBER: _ClassVar[int]
     EXTENSION_RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -329,7 +315,7 @@ class PlaceRequest(_message.Message):
     num_queued: _containers.ScalarMap[str, int]
     def __init__(self, tenant: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., num_queued: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
-class PlaceResponse(_message.Message):
+class Placement(_message.Message):
     __slots__ = ("worker_id", "num_cached_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -403,7 +389,7 @@ class TenantStats(_message.Message):
     prefix_cache_hits: int
     def __init__(self, tenant: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
-class StatsResponse(_message.Message):
+class ClusterStats(_message.Message):
     __slots__ = ("pools", "tenants", "prefix_cache_queries", "prefix_cache_hits", "num_evicted_blocks", "store_ok")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
@@ -473,7 +459,7 @@ class CachedPrefix(_message.Message):
     num_tokens: int
     def __init__(self, worker_id: _Optional[str] = ..., last_block_hash: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
-class InspectTenantResponse(_message.Message):
+class TenantReport(_message.Message):
     __slots__ = ("stats", "blocks", "prefixes")
     STATS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -505,7 +491,7 @@ class ProbeHit(_message.Message):
     num_cached_tokens: int
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
-class ProbeResponse(_message.Message):
+class ProbeResult(_message.Message):
     __slots__ = ("num_query_tokens", "num_cached_tokens", "worker_id", "hits")
     NUM_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -527,7 +513,7 @@ class EvictTenantRequest(_message.Message):
     include_pinned: bool
     def __init__(self, tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., include_pinned: _Optional[bool] = ...) -> None: ...
 
-class EvictTenantResponse(_message.Message):
+class EvictResult(_message.Message):
     __slots__ = ("num_evicted_blocks", "num_kept_blocks")
     NUM_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_KEPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -535,7 +521,7 @@ class EvictTenantResponse(_message.Message):
     num_kept_blocks: int
     def __init__(self, num_evicted_blocks: _Optional[int] = ..., num_kept_blocks: _Optional[int] = ...) -> None: ...
 
-class PinResponse(_message.Message):
+class PinResult(_message.Message):
     __slots__ = ("num_pinned_blocks", "num_pinned_tokens")
     NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -569,7 +555,7 @@ class PageInfo(_message.Message):
     kind: str
     def __init__(self, page_id: _Optional[int] = ..., ref_cnt: _Optional[int] = ..., block_hash: _Optional[str] = ..., pinned: _Optional[bool] = ..., kind: _Optional[str] = ...) -> None: ...
 
-class GetPageTableResponse(_message.Message):
+class PageTable(_message.Message):
     __slots__ = ("req_id", "tenant", "worker_id", "epoch", "page_table", "pages", "num_committed_tokens", "num_prompt_tokens", "last_step_id", "page_size")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -609,15 +595,7 @@ class ForgetWorkerRequest(_message.Message):
     force: bool
     def __init__(self, worker_id: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
-class ForgetWorkerResponse(_message.Message):
-    __slots__ = ("num_dropped_requests", "num_dropped_blocks")
-    NUM_DROPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    NUM_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    num_dropped_requests: int
-    num_dropped_blocks: int
-    def __init__(self, num_dropped_requests: _Optional[int] = ..., num_dropped_blocks: _Optional[int] = ...) -> None: ...
-
-class ResetResponse(_message.Message):
+class DropResult(_message.Message):
     __slots__ = ("num_dropped_requests", "num_dropped_blocks")
     NUM_DROPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]

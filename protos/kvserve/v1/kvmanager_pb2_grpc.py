@@ -37,28 +37,28 @@ class KVManagerServiceStub:
         """
         self.RegisterWorker = channel.unary_unary(
                 '/kvserve.v1.KVManagerService/RegisterWorker',
-                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.RegisterWorkerRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.RegisterWorkerResponse.FromString,
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PoolSpec.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.RegisterResult.FromString,
                 _registered_method=True)
         self.StepPages = channel.unary_unary(
                 '/kvserve.v1.KVManagerService/StepPages',
-                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.StepPagesRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.StepPagesResponse.FromString,
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.StepOps.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.StepResults.FromString,
                 _registered_method=True)
         self.Place = channel.unary_unary(
                 '/kvserve.v1.KVManagerService/Place',
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PlaceRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PlaceResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.Placement.FromString,
                 _registered_method=True)
         self.JoinWorker = channel.unary_unary(
                 '/kvserve.v1.KVManagerService/JoinWorker',
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.JoinWorkerRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.JoinWorkerResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.JoinResult.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/kvserve.v1.KVManagerService/Heartbeat',
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatResult.FromString,
                 _registered_method=True)
         self.LeaveWorker = channel.unary_unary(
                 '/kvserve.v1.KVManagerService/LeaveWorker',
@@ -69,11 +69,6 @@ class KVManagerServiceStub:
                 '/kvserve.v1.KVManagerService/ListWorkers',
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersResponse.FromString,
-                _registered_method=True)
-        self.DeclareWorkerDead = channel.unary_unary(
-                '/kvserve.v1.KVManagerService/DeclareWorkerDead',
-                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.DeclareWorkerDeadRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.DeclareWorkerDeadResponse.FromString,
                 _registered_method=True)
 
 
@@ -99,7 +94,7 @@ class KVManagerServiceServicer:
         releases, extensions, allocations (so freed and released pages and newly committed blocks serve this
         step's extensions and allocations, and a page committed and released in the same call joins the LRU still
         indexed). A request freed in the call may also commit its last full pages in it: that commit goes before
-        the frees. Idempotent per (req_id, step_id): see StepPagesRequest.step_id.
+        the frees. Idempotent per (req_id, step_id): see StepOps.step_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,9 +116,8 @@ class KVManagerServiceServicer:
         (release_requests is ignored: false) and starts its lease, or renews it for the same (worker_id, epoch).
         A new epoch under the same worker_id replaces the pool and the member. The worker then keeps the lease
         with Heartbeat every lease_ms / 5; a lease not renewed within lease_ms (the kvmanager's --worker-timeout)
-        lapses: the worker is declared dead, its pool with its index entries and live requests is dropped as by
-        ForgetWorker with force. INVALID_ARGUMENT for a bad pool or an empty address, FAILED_PRECONDITION for an
-        old or changed epoch (as RegisterWorker).
+        lapses: the member leaves as by LeaveWorker. INVALID_ARGUMENT for a bad pool or an empty address,
+        FAILED_PRECONDITION for an old or changed epoch (as RegisterWorker).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,18 +125,20 @@ class KVManagerServiceServicer:
 
     def Heartbeat(self, request, context):
         """Renews a member's lease and says whether it drains. known=false when no lease is held for this
-        (worker_id, epoch) (it lapsed, the worker was declared dead or left, or the kvmanager restarted without
-        its state): the worker takes a new epoch and joins again. Changes nothing in the store unless draining
-        changed. INVALID_ARGUMENT for an empty worker_id or a zero epoch.
+        (worker_id, epoch) (it lapsed, the member left, or the kvmanager restarted without its state): the worker
+        takes a new epoch and joins again. Changes nothing in the store unless draining changed.
+        INVALID_ARGUMENT for an empty worker_id or a zero epoch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def LeaveWorker(self, request, context):
-        """A member leaves (after draining): its pool and the member are forgotten, as by ForgetWorker with force.
-        A no-op (empty answer) when neither a member nor a pool of that epoch is known (a retried call).
-        INVALID_ARGUMENT for an empty worker_id or a zero epoch.
+        """A worker incarnation leaves the membership: the member and its pool of that epoch (index entries and live
+        requests included) are dropped. Called by the worker once it drained, and by the gateway for a worker whose
+        steps failed for the gateway's --worker-timeout (the gateway declared it dead); a lapsed lease leaves the
+        same way. A no-op (empty answer) when neither a member nor a pool of that epoch is known (a retried call,
+        or a worker that rejoined under a new epoch). INVALID_ARGUMENT for an empty worker_id or a zero epoch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -155,43 +151,33 @@ class KVManagerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def DeclareWorkerDead(self, request, context):
-        """The gateway declares a worker dead after its steps failed for the gateway's --worker-timeout: its pool
-        (index entries and live requests included) and its member are dropped as by LeaveWorker. A no-op (empty
-        answer) when that epoch is not the worker's current one (it already rejoined under a new epoch).
-        INVALID_ARGUMENT for an empty worker_id or a zero epoch.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_KVManagerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
-                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.RegisterWorkerRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.RegisterWorkerResponse.SerializeToString,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PoolSpec.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.RegisterResult.SerializeToString,
             ),
             'StepPages': grpc.unary_unary_rpc_method_handler(
                     servicer.StepPages,
-                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.StepPagesRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.StepPagesResponse.SerializeToString,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.StepOps.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.StepResults.SerializeToString,
             ),
             'Place': grpc.unary_unary_rpc_method_handler(
                     servicer.Place,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PlaceRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PlaceResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.Placement.SerializeToString,
             ),
             'JoinWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.JoinWorker,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.JoinWorkerRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.JoinWorkerResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.JoinResult.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatResult.SerializeToString,
             ),
             'LeaveWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaveWorker,
@@ -202,11 +188,6 @@ def add_KVManagerServiceServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersResponse.SerializeToString,
-            ),
-            'DeclareWorkerDead': grpc.unary_unary_rpc_method_handler(
-                    servicer.DeclareWorkerDead,
-                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.DeclareWorkerDeadRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.DeclareWorkerDeadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -235,8 +216,8 @@ class KVManagerService:
             request,
             target,
             '/kvserve.v1.KVManagerService/RegisterWorker',
-            kvserve_dot_v1_dot_kvmanager__pb2.RegisterWorkerRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.RegisterWorkerResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.PoolSpec.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.RegisterResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -262,8 +243,8 @@ class KVManagerService:
             request,
             target,
             '/kvserve.v1.KVManagerService/StepPages',
-            kvserve_dot_v1_dot_kvmanager__pb2.StepPagesRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.StepPagesResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.StepOps.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.StepResults.FromString,
             options,
             channel_credentials,
             insecure,
@@ -290,7 +271,7 @@ class KVManagerService:
             target,
             '/kvserve.v1.KVManagerService/Place',
             kvserve_dot_v1_dot_kvmanager__pb2.PlaceRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.PlaceResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.Placement.FromString,
             options,
             channel_credentials,
             insecure,
@@ -317,7 +298,7 @@ class KVManagerService:
             target,
             '/kvserve.v1.KVManagerService/JoinWorker',
             kvserve_dot_v1_dot_kvmanager__pb2.JoinWorkerRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.JoinWorkerResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.JoinResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -344,7 +325,7 @@ class KVManagerService:
             target,
             '/kvserve.v1.KVManagerService/Heartbeat',
             kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.HeartbeatResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -409,33 +390,6 @@ class KVManagerService:
             metadata,
             _registered_method=True)
 
-    @staticmethod
-    def DeclareWorkerDead(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvserve.v1.KVManagerService/DeclareWorkerDead',
-            kvserve_dot_v1_dot_kvmanager__pb2.DeclareWorkerDeadRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.DeclareWorkerDeadResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
 
 class KVAdminServiceStub:
     """Operator view of the cache. Every call needs the admin token in call metadata as
@@ -451,7 +405,7 @@ class KVAdminServiceStub:
         self.Stats = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/Stats',
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.StatsRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.StatsResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ClusterStats.FromString,
                 _registered_method=True)
         self.ListTenants = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/ListTenants',
@@ -461,22 +415,22 @@ class KVAdminServiceStub:
         self.InspectTenant = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/InspectTenant',
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.InspectTenantRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.InspectTenantResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.TenantReport.FromString,
                 _registered_method=True)
         self.Probe = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/Probe',
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ProbeResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ProbeResult.FromString,
                 _registered_method=True)
         self.EvictTenant = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/EvictTenant',
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.EvictTenantRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.EvictTenantResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.EvictResult.FromString,
                 _registered_method=True)
         self.Pin = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/Pin',
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PinResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PinResult.FromString,
                 _registered_method=True)
         self.Unpin = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/Unpin',
@@ -486,17 +440,17 @@ class KVAdminServiceStub:
         self.GetPageTable = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/GetPageTable',
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.GetPageTableRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.GetPageTableResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PageTable.FromString,
                 _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/Reset',
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ResetRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ResetResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.DropResult.FromString,
                 _registered_method=True)
         self.ForgetWorker = channel.unary_unary(
                 '/kvserve.v1.KVAdminService/ForgetWorker',
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ForgetWorkerRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ForgetWorkerResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.DropResult.FromString,
                 _registered_method=True)
 
 
@@ -594,7 +548,7 @@ def add_KVAdminServiceServicer_to_server(servicer, server):
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.StatsRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.StatsResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ClusterStats.SerializeToString,
             ),
             'ListTenants': grpc.unary_unary_rpc_method_handler(
                     servicer.ListTenants,
@@ -604,22 +558,22 @@ def add_KVAdminServiceServicer_to_server(servicer, server):
             'InspectTenant': grpc.unary_unary_rpc_method_handler(
                     servicer.InspectTenant,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.InspectTenantRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.InspectTenantResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.TenantReport.SerializeToString,
             ),
             'Probe': grpc.unary_unary_rpc_method_handler(
                     servicer.Probe,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ProbeResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ProbeResult.SerializeToString,
             ),
             'EvictTenant': grpc.unary_unary_rpc_method_handler(
                     servicer.EvictTenant,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.EvictTenantRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.EvictTenantResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.EvictResult.SerializeToString,
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PinResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PinResult.SerializeToString,
             ),
             'Unpin': grpc.unary_unary_rpc_method_handler(
                     servicer.Unpin,
@@ -629,17 +583,17 @@ def add_KVAdminServiceServicer_to_server(servicer, server):
             'GetPageTable': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPageTable,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.GetPageTableRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.GetPageTableResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PageTable.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ResetRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ResetResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.DropResult.SerializeToString,
             ),
             'ForgetWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.ForgetWorker,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ForgetWorkerRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ForgetWorkerResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.DropResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -670,7 +624,7 @@ class KVAdminService:
             target,
             '/kvserve.v1.KVAdminService/Stats',
             kvserve_dot_v1_dot_kvmanager__pb2.StatsRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.StatsResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.ClusterStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -724,7 +678,7 @@ class KVAdminService:
             target,
             '/kvserve.v1.KVAdminService/InspectTenant',
             kvserve_dot_v1_dot_kvmanager__pb2.InspectTenantRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.InspectTenantResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.TenantReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -751,7 +705,7 @@ class KVAdminService:
             target,
             '/kvserve.v1.KVAdminService/Probe',
             kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.ProbeResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.ProbeResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -778,7 +732,7 @@ class KVAdminService:
             target,
             '/kvserve.v1.KVAdminService/EvictTenant',
             kvserve_dot_v1_dot_kvmanager__pb2.EvictTenantRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.EvictTenantResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.EvictResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -805,7 +759,7 @@ class KVAdminService:
             target,
             '/kvserve.v1.KVAdminService/Pin',
             kvserve_dot_v1_dot_kvmanager__pb2.PrefixRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.PinResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.PinResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -859,7 +813,7 @@ class KVAdminService:
             target,
             '/kvserve.v1.KVAdminService/GetPageTable',
             kvserve_dot_v1_dot_kvmanager__pb2.GetPageTableRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.GetPageTableResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.PageTable.FromString,
             options,
             channel_credentials,
             insecure,
@@ -886,7 +840,7 @@ class KVAdminService:
             target,
             '/kvserve.v1.KVAdminService/Reset',
             kvserve_dot_v1_dot_kvmanager__pb2.ResetRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.ResetResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.DropResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -913,7 +867,7 @@ class KVAdminService:
             target,
             '/kvserve.v1.KVAdminService/ForgetWorker',
             kvserve_dot_v1_dot_kvmanager__pb2.ForgetWorkerRequest.SerializeToString,
-            kvserve_dot_v1_dot_kvmanager__pb2.ForgetWorkerResponse.FromString,
+            kvserve_dot_v1_dot_kvmanager__pb2.DropResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ class StepItem(_message.Message):
     traceparent: str
     def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
-class StepRequest(_message.Message):
+class StepBatch(_message.Message):
     __slots__ = ("items", "epoch")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -33,7 +33,7 @@ class StepRequest(_message.Message):
     epoch: int
     def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
-class StepResult(_message.Message):
+class SampledToken(_message.Message):
     __slots__ = ("req_id", "token_id", "logprob", "top_logprobs")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -55,23 +55,23 @@ class RejectedItem(_message.Message):
     invalid: bool
     def __init__(self, req_id: _Optional[str] = ..., message: _Optional[str] = ..., invalid: _Optional[bool] = ...) -> None: ...
 
-class StepResponse(_message.Message):
+class StepOutput(_message.Message):
     __slots__ = ("results", "num_tokens", "compute_ms", "rejected")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[StepResult]
+    results: _containers.RepeatedCompositeFieldContainer[SampledToken]
     num_tokens: int
     compute_ms: float
     rejected: _containers.RepeatedCompositeFieldContainer[RejectedItem]
-    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., rejected: _Optional[_Iterable[_Union[RejectedItem, _Mapping]]] = ...) -> None: ...
+    def __init__(self, results: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., rejected: _Optional[_Iterable[_Union[RejectedItem, _Mapping]]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class InfoResponse(_message.Message):
+class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "epoch", "model_name", "model_fingerprint", "page_size", "num_pages", "kv_dtype", "bytes_per_token", "pool_bytes", "num_layers", "num_kv_heads", "num_heads", "head_dim", "vocab_size", "max_model_len", "eos_token_ids", "device", "attention_backend", "kv_scales", "sliding_window", "attention_sinks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]

@@ -38,13 +38,13 @@ class WorkerServiceStub:
         """
         self.Step = channel.unary_unary(
                 '/kvserve.v1.WorkerService/Step',
-                request_serializer=kvserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_worker__pb2.StepResponse.FromString,
+                request_serializer=kvserve_dot_v1_dot_worker__pb2.StepBatch.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_worker__pb2.StepOutput.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/kvserve.v1.WorkerService/Info',
                 request_serializer=kvserve_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
-                response_deserializer=kvserve_dot_v1_dot_worker__pb2.InfoResponse.FromString,
+                response_deserializer=kvserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
 
 
@@ -76,13 +76,13 @@ def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
-                    request_deserializer=kvserve_dot_v1_dot_worker__pb2.StepRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
+                    request_deserializer=kvserve_dot_v1_dot_worker__pb2.StepBatch.FromString,
+                    response_serializer=kvserve_dot_v1_dot_worker__pb2.StepOutput.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
                     request_deserializer=kvserve_dot_v1_dot_worker__pb2.InfoRequest.FromString,
-                    response_serializer=kvserve_dot_v1_dot_worker__pb2.InfoResponse.SerializeToString,
+                    response_serializer=kvserve_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -112,8 +112,8 @@ class WorkerService:
             request,
             target,
             '/kvserve.v1.WorkerService/Step',
-            kvserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-            kvserve_dot_v1_dot_worker__pb2.StepResponse.FromString,
+            kvserve_dot_v1_dot_worker__pb2.StepBatch.SerializeToString,
+            kvserve_dot_v1_dot_worker__pb2.StepOutput.FromString,
             options,
             channel_credentials,
             insecure,
@@ -140,7 +140,7 @@ class WorkerService:
             target,
             '/kvserve.v1.WorkerService/Info',
             kvserve_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
-            kvserve_dot_v1_dot_worker__pb2.InfoResponse.FromString,
+            kvserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,

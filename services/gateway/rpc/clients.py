@@ -99,7 +99,7 @@ class KVManagerClient(_ServiceClient):
 
     def register(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
         """``release_requests``: this gateway has just started, so any request held on the worker is an orphan
-        of one that died; the kvmanager frees them (RegisterWorkerRequest.release_requests)."""
+        of one that died; the kvmanager frees them (PoolSpec.release_requests)."""
         return self._call(self.stub.RegisterWorker, kv_convert.spec_to_proto(spec, release_requests),
                           kv_convert.register_from_proto)
 
@@ -128,12 +128,12 @@ class KVManagerClient(_ServiceClient):
             raise self._failure("membership poll", e) from e
         return member_convert.workers_from_proto(reply)
 
-    def declare_dead(self, worker_id: str, epoch: int) -> tuple[str, ...]:
-        """Declares (worker_id, epoch) dead (DeclareWorkerDead): its pool and member are dropped; the live
-        req_ids dropped with it. A no-op when that epoch is not the worker's current one. Retried as step_pages
-        (the call is idempotent)."""
-        request = kvmanager_pb2.DeclareWorkerDeadRequest(worker_id=worker_id, epoch=epoch)
-        return self._call(self.stub.DeclareWorkerDead, request, lambda r: tuple(r.dropped_req_ids))
+    def leave_worker(self, worker_id: str, epoch: int) -> tuple[str, ...]:
+        """(worker_id, epoch) leaves the membership (LeaveWorker), for a worker this gateway declared dead: its
+        pool and member are dropped; the live req_ids dropped with it. A no-op when that epoch is not the
+        worker's current one. Retried as step_pages (the call is idempotent)."""
+        request = kvmanager_pb2.LeaveWorkerRequest(worker_id=worker_id, epoch=epoch)
+        return self._call(self.stub.LeaveWorker, request, lambda r: tuple(r.dropped_req_ids))
 
     def _call(self, method, request, convert):
         def on_retry(e, backoff_s):
@@ -221,7 +221,7 @@ class WorkerClient(_ServiceClient):
             raise WorkerRejected(f"worker {self.address} refused the step: {_reason(e)}") from e
         return worker_convert.output_from_proto(reply)
 
-    def _step_once(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+    def _step_once(self, request: worker_pb2.StepBatch) -> worker_pb2.StepOutput:
         """One try of a Step, which ends CANCELLED once interrupt() is called: a try
         waiting for a worker that is gone would otherwise hold the gateway's stop for timeout_s."""
         call = self.stub.Step.future(request, timeout=self.timeout_s, wait_for_ready=False)

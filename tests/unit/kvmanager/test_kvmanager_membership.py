@@ -175,25 +175,27 @@ def test_leave_forgets_pool_and_member_and_a_second_leave_is_a_no_op():
     assert svc.heartbeat("w0", 1).known is False
 
 
-def test_declare_dead_of_a_stale_epoch_is_a_no_op():
+def test_leave_of_a_stale_epoch_is_a_no_op():
+    """The gateway's word for a worker it declared dead names the epoch whose steps failed; a worker that
+    rejoined since under a new one stays."""
     clock = Clock()
     svc = service(clock)
     svc.join_worker(spec(), "a:1")
     svc.join_worker(spec(epoch=2), "a:2")
     run_request(svc)
-    assert svc.declare_dead("w0", 1) == ()
+    assert svc.leave_worker("w0", 1) == ()
     assert listed(svc) == [("w0", 2, "a:2", False, 1)] and "r" in svc.manager.requests
-    assert svc.declare_dead("w0", 2) == ("r",)
+    assert svc.leave_worker("w0", 2) == ("r",)
     assert svc.list_workers() == [] and not svc.manager.pools
 
 
-def test_declare_dead_also_drops_a_pool_registered_without_a_lease():
+def test_leave_also_drops_a_pool_registered_without_a_lease():
     """A static --workers gateway registers pools itself (RegisterWorker); it may give up on one too."""
     svc = service(Clock())
     svc.register_worker(spec())
     assert svc.list_workers() == []  # registered, but not a member
     assert svc.expire_members(100.0) == []  # no lease: the reaper never drops it
-    assert svc.declare_dead("w0", 1) == () and not svc.manager.pools
+    assert svc.leave_worker("w0", 1) == () and not svc.manager.pools
 
 
 def test_a_member_whose_pool_an_operator_forgot_is_dropped():
@@ -213,7 +215,7 @@ def test_bad_input_is_refused_with_nothing_left_behind():
         svc.join_worker(spec(num_pages=0), "a:1")
     assert not svc.manager.pools and svc.list_workers() == []
     for worker_id, epoch in (("", 1), ("w0", 0)):
-        for call in (svc.heartbeat, svc.leave_worker, svc.declare_dead):
+        for call in (svc.heartbeat, svc.leave_worker):
             with pytest.raises(InvalidRequest):
                 call(worker_id, epoch)
     svc.join_worker(spec(), "a:1")
@@ -367,7 +369,7 @@ def test_membership_rpcs_and_their_statuses(kv_server):
                 grpc.StatusCode.FAILED_PRECONDITION),
                (stub.Heartbeat, pb.HeartbeatRequest(worker_id="", epoch=1), grpc.StatusCode.INVALID_ARGUMENT),
                (stub.LeaveWorker, pb.LeaveWorkerRequest(worker_id="w0"), grpc.StatusCode.INVALID_ARGUMENT),
-               (stub.DeclareWorkerDead, pb.DeclareWorkerDeadRequest(epoch=1), grpc.StatusCode.INVALID_ARGUMENT)]
+               (stub.LeaveWorker, pb.LeaveWorkerRequest(epoch=1), grpc.StatusCode.INVALID_ARGUMENT)]
         for method, request, code in bad:
             with pytest.raises(grpc.RpcError) as err:
                 method(request, timeout=10)
@@ -377,7 +379,7 @@ def test_membership_rpcs_and_their_statuses(kv_server):
         assert list(left.dropped_req_ids) == [] and not svc.manager.pools
 
 
-def test_the_gateway_client_lists_workers_and_declares_one_dead(kv_server):
+def test_the_gateway_client_lists_workers_and_has_one_it_declared_dead_leave(kv_server):
     from kvserve.services.gateway.errors import KVManagerUnavailable
     from kvserve.services.gateway.rpc.clients import KVManagerClient
 
@@ -389,8 +391,8 @@ def test_the_gateway_client_lists_workers_and_declares_one_dead(kv_server):
     try:
         assert client.list_workers() == [WorkerMember("w0", 1, "a:1", False, 0),
                                          WorkerMember("w1", 1, "b:1", False, 1)]
-        assert client.declare_dead("w1", 2) == ()  # not its epoch
-        assert client.declare_dead("w1", 1) == ("r",)
+        assert client.leave_worker("w1", 2) == ()  # not its epoch
+        assert client.leave_worker("w1", 1) == ("r",)
         assert [m.worker_id for m in client.list_workers()] == ["w0"]
     finally:
         client.close()

@@ -102,14 +102,14 @@ def test_a_snapshot_forked_inside_a_grpc_handler_leaves_the_server_serving(redis
     try:
         stub = kvmanager_pb2_grpc.KVManagerServiceStub(channel)
         s = spec("w0", num_pages=64)
-        stub.RegisterWorker(pb.RegisterWorkerRequest(worker_id=s.worker_id, epoch=s.epoch, num_pages=s.num_pages,
-                                                     page_size=s.page_size, model_fingerprint=s.model_fingerprint,
-                                                     kv_dtype=s.kv_dtype, bytes_per_token=s.bytes_per_token),
+        stub.RegisterWorker(pb.PoolSpec(worker_id=s.worker_id, epoch=s.epoch, num_pages=s.num_pages,
+                                        page_size=s.page_size, model_fingerprint=s.model_fingerprint,
+                                        kv_dtype=s.kv_dtype, bytes_per_token=s.bytes_per_token),
                             timeout=10)
         for step_id in range(1, 6):
             op = pb.PageAllocation(req_id=f"r{step_id}", tenant="A", worker_id="w0",
                                    packed_token_ids=le_uint32(range(9)))
-            reply = stub.StepPages(pb.StepPagesRequest(step_id=step_id, allocations=[op]), timeout=10)
+            reply = stub.StepPages(pb.StepOps(step_id=step_id, allocations=[op]), timeout=10)
             assert reply.allocation_results[0].status == pb.PAGE_OP_STATUS_OK
             if store.child is not None:
                 assert store.wait_snapshot() == snapshots.SWITCHED  # the child closed its copies of the sockets
