@@ -87,10 +87,3 @@ def context_from_metadata(metadata) -> otel_context.Context | None:
     """The caller's context from gRPC invocation metadata (``traceparent``), if it sent one."""
     carrier = {k: v for k, v in metadata if k in ("traceparent", "tracestate")}
     return _PROPAGATOR.extract(carrier) if carrier else None
-
-
-def inject_metadata(metadata: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """``metadata`` plus the current span's traceparent (the SDK client's side of the hop)."""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier)
-    return metadata + list(carrier.items())
