@@ -74,9 +74,8 @@ class EngineLoop:
                  long_prefill_token_threshold: int = 0, overlap_page_ops: bool = True, reserve_ahead: bool = True,
                  observer: Observer | None = None):
         self.worker, self.kv = worker, kv
-        # the calls that overlap compute run on this thread
-        self._kv_thread = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{info.worker_id}") \
-            if overlap_page_ops else None
+        overlap = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{info.worker_id}") if overlap_page_ops else None
+        self._kv_thread = overlap  # the calls that overlap compute run on this thread
         self.observe = observer or Observer()
         cfg = scheduler_config(info, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                prefix_caching=prefix_caching, long_prefill_token_threshold=long_prefill_token_threshold,
@@ -101,8 +100,7 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name=f"engine-{info.worker_id}", daemon=True)
 
     @property
-    def info(self) -> WorkerInfo:
-        """The worker's Info as the core serves it (a restart re-registers a new epoch)."""
+    def info(self) -> WorkerInfo:  # as the core serves it (a restart re-registers a new epoch)
         return self.core.info
 
     # -- front-end threads ------------------------------------------------------------------------------
@@ -248,8 +246,7 @@ class EngineLoop:
         """A step's events to the requests' handles: a delta per token, then the last delta of each that ended."""
         for e in events.tokens:
             logprobs = [e.sampled] if e.req.params.logprobs else []
-            self.handles[e.req.req_id].put(OutputDelta(text=e.text, token_ids=[e.sampled.token_id],
-                                                       logprobs=logprobs))
+            self.handles[e.req.req_id].put(OutputDelta(e.text, [e.sampled.token_id], logprobs))
         for req, rest in events.ended:
             self.handles.pop(req.req_id).finish(rest)
         if events.scheduled is not None:
@@ -270,7 +267,7 @@ class EngineLoop:
             return True
         return False
 
-    def _transfers(self, moved) -> list[Transfer]:
+    def _transfers(self, moved) -> list[Transfer]:  # the core's leaving requests, with their handles
         return [Transfer(self.handles.pop(m.req.req_id), m.text, m.traceparent) for m in moved]
 
     def _hand_over_all(self) -> None:
