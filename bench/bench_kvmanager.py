@@ -23,7 +23,7 @@ carries a step_id (idempotency tracking on), as a gateway's would. Scenarios, ea
              free, extend past the headroom, or commit prompt pages); calls that admit and calls that do not are
              timed apart.
 
-Configurations: the domain core (KVManager.step), KVService over NullStore and over LoggedStore (the call log,
+Configurations: the domain core (KVManager.step), KVService over NullStore and over CallLog (the call log,
 in an embedded redis-server), and the real gRPC service (a server on 127.0.0.1 port 0 in this process, a real
 channel, StepPages) over each store; --server-process puts each server in a child process instead. "Own core"
 is the call-log server in a child process pinned to one CPU, with the client thread pinned to the others while
@@ -60,19 +60,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # as `kvserve kvmanager` does (kvmanager/snapshots.py)
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # as `kvserve kvmanager` does (kvmanager/snapshot.py)
 
 import grpc  # noqa: E402
 import numpy as np
 from results_io import write_results
 
 from kvserve.common.convert.pages import step_to_request_proto
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.pages import num_pages_for
 from kvserve.common.wire import pages as wire
 from kvserve.common.wire.worker import SampledToken, StepOutput, WorkerInfo
+from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.oplog import LoggedStore
-from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.redis_client import connect
 from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.kvmanager.servicer import KVManagerServicer
@@ -409,7 +410,7 @@ class ServiceTarget(Target):
         return self.svc.step(c.ops)
 
     def extra_ms(self):
-        return self.svc.last_store_ms if isinstance(self.svc.store, LoggedStore) else None
+        return self.svc.last_store_ms if isinstance(self.svc.store, CallLog) else None
 
 
 class GrpcTarget(Target):
@@ -471,7 +472,7 @@ class EchoService(KVService):
     looked at."""
 
     def __init__(self, redis_url: str, prefix: str):
-        super().__init__(KVManager(), LoggedStore(connect(redis_url), prefix, snapshot_every=1 << 62))
+        super().__init__(KVManager(), CallLog(connect(redis_url), prefix, snapshot_every=1 << 62))
 
     def step(self, ops: wire.StepOps) -> wire.StepResults:
         with self.lock:
@@ -499,7 +500,7 @@ class EchoTarget(GrpcTarget):
 
 
 def make_store(redis_url: str | None, prefix: str):
-    return LoggedStore(connect(redis_url), prefix) if redis_url else NullStore()
+    return CallLog(connect(redis_url), prefix) if redis_url else NullStore()
 
 
 def serve_child(redis_url: str | None, prefix: str, cpus: str = "") -> int:
@@ -543,7 +544,7 @@ def make_targets(redis_url: str, scenario: str, separate: bool) -> list[Target]:
     prefix = f"bench-{scenario}"
     split = own_core_split()
     return [CoreTarget(), ServiceTarget(NullStore(), "service"),
-            ServiceTarget(LoggedStore(connect(redis_url), prefix=f"{prefix}-svclog"), "service+log"),
+            ServiceTarget(CallLog(connect(redis_url), prefix=f"{prefix}-svclog"), "service+log"),
             GrpcTarget("grpc", None, prefix, separate),
             GrpcTarget("grpc+log", redis_url, f"{prefix}-grpclog", separate),
             *([GrpcTarget("grpc+log-own-core", redis_url, f"{prefix}-grpclog-own", separate, cpus=split)]
@@ -726,7 +727,7 @@ def profile(redis_url: str, scenario: str, rounds: int, calls: int, seed: int, t
     wl = Workload(scenario, seed)
     wl.setup()
     client = connect(redis_url)
-    target = DirectServicerTarget(LoggedStore(client, prefix=f"bench-profile-{scenario}"))
+    target = DirectServicerTarget(CallLog(client, prefix=f"bench-profile-{scenario}"))
     target.register()
     for c in wl.calls:
         c.msg = to_proto(c.ops)

@@ -3,7 +3,7 @@ forked child, side by side, and what the calls made while a child writes pay for
 
     python bench/bench_snapshots.py [--quick] [--out bench/results/snapshots-DATE.json]
 
-Two kvmanager services (KVService over LoggedStore, one real embedded Redis) hold the same state: the kvmanager
+Two kvmanager services (KVService over CallLog, one real embedded Redis) hold the same state: the kvmanager
 benchmark's steady workload (64 running requests of 2000-token prompts, half of them hitting a shared prefix,
 on a pool of 16,384 pages, about 16,000 of them cached blocks). Both replay the same calls. Each round, the
 round's first call is made the one that makes a snapshot due (snapshot_every is set to fall on it), then the
@@ -39,18 +39,19 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # as `kvserve kvmanager` does (kvmanager/snapshots.py)
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # as `kvserve kvmanager` does (kvmanager/snapshot.py)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_kvmanager import SPEC, Workload, percentile  # noqa: E402
 from results_io import write_results  # noqa: E402
 
+from kvserve.common.embedded_redis import EmbeddedRedis
+from kvserve.kvmanager.call_log import DEFAULT_SNAPSHOT_EVERY, CallLog  # noqa: E402
 from kvserve.kvmanager.manager import KVManager  # noqa: E402
-from kvserve.kvmanager.oplog import DEFAULT_SNAPSHOT_EVERY, LoggedStore  # noqa: E402
-from kvserve.kvmanager.redis_server import EmbeddedRedis, connect  # noqa: E402
+from kvserve.kvmanager.redis_client import connect  # noqa: E402
 from kvserve.kvmanager.server import tune_gc_for_serving  # noqa: E402
 from kvserve.kvmanager.service import KVService  # noqa: E402
-from kvserve.kvmanager.snapshots import SWITCHED  # noqa: E402
+from kvserve.kvmanager.snapshot import SWITCHED  # noqa: E402
 
 NEVER = 1 << 62
 MODES = ("inline", "forked")
@@ -59,7 +60,7 @@ PLAN = {False: {"rounds": 12, "calls": 300, "child_rounds": 8, "log_calls": DEFA
 
 
 def build(redis_url: str, name: str, setup_calls, forked: bool) -> KVService:
-    store = LoggedStore(connect(redis_url), f"bench-snap-{name}", snapshot_every=NEVER, snapshot_bytes=NEVER,
+    store = CallLog(connect(redis_url), f"bench-snap-{name}", snapshot_every=NEVER, snapshot_bytes=NEVER,
                         background=forked)
     svc = KVService(KVManager(), store)
     svc.register_worker(SPEC)
@@ -74,7 +75,7 @@ def timed(svc: KVService, ops) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def due_now(store: LoggedStore) -> None:
+def due_now(store: CallLog) -> None:
     """The next logged call makes a snapshot due."""
     store.snapshot_every = store.num_logged + 1
 
@@ -175,7 +176,7 @@ def alone(redis_url: str, rounds: int, log_calls: int, seed: int) -> dict:
 def restart(redis_url: str) -> dict:
     """--restart: what `kvserve kvmanager` does before it serves, timed: claim, load the snapshot, replay."""
     t0 = time.perf_counter()
-    svc = KVService(KVManager(), LoggedStore(connect(redis_url), "bench-snap-alone"))
+    svc = KVService(KVManager(), CallLog(connect(redis_url), "bench-snap-alone"))
     svc.load()
     return {"load_ms": round((time.perf_counter() - t0) * 1000), "replayed_calls": svc.store.num_logged,
             "cached_blocks": svc.manager.pools[SPEC.worker_id].num_cached}

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.kvmanager.redis_server import die_with_parent
+from kvserve.common.processes import die_with_parent
 
 READY = re.compile(r"kvserve \S+(?: \S+)? ready on (?P<host>[^\s:]+):(?P<port>\d+)")
 METRICS = re.compile(r"metrics on (?P<host>[^\s:,)]+):(?P<port>\d+)")

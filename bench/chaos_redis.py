@@ -1,5 +1,5 @@
-"""The chaos run's Redis: a Sentinel deployment when kvserve has one (kvmanager/redis_sentinel.py's
-SentinelCluster, issue 23), else one EmbeddedRedis. Either way the fault is a SIGKILL of the primary:
+"""The chaos run's Redis: a Sentinel deployment (tests/support/redis_sentinel.py's SentinelCluster, the tests'
+harness), else one EmbeddedRedis. Either way the fault is a SIGKILL of the primary:
 
     SentinelRedis   kill -9 of the primary's redis-server; the sentinels promote a replica (the killed node
                     comes back as a replica once the phase drained: restore())
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import importlib
 import signal
+import sys
 import time
 from pathlib import Path
 
-from kvserve.kvmanager.redis_server import EmbeddedRedis
+from kvserve.common.embedded_redis import EmbeddedRedis
 
 
 class SingleRedis:
@@ -50,7 +51,8 @@ class SentinelRedis:
     kind = "Redis Sentinel (primary + 2 replicas, 3 sentinels): kill -9 of the primary, a replica promoted"
 
     def __init__(self, data_dir: Path, failover_timeout_s: float = 30.0):
-        module = importlib.import_module("kvserve.kvmanager.redis_sentinel")
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+        module = importlib.import_module("redis_sentinel")
         self.cluster = module.SentinelCluster(Path(data_dir))
         self.url = self.cluster.url
         self.failover_timeout_s = failover_timeout_s

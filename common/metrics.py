@@ -132,7 +132,7 @@ class _StateCollector:
 
 
 class _CallLogCollector:
-    """The Redis call log (kvmanager/oplog.py LoggedStore) at scrape time: how much a restart would replay, and
+    """The Redis call log (kvmanager/call_log.py CallLog) at scrape time: how much a restart would replay, and
     its snapshots. A growing log with failed snapshots is the thing to alert on. Plain attribute reads, no lock."""
 
     def __init__(self, store):

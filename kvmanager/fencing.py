@@ -1,7 +1,7 @@
 """Fenced writes: every write a kvmanager leader makes to Redis checks, atomically in Redis, that its claim on
 the prefix is still the latest.
 
-The fencing token is the ``<prefix>:owner`` counter (snapshots.claim): a kvmanager increments it when it claims
+The fencing token is the ``<prefix>:owner`` counter (snapshot.claim): a kvmanager increments it when it claims
 the prefix, before it reads the state, and remembers the number. A leader that was paused (a GC pause, SIGSTOP,
 a network partition) while its lease lapsed and another took over resumes believing it leads; the fence makes
 each of its writes a no-op that fails instead, so a deposed leader's late write is never applied::
@@ -14,11 +14,10 @@ after its claim, loads it. The check is a short Lua script sent with EVAL, not E
 failover) may not have the script cached. A refused write is an error reply starting with FENCED, raised here as
 errors.Fenced; redis-py raises every other failure as before.
 
-Transactions (MULTI/EXEC of an inline snapshot) are fenced with WATCH on the owner key instead (fenced_pipeline):
-EXEC fails if anyone claimed in between. Left unfenced, because a deposed leader's copy of them is harmless: a
-snapshot child's writes of a new generation's keys (nobody reads them before its switch, which is fenced the
-same way, snapshots.switch) and the deletion of generations older than one already switched to (which nobody
-loads again).
+The switch to a new snapshot (snapshot.write's MULTI/EXEC) is fenced with WATCH on the owner key instead
+(fenced_pipeline): EXEC fails if anyone claimed in between. Left unfenced, because a deposed leader's copy of
+them is harmless: a snapshot's chunks under its new generation's key (nobody reads them before the switch) and
+the deletion of generations older than one already switched to (which nobody loads again).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ that one process holds, with a time to live, and a value unique to that process 
     release   if GET == value then DEL                       (a graceful stop, a step-down; Lua, atomic)
 
 A lease alone does not make a leader safe: a leader paused for longer than ttl (GC, SIGSTOP, a partition)
-resumes believing it leads. So the new leader claims the prefix after acquiring the lease (snapshots.claim
+resumes believing it leads. So the new leader claims the prefix after acquiring the lease (snapshot.claim
 increments ``<prefix>:owner``: its fencing token) and only then loads the state, and every write a leader makes
 checks the token atomically in Redis (fencing.py). A deposed leader's late write fails with Fenced and is never
 acknowledged; the leader that gets it steps down at once.

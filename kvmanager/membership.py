@@ -6,8 +6,9 @@ own late heartbeat). This module only keeps the table; what joining and dying do
 forget) is KVService's (service.py), under its lock.
 
 Lease deadlines are times of an injectable monotonic clock, so that tests move time by hand. They are not
-persisted: a table loaded at start (member_store.py) gives every member a fresh lease, so a kvmanager that
-takes over does not declare the whole fleet dead, and forgets the members that do not heartbeat within it.
+persisted: the call log (call_log.py) keeps each member's record (join, drain and leave records; the snapshot
+holds the table), and a table loaded at start gives every member a fresh lease, so a kvmanager that takes over
+does not declare the whole fleet dead, and forgets the members that do not heartbeat within it.
 
 Not thread-safe: KVService holds its lock around every call.
 """
@@ -17,8 +18,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.common.wire.pages import PoolSpec, RegisterResult
+    from kvserve.kvmanager.manager import KVManager
 
 DEFAULT_WORKER_TIMEOUT_S = 5.0
+MemberRecord = tuple[str, int, str, bool]  # worker_id, epoch, address, draining: what the call log keeps
 
 
 @dataclass(slots=True)
@@ -32,7 +39,7 @@ class Member:
     deadline_s: float = 0.0  # on the table's clock; past it the lease has lapsed
 
     def record(self) -> tuple[int, str, bool]:
-        """What is persisted of it (member_store.py): everything but the deadline."""
+        """What is persisted of it (the call log): everything but the deadline."""
         return self.epoch, self.address, self.draining
 
 
@@ -95,8 +102,37 @@ class MemberTable:
     def sorted(self) -> list[Member]:
         return [m for _, m in sorted(self.members.items())]
 
-    def load(self, records: Iterable[tuple[str, int, str, bool]]) -> None:
+    def records(self) -> list[MemberRecord]:
+        return [(m.worker_id, *m.record()) for m in self.sorted()]
+
+    def load(self, records: Iterable[MemberRecord]) -> None:
         """Replaces the table with persisted members (worker_id, epoch, address, draining), each with a fresh
         lease from now."""
         deadline = self.clock() + self.lease_s
         self.members = {w: Member(w, epoch, address, draining, deadline) for w, epoch, address, draining in records}
+
+
+# What joining, draining and leaving do, run by KVService for a call and by the call log's replay of its record.
+def join(mgr: KVManager, members: MemberTable, spec: PoolSpec, address: str) -> tuple[RegisterResult, bool]:
+    """Registers the pool (register_worker's rules, release_requests false) and starts or renews the lease of
+    (worker_id, epoch) at ``address``; with whether the member's record changed."""
+    registered = mgr.register_worker(spec, False)
+    return registered, members.join(spec.worker_id, spec.epoch, address)
+
+
+def set_draining(members: MemberTable, worker_id: str, epoch: int, draining: bool) -> None:
+    member = members.get(worker_id, epoch)
+    if member is not None:
+        member.draining = draining
+
+
+def leave(mgr: KVManager, members: MemberTable, worker_id: str, epoch: int) -> tuple[tuple[str, ...], bool]:
+    """Removes the member and forgets the pool (with every request on it), each if it is of this epoch; the
+    live req_ids dropped, and whether anything changed."""
+    changed = members.get(worker_id, epoch) is not None
+    if changed:
+        members.remove(worker_id)
+    pool = mgr.pools.get(worker_id)
+    if pool is None or pool.spec.epoch != epoch:
+        return (), changed
+    return mgr.forget_pool(worker_id), True

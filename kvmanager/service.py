@@ -1,6 +1,6 @@
 """The kvmanager service core: the in-memory manager plus its persistence in a store, serialised by one lock.
 
-Every call that changes state is made durable in the store (oplog.py: appended to the call log) before it is
+Every call that changes state is made durable in the store (call_log.py: appended to the call log) before it is
 answered. If that write fails, the change stays in memory, the store keeps what it could not write, and the
 call raises StoreUnavailable (UNAVAILABLE): the caller retries with the same step_id and gets the remembered
 answer once the store is back. So an answer the caller sees is always durable, a page is never handed to two
@@ -24,40 +24,57 @@ from typing import Protocol
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.wire.membership import HeartbeatResult, JoinResult, WorkerMember
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
-from kvserve.kvmanager import admin
 from kvserve.kvmanager.errors import Fenced, NotLeader, StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.member_store import member_store_for
-from kvserve.kvmanager.membership import DEFAULT_WORKER_TIMEOUT_S, DeadMember, Member, MemberTable
+from kvserve.kvmanager.membership import DEFAULT_WORKER_TIMEOUT_S, DeadMember, Member, MemberTable, join, leave
 from kvserve.kvmanager.placement import Placement
 from kvserve.kvmanager.state import Changes
 
 
 class Store(Protocol):
-    """Persistence of the manager's state (oplog.py's LoggedStore, or NullStore)."""
+    """Persistence of the manager's state and the member table (call_log.py's CallLog, or NullStore)."""
 
-    def write(self, mgr: KVManager, record: tuple, reset: bool = False) -> None:
-        """Makes a call durable, atomically: ``record`` is the call itself (("step", StepOps), ("register",
-        PoolSpec, release_requests) or ("admin", name, args)); ``reset``: the calls since the last write
-        dropped everything (an admin reset), so the store writes ``mgr``'s state whole. Raises on failure.
-
-        A store may also have ``send_early(record) -> bool``: called with a validated step before it is applied;
-        True means the record is on its way and the next write() completes it (it is then called even if the
-        call changed nothing)."""
+    def send_early(self, record: tuple) -> bool:
+        """Called with a validated step before it is applied: True means the record is on its way and the next
+        write() completes it (it is then called even if the call changed nothing)."""
         ...
 
-    def load(self, mgr: KVManager) -> None:
-        """Fills an empty manager with the stored state."""
+    def write(self, mgr: KVManager, members: MemberTable, record: tuple, reset: bool = False) -> None:
+        """Makes a call durable, atomically: ``record`` is the call itself (("step", StepOps), ("register",
+        PoolSpec, release_requests), ("admin", name, args), ("join", PoolSpec, address), ("drain", worker_id,
+        epoch, draining) or ("leave", worker_id, epoch)); ``reset``: the calls since the last write dropped
+        everything (an admin reset), so the store writes the state whole. Raises on failure."""
+        ...
+
+    def load(self, mgr: KVManager, members: MemberTable) -> None:
+        """Fills an empty manager and member table with the stored state (each member with a fresh lease)."""
+        ...
+
+    def abandon(self) -> None:
+        """Forgets what was not written yet: the service stepped down."""
+        ...
+
+    def close(self) -> None:
+        """A graceful stop: lets writes under way finish."""
         ...
 
 
 class NullStore:
     """No persistence (tests of the domain, --no-persistence)."""
 
-    def write(self, mgr: KVManager, record: tuple, reset: bool = False) -> None:
+    def send_early(self, record: tuple) -> bool:
+        return False
+
+    def write(self, mgr: KVManager, members: MemberTable, record: tuple, reset: bool = False) -> None:
         pass
 
-    def load(self, mgr: KVManager) -> None:
+    def load(self, mgr: KVManager, members: MemberTable) -> None:
+        pass
+
+    def abandon(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -65,10 +82,9 @@ class KVService:
     """Thread-safe entry point used by the servicers. ``last_store_ms`` is the latest store write's time.
 
     Membership (the methods from join_worker on): workers hold leases of ``worker_timeout_s`` on ``clock``
-    (membership.py); ``member_store`` persists the member table (default: member_store.member_store_for the
-    store, so in the same Redis as the call log, or nowhere beside a NullStore)."""
+    (membership.py); the store persists the member table with the manager (join, drain and leave records)."""
 
-    def __init__(self, manager: KVManager | None = None, store: Store | None = None, member_store=None,
+    def __init__(self, manager: KVManager | None = None, store: Store | None = None,
                  worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S, clock: Callable[[], float] = time.monotonic):
         self.manager = manager or KVManager()
         self.store = store or NullStore()
@@ -77,37 +93,25 @@ class KVService:
         self.last_store_ms = 0.0
         self.on_store_write: Callable[[float], None] | None = None  # seconds of each write (metrics)
         self.members = MemberTable(worker_timeout_s, clock)
-        self.member_store = member_store if member_store is not None else member_store_for(self.store)
-        self.unsaved_members: set[str] = set()  # worker_ids whose stored record is behind the table
         self.leading = True  # False: a standby, or a leader that stepped down; every call raises NotLeader
         self.not_leading_why = "not the leader"  # NotLeader's message (leader.py names the leader in it)
         self.on_fenced: Callable[[], None] | None = None  # called (under the lock) when a write was fenced
 
     def load(self) -> None:
-        """Loads the state, then the members whose pool (same epoch) it holds, each with a fresh lease; stored
-        members without one are deleted from the store by the next membership call."""
+        """Loads the state and the members, each with a fresh lease (a new leader must not declare dead the
+        workers that could not heartbeat while it took over)."""
         with self.lock:
-            self.store.load(self.manager)
-            self._load_members()
-
-    def _load_members(self) -> None:
-        """The stored members whose pool (same epoch) the loaded state holds, each with a fresh lease (a new
-        leader must not declare dead the workers that could not heartbeat while it took over). Under the lock."""
-        records = self.member_store.load()
-        kept = [r for r in records if self._pool_epoch(r[0]) == r[1]]
-        self.members = MemberTable(self.members.lease_s, self.members.clock)
-        self.members.load(kept)
-        self.unsaved_members = {r[0] for r in records} - {r[0] for r in kept}
+            self.store.load(self.manager, self.members)
 
     def take_over(self, manager: KVManager | None = None) -> None:
         """Becomes the leader: a fresh manager (or ``manager``, empty) filled from the store, which claims the
         prefix (its new fencing token) before it reads; then serves. Raises as Store.load (and stays a
         standby)."""
         manager = KVManager() if manager is None else manager
+        members = MemberTable(self.members.lease_s, self.members.clock)
         with self.lock:
-            self.store.load(manager)
-            self.manager = manager
-            self._load_members()
+            self.store.load(manager, members)
+            self.manager, self.members = manager, members
             self.store_ok, self.leading = True, True
 
     def step_down(self, why: str) -> None:
@@ -130,10 +134,7 @@ class KVService:
     def _drop_state(self) -> None:
         self.manager = KVManager()
         self.members = MemberTable(self.members.lease_s, self.members.clock)
-        self.unsaved_members = set()
-        abandon = getattr(self.store, "abandon", None)
-        if abandon is not None:
-            abandon()
+        self.store.abandon()
 
     def _check_leading(self) -> None:
         if not self.leading:
@@ -151,10 +152,9 @@ class KVService:
             self._check_leading()
             self.manager.check(ops)  # bad input raises here: nothing applied, nothing logged
             record = ("step", ops)
-            send_early = getattr(self.store, "send_early", None)
             # The call log can send this one before it is applied: Redis appends it while the manager works,
             # and the answer still waits for Redis's reply (in _persist).
-            early = send_early(record) if send_early is not None else False
+            early = self.store.send_early(record)
             results = self.manager.apply_checked(ops)
             self._persist(record, force=early)
             return results
@@ -184,18 +184,18 @@ class KVService:
 
     def _persist(self, record: tuple, force: bool = False) -> None:
         """Writes the call if it changed state; ``force``: also when it did not (a record sent early awaits its
-        reply). After a failed write ``manager.changes`` stays marked, so the next call writes (and with it what
-        the store kept) even if that call changes nothing."""
+        reply, or the member table changed). After a failed write ``manager.changes`` stays marked, so the next
+        call writes (and with it what the store kept) even if that call changes nothing."""
         changes = self.manager.changes
         if changes.empty() and not force:
             return
         t0 = time.perf_counter()
         try:
-            self.store.write(self.manager, record, reset=changes.reset)
+            self.store.write(self.manager, self.members, record, reset=changes.reset)
         except Fenced as e:  # a deposed leader: its state is stale; never acknowledge, never serve again
             raise self.fenced(e) from e
         except Exception as e:  # any store failure: keep the change, answer UNAVAILABLE
-            self.store_ok = False
+            self.store_ok, changes.changed = False, True
             raise StoreUnavailable(f"the state store cannot be written ({type(e).__name__}: {e}); "
                                    f"retry the same call") from e
         self.manager.changes = Changes()
@@ -207,18 +207,15 @@ class KVService:
 
     # -- membership (membership.py) -------------------------------------------------------------------------
     def join_worker(self, spec: PoolSpec, address: str) -> JoinResult:
-        """Registers the pool (register_worker's rules, release_requests false; logged as its "register"
-        record) and starts or renews the lease of (worker_id, epoch) at ``address``. A new epoch replaces the
-        pool and the member. Raises InvalidRequest (bad pool, empty address), StaleEpoch, StoreUnavailable."""
+        """Registers the pool (register_worker's rules, release_requests false) and starts or renews the lease
+        of (worker_id, epoch) at ``address``, logged as one "join" record. A new epoch replaces the pool and the
+        member. Raises InvalidRequest (bad pool, empty address), StaleEpoch, StoreUnavailable."""
         if not address:
             raise InvalidRequest("address must not be empty: it is the host:port the gateway dials")
         with self.lock:
             self._check_leading()
-            registered = self.manager.register_worker(spec, False)
-            self._persist(("register", spec, False))
-            if self.members.join(spec.worker_id, spec.epoch, address):
-                self.unsaved_members.add(spec.worker_id)
-            self._save_members()
+            registered, changed = join(self.manager, self.members, spec, address)
+            self._persist(("join", spec, address), force=changed)
             return JoinResult(registered, self.members.lease_ms)
 
     def heartbeat(self, worker_id: str, epoch: int, draining: bool = False) -> HeartbeatResult:
@@ -233,17 +230,16 @@ class KVService:
                 self._drop(worker_id, epoch)
                 member = None
             if member is None:
-                self._save_members()
                 return HeartbeatResult(False, 0, self.members.lease_ms)
-            if self.members.renew(member, draining):
-                self.unsaved_members.add(worker_id)
-            self._save_members()
+            changed = self.members.renew(member, draining)  # else it writes only what a failed call left
+            self._persist(("drain", worker_id, epoch, draining), force=changed)
             return HeartbeatResult(True, self.manager.pools[worker_id].num_requests, self.members.lease_ms)
 
     def leave_worker(self, worker_id: str, epoch: int) -> tuple[str, ...]:
-        """Forgets the member and its pool of this epoch (admin.forget_worker with force, logged as that admin
-        call); the live req_ids dropped with it. A no-op for an epoch neither holds (a retried call). Raises
-        InvalidRequest, StoreUnavailable."""
+        """(worker_id, epoch) leaves (LeaveWorker: the worker after draining, or the gateway for a worker it
+        declared dead): forgets the member and its pool of this epoch (membership.leave, logged as a "leave"
+        record); the live req_ids dropped with it. A no-op for an epoch neither holds (a retried call,
+        or a worker that rejoined under a new epoch). Raises InvalidRequest, StoreUnavailable."""
         _check_member(worker_id, epoch)
         with self.lock:
             self._check_leading()
@@ -281,35 +277,11 @@ class KVService:
         return self.members.lapsed(member, now) or self._pool_epoch(member.worker_id) != member.epoch
 
     def _drop(self, worker_id: str, epoch: int) -> tuple[str, ...]:
-        """Removes the member and forgets the pool, each if it is of this epoch. Under the lock."""
-        if self.members.get(worker_id, epoch) is not None:
-            self.members.remove(worker_id)
-            self.unsaved_members.add(worker_id)
-        dropped: tuple[str, ...] = ()
-        if self._pool_epoch(worker_id) == epoch:
-            dropped = self.manager.req_ids_on(worker_id)
-            self._mutate_locked(admin.forget_worker, worker_id, True)
-        self._save_members()
+        """Removes the member and forgets the pool, each if it is of this epoch, logged as one "leave" record.
+        Under the lock."""
+        dropped, changed = leave(self.manager, self.members, worker_id, epoch)
+        self._persist(("leave", worker_id, epoch), force=changed)
         return dropped
-
-    def _save_members(self) -> None:
-        """Writes the members whose stored record is behind the table. On failure they stay marked (the next
-        membership call writes them) and StoreUnavailable is raised."""
-        if not self.unsaved_members:
-            return
-        ids = sorted(self.unsaved_members)
-        table = self.members.members
-        upserts = [(w, *table[w].record()) for w in ids if w in table]
-        try:
-            self.member_store.write(upserts, [w for w in ids if w not in table])
-        except Fenced as e:  # as _persist: a deposed leader
-            raise self.fenced(e) from e
-        except Exception as e:  # any store failure, as _persist
-            self.store_ok = False
-            raise StoreUnavailable(f"the member table cannot be written ({type(e).__name__}: {e}); "
-                                   f"retry the same call") from e
-        self.unsaved_members.clear()
-        self.store_ok = True
 
 
 def _check_member(worker_id: str, epoch: int) -> None:

@@ -4,12 +4,12 @@ Persistence: by default an embedded Redis (the redis-server binary of the ``redi
 child process with its data under ``<data-dir>/redis``; ``--redis-url`` uses an external Redis instead;
 ``--no-persistence`` keeps the state in memory only (lost on restart). With Redis, each call that changed
 state is appended to a Redis list, and the state is snapshotted every ``--snapshot-every`` calls or
-``--snapshot-mb`` MB of them (kvmanager/oplog.py).
+``--snapshot-mb`` MB of them (kvmanager/call_log.py).
 
 Redis with replicas: ``--redis-url redis+sentinel://H:P[,H:P...]/SERVICE_NAME[/DB]`` follows the primary that
 the sentinels name, across failovers; ``--redis-wait-replicas N`` (default 1 for a Sentinel URL, else 0) answers
 a call only once N replicas acknowledged its write within ``--redis-wait-timeout-ms`` (else UNAVAILABLE, and the
-caller retries). kvmanager/redis_server.py says exactly what that guarantees.
+caller retries). kvmanager/redis_client.py says exactly what that guarantees.
 
 Leader and standbys: with Redis, several kvmanagers may run on one Redis (``--redis-url``); one leads (a lease in
 Redis, ``--leader-lease`` seconds, with a fencing token: kvmanager/leader.py), the others wait as standbys that
@@ -164,8 +164,9 @@ def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
     if args.no_persistence:
         return NullStore(), "", "none, --no-persistence"
     try:
-        from kvserve.kvmanager.oplog import LoggedStore
-        from kvserve.kvmanager.redis_server import EmbeddedRedis, connect, describe_url, is_sentinel_url
+        from kvserve.common.embedded_redis import EmbeddedRedis
+        from kvserve.kvmanager.call_log import CallLog
+        from kvserve.kvmanager.redis_client import connect, describe_url, is_sentinel_url
     except ImportError as e:
         raise ValueError(f"Redis persistence is not available in this build ({e}); run with "
                          "--no-persistence") from e
@@ -180,9 +181,9 @@ def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
     if not url:
         url = stack.enter_context(EmbeddedRedis(data_dir / "redis")).url
         client = connect(url)
-    store = LoggedStore(client, args.redis_prefix, snapshot_every=args.snapshot_every,
-                        snapshot_bytes=args.snapshot_mb << 20, wait_replicas=wait_replicas,
-                        wait_timeout_ms=args.redis_wait_timeout_ms)
+    store = CallLog(client, args.redis_prefix, snapshot_every=args.snapshot_every,
+                    snapshot_bytes=args.snapshot_mb << 20, wait_replicas=wait_replicas,
+                    wait_timeout_ms=args.redis_wait_timeout_ms)
     shows_wait = store.wait or is_sentinel_url(url)  # a plain URL without WAIT reads as before
     return store, url, describe_url(url) + (f", {store.wait.describe()}" if shows_wait else "")
 
@@ -203,7 +204,7 @@ def _metrics(args, service) -> tuple[tuple, int | None]:
         except NotLeader:  # a standby holds no state
             return admin.stats(KVManager())
 
-    call_log = service.store if hasattr(service.store, "num_snapshots") else None  # None: --no-persistence
+    call_log = None if args.no_persistence else service.store
     metrics = KVManagerMetrics(read_stats, call_log)
     service.on_store_write = metrics.redis_write.observe
     return (RpcTimer(metrics.rpc),), serve_metrics(metrics.registry, args.host, int(args.metrics_port))
@@ -214,7 +215,7 @@ def _elect(args, service, server, redis_url: str, stop):
     gRPC health following it. (election, "leader, " or "standby, " for the ready line). Raises as
     Election.first (Redis unreachable, a state that does not load)."""
     from kvserve.kvmanager.leader import Election, LeaderLease
-    from kvserve.kvmanager.redis_server import connect
+    from kvserve.kvmanager.redis_client import connect
     from kvserve.kvmanager.server import report_leadership, tune_gc_for_serving
 
     def on_role(leading: bool) -> None:
@@ -235,7 +236,7 @@ def _elect(args, service, server, redis_url: str, stop):
 
 def run_kvmanager(args) -> int:
     # Before grpc is imported: the call log's snapshots are written by a forked child, which gRPC's own fork
-    # handlers can crash (kvmanager/snapshots.py). Nothing in the kvmanager relies on them.
+    # handlers can crash (kvmanager/snapshot.py). Nothing in the kvmanager relies on them.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
     from kvserve.common.grpc_server import install_stop_signals, serve_until_signal
     from kvserve.common.telemetry import setup_tracing, shutdown_tracing
@@ -291,8 +292,6 @@ def run_kvmanager(args) -> int:
         reaper.stop()
         if election is not None:
             election.close()  # gives the lease up: a standby takes over at its next poll
-        close = getattr(store, "close", None)
-        if close is not None:
-            close()  # lets a snapshot child that is writing finish, while Redis is still up
+        store.close()  # lets a snapshot child that is writing finish, while Redis is still up
         shutdown_tracing()
     return 0

@@ -79,7 +79,7 @@ def _pump(child: Child) -> None:
 
 def start_child(name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
     """Starts `kvserve ARGV` and returns once it printed its ready line. Raises RuntimeError otherwise."""
-    from kvserve.kvmanager.redis_server import die_with_parent  # imported here, never in the forked child
+    from kvserve.common.processes import die_with_parent  # imported here, never in the forked child
 
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.services.cli", *argv], stdout=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, process_group=0, preexec_fn=die_with_parent,

@@ -36,7 +36,7 @@ def open_shared_redis(args, stack: contextlib.ExitStack) -> SharedRedis:
     """Locks the data dir (as a kvmanager does: one Redis on its files), starts the embedded Redis unless
     --redis-url, and makes the admin token. Raises ValueError (the data dir is in use), RuntimeError (Redis did
     not start), OSError."""
-    from kvserve.kvmanager.redis_server import EmbeddedRedis
+    from kvserve.common.embedded_redis import EmbeddedRedis
     from kvserve.services.cli_kvmanager import default_data_dir, lock_data_dir, write_admin_token
 
     data_dir = (args.data_dir or default_data_dir()).expanduser()

@@ -35,7 +35,7 @@ def _read_stats() -> SimpleNamespace:
 
 
 def _call_log() -> SimpleNamespace:
-    """A stand-in for kvmanager.oplog.LoggedStore, the default store, whose call log the kvmanager exports."""
+    """A stand-in for kvmanager.call_log.CallLog, the default store, whose call log the kvmanager exports."""
     return SimpleNamespace(num_logged=5, num_logged_bytes=900, gen=2, last_snapshot_s=0.2,
                            num_snapshots={"forked": 1, "inline": 0, "failed": 0})
 

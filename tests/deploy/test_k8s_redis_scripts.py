@@ -21,7 +21,8 @@ from free_ports import free_port
 from k8s_manifests import K8S_DIR
 from polling import wait_for
 
-from kvserve.kvmanager.redis_server import die_with_parent, redis_server_executable
+from kvserve.common.embedded_redis import redis_server_executable
+from kvserve.common.processes import die_with_parent
 
 SCRIPTS = K8S_DIR / "redis"
 MASTER_NAME = "kvserve"

@@ -13,11 +13,11 @@ import grpc
 from kvmanager_processes import kvmanager_process, stop_cleanly
 
 from kvserve.common.convert.pages import step_from_proto
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.pages import HOLE
 from kvserve.common.tokens import le_uint32
 from kvserve.common.wire.pages import PoolSpec
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.redis_server import EmbeddedRedis
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 

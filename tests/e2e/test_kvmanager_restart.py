@@ -1,4 +1,4 @@
-"""kill -9 of a process driving the kvmanager (KVService + LoggedStore, a snapshot due every 16 calls, written
+"""kill -9 of a process driving the kvmanager (KVService + CallLog, a snapshot due every 16 calls, written
 by a forked child) mid-traffic, then a reload from Redis: every page table, ref_cnt, index entry, counter, the
 clock and the free list and LRU in their exact order are those of the last acknowledged step (or of the one
 after, if it was logged but not yet acknowledged), and it carries on."""
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from kvmanager_soak import assert_last_ops_persisted, make_store, replay, snapshot  # noqa: E402
 
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.redis_server import EmbeddedRedis
 from kvserve.kvmanager.service import KVService
 
 SOAK = Path(__file__).resolve().parents[1] / "support" / "kvmanager_soak.py"

@@ -19,8 +19,8 @@ from kvmanager_processes import READY_TIMEOUT_S, cli_env
 from service_process import service_process
 
 from kvserve.common.channels import kvmanager_channel
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.wire.pages import PageCommit, PageFree, StepOps
-from kvserve.kvmanager.redis_server import EmbeddedRedis
 from kvserve.services.gateway.rpc.clients import KVManagerClient
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc

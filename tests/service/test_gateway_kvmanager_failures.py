@@ -29,11 +29,12 @@ import pytest
 from conftest import TEST_NUM_PAGES, TEST_PAGE_SIZE
 from kvmanager_processes import kvmanager_process, stop_cleanly
 
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.wire.pages import PageAllocation, PageCommit, PoolSpec, StepOps
 from kvserve.common.wire.worker import SamplingParams
+from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.oplog import LoggedStore
-from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.redis_client import connect
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.services.gateway.app import Gateway, GatewayConfig
@@ -216,7 +217,7 @@ def test_a_starting_gateway_frees_what_a_dead_one_left_running(model_dir, worker
 
 def test_a_redis_restart_mid_stream_is_retried_through(tmp_path, model_dir, worker_server, monkeypatch):
     with EmbeddedRedis(tmp_path / "redis") as redis:
-        service = KVService(KVManager(), LoggedStore(connect(redis.url)))
+        service = KVService(KVManager(), CallLog(connect(redis.url)))
         server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token=TOKEN)
         gateway = connect_gateway(f"127.0.0.1:{server.port}", (f"127.0.0.1:{worker_server.port}",),
                                   GatewayConfig(model_dir), ApiKeys())
@@ -239,7 +240,7 @@ def test_a_redis_restart_mid_stream_is_retried_through(tmp_path, model_dir, work
             pool = service.manager.pools[runner_worker_id(gateway)]
             assert pool.num_used == 0 and pool.num_requests == 0
             reloaded = KVManager()
-            LoggedStore(connect(redis.url)).load(reloaded)  # what a restart would load: everything answered
+            CallLog(connect(redis.url)).load(reloaded)  # what a restart would load: everything answered
             assert reloaded.pools[pool.spec.worker_id].num_cached == pool.num_cached > 0
             assert not reloaded.requests
         finally:

@@ -406,17 +406,17 @@ def test_manager_service_and_health_need_no_token(kv):
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
-    from kvserve.kvmanager.redis_server import EmbeddedRedis
+    from kvserve.common.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
         yield server.url
 
 
 def _redis_service(url: str, prefix: str) -> KVService:
-    from kvserve.kvmanager.oplog import LoggedStore
-    from kvserve.kvmanager.redis_server import connect
+    from kvserve.kvmanager.call_log import CallLog
+    from kvserve.kvmanager.redis_client import connect
 
-    service = KVService(KVManager(), LoggedStore(connect(url), prefix))
+    service = KVService(KVManager(), CallLog(connect(url), prefix))
     service.load()
     return service
 

@@ -62,7 +62,7 @@ def snapshot(mgr: KVManager, clock: bool = True, last_ops: bool = True) -> dict:
 
 def assert_last_ops_persisted(orig: RequestPages, loaded: RequestPages) -> None:
     """last_ops as a restart finds them: a call that changed nothing is not logged unless its record went out
-    before it was applied (LoggedStore.send_early), so the result of an op that changed nothing else (an
+    before it was applied (CallLog.send_early), so the result of an op that changed nothing else (an
     extension within its pages, OUT_OF_PAGES, STALE_EPOCH) may be missing after a restart. A retry of that call
     then runs again instead of replaying: it allocates nothing either way."""
     for kind, (step_id, result) in orig.last_ops.items():
@@ -149,10 +149,10 @@ def replay(num_steps: int, seed: int = 0) -> tuple[KVManager, Soak]:
 
 def make_store(url: str, prefix: str):
     """The call log with a snapshot due every 16 calls (so that snapshots fall due during a short soak)."""
-    from kvserve.kvmanager.oplog import LoggedStore
-    from kvserve.kvmanager.redis_server import connect
+    from kvserve.kvmanager.call_log import CallLog
+    from kvserve.kvmanager.redis_client import connect
 
-    return LoggedStore(connect(url), prefix, snapshot_every=16)
+    return CallLog(connect(url), prefix, snapshot_every=16)
 
 
 def run_child(url: str, prefix: str, seed: int = 0, max_steps: int = 100_000) -> None:

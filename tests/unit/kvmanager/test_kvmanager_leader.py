@@ -25,13 +25,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmanager_histories import alloc, spec
 from polling import wait_for
 
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.wire.pages import PageCommit, PageFree, StepOps
 from kvserve.kvmanager import admin
+from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import Fenced, NotLeader
 from kvserve.kvmanager.fencing import fenced_call, fenced_pipeline, fenced_rpush
 from kvserve.kvmanager.leader import Election, LeaderLease
-from kvserve.kvmanager.oplog import LoggedStore
-from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.redis_client import connect
 from kvserve.kvmanager.server import MANAGER_SERVICE, report_leadership, start_kvmanager_server
 from kvserve.kvmanager.service import KVService
 from kvserve.services.gateway.rpc.clients import KVManagerClient
@@ -56,7 +57,7 @@ class Kvmanager:
     was told."""
 
     service: KVService
-    store: LoggedStore
+    store: CallLog
     election: Election
     roles: list[bool] = field(default_factory=list)
 
@@ -66,7 +67,7 @@ class Kvmanager:
 
 
 def kvmanager(url: str, address: str, ttl_s: float = TTL_S, service: KVService | None = None) -> Kvmanager:
-    service = service or KVService(store=LoggedStore(connect(url), PREFIX, background=False))
+    service = service or KVService(store=CallLog(connect(url), PREFIX, background=False))
     store = service.store
     election = Election(LeaderLease(connect(url, timeout_s=0.25), PREFIX, address, ttl_s), service)
     km = Kvmanager(service, store, election)
@@ -255,7 +256,7 @@ def health_of(port: int) -> int:
 
 
 def test_a_retried_step_pages_crosses_a_leader_change_to_the_remembered_answer(redis_server):
-    services = [KVService(store=LoggedStore(connect(redis_server.url), PREFIX, background=False)) for _ in range(2)]
+    services = [KVService(store=CallLog(connect(redis_server.url), PREFIX, background=False)) for _ in range(2)]
     for service in services:
         service.leading = False  # a standby until it wins (its server starts NOT_SERVING)
     servers = [start_kvmanager_server(service, admin_token="T") for service in services]

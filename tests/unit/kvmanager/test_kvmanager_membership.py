@@ -1,25 +1,27 @@
-"""Worker membership in the kvmanager (membership.py, KVService's membership calls, member_store.py, the reaper,
-the servicer): leases on a hand-moved clock, what joining and dying do to pools, index entries and requests,
-the member table in a real Redis across a new KVService, and the RPCs over real gRPC on port 0."""
+"""Worker membership in the kvmanager (membership.py, KVService's membership calls, the reaper, the servicer):
+leases on a hand-moved clock, what joining and dying do to pools, index entries and requests, the member table
+in the call log (join, drain and leave records) in a real Redis across a new KVService, and the RPCs over real
+gRPC on port 0."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
 import pytest
 
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.errors import InvalidRequest, StaleEpoch
 from kvserve.common.wire.membership import WorkerMember
 from kvserve.common.wire.pages import PageAllocation, PageCommit, PageExtension, PageFree, PoolSpec, StepOps
 from kvserve.kvmanager import admin
+from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import StoreUnavailable, UnknownRequest, UnknownWorker
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.member_store import NullMemberStore, RedisMemberStore
-from kvserve.kvmanager.oplog import LoggedStore
 from kvserve.kvmanager.reaper import MemberReaper
-from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.redis_client import connect, fresh_client
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService
 
@@ -42,8 +44,8 @@ def spec(worker="w0", epoch=1, num_pages=8) -> PoolSpec:
     return PoolSpec(worker, epoch, num_pages, PS, "fp", "float32", 100)
 
 
-def service(clock: Clock, store=None, member_store=None) -> KVService:
-    return KVService(KVManager(), store, member_store, worker_timeout_s=LEASE_S, clock=clock)
+def service(clock: Clock, store=None) -> KVService:
+    return KVService(KVManager(), store, worker_timeout_s=LEASE_S, clock=clock)
 
 
 def run_request(svc: KVService, req_id="r", worker="w0", step_id=1) -> None:
@@ -250,51 +252,46 @@ def test_the_reaper_thread_runs_on_its_own():
         reaper.stop()
 
 
-# -- the member table in Redis --------------------------------------------------------------------------------
-class CountingMemberStore(RedisMemberStore):
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.num_writes = 0
-
-    def write(self, upserts, deletes):
-        upserts, deletes = list(upserts), list(deletes)
-        if upserts or deletes:
-            self.num_writes += 1
-        super().write(upserts, deletes)
-
-
+# -- the member table in the call log --------------------------------------------------------------------------
 @pytest.fixture()
 def redis_server(tmp_path):
     with EmbeddedRedis(tmp_path / "redis") as server:
         yield server
 
 
-def redis_service(url: str, clock: Clock, member_store=None) -> KVService:
-    return service(clock, LoggedStore(connect(url), "m"), member_store)
+def redis_service(url: str, clock: Clock) -> KVService:
+    return service(clock, CallLog(connect(url), "m"))
 
 
-def test_members_are_stored_on_changes_only_and_reloaded_with_fresh_leases(redis_server):
+def member_records(url: str) -> list[tuple]:
+    """The join, drain and leave records of the call log, in order."""
+    raw = fresh_client(connect(url), decode_responses=False).lrange("m:log:0", 0, -1)
+    headers = [json.loads(r.partition(b"\n")[0]) for r in raw]
+    return [(h["k"], h["spec"]["worker_id"] if "spec" in h else h["args"][0]) for h in headers
+            if h["k"] in ("join", "drain", "leave")]
+
+
+def test_members_are_logged_on_changes_only_and_reloaded_with_fresh_leases(redis_server):
     clock = Clock()
-    members = CountingMemberStore(connect(redis_server.url), "m")
-    first = redis_service(redis_server.url, clock, members)
+    first = redis_service(redis_server.url, clock)
     first.join_worker(spec("w0"), "a:1")
     first.join_worker(spec("w1"), "b:1")
     first.join_worker(spec("w2"), "c:1")
+    first.join_worker(spec("w2"), "c:1")  # a retried join changes nothing
     run_request(first, "r", "w0")
-    assert members.num_writes == 3
     for _ in range(5):
         first.heartbeat("w0", 1)
-    assert members.num_writes == 3  # plain heartbeats write nothing
+    first.heartbeat("w1", 1, draining=True)
     first.heartbeat("w1", 1, draining=True)
     first.leave_worker("w2", 1)
-    assert members.num_writes == 5
+    assert member_records(redis_server.url) == [("join", "w0"), ("join", "w1"), ("join", "w2"), ("drain", "w1"),
+                                                ("leave", "w2")]  # plain heartbeats write nothing
 
     clock2 = Clock(1000.0)  # another process's monotonic clock: leases start fresh on it
     second = redis_service(redis_server.url, clock2)
     second.load()
-    assert isinstance(second.member_store, RedisMemberStore)
     assert listed(second) == [("w0", 1, "a:1", False, 1), ("w1", 1, "b:1", True, 0)]
-    assert "w2" not in second.manager.pools  # the leave's forget_worker was logged and replayed
+    assert "w2" not in second.manager.pools  # the leave was logged and replayed
     clock2.t = 1000.9
     assert second.expire_members(clock2.t) == []
     second.heartbeat("w0", 1)
@@ -306,15 +303,15 @@ def test_members_are_stored_on_changes_only_and_reloaded_with_fresh_leases(redis
     assert listed(third) == [("w0", 1, "a:1", False, 1)] and set(third.manager.pools) == {"w0"}
 
 
-def test_a_stored_member_without_its_pool_is_not_loaded_and_is_deleted(redis_server):
-    client = connect(redis_server.url)
-    members = RedisMemberStore(client, "m")
-    members.write([("ghost", 7, "g:1", False)], [])
+def test_a_reloaded_member_whose_pool_an_operator_forgot_is_declared_dead(redis_server):
     svc = redis_service(redis_server.url, Clock())
-    svc.load()
-    assert svc.list_workers() == [] and svc.members.members == {}
-    svc.join_worker(spec(), "a:1")  # the next membership call writes the table as it is
-    assert members.load() == [("w0", 1, "a:1", False)]
+    svc.join_worker(spec(), "a:1")
+    svc.mutate(admin.forget_worker, "w0", False)  # an admin record: the member stays, without its pool
+    again = redis_service(redis_server.url, Clock())
+    again.load()
+    assert again.list_workers() == [] and again.members.get("w0", 1) is not None
+    assert [(d.worker_id, d.reason) for d in again.expire_members(0.0)] == [("w0", "its pool is gone")]
+    assert member_records(redis_server.url)[-1] == ("leave", "w0")
 
 
 def test_a_member_change_redis_refused_is_written_by_a_later_call(redis_server):
@@ -327,12 +324,14 @@ def test_a_member_change_redis_refused_is_written_by_a_later_call(redis_server):
     assert listed(svc) == [("w0", 1, "a:1", True, 0)] and not svc.store_ok  # memory holds it
     redis_server.start()
     assert svc.heartbeat("w0", 1, draining=True).known  # no change now, but the one kept is written
-    assert svc.store_ok and RedisMemberStore(connect(redis_server.url), "m").load() == [("w0", 1, "a:1", True)]
+    assert svc.store_ok and member_records(redis_server.url)[-1] == ("drain", "w0")
+    again = redis_service(redis_server.url, Clock())
+    again.load()
+    assert listed(again) == [("w0", 1, "a:1", True, 0)]
 
 
 def test_without_persistence_the_table_is_in_memory_only():
     svc = KVService(KVManager())
-    assert isinstance(svc.member_store, NullMemberStore)
     svc.join_worker(spec(), "a:1")
     fresh = KVService(KVManager())
     fresh.load()

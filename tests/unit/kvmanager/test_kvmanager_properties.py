@@ -37,20 +37,13 @@ from kvserve.common.wire.pages import (
     PoolSpec,
     StepOps,
 )
+from kvserve.kvmanager.admin import evict_tenant, forget_worker
 from kvserve.kvmanager.errors import UnknownTenant
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
+from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.placement import Placement
 from kvserve.kvmanager.state import Changes
-
-try:
-    from kvserve.kvmanager.invariants import check_invariants
-except ImportError:
-    check_invariants = None
-try:
-    from kvserve.kvmanager.admin import evict_tenant, forget_worker
-except ImportError:
-    evict_tenant = forget_worker = None
 
 PS = 4  # page size
 WORKERS = ("w0", "w1")
@@ -149,13 +142,17 @@ class KVManagerMachine(RuleBasedStateMachine):
         for w, n in zip(WORKERS, sizes, strict=True):
             self.register(w, 1, n)
 
-    def register(self, w: str, epoch: int, num_pages: int) -> None:
-        res = self.mgr.register_worker(spec_for(w, epoch, num_pages))
+    def register(self, w: str, epoch: int, num_pages: int, address: str = "") -> None:
+        res = self.register_pool(spec_for(w, epoch, num_pages), address)
         dropped = sorted(rid for rid, m in self.live.items() if m.worker == w)
         assert res.dropped_req_ids == tuple(dropped) and res.previous_epoch == self.epoch.get(w, 0)
         for rid in dropped:
             self.stale[rid] = self.live.pop(rid)
         self.epoch[w], self.num_pages[w], self.last = epoch, num_pages, None
+
+    def register_pool(self, spec: PoolSpec, address: str):
+        """The registration; the replay machine has a worker with an ``address`` join instead."""
+        return self.mgr.register_worker(spec)
 
     def call(self, ops: StepOps):
         single = len(ops.allocations) + len(ops.extensions) + len(ops.commits) + len(ops.frees) + len(
@@ -368,8 +365,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             if HOLE in m.page_table:  # only a windowed pool's, between its sink page and its last page
                 assert m.worker in WINDOWS and HOLE not in m.page_table[:NUM_SINK_PAGES] + m.page_table[-1:]
         assert {t: [c.prefix_cache_queries, c.prefix_cache_hits] for t, c in mgr.tenants.items()} == self.counters
-        if check_invariants is not None:
-            check_invariants(mgr)
+        check_invariants(mgr)
 
     def check_pool(self, w: str, pool) -> None:
         n, e = pool.spec.num_pages, pool.spec.epoch
@@ -697,7 +693,6 @@ class KVManagerMachine(RuleBasedStateMachine):
             self.mgr.step(ops)
         assert snapshot(self.mgr) == before
 
-    @precondition(lambda self: evict_tenant is not None)
     @rule(tenant=st.sampled_from(TENANTS))
     def evict_a_tenant(self, tenant):
         before = self.baseline()
@@ -722,7 +717,6 @@ class KVManagerMachine(RuleBasedStateMachine):
         """The admin RPC's domain call; the replay machine sends it through the logged service instead."""
         return forget_worker(self.mgr, w, True)
 
-    @precondition(lambda self: forget_worker is not None)
     @rule(data=st.data())
     def forget_a_worker_and_register_it_again(self, data):
         """An operator forgets a worker with force, whatever runs on it; the worker registers again, under the
@@ -732,6 +726,13 @@ class KVManagerMachine(RuleBasedStateMachine):
         on_w = sorted(rid for rid, m in self.live.items() if m.worker == w)
         res = self.forget(w)
         assert (res.num_dropped_requests, res.num_dropped_blocks) == (len(on_w), num_blocks)
+        epoch = self.forgotten(w, on_w) + data.draw(st.integers(0, 1))
+        self.register(w, epoch, data.draw(st.integers(6, 12)))
+        assert not [r for r in (*self.mgr.requests.values(), *self.mgr.stale.values()) if r.worker_id == w]
+
+    def forgotten(self, w: str, on_w: list[str]) -> int:
+        """The model after worker ``w``'s pool was forgotten with its requests (``on_w`` the live ones); the
+        epoch it had."""
         assert w not in self.mgr.pools
         for rid in on_w + [rid for rid, m in self.stale.items() if m.worker == w]:
             (self.live if rid in self.live else self.stale).pop(rid)
@@ -740,9 +741,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         for model in (self.committed, self.content):
             for key in [k for k in model if k[0] == w]:
                 del model[key]
-        epoch = self.epoch.pop(w) + data.draw(st.integers(0, 1))
-        self.register(w, epoch, data.draw(st.integers(6, 12)))
-        assert not [r for r in (*self.mgr.requests.values(), *self.mgr.stale.values()) if r.worker_id == w]
+        return self.epoch.pop(w)
 
 
 KVManagerMachine.TestCase.settings = settings(

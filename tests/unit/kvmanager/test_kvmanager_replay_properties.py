@@ -1,12 +1,12 @@
 """Restart determinism, property-based. KVManagerMachine's random calls (test_kvmanager_properties.py) go
-through a KVService over the real call-log store (kvmanager/oplog.py) and a real Redis. Rules add snapshots
-at random points, retries of earlier calls after others, and an operator's pin and unpin. After every step a
-reload (the snapshot, then the logged calls replayed) must equal the live manager: page tables, blocks,
-counters, the clock, the remembered answers, and the free lists and LRUs in their exact order (which later
-allocations depend on).
+through a KVService over the real call log (kvmanager/call_log.py) and a real Redis. Rules add snapshots at
+random points, retries of earlier calls after others, an operator's pin and unpin, and workers that join,
+drain and leave. After every step a reload (the snapshot, then the logged calls replayed) must equal the live
+manager: page tables, blocks, counters, the clock, the remembered answers, the free lists and LRUs in their
+exact order (which later allocations depend on), and the member table.
 
-The replay bugs fixed with snapshots.replay_items (free list order, tenant eviction order, remembered answers)
-each broke this equality.
+Every kind of record the call log writes is made here: step, register, admin (pin, unpin, evict_tenant,
+forget_worker; a reset is an inline snapshot, in LeaderChangeMachine), join, drain and leave.
 
 LeaderChangeMachine adds leader changes and fenced late writes of the deposed leader (see there)."""
 
@@ -22,14 +22,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 from test_kvmanager_properties import KVManagerMachine, snapshot
 
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.wire.pages import StepOps
 from kvserve.kvmanager import admin
+from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import NotLeader, StaleStep, UnknownRequest
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.oplog import LoggedStore
-from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.membership import MemberTable
+from kvserve.kvmanager.redis_client import connect
 from kvserve.kvmanager.service import KVService
-from kvserve.kvmanager.snapshots import SWITCHED
+from kvserve.kvmanager.snapshot import SWITCHED
 
 REDIS: dict[str, str] = {}
 PREFIXES = (f"replay-{i}" for i in itertools.count())
@@ -45,7 +47,7 @@ def redis_server(tmp_path_factory):
 class LoggedManager(KVManager):
     """A KVManager whose calls go through a KVService to the call log, as the servicer's do."""
 
-    def __init__(self, store: LoggedStore):
+    def __init__(self, store: CallLog):
         super().__init__()
         self.service = KVService(self, store)
         self.replaying = False  # while its store loads it: the logged calls apply directly
@@ -66,7 +68,7 @@ class ReplayMachine(KVManagerMachine):
     def __init__(self):
         super().__init__()
         self.prefix = next(PREFIXES)
-        self.store = LoggedStore(connect(REDIS["url"]), self.prefix, snapshot_every=1 << 30, background=False)
+        self.store = CallLog(connect(REDIS["url"]), self.prefix, snapshot_every=1 << 30, background=False)
         self.mgr = LoggedManager(self.store)
         self.settled: list[tuple[StepOps, object]] = []  # (call, its answer): calls of only frees, commits and
         # releases, with a step_id, retried later
@@ -86,11 +88,12 @@ class ReplayMachine(KVManagerMachine):
 
     @rule(forked=st.booleans())
     def snapshot_now(self, forked=False):
+        members = self.mgr.service.members
         if not forked:
-            self.store.snapshot(self.mgr)
+            self.store.snapshot(self.mgr, members)
             return
         self.store.snapshot_every, self.store.background = 0, True
-        self.store._background_snapshot(self.mgr)  # due (even with an empty log), no child runs: forks now
+        self.store._background_snapshot(self.mgr, members)  # due (even with an empty log), no child runs: forks now
         self.store.snapshot_every, self.store.background = 1 << 30, False
         assert self.store.wait_snapshot() == SWITCHED
 
@@ -136,7 +139,6 @@ class ReplayMachine(KVManagerMachine):
         self.mgr.service.mutate(admin.unpin, tenant, tokens, "")
         self.last = None  # the last call's retry would see the LRU moved
 
-    @precondition(lambda self: props.evict_tenant is not None)
     @rule(tenant=st.sampled_from(props.TENANTS))
     def evict_a_tenant(self, tenant):
         real = props.evict_tenant
@@ -149,6 +151,44 @@ class ReplayMachine(KVManagerMachine):
     def forget(self, w: str):
         return self.mgr.service.mutate(admin.forget_worker, w, True)  # logged, as the admin RPC is
 
+    @rule(data=st.data())
+    def a_worker_joins_drains_and_leaves(self, data):
+        """A worker joins (JoinWorker: a "join" record) under its pool's epoch or a newer one, may drain (a
+        "drain" record) and may leave (a "leave" record: its pool forgotten with its requests; it then joins
+        again), maybe with a snapshot between."""
+        w, svc = data.draw(st.sampled_from(props.WORKERS)), self.mgr.service
+        epoch = self.epoch[w] + data.draw(st.integers(0, 1))
+        num_pages = self.num_pages[w] if epoch == self.epoch[w] else data.draw(st.integers(6, 12))
+        self.join(w, epoch, num_pages)
+        if data.draw(st.booleans()):
+            mark, was_draining = self.log_mark(), svc.members.get(w, epoch).draining
+            assert svc.heartbeat(w, epoch, draining=True).known and self.logged_since(mark) != was_draining
+            mark = self.log_mark()
+            svc.heartbeat(w, epoch, draining=True)
+            assert not self.logged_since(mark), "a heartbeat that changes nothing is not logged"
+        if data.draw(st.booleans()):
+            self.snapshot_now(data.draw(st.booleans()))
+        if data.draw(st.booleans()):
+            on_w = sorted(rid for rid, m in self.live.items() if m.worker == w)
+            assert svc.leave_worker(w, epoch) == tuple(on_w)
+            self.join(w, self.forgotten(w, on_w), data.draw(st.integers(6, 12)))
+
+    def join(self, w: str, epoch: int, num_pages: int) -> None:
+        if epoch != self.epoch.get(w):
+            self.register(w, epoch, num_pages, f"{w}:{epoch}")
+        else:  # its pool stays as it is
+            assert self.register_pool(props.spec_for(w, epoch, num_pages), f"{w}:{epoch}").dropped_req_ids == ()
+        assert self.mgr.service.members.get(w, epoch) is not None
+
+    def register_pool(self, spec, address: str):
+        if not address:
+            return super().register_pool(spec, address)
+        self.mgr.replaying = True  # the registration is logged as the join, not as a "register" record
+        try:
+            return self.mgr.service.join_worker(spec, address).registered
+        finally:
+            self.mgr.replaying = False
+
     def log_mark(self) -> int:
         return self.store.num_logged + len(self.store.pending)
 
@@ -157,9 +197,10 @@ class ReplayMachine(KVManagerMachine):
 
     @invariant()
     def a_restart_reloads_the_live_state(self):
-        loaded = KVManager()
-        LoggedStore(connect(REDIS["url"]), self.prefix).load(loaded)
+        loaded, members = KVManager(), MemberTable()
+        CallLog(connect(REDIS["url"]), self.prefix).load(loaded, members)
         assert snapshot(loaded, volatile=False) == snapshot(self.mgr, volatile=False)
+        assert members.records() == self.mgr.service.members.records()
         assert (loaded.clock, loaded.recent) == (self.mgr.clock, self.mgr.recent)
         self.claim_back()
 
@@ -208,7 +249,7 @@ class LeaderChangeMachine(ReplayMachine):
 
     def leader_change(self, data, late: str) -> None:
         old = self.mgr
-        store = LoggedStore(connect(REDIS["url"]), self.prefix, snapshot_every=1 << 30, background=False)
+        store = CallLog(connect(REDIS["url"]), self.prefix, snapshot_every=1 << 30, background=False)
         new = LoggedManager(store)
         new.service.leading, new.replaying = False, True
         new.service.take_over(new)  # claims the prefix (a newer fencing token), then loads

@@ -21,6 +21,7 @@ from prometheus_client import generate_latest
 
 from kvserve.common.convert import pages as page_cv
 from kvserve.common.convert import worker as worker_cv
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.metrics import KVManagerMetrics
 from kvserve.common.pages import HOLE
@@ -38,15 +39,15 @@ from kvserve.common.wire.pages import (
 )
 from kvserve.common.wire.worker import WorkerInfo
 from kvserve.kvmanager import admin
+from kvserve.kvmanager import snapshot as snapshot_format
+from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import StaleStep, UnknownRequest
 from kvserve.kvmanager.hashing import chain_hashes
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.oplog import LoggedStore, _read_binary
-from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.redis_client import connect, fresh_client
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService
-from kvserve.kvmanager.snapshot_layout import SnapshotLayout
 from kvserve.kvmanager.spans import record_op_spans
 from kvserve.services.cli import main as cli_main
 from kvserve.services.gateway.errors import KVManagerFailed
@@ -54,6 +55,11 @@ from kvserve.services.gateway.rpc.clients import KVManagerClient
 from kvserve.v1 import kvmanager_pb2_grpc
 
 PS = 4  # page size
+
+
+def raw_records(client, key: str) -> list[bytes]:
+    """The records of a log, as bytes (the store's client decodes replies as text)."""
+    return fresh_client(client, decode_responses=False).lrange(key, 0, -1)
 
 
 def test_a_windowed_pools_spec_crosses_the_wire_from_worker_info_to_registration():
@@ -339,65 +345,45 @@ def exact(mgr: KVManager) -> tuple:
 @pytest.mark.parametrize("background", [True, False], ids=["forked", "inline"])
 @pytest.mark.parametrize("snapshot_every", [1000, 4, 1])
 def test_a_restart_reproduces_the_holes_ref_cnts_lru_and_free_list_exactly(redis_url, snapshot_every, background):
-    store = LoggedStore(connect(redis_url), snapshot_every=snapshot_every, background=background)
+    store = CallLog(connect(redis_url), snapshot_every=snapshot_every, background=background)
     svc = KVService(KVManager(), store)
     windowed_history(svc)
     store.wait_snapshot()
     assert (store.gen == 0) == (snapshot_every == 1000)  # the replay alone, or snapshots holding holes
     loaded = KVManager()
-    LoggedStore(connect(redis_url)).load(loaded)  # runs check_invariants
+    CallLog(connect(redis_url)).load(loaded)  # runs check_invariants
     assert exact(loaded) == exact(svc.manager)
     # page 6, which b's window released, is e's alone now
     assert loaded.requests["b"].page_table == [5, HOLE, 7, 8] and loaded.pools["w0"].ref_cnt[6] == 1
     assert set(loaded.stale["c"].last_ops) == {"allocate", "release"}
     # the reloaded manager carries on: a retried release is answered from memory, a new one applies
-    again = KVService(loaded, LoggedStore(connect(redis_url)))
+    again = KVService(loaded, CallLog(connect(redis_url)))
     assert again.step(StepOps(8, commits=(PageCommit("b", 0, tuple(range(500, 512)), 13),))).commits[0] == \
         svc.manager.requests["b"].last_ops["commit"][1]
     assert again.step(StepOps(9, releases=(PageRelease("b", (2,)),))).releases[0].num_released == 1
     assert loaded.pools["w0"].num_window_released == 4 and 7 in loaded.pools["w0"].evictable
 
 
-def test_a_snapshot_stores_holes_as_minus_one_and_recovery_holds_no_page_for_them(redis_url):
-    svc = KVService()  # NullStore: the snapshot is written by the test
+def test_a_snapshot_stores_holes_as_minus_one_and_a_reload_holds_no_page_for_them():
+    svc = KVService()  # NullStore: the snapshot is encoded by the test
     windowed_history(svc)
-    client = connect(redis_url)
-    SnapshotLayout(client, "snap").write(svc.manager)
-    stored = json.loads(client.get(SnapshotLayout(client, "snap").keys.request("t", "b")))
+    chunks = snapshot_format.encode(svc.manager, [])
+    stored = next(r for r in json.loads(b"".join(chunks))["requests"] if r["req_id"] == "b")
     assert stored["page_table"] == [5, -1, 7, 8] and stored["last_ops"]["release"][1]["num_released"] == 1
     loaded = KVManager()
-    SnapshotLayout(client, "snap").load(loaded)  # recovery derives ref_cnts and lists, then check_invariants
+    snapshot_format.decode(chunks, loaded)  # check_invariants: ref_cnts equal the holders, holes hold nothing
     pool = loaded.pools["w0"]
     assert loaded.requests["b"].page_table == [5, HOLE, 7, 8] and pool.ref_cnt[6] == 1  # e's alone
-    assert pool.ref_cnt == svc.manager.pools["w0"].ref_cnt and pool.num_window_released == 3
-    assert sorted(pool.free) == sorted(svc.manager.pools["w0"].free)
-    assert set(pool.evictable) == set(svc.manager.pools["w0"].evictable)
-
-
-def test_a_snapshot_from_before_windows_loads_with_no_window_and_no_releases(redis_url):
-    svc = KVService()
-    svc.register_worker(PoolSpec("w0", 1, 8, PS, "fp", "float32", 100))
-    svc.step(StepOps(1, allocations=(PageAllocation("a", "t", PROMPT[:9], "w0"),)))
-    client, layout = connect(redis_url), SnapshotLayout(connect(redis_url), "old")
-    layout.write(svc.manager)
-    for key, drop in ((layout.keys.counters, "num_window_released"), (layout.keys.pool("w0"), "sliding_window"),
-                      (layout.keys.pool("w0"), "attention_sinks")):
-        value = json.loads(client.get(key))
-        del value[drop]
-        client.set(key, json.dumps(value))
-    loaded = KVManager()
-    layout.load(loaded)
-    assert loaded.pools["w0"].spec == svc.manager.pools["w0"].spec and loaded.pools["w0"].num_window_released == 0
-    assert loaded.requests["a"].page_table == [0, 1, 2]
+    assert exact(loaded) == exact(svc.manager) and pool.num_window_released == 3
 
 
 def test_a_step_record_carries_its_releases_only_when_it_has_some(redis_url):
     client = connect(redis_url)
-    svc = KVService(KVManager(), LoggedStore(client))
+    svc = KVService(KVManager(), CallLog(client))
     svc.register_worker(wspec())
     svc.step(StepOps(1, allocations=(PageAllocation("a", "t", PROMPT, "w0"),)))
     svc.step(StepOps(2, releases=(PageRelease("a", (2, 1)),)))
-    headers = [json.loads(raw.split(b"\n", 1)[0]) for raw in _read_binary(client, "kvserve:log")]
+    headers = [json.loads(raw.split(b"\n", 1)[0]) for raw in raw_records(client, "kvserve:log:0")]
     assert "r" not in headers[1] and headers[2]["r"] == [["a", [2, 1]]]
     assert list(svc.manager.pools["w0"].evictable) == [] and list(svc.manager.pools["w0"].free)[-2:] == [2, 1]
 
@@ -444,7 +430,7 @@ def test_a_bad_window_at_registration_is_invalid_argument_over_grpc(served):
     service, _, port = served
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = kvmanager_pb2_grpc.KVManagerServiceStub(channel)
-        for window, sinks, message in ((0, 4, "needs a sliding_window"), (2, 0, "smaller than a page"),
+        for window, sinks, message in ((0, 4, "needs sliding_window"), (2, 0, "smaller than a page"),
                                        (-8, 0, "sliding_window must be >= 0")):
             with pytest.raises(grpc.RpcError) as err:
                 stub.RegisterWorker(page_cv.spec_to_proto(wspec(window=window, sinks=sinks)), timeout=10)

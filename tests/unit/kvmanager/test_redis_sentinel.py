@@ -12,14 +12,15 @@ import pytest
 import redis
 from kvmanager_histories import P, alloc, spec
 from kvmanager_processes import kvmanager_process, populate, run_cli, stop_cleanly
+from redis_sentinel import SentinelCluster
 
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.wire.pages import PageCommit, PageFree, StepOps
+from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import StoreUnavailable
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.oplog import LoggedStore
-from kvserve.kvmanager.redis_sentinel import SentinelCluster
-from kvserve.kvmanager.redis_server import EmbeddedRedis, SentinelUrl, connect, parse_sentinel_url
+from kvserve.kvmanager.redis_client import SentinelUrl, connect, parse_sentinel_url
 from kvserve.kvmanager.service import KVService
 
 from kvmanager_soak import snapshot  # isort: skip
@@ -63,7 +64,7 @@ def call_until_ok(svc: KVService, ops: StepOps) -> tuple[object, int]:
 
 def loaded_from(url: str) -> KVManager:
     mgr = KVManager()
-    LoggedStore(connect(url)).load(mgr)  # runs check_invariants
+    CallLog(connect(url)).load(mgr)  # runs check_invariants
     return mgr
 
 
@@ -81,7 +82,7 @@ def cluster(tmp_path):
 
 @pytest.mark.parametrize("background", [False, True], ids=["inline", "forked"])
 def test_the_kvmanager_follows_a_primary_failover_and_keeps_every_acknowledged_call(cluster, background):
-    store = LoggedStore(connect(cluster.url, timeout_s=1.0), snapshot_every=4, background=background,
+    store = CallLog(connect(cluster.url, timeout_s=1.0), snapshot_every=4, background=background,
                         wait_replicas=1)
     svc, load = KVService(KVManager(), store), Load()
     svc.register_worker(spec("w0", num_pages=64))
@@ -116,7 +117,7 @@ def test_the_kvmanager_follows_a_primary_failover_and_keeps_every_acknowledged_c
 
 
 def test_a_write_no_replica_acknowledged_is_unavailable_until_a_replica_is_back(cluster):
-    store = LoggedStore(connect(cluster.url), background=False, wait_replicas=1, wait_timeout_ms=300)
+    store = CallLog(connect(cluster.url), background=False, wait_replicas=1, wait_timeout_ms=300)
     svc, load = KVService(KVManager(), store), Load()
     svc.register_worker(spec("w0", num_pages=64))
     svc.step(load.next(svc.manager))
@@ -144,7 +145,7 @@ def test_a_demoted_primary_answers_readonly_and_the_retry_succeeds_once_it_is_wr
     """A plain redis:// URL whose node became a replica (of a node that is not there, so it keeps its data):
     READONLY is UNAVAILABLE, the connection is dropped, and the retry reaches a primary again."""
     with EmbeddedRedis(tmp_path / "redis") as server:
-        store = LoggedStore(connect(server.url), background=False)
+        store = CallLog(connect(server.url), background=False)
         svc, load = KVService(KVManager(), store), Load()
         svc.register_worker(spec("w0", num_pages=64))
         admin_client = redis.Redis("127.0.0.1", server.port)

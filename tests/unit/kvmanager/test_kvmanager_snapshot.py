@@ -9,15 +9,18 @@ import signal
 
 import grpc
 import pytest
-from kvmanager_histories import alloc, build_history, spec
-from test_kvmanager_oplog import exact, live_keys, reload
+from kvmanager_histories import alloc, build_history, history, spec
+from test_kvmanager_call_log import exact, live_keys, reload
+from test_kvmanager_properties import snapshot as exact_state
 
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.tokens import le_uint32
 from kvserve.common.wire.pages import PageCommit, PageFree, StepOps
-from kvserve.kvmanager import admin, snapshots
+from kvserve.kvmanager import admin
+from kvserve.kvmanager import snapshot as snapshots
+from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.oplog import LoggedStore
-from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.redis_client import connect
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService
 from kvserve.v1 import kvmanager_pb2 as pb
@@ -30,11 +33,11 @@ def redis_url(tmp_path):
         yield server.url
 
 
-def history_with_a_stopped_child(redis_url: str) -> tuple[KVService, LoggedStore, snapshots.Child]:
+def history_with_a_stopped_child(redis_url: str) -> tuple[KVService, CallLog, snapshots.Child]:
     """build_history with a snapshot due every 4 calls. The 4th call forks a child, which writes the state as
     generation 1 and stops itself before it switches to it; the later calls go to generation 1's log."""
     client = connect(redis_url)
-    store = LoggedStore(client, snapshot_every=4)
+    store = CallLog(client, snapshot_every=4)
     store.stop_child_before_switch = True
     svc = KVService(KVManager(), store)
     build_history(svc)
@@ -43,7 +46,7 @@ def history_with_a_stopped_child(redis_url: str) -> tuple[KVService, LoggedStore
     _, status = os.waitpid(child.pid, os.WUNTRACED)  # returns once the child has stopped itself
     assert os.WIFSTOPPED(status)
     assert store.log_gens == [0, child.gen] and client.get("kvserve:gen") is None  # not switched yet
-    assert client.exists(f"kvserve:s{child.gen}:counters") and client.llen(f"kvserve:log:{child.gen}") > 0
+    assert client.exists(f"kvserve:snap:{child.gen}") and client.llen(f"kvserve:log:{child.gen}") > 0
     return svc, store, child
 
 
@@ -56,8 +59,8 @@ def test_calls_made_while_a_child_writes_the_snapshot_are_kept(redis_url):
     assert int(client.get("kvserve:gen")) == child.gen == store.gen and store.log_gens == [child.gen]
     assert store.num_logged == after_fork  # what a restart replays: only the calls after the fork
     live = live_keys(client, store)
-    assert live["state"] == [child.gen] and live["log"] == [child.gen]  # generation 0 and its log are gone
-    assert client.exists("kvserve:log") == 0 and client.exists("kvserve:pool:w0") == 0
+    assert live["snap"] == [child.gen] and live["log"] == [child.gen]  # generation 0 and its log are gone
+    assert client.exists("kvserve:log:0") == 0 and client.exists("kvserve:snap:0") == 0
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)
 
@@ -68,7 +71,7 @@ def test_a_child_outliving_a_restart_cannot_switch_generations(redis_url):
     assert exact(loaded) == exact(svc.manager)
     os.kill(child.pid, signal.SIGCONT)
     assert store.wait_snapshot() == snapshots.SUPERSEDED
-    assert store.client.get("kvserve:gen") is None and store.client.llen("kvserve:log") == 4  # untouched
+    assert store.client.get("kvserve:gen") is None and store.client.llen("kvserve:log:0") == 4  # untouched
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)
 
@@ -79,7 +82,7 @@ def test_a_child_killed_mid_snapshot_leaves_garbage_the_next_snapshot_deletes(re
     os.kill(child.pid, signal.SIGKILL)
     assert store.wait_snapshot() == -signal.SIGKILL
     # the killed child's snapshot is there, unread: generation 0 (no state keys) is still the one loaded
-    assert live_keys(store.client, store)["state"] == [child.gen] and store.client.get("kvserve:gen") is None
+    assert live_keys(store.client, store)["snap"] == [child.gen] and store.client.get("kvserve:gen") is None
     # (no reload here: it would claim the prefix, and this store could then no longer switch generations)
     # The next attempt comes once snapshot_every more calls are logged.
     for step_id in range(100, 104):
@@ -89,13 +92,13 @@ def test_a_child_killed_mid_snapshot_leaves_garbage_the_next_snapshot_deletes(re
     assert next_child is not None and next_child.gen > child.gen
     assert store.wait_snapshot() == snapshots.SWITCHED
     live = live_keys(store.client, store)
-    assert live["state"] == [next_child.gen] and set(live["log"]) <= {next_child.gen}
+    assert live["snap"] == [next_child.gen] and set(live["log"]) <= {next_child.gen}
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)
 
 
 def test_a_snapshot_forked_inside_a_grpc_handler_leaves_the_server_serving(redis_url):
-    store = LoggedStore(connect(redis_url), snapshot_every=2)
+    store = CallLog(connect(redis_url), snapshot_every=2)
     service = KVService(KVManager(), store)
     server = start_kvmanager_server(service, "127.0.0.1", 0, admin_token="t")
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
@@ -128,22 +131,22 @@ def test_cleanup_never_deletes_the_loaded_generation_a_live_log_or_a_newer_gener
     kvmanager's child writing its snapshot."""
     client = connect(redis_url)
     keys = snapshots.GenerationKeys("kvserve")
-    client.mset({"kvserve:pool:w0": "{}", "kvserve:counters": "{}",  # generation 0: the layout before generations
-                 **{f"kvserve:s{g}:pool:w0": "{}" for g in (2, 3, 5, 7)}})
-    client.rpush("kvserve:log", "r")
+    for g in (2, 3, 5, 7):
+        client.rpush(f"kvserve:snap:{g}", "{}")
+    client.rpush("kvserve:log:0", "r")
     for g in (1, 2, 5, 7):
         client.rpush(f"kvserve:log:{g}", "r")
 
     def left():
         kinds = [keys.classify(k) for k in client.scan_iter(match="kvserve:*")]
-        return sorted({k for k in kinds if k[0] == "state"}), sorted(k[1] for k in kinds if k[0] == "log")
+        return sorted({k for k in kinds if k[0] == "snap"}), sorted(k[1] for k in kinds if k[0] == "log")
 
-    # child of generation 5, before writing; generation 2 is loaded: 0 and 3 are dead snapshots, log 0 and 1
-    # are covered by snapshot 2
-    assert snapshots.delete_stale(client, keys, loaded=2, below=5) == 5
-    assert left() == ([("state", 2), ("state", 5), ("state", 7)], [2, 5, 7])
+    # child of generation 5, before writing; generation 2 is loaded: 3 is a dead snapshot, log 0 and 1 are
+    # covered by snapshot 2
+    assert snapshots.delete_stale(client, keys, loaded=2, below=5) == 3
+    assert left() == ([("snap", 2), ("snap", 5), ("snap", 7)], [2, 5, 7])
     assert snapshots.delete_stale(client, keys, loaded=5) == 2  # after its switch to 5
-    assert left() == ([("state", 5), ("state", 7)], [5, 7])
+    assert left() == ([("snap", 5), ("snap", 7)], [5, 7])
 
 
 def test_call_log_metrics_show_what_a_restart_replays_and_how_snapshots_went(redis_url):
@@ -185,13 +188,13 @@ def test_a_process_with_grpc_forks_only_when_grpcs_fork_handlers_are_off(monkeyp
     else:
         monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", setting)
     assert snapshots.forking_is_safe() is forks
-    assert LoggedStore(None).background is forks and LoggedStore(None, background=True).background
+    assert CallLog(None).background is forks and CallLog(None, background=True).background
 
 
 def test_a_log_four_times_over_its_bound_is_snapshotted_inline_whatever_the_child_does(redis_url):
     """A child that never finishes (here: stopped before its switch) cannot let the log grow without bound:
     past 4 x snapshot_every calls, a call kills it and writes the snapshot itself."""
-    store = LoggedStore(connect(redis_url), snapshot_every=2)
+    store = CallLog(connect(redis_url), snapshot_every=2)
     store.stop_child_before_switch = True
     svc = KVService(KVManager(), store)
     svc.register_worker(spec("w0", num_pages=64))
@@ -206,7 +209,7 @@ def test_a_log_four_times_over_its_bound_is_snapshotted_inline_whatever_the_chil
     assert step_id == 8  # the 9th logged call is over 4 x 2
     assert store.child is None and store.num_snapshots == {"forked": 0, "inline": 1, "failed": 1}
     assert store.num_logged == 0 and store.gen > child.gen
-    assert store.client.exists(f"kvserve:s{child.gen}:counters") == 0  # the killed child's keys are deleted
+    assert store.client.exists(f"kvserve:snap:{child.gen}") == 0  # the killed child's keys are deleted
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)
 
@@ -217,7 +220,7 @@ def test_a_restart_replays_allocations_onto_the_free_list_and_lru_in_their_live_
     page goes to the free list's end). A replayed allocation takes the free list's first pages, so a snapshot
     stores both orders: without them the reload gave a request pages [4, 5] where the live kvmanager had
     answered [7, 8], pages a worker then writes for two requests."""
-    store = LoggedStore(connect(redis_url), background=background)
+    store = CallLog(connect(redis_url), background=background)
     svc = KVService(KVManager(), store)
     build_history(svc)
     live = svc.manager.pools["w0"]
@@ -238,7 +241,7 @@ def test_a_restart_replays_allocations_onto_the_free_list_and_lru_in_their_live_
 def test_a_replayed_tenant_eviction_frees_pages_in_the_live_order(redis_url):
     """evict_tenant frees pages in an order that a later allocation sees. Walking the index in insertion order
     (commit order live, page order after a reload) freed them differently after a restart."""
-    store = LoggedStore(connect(redis_url), background=False)
+    store = CallLog(connect(redis_url), background=False)
     svc = KVService(KVManager(), store)
     build_history(svc)
     assert list(svc.manager.pools["w0"].free) == [7, 8, 9, 10, 11, 5, 4]
@@ -247,7 +250,7 @@ def test_a_replayed_tenant_eviction_frees_pages_in_the_live_order(redis_url):
         7, 8, 9, 10, 11, 5, 4]
     svc.step(StepOps(10, commits=(PageCommit("d", 0, d[:24], 25),)))  # blocks indexed on pages 7..11, then 5
     svc.step(StepOps(11, frees=(PageFree("d"),)))
-    store.snapshot(svc.manager)  # a reload indexes them by page: 5 first
+    store.snapshot(svc.manager, svc.members)  # a reload indexes them by page: 5 first
     svc.mutate(admin.evict_tenant, "D", "", False)
     z = svc.step(StepOps(12, allocations=(alloc("z", "C", range(900, 909), "w0"),))).allocations[0].page_table
     loaded, _ = reload(redis_url)
@@ -261,7 +264,7 @@ def test_a_retry_answered_from_memory_across_a_snapshot_replays_after_a_restart(
     validated and answered from the manager's remembered answers (KVManager.recent), and logged again. With a
     snapshot between the two attempts, the replay needs those answers too: without them the reload raised
     UnknownRequest, and the kvmanager could not start."""
-    store = LoggedStore(connect(redis_url), background=background)
+    store = CallLog(connect(redis_url), background=background)
     svc = KVService(KVManager(), store)
     svc.register_worker(spec("w0"))
     svc.step(StepOps(1, allocations=(alloc("a", "A", range(9), "w0"),)))
@@ -276,3 +279,49 @@ def test_a_retry_answered_from_memory_across_a_snapshot_replays_after_a_restart(
     assert store.num_logged == 2  # step 3, then the retry: logged again
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager) and loaded.recent == svc.manager.recent
+
+
+# -- the format: encode and decode the whole state ------------------------------------------------------------
+MEMBERS = [("w0", 1, "a:1", False), ("w1", 2, "b:1", True)]
+
+
+@pytest.mark.parametrize("chunk_bytes", [snapshots.CHUNK_BYTES, 97])
+def test_a_snapshot_decodes_to_exactly_the_state_it_encoded(monkeypatch, chunk_bytes):
+    """Everything, orders included (free lists, LRUs, the index, requests, remembered answers), whatever the
+    chunking: nothing is derived on load."""
+    monkeypatch.setattr(snapshots, "CHUNK_BYTES", chunk_bytes)
+    mgr = history()
+    mgr.pools["w0"].free.rotate(3)  # orders no derivation would give
+    mgr.pools["w0"].evictable.move_to_end(next(iter(mgr.pools["w0"].evictable)))
+    chunks = snapshots.encode(mgr, MEMBERS)
+    assert len(chunks) > 1 if chunk_bytes < 1000 else len(chunks) == 1
+    loaded = KVManager()
+    assert snapshots.decode(chunks, loaded) == MEMBERS
+    assert exact_state(loaded) == exact_state(mgr) and (loaded.recent, loaded.clock) == (mgr.recent, mgr.clock)
+    assert list(loaded.pools["w0"].index) == list(mgr.pools["w0"].index)
+
+
+def test_a_reloaded_manager_answers_like_the_original():
+    mgr, loaded = history(), KVManager()
+    snapshots.decode(snapshots.encode(mgr, []), loaded)
+    ops = StepOps(20, allocations=(alloc("n", "A", tuple(range(1, 17)), "w0"), alloc("m", "B", tuple(range(40)), "w1")))
+    first, again = mgr.step(ops), loaded.step(ops)
+    assert again.allocations == first.allocations and exact_state(loaded) == exact_state(mgr)
+
+
+@pytest.mark.parametrize("corrupt", ["a page held twice", "a ref_cnt off by one", "a free page also in the LRU"])
+def test_an_inconsistent_snapshot_is_refused_on_load(corrupt):
+    """Never serve from a state that could hand out a page twice: decode raises AssertionError."""
+    import json
+
+    state = json.loads(b"".join(snapshots.encode(history(), [])))
+    pool = state["pools"][0]
+    if corrupt == "a page held twice":
+        req = next(r for r in state["requests"] if r["worker_id"] == pool["spec"]["worker_id"])
+        req["page_table"] = [req["page_table"][0]] * 2
+    elif corrupt == "a ref_cnt off by one":
+        pool["ref_cnt"][0] += 1
+    else:
+        pool["lru"].append(pool["free"][0])
+    with pytest.raises(AssertionError):
+        snapshots.decode([json.dumps(state).encode()], KVManager())

@@ -1,37 +1,38 @@
-"""The kvmanager's persistence, a write-ahead log: each call that changed state is appended to a Redis list,
-and every ``snapshot_every`` records (or ``snapshot_bytes`` of them, whichever comes first) the full state is
-written as a new generation and the log it covers deleted (snapshots.py: a forked child writes it, off the
-call path).
+"""The kvmanager's persistence, the call log: each call that changed state (the manager's or the member
+table's) is appended to a Redis list, and every ``snapshot_every`` records (or ``snapshot_bytes`` of them,
+whichever comes first) the whole state is written as a new generation and the log it covers deleted
+(snapshot.py: its format, its one writer, the forked child that runs it off the call path).
 
 Why a log of calls: a call is one small append, whatever it did, where its effect would be one record per
-block it touched (thousands when a step admits or frees long prompts). Recovery loads the snapshot
-(snapshot_layout.py's tenant-namespaced keys) and replays the logged calls through the same KVManager code,
-which is deterministic: same state and same calls give the same pages, hits and answers (the restart tests
-check exactly that).
+block it touched (thousands when a step admits or frees long prompts). Recovery decodes the snapshot and
+replays the logged calls through the same KVManager and membership code, which is deterministic: same state
+and same calls give the same pages, hits and answers (the restart tests check exactly that).
 
-    <prefix>:log:<g>   list of records after snapshot g, oldest first: a JSON header
-                       {"k": "step"|"register"|"admin", ...}, then, for a step, its token ids as little-endian
-                       uint16 or uint32 (see encode); a step's window releases are in its header ("r": req_id
-                       and page indices). Generation 0 (no snapshot yet) logs to <prefix>:log.
+    <prefix>:log:<g>   the records after snapshot g, oldest first: a JSON header {"k": kind, ...}, then, for a
+                       step, its token ids as little-endian uint16 or uint32 (see encode). Kinds:
+                       step      a StepPages call (its window releases in the header)
+                       register  a RegisterWorker call
+                       admin     an admin mutation (evict_tenant, pin, unpin, forget_worker; a reset is a snapshot)
+                       join      a worker joined: its pool registered, its member record (address) set
+                       drain     a member's draining flag changed
+                       leave     a member left or was declared dead: it and its pool of that epoch are dropped
 
 A step is appended as soon as it is validated, while the manager applies it (send_early); other calls only
 when they changed state. Retried calls (same step_id) replay their answers, so a record logged twice (its
 first write failed) changes nothing the second time.
 
-With replicas (``wait_replicas`` > 0, redis_server.py says what that guarantees) each append, each inline
+With replicas (``wait_replicas`` > 0, redis_client.py says what that guarantees) each append, each inline
 snapshot and each new generation number is followed by a WAIT on the same connection, and fewer
-acknowledgements than asked fail the write. A failed write then leaves the store owing a resync: the next write
+acknowledgements than asked fail the write. A failed write then leaves the log owing a resync: the next write
 is an inline snapshot of the whole state (stalling that call, as an admin reset does), so that what the
-replicas, or a replica promoted since, hold is exactly the state in memory again, whichever of the
-unacknowledged writes they had received.
+replicas, or a replica promoted since, hold is exactly the state in memory again.
 
-Every write is fenced by this store's claim on the prefix (fencing.py): once another kvmanager has claimed it (a
+Every write is fenced by this log's claim on the prefix (fencing.py): once another kvmanager has claimed it (a
 standby that took over), each write fails with Fenced and nothing of it is applied.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import time
@@ -51,13 +52,13 @@ from kvserve.common.wire.pages import (
     PoolSpec,
     StepOps,
 )
-from kvserve.kvmanager import admin, snapshots
+from kvserve.kvmanager import admin, membership, snapshot
 from kvserve.kvmanager.fencing import FENCED_CALL, as_fenced, read_fenced_reply, rpush_command
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.redis_server import ReplicaWait, close_client, fresh_client
-from kvserve.kvmanager.snapshot_layout import SnapshotLayout
-from kvserve.kvmanager.snapshots import Child, GenerationKeys, claim
+from kvserve.kvmanager.membership import MemberTable
+from kvserve.kvmanager.redis_client import ReplicaWait, close_client, fresh_client
+from kvserve.kvmanager.snapshot import Child, GenerationKeys, claim
 from kvserve.kvmanager.state import Changes
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,8 @@ def encode(record: tuple) -> bytes:
     commits in header order (the header holds their counts). Binary because a call admitting 64 prompts of
     2000 tokens carries 512 KB of token ids, which as JSON text would be slow to encode and send. When every
     id of the record fits in 16 bits (any vocabulary up to 65536, SmolLM2's 49152 included) they are stored
-    as one little-endian uint16 array ("w": 2): half the bytes for Redis to take in and append to its AOF,
-    which for a big record costs it more than the call's other work."""
-    kind = record[0]
-    blobs: list[bytes] = []
+    as one little-endian uint16 array ("w": 2): half the bytes for Redis to take in and append to its AOF."""
+    kind, blobs = record[0], []
 
     def tokens(token_ids) -> int:
         blobs.append(le_uint32(token_ids))
@@ -95,14 +94,14 @@ def encode(record: tuple) -> bytes:
                 "e": [[e.req_id, e.num_tokens] for e in ops.extensions],
                 "c": [[c.req_id, c.start_pos, tokens(c.token_ids), c.num_computed_tokens] for c in ops.commits],
                 "f": [f.req_id for f in ops.frees]}
-        if ops.releases:  # absent from steps without any (and from records older than releases)
+        if ops.releases:  # absent from the steps without any: most of them
             body["r"] = [[r.req_id, list(r.page_indices)] for r in ops.releases]
-    elif kind == "register":
-        body = {"spec": asdict(record[1])}
-        if record[2:] and record[2]:
-            body["release"] = True  # absent in records older than release_requests
-    else:
+    elif kind in ("register", "join"):
+        body = {"spec": asdict(record[1]), "arg": record[2]}  # release_requests, or the member's address
+    elif kind == "admin":
         body = {"fn": record[1], "args": list(record[2])}
+    else:  # drain (worker_id, epoch, draining), leave (worker_id, epoch)
+        body = {"args": list(record[1:])}
     narrow = _narrow(blobs)
     if narrow is not None:
         body["w"] = 2
@@ -134,9 +133,7 @@ class _Tokens:
         # "w": 2 records hold one contiguous uint16 array; 4-byte records a uint32 blob per op, joined by newlines
         self.gap = 0 if width == 2 else 1
 
-    def __call__(self, count) -> object:
-        if isinstance(count, str):  # a record of the earlier all-JSON format: base64 of the same bytes
-            return unpack_uint32(base64.b64decode(count))
+    def __call__(self, count: int) -> object:
         data = self.raw[self.pos:self.pos + self.width * count]
         self.pos += self.width * count + self.gap
         if self.width == 2:
@@ -144,12 +141,12 @@ class _Tokens:
         return unpack_uint32(data)
 
 
-def apply(mgr: KVManager, raw: str | bytes) -> None:
-    """Replays one logged call on ``mgr``."""
-    raw = raw.encode() if isinstance(raw, str) else raw
+def apply(mgr: KVManager, members: MemberTable, raw: bytes) -> None:
+    """Replays one logged call on ``mgr`` and ``members``."""
     newline = raw.find(b"\n")
     d = json.loads(raw if newline < 0 else raw[:newline])
-    if d["k"] == "step":
+    kind = d["k"]
+    if kind == "step":
         tok = _Tokens(raw, newline + 1, d.get("w", 4))
         allocations = tuple(PageAllocation(r, t, tok(n), w, skip, *chunk) for r, t, w, skip, n, *chunk in d["a"])
         commits = tuple(PageCommit(r, s, tok(n), c) for r, s, n, c in d["c"])
@@ -157,17 +154,24 @@ def apply(mgr: KVManager, raw: str | bytes) -> None:
                          extensions=tuple(PageExtension(r, n) for r, n in d["e"]), commits=commits,
                          frees=tuple(PageFree(r) for r in d["f"]),
                          releases=tuple(PageRelease(r, tuple(i)) for r, i in d.get("r", ()))))
-    elif d["k"] == "register":
-        mgr.register_worker(PoolSpec(**d["spec"]), d.get("release", False))
+    elif kind == "register":
+        mgr.register_worker(PoolSpec(**d["spec"]), d["arg"])
+    elif kind == "join":
+        membership.join(mgr, members, PoolSpec(**d["spec"]), d["arg"])
+    elif kind == "drain":
+        membership.set_draining(members, *d["args"])
+    elif kind == "leave":
+        membership.leave(mgr, members, *d["args"])
     else:
         ADMIN_MUTATIONS[d["fn"]](mgr, *_tuples(d["args"]))
 
 
-class LoggedStore:
-    """Store (service.py) that logs calls and snapshots state. Thread-unsafe: KVService holds its lock.
+class CallLog:
+    """The Store (service.py) of a kvmanager with persistence: logs calls, snapshots state. Thread-unsafe:
+    KVService holds its lock.
 
-    A due snapshot is written by a forked child (snapshots.py) when ``background`` is true, or when it is None
-    and snapshots.forking_is_safe() when the store is made; otherwise the call that makes it due writes it
+    A due snapshot is written by a forked child (snapshot.py) when ``background`` is true, or when it is None
+    and snapshot.forking_is_safe() when the log is made; otherwise the call that makes it due writes it
     inline, as an admin reset always does. ``wait_replicas``, ``wait_timeout_ms``: the WAIT after each write
     (ReplicaWait; 0 replicas: none)."""
 
@@ -180,9 +184,9 @@ class LoggedStore:
         self.keys = GenerationKeys(prefix)
         self.snapshot_every = snapshot_every
         self.snapshot_bytes = snapshot_bytes
-        self.background = snapshots.forking_is_safe() if background is None else background
+        self.background = snapshot.forking_is_safe() if background is None else background
         self.stop_child_before_switch = False  # tests: the snapshot child stops itself before it switches
-        self.owner: int | None = None  # this kvmanager's claim on the prefix (snapshots.claim), on first use
+        self.owner: int | None = None  # this kvmanager's claim on the prefix (snapshot.claim), on first use
         self.gen = 0  # the generation a restart loads
         self.log_gens = [0]  # generations of the logs a restart replays, oldest first; calls go to the last
         self.child: Child | None = None
@@ -227,17 +231,17 @@ class LoggedStore:
         self.in_flight = (conn, len(self.pending))
         return True
 
-    def write(self, mgr: KVManager, record: tuple, reset: bool = False) -> None:
+    def write(self, mgr: KVManager, members: MemberTable, record: tuple, reset: bool = False) -> None:
         """Appends ``record`` (and any still pending) to the log, or completes the append send_early began;
         writes a snapshot inline instead on ``reset`` or when _inline_due(). Raises what the write raised."""
         try:
-            self._write(mgr, record, reset)
+            self._write(mgr, members, record, reset)
         except BaseException:
             self.resync = bool(self.wait)
             raise
         self.resync = False
 
-    def _write(self, mgr: KVManager, record: tuple, reset: bool) -> None:
+    def _write(self, mgr: KVManager, members: MemberTable, record: tuple, reset: bool) -> None:
         queued, self.queued_early = self.queued_early, None
         if self.in_flight is not None:
             self._finish_early()
@@ -245,14 +249,14 @@ class LoggedStore:
             if record is not queued:  # a step whose early send did not go out is queued already
                 self._queue(record)
             if reset or self._inline_due():
-                self.snapshot(mgr)
+                self.snapshot(mgr, members)
                 return
             self._claim()
             if self.pending:
                 self._append_pending()
                 self._logged(len(self.pending))
         if self.background:
-            self._background_snapshot(mgr)
+            self._background_snapshot(mgr, members)
 
     def _inline_due(self) -> bool:
         """This call writes a snapshot itself: one is due and this process does not fork, or the log is
@@ -271,8 +275,8 @@ class LoggedStore:
     def _queue(self, record: tuple) -> None:
         encoded = encode(record)
         # A step with a step_id sent again right after is a retry (after a failed write, or a lost answer): it
-        # applies nothing, so it is logged once. A step without one is not idempotent, and register and admin
-        # calls are cheap to log twice: those are always logged.
+        # applies nothing, so it is logged once. A step without one is not idempotent, and the other calls are
+        # cheap to log twice: those are always logged.
         if encoded == self.last_record and record[0] == "step" and record[1].step_id:
             return
         self.pending.append(encoded)
@@ -307,12 +311,14 @@ class LoggedStore:
         if self.owner is None:
             self.owner, self.gen, self.log_gens = claim(self.client, self.keys)
 
-    def _new_generation(self) -> int:
-        """snapshots.new_generation, fenced, with the WAIT behind its INCR: replication keeps Redis' order, so
-        the replicas that acknowledge it hold every write made before it too, on any connection."""
+    def _new_generation(self, wait: bool = True) -> int:
+        """A new generation number (a fenced INCR), with the WAIT behind it when ``wait``: replication keeps
+        Redis' order, so the replicas that acknowledge it hold every write made before it too, on any
+        connection."""
+        def incr(c):
+            return c.eval(FENCED_CALL, 1, self.keys.owner, str(self.owner), "INCR", self.keys.gens)
         try:
-            return int(self.wait.run(self.client, lambda c: c.eval(FENCED_CALL, 1, self.keys.owner, str(self.owner),
-                                                                   "INCR", self.keys.gens)))
+            return int(self.wait.run(self.client, incr) if wait else incr(self.client))
         except redis.ResponseError as e:
             raise as_fenced(e) from e
 
@@ -325,16 +331,16 @@ class LoggedStore:
             raise as_fenced(e) from e
 
     # -- snapshots ------------------------------------------------------------------------------------
-    def _background_snapshot(self, mgr: KVManager) -> None:
+    def _background_snapshot(self, mgr: KVManager, members: MemberTable) -> None:
         """Notes a finished child; forks one when a snapshot is due and none runs. Called once the call's
         record is durable; a failure here is logged, not raised (the call itself succeeded)."""
         try:
             if self.child is not None:
-                self._reaped(snapshots.reap(self.child))
+                self._reaped(snapshot.reap(self.child))
             if self.child is None and not self.pending and self._snapshot_due():
                 gen = self._new_generation()
-                pid = snapshots.fork_snapshot(self.client, self.keys, mgr, gen, self.log_gens, self.owner,
-                                              self.stop_child_before_switch)
+                pid = snapshot.fork(self.client, self.keys, mgr, members.records(), gen, self.log_gens, self.owner,
+                                    self.stop_child_before_switch)
                 self.child = Child(pid, gen, self.num_logged, self.num_logged_bytes, time.monotonic())
                 self.log_gens = [*self.log_gens, gen]
         except Exception:  # noqa: BLE001 - see above; the next due call tries again
@@ -345,7 +351,7 @@ class LoggedStore:
         if code is None:
             return
         child, self.child = self.child, None
-        if code != snapshots.SWITCHED:
+        if code != snapshot.SWITCHED:
             log.warning("kvmanager: call-log snapshot child %d exited with %d; the log keeps growing until "
                         "the next attempt", child.pid, code)
             self.retry_base = (self.num_logged, self.num_logged_bytes)
@@ -363,7 +369,7 @@ class LoggedStore:
         """Waits for a running snapshot child; its exit code (None when none ran). Tests and shutdown."""
         if self.child is None:
             return None
-        code = snapshots.reap(self.child, block=True)
+        code = snapshot.reap(self.child, block=True)
         self._reaped(code)
         return code
 
@@ -373,9 +379,10 @@ class LoggedStore:
         self.wait_snapshot()
 
     def abandon(self) -> None:
-        """Forgets what this store had not written yet, and stops its snapshot child: its kvmanager stepped
+        """Forgets what this log had not written yet, and stops its snapshot child: its kvmanager stepped
         down (another claimed the prefix, so none of it could be written anyway)."""
-        self._stop_child()
+        if self.child is not None:
+            self._reaped(snapshot.kill(self.child))
         if self.in_flight is not None:
             self.in_flight[0].disconnect()
             self.client.connection_pool.release(self.in_flight[0])
@@ -384,63 +391,45 @@ class LoggedStore:
         self.last_record = b""
         self.retry_base = (0, 0)
 
-    def _stop_child(self) -> None:
-        """Kills a running snapshot child (the logs it would have replaced stay; nothing is lost)."""
-        if self.child is not None:
-            self._reaped(snapshots.kill(self.child))
-
-    def snapshot(self, mgr: KVManager) -> None:
-        """Writes the whole state as a new generation and empties the log, in one MULTI/EXEC, inline; then
-        deletes the older generations. A running snapshot child is stopped first."""
+    def snapshot(self, mgr: KVManager, members: MemberTable) -> None:
+        """Writes the whole state as a new generation and empties the log, inline (snapshot.write, the child's
+        writer). A running snapshot child is stopped first."""
         self._claim()
-        self._stop_child()
+        if self.child is not None:
+            self._reaped(snapshot.kill(self.child))
         t0 = time.monotonic()
-        gen = snapshots.new_generation(self.client, self.keys, self.owner)
-        switch = snapshots.switch_ops(self.keys, gen, self.log_gens, mgr)
-        SnapshotLayout(self.client, self.keys.state_prefix(gen)).write(mgr, also=switch, fence=self.fence)
+        gen = self._new_generation(wait=False)
+        snapshot.write(self.client, self.keys, gen, snapshot.encode(mgr, members.records()), self.log_gens,
+                       self.owner)
         self.num_snapshots["inline"] += 1
         self.last_snapshot_s = time.monotonic() - t0
         self.gen, self.log_gens = gen, [gen]
         self.num_logged = self.num_logged_bytes = 0
         self.retry_base = (0, 0)
         self.pending.clear()
-        try:  # not fenced: only generations older than one that was switched to, which nobody loads again
-            snapshots.delete_stale(self.client, self.keys, gen)
-        except redis.RedisError:  # garbage, not state: the next snapshot deletes it
-            log.exception("kvmanager: could not delete older call-log generations")
         if self.wait:
             self._new_generation()  # only for its WAIT, which covers the snapshot (a number skipped is harmless)
 
-    @property
-    def fence(self) -> tuple[str, int]:
-        """(owner key, fencing token): this store's writes apply only while its claim is the latest
-        (fencing.py)."""
-        return self.keys.owner, self.owner
-
-    def load(self, mgr: KVManager) -> None:
-        """Claims the prefix (a new fencing token), loads the current generation's snapshot, then replays its
-        log and every newer one. Raises as SnapshotLayout.load. A store loads again when its kvmanager takes
-        over as leader once more: nothing of its earlier term is kept."""
+    def load(self, mgr: KVManager, members: MemberTable | None = None) -> None:
+        """Claims the prefix (a new fencing token), decodes the current generation's snapshot into ``mgr`` and
+        ``members`` (each member with a fresh lease), then replays its log and every newer one. Raises redis
+        errors, AssertionError for an inconsistent state. A log loads again when its kvmanager takes over as
+        leader once more: nothing of its earlier term is kept."""
+        members = MemberTable() if members is None else members
         self.abandon()
         self.owner = None
         self._claim()
-        SnapshotLayout(self.client, self.keys.state_prefix(self.gen)).load(mgr, fence=self.fence)
-        snapshots.restore_replay_state(self.client, self.keys, self.gen, mgr)
-        self.num_logged = self.num_logged_bytes = 0
-        for gen in self.log_gens:
-            records = _read_binary(self.client, self.keys.log(gen))
-            for raw in records:
-                apply(mgr, raw)
-            self.num_logged += len(records)
-            self.num_logged_bytes += sum(map(len, records))
+        binary = fresh_client(self.client, decode_responses=False)  # the log's client decodes replies as text
+        try:
+            members.load(snapshot.decode(binary.lrange(self.keys.snapshot(self.gen), 0, -1), mgr))
+            self.num_logged = self.num_logged_bytes = 0
+            for gen in self.log_gens:
+                records = binary.lrange(self.keys.log(gen), 0, -1)
+                for raw in records:
+                    apply(mgr, members, raw)
+                self.num_logged += len(records)
+                self.num_logged_bytes += sum(map(len, records))
+        finally:
+            close_client(binary)
         mgr.changes = Changes()  # what the replay changed is what the log holds
         check_invariants(mgr)
-
-
-def _read_binary(client: redis.Redis, key: str) -> list[bytes]:
-    """LRANGE key 0 -1 as bytes, on a connection of its own (the store's client decodes replies as text)."""
-    binary = fresh_client(client, decode_responses=False)
-    try:
-        return binary.lrange(key, 0, -1)
-    finally:
-        close_client(binary)

