@@ -19,7 +19,7 @@ text, KV bytes held, and decode speed, in-process.
             positions, and over the positions every config scores
   KV        the bytes the request holds while each chunk computes: pages held x page size x the pool's bytes
             per token.
-            The windowed pools are sized to exactly max_window_pages (common/pages.py), so a request that held
+            The windowed pools are sized to exactly AttentionWindow.max_pages_held, so a request that held
             more would fail here
   decode    greedy decode steps of one request through runner.step, 3 rounds of 32: with sinks after the whole
             text (going on from 16,384), and dense at the end of its context (its cache from the log-PPL pass,
@@ -53,7 +53,8 @@ import hf_reference as hf  # noqa: E402
 from results_io import write_results  # noqa: E402
 from streaming_output import markdown, plot  # noqa: E402
 
-from kvserve.common.pages import HOLE, max_window_pages, num_pages_for, releasable_pages  # noqa: E402
+from kvserve.common.attention_window import AttentionWindow  # noqa: E402
+from kvserve.common.pages import HOLE, num_pages_for  # noqa: E402
 from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem  # noqa: E402
 from kvserve.kernels.paged_attention import build_metadata  # noqa: E402
 from kvserve.services.model_store import prepare_default_model  # noqa: E402
@@ -112,7 +113,7 @@ class Request:
     def reserve(self, n: int) -> list[int]:
         """The page table for computing positions at .. at + n - 1."""
         r = self.runner
-        for k in releasable_pages(self.at, r.window, r.sinks, r.info.page_size) if r.window else ():
+        for k in r.window.releasable_pages(self.at, r.info.page_size):
             if self.table[k] != HOLE:
                 self.free.append(self.table[k])
                 self.table[k] = HOLE
@@ -128,7 +129,7 @@ class Request:
 @torch.inference_mode()
 def chunk_nll(runner: ModelRunner, start: int, table: list[int], ids: list[int], targets: list[int]) -> list[float]:
     """Computes positions start .. start + len(ids) - 1 into the pool; each row's NLL of its next token."""
-    meta = build_metadata([start], [len(ids)], [table], PAGE_SIZE, runner.device, runner.window, runner.sinks)
+    meta = build_metadata([start], [len(ids)], [table], PAGE_SIZE, runner.device, runner.window)
     hidden = runner.model.forward(torch.tensor(ids), meta, runner.kv_cache, runner.kv_scales)
     logp = torch.log_softmax(runner.model.logits(hidden[:len(targets)]), -1)
     return (-logp.gather(1, torch.tensor(targets)[:, None])[:, 0]).tolist()
@@ -181,7 +182,7 @@ class Decoder:
         self.start, self.token = self.req.at, self.first_token
 
     def rewind(self) -> None:
-        if not self.runner.window:  # a windowed request goes on: the pages before its window are holes
+        if not self.runner.window.slides:  # a windowed request goes on: the pages before its window are holes
             self.req.at, self.token = self.start, self.first_token
 
     def step(self) -> None:
@@ -258,8 +259,7 @@ def run_config(model_dir: Path, compute: ThreadPoolExecutor, cfg: Config, sz: Si
         return {"config": asdict(cfg), "label": cfg.label, "nll": nll, "kv": [],
                 "wall_s": time.perf_counter() - t0}, None
     length = dense_tokens if not cfg.window else sz.tokens
-    pages = max_window_pages(cfg.window, cfg.sinks, PAGE_SIZE, sz.chunk) if cfg.window else \
-        num_pages_for(length, PAGE_SIZE)
+    pages = AttentionWindow(cfg.window, cfg.sinks).max_pages_held(length, PAGE_SIZE, sz.chunk)
     runner = make_runner(model_dir, compute, cfg, pages)
     req, per_row, kv = stream(runner, text[:length], sz.chunk)
     out = {"config": asdict(cfg), "label": cfg.label, "nll": {p + 1: v for p, v in enumerate(per_row)}, "kv": kv,

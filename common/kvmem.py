@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from kvserve.common.pages import num_pages_for, window_pages_held
+from kvserve.common.attention_window import AttentionWindow
 
 if TYPE_CHECKING:
     from kvserve.common.kvmem_models import ModelSpec
@@ -216,11 +216,6 @@ def per_token(model: ModelSpec, dtype: KvDtype, scales: str = "token_head") -> P
     return PerToken(kv_bytes=kv, scale_bytes=scale_total, bytes=total, formula=formula, scale_formula=scale_formula)
 
 
-def kept_tokens(seq_len: int, window: int | None, sinks: int) -> int:
-    """Tokens a sequence of seq_len keeps: StreamingLLM keeps the first ``sinks`` plus the last ``window``."""
-    return min(seq_len, window + sinks) if window else seq_len
-
-
 def weights_bytes_from_params(params: float, dtype: KvDtype) -> int:
     return int(round(params)) * dtype.bytes
 
@@ -274,10 +269,11 @@ def calculate(
                      f"its last {window:,} (StreamingLLM)")
 
     pt = per_token(model, dtype, kv_scales)
-    tokens = kept_tokens(seq_len, window, sinks)
+    policy = AttentionWindow(window or 0, sinks)  # StreamingLLM keeps the first sinks plus the last window
+    tokens = policy.tokens_kept(seq_len)
     paging = None
     if page_size is not None:  # a windowed sequence: its sink pages and its window's, not page-aligned
-        pages = window_pages_held(seq_len, window, sinks, page_size) if window else num_pages_for(tokens, page_size)
+        pages = policy.pages_held(seq_len, page_size)
         alloc_tokens = pages * page_size
         pad = alloc_tokens - tokens
         paging = Paging(

@@ -213,7 +213,7 @@ class CPUPagedBackend:
         return y if bias is None else y.add_(bias)
 
     def prepare(self, meta: AttentionMetadata) -> CPUState | ReferenceState:
-        if meta.window:  # sliding windows and sinks: the reference's gather of the pages read (kernels/window.py)
+        if meta.window.slides:  # windows and sinks: the reference's gather of the pages read (kernels/window.py)
             return self.reference.prepare(meta)
         q_lens = meta.q_lens.tolist()
         prefills = [i for i, n in enumerate(q_lens) if n > 1]

@@ -61,14 +61,14 @@ class FlashAttnArgs:
 def convert_metadata(meta: AttentionMetadata, padded_rows: bool = False) -> FlashAttnArgs:
     """The call's arguments from kvserve's metadata; ``padded_rows`` adds FA2's front-padded query rows.
     ValueError for what flash-attn cannot serve (attention sinks)."""
-    if meta.sinks:
+    if meta.window.sinks:
         raise ValueError("the flash-attn backend does not serve attention sinks (--attention-sinks); use the "
                          "triton or reference backend")
     table = meta.page_tables.clamp(min=0).to(torch.int32)  # HOLE = -1 -> 0: any real page, never unmasked
     args = FlashAttnArgs(
         cu_seqlens_q=meta.cu_q_lens.to(torch.int32), seqused_k=meta.seq_lens.to(torch.int32),
         page_table=table.contiguous(), max_seqlen_q=meta.max_q_len, max_seqlen_k=meta.max_seq_len,
-        window_size=(meta.window - 1, 0) if meta.window else None)
+        window_size=(meta.window.window - 1, 0) if meta.window.slides else None)
     if padded_rows:  # row of token t: its sequence's block, counted back from the block's end
         seq = meta.token_seq
         from_end = meta.cu_q_lens[seq + 1] - 1 - torch.arange(meta.num_tokens, device=seq.device)

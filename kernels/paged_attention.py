@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from kvserve.common.attention_window import FULL_ATTENTION, AttentionWindow
 from kvserve.kernels.kv_quant import write_kv_quantised
 from kvserve.kernels.window import sink_positions
 
@@ -40,8 +41,8 @@ class AttentionMetadata:
     page_tables: torch.Tensor  # [num_seqs, max_pages] int64, page ids, padded with 0
     max_q_len: int
     max_seq_len: int
-    window: int = 0  # sliding window in tokens (0: none); page tables may then hold HOLEs (kernels/window.py)
-    sinks: int = 0  # attention sinks: the first tokens every query sees besides its window
+    window: AttentionWindow = FULL_ATTENTION  # the keys each query reads; with a sliding one, page tables may
+    # hold HOLEs (kernels/window.py)
     sink_positions: torch.Tensor | None = None  # [num_tokens] int64, each query's in-cache position (sinks only)
 
     @property
@@ -55,7 +56,7 @@ class AttentionMetadata:
 
 def build_metadata(
     start_pos: list[int], q_lens: list[int], page_tables: list[list[int]], page_size: int, device: torch.device,
-    window: int = 0, sinks: int = 0,
+    window: AttentionWindow = FULL_ATTENTION,
 ) -> AttentionMetadata:
     """Builds the step metadata from plain lists (one entry per sequence).
 
@@ -90,8 +91,7 @@ def build_metadata(
         max_q_len=max(q_lens),
         max_seq_len=int(seq_lens.max()),
         window=window,
-        sinks=sinks,
-        sink_positions=sink_positions(positions, window, sinks).to(device) if sinks else None,
+        sink_positions=sink_positions(positions, window).to(device) if window.sinks else None,
     )
 
 

@@ -27,7 +27,7 @@ from kvserve.common.pages import num_pages_for
 from kvserve.kernels.kv_quant import FORMATS, dequantise
 from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
 from kvserve.kernels.rotary import apply_rotary
-from kvserve.kernels.window import sink_attention, visible, window_keys
+from kvserve.kernels.window import sink_attention, window_keys
 
 
 @dataclass(slots=True)
@@ -83,10 +83,10 @@ def group_state(meta: AttentionMetadata, seqs: list[int] | None) -> GroupState:
     num_keys = num_pages * meta.page_size
     key_pos = torch.arange(num_keys, device=device)
     query_pos = start_pos[:, None] + torch.arange(max_q, device=device)[None, :]  # [num_seqs, max_q]
-    if meta.window:
+    if meta.window.slides:
         page_ids, key_pos, sink_keys = _window_keys(meta, tables, start_pos, seq_lens)
         query_pos = torch.minimum(query_pos, seq_lens[:, None] - 1)  # padded rows: as the last row (never empty)
-        seen = visible(key_pos[:, None, :], query_pos[:, :, None], meta.window, meta.sinks)
+        seen = meta.window.sees(query_pos[:, :, None], key_pos[:, None, :])
         return GroupState(token_index, q_index, page_ids, int(q_lens.shape[0]), max_q, key_pos.shape[1],
                           seen.unsqueeze(1), sink_keys=sink_keys)
     seen = key_pos[None, None, :] <= query_pos[:, :, None]
@@ -98,9 +98,9 @@ def group_state(meta: AttentionMetadata, seqs: list[int] | None) -> GroupState:
 def _window_keys(meta: AttentionMetadata, tables: torch.Tensor, start_pos: torch.Tensor, seq_lens: torch.Tensor):
     """Under a sliding window each sequence gathers only the pages its rows read (its tables may hold holes):
     the page ids, every gathered key's position, and which keys are attention sinks (kernels/window.py)."""
-    page_ids, key_pos = window_keys(start_pos.tolist(), seq_lens.tolist(), tables, meta.window, meta.sinks,
-                                    meta.page_size)
-    return page_ids, key_pos, (key_pos < meta.sinks)[:, None, None, :] if meta.sinks else None
+    page_ids, key_pos = window_keys(start_pos.tolist(), seq_lens.tolist(), tables, meta.window, meta.page_size)
+    sinks = meta.window.sinks
+    return page_ids, key_pos, (key_pos < sinks)[:, None, None, :] if sinks else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -175,7 +175,7 @@ class TritonBackend:
     def prepare(self, meta: AttentionMetadata) -> TritonState:
         """Routes the step's sequences. A pure-decode step (max_q_len == 1) reads nothing back from the device."""
         device = meta.q_lens.device
-        max_keys = min(meta.max_seq_len, meta.sinks + meta.window) if meta.window else meta.max_seq_len
+        max_keys = meta.window.tokens_kept(meta.max_seq_len)
         if meta.max_q_len <= 1:
             return TritonState(meta, torch.arange(meta.num_seqs, device=device), None, None, max_keys)
         q_lens = meta.q_lens.tolist()
@@ -232,7 +232,7 @@ class TritonBackend:
                kv_scales: torch.Tensor | None = None, q_sink: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's rows q [tokens, heads, d] over their pages (their K/V already written)."""
         meta = state.meta
-        assert meta.sinks == 0 or q_sink is not None, "attention sinks need the queries rotated at sink_positions"
+        assert not meta.window.sinks or q_sink is not None, "attention sinks need the queries rotated at sink_positions"
         out = torch.empty_like(q)
         if q.shape[0] == 0:
             return out
@@ -256,7 +256,7 @@ class TritonBackend:
             state.part_ml = a.q.new_empty((num_decodes, num_heads, num_splits, 2), dtype=torch.float32)
         part_acc = state.part_acc if not direct else out
         part_ml = state.part_ml if not direct else out
-        group = num_heads // num_kv_heads
+        group, w = num_heads // num_kv_heads, meta.window
         ka = self.attention
         ka.decode_split_kernel[(num_decodes, num_kv_heads, num_splits)](
             a.q, a.q_sink, a.k_cache, a.v_cache, a.k_scales, a.v_scales, meta.page_tables, meta.seq_lens,
@@ -264,23 +264,23 @@ class TritonBackend:
             a.q.stride(0), a.q.stride(1), out.stride(0), out.stride(1), meta.page_tables.stride(0), *a.strides,
             num_heads, num_splits, GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=a.head_dim,
             BLOCK_D=a.block_d, PAGE_SIZE=meta.page_size, BLOCK_N=BLOCK_N, SPLIT_TOKENS=split_tokens,
-            WINDOW=meta.window, SINKS=meta.sinks, KV_KIND=a.kind, HAS_SCALES=a.has_scales, HAS_SINKS=a.has_sinks,
+            WINDOW=w.window, SINKS=w.sinks, KV_KIND=a.kind, HAS_SCALES=a.has_scales, HAS_SINKS=a.has_sinks,
             DIRECT=direct, DOT_DTYPE=a.dot_dtype, PREC=a.prec)
         if not direct:
             ka.reduce_splits_kernel[(num_decodes, num_heads)](
                 state.part_acc, state.part_ml, meta.seq_lens, meta.cu_q_lens, state.decode_ids, out, out.stride(0),
                 out.stride(1), num_heads, num_splits, HEAD_DIM=a.head_dim, BLOCK_D=a.block_d,
-                BLOCK_S=_pow2(num_splits), SPLIT_TOKENS=split_tokens, WINDOW=meta.window, SINKS=meta.sinks)
+                BLOCK_S=_pow2(num_splits), SPLIT_TOKENS=split_tokens, WINDOW=w.window, SINKS=w.sinks)
 
     def _prefill(self, a: _AttendArgs, out: torch.Tensor, state: TritonState) -> None:
         meta, num_heads, num_kv_heads = state.meta, a.q.shape[1], a.k_cache.shape[2]
-        group = num_heads // num_kv_heads
+        group, w = num_heads // num_kv_heads, meta.window
         self.attention.prefill_kernel[(state.item_seq.shape[0], num_kv_heads)](
             a.q, a.q_sink, a.k_cache, a.v_cache, a.k_scales, a.v_scales, meta.page_tables, meta.q_lens,
             meta.start_pos, meta.cu_q_lens, state.item_seq, state.item_q, out, a.qk_scale,
             a.q.stride(0), a.q.stride(1), out.stride(0), out.stride(1), meta.page_tables.stride(0), *a.strides,
             GROUP=group, BLOCK_G=_pow2(group), BLOCK_Q=BLOCK_Q, HEAD_DIM=a.head_dim, BLOCK_D=a.block_d,
-            PAGE_SIZE=meta.page_size, BLOCK_N=BLOCK_N, WINDOW=meta.window, SINKS=meta.sinks, KV_KIND=a.kind,
+            PAGE_SIZE=meta.page_size, BLOCK_N=BLOCK_N, WINDOW=w.window, SINKS=w.sinks, KV_KIND=a.kind,
             HAS_SCALES=a.has_scales, HAS_SINKS=a.has_sinks, DOT_DTYPE=a.dot_dtype, PREC=a.prec)
 
 
@@ -309,7 +309,7 @@ class _AttendArgs:
         assert q.stride(-1) == 1 and kv_cache.is_contiguous()
         k_cache, v_cache, k_scales, v_scales, kind, _ = _cache_args(kv_cache, kv_scales)
         s_strides = (kv_scales.stride(1), kv_scales.stride(2)) if kv_scales is not None else (0, 0)
-        has_sinks = bool(meta.sinks) and q_sink is not None
+        has_sinks = bool(meta.window.sinks) and q_sink is not None
         # fp32 models: exact fp32 dots; bf16/fp16 on a GPU: the tensor cores' dtype. The interpreter keeps
         # bf16 as raw bits in its dots, so it always gets fp32 ones.
         fp32 = q.dtype == torch.float32 or interpreted()

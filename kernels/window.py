@@ -3,8 +3,9 @@ backend, which hands windowed steps to it).
 
 A query at position p sees key j when ``p - window < j <= p`` (Mistral's sliding window: itself and the
 ``window - 1`` keys before it), or when ``j < sinks`` (StreamingLLM's attention sinks: the first tokens stay
-visible). Pages that hold only keys older than every window still to come are released during the request
-(``common/pages.py``: ``releasable_pages``; their page-table entries become ``HOLE``), so a sequence gathers
+visible). Which keys a query reads, and so which pages a request keeps, is the policy ``AttentionWindow``
+(common/attention_window.py). Pages that hold only keys older than every window still to come are released
+during the request (``releasable_pages``; their page-table entries become ``HOLE``), so a sequence gathers
 only the pages its rows read: its sink pages, then the pages from its first row's window on::
 
     page_size 4, window 6, sinks 2, a decode at p = 13:    pages  [0] [1] [2] [3]
@@ -24,27 +25,22 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.common.pages import pages_read
+from kvserve.common.attention_window import AttentionWindow
 
 FAR = 1 << 40  # the key position of a padding slot: after every query, so masked
 
 
-def sink_positions(positions: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+def sink_positions(positions: torch.Tensor, window: AttentionWindow) -> torch.Tensor:
     """Each query's in-cache position, at which it scores the sink keys: its own until the window has moved
     past the sinks, then ``sinks + window - 1``."""
-    return positions.clamp(max=sinks + window - 1)
+    return positions.clamp(max=window.max_cache_position)
 
 
-def visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
-    """Whether a query at query_pos sees a key at key_pos (broadcast)."""
-    return (key_pos <= query_pos) & ((key_pos > query_pos - window) | (key_pos < sinks))
-
-
-def window_keys(start_pos: list[int], seq_lens: list[int], tables: torch.Tensor, window: int, sinks: int,
+def window_keys(start_pos: list[int], seq_lens: list[int], tables: torch.Tensor, window: AttentionWindow,
                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence, the pages to gather (page ids, padded with page 0) and the position of every gathered key
     (padding at FAR): ``[num_seqs * num_pages]`` and ``[num_seqs, num_pages * page_size]``."""
-    reads = [pages_read(s, n, window, sinks, page_size) for s, n in zip(start_pos, seq_lens, strict=True)]
+    reads = [window.pages_read(s, n, page_size) for s, n in zip(start_pos, seq_lens, strict=True)]
     width = max(len(r) for r in reads)
     logical = torch.full((len(reads), width), -1, dtype=torch.long)
     for b, r in enumerate(reads):

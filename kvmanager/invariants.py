@@ -68,9 +68,8 @@ def _check_pool(pool: PagePool, live: list[RequestPages]) -> None:
 
 def _check_holes(pool: PagePool, req: RequestPages) -> None:
     w, table = pool.spec.worker_id, req.page_table
-    assert pool.spec.sliding_window, f"{w}: {req.req_id!r} has holes on a pool without a sliding window"
-    assert HOLE not in table[:pool.num_sink_pages], f"{w}: {req.req_id!r} released a sink page: {table}"
-    assert table[-1] != HOLE, f"{w}: {req.req_id!r} released the last page of its table"
+    assert all(pool.window.may_release(i, len(table), pool.spec.page_size) for i, p in enumerate(table)
+               if p == HOLE), f"{w}: {req.req_id!r} has a hole its window may not release ({pool.window}): {table}"
 
 
 def _check_blocks_of_holder(pool: PagePool, req: RequestPages) -> None:

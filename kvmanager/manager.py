@@ -328,17 +328,5 @@ def _check_spec(spec: PoolSpec) -> None:
                              "in an int64")
     if not spec.model_fingerprint or not spec.kv_dtype:
         raise InvalidRequest("model_fingerprint and kv_dtype must not be empty")
-    _check_window(spec)
-
-
-def _check_window(spec: PoolSpec) -> None:
-    for name in ("sliding_window", "attention_sinks"):
-        if getattr(spec, name) < 0:
-            raise InvalidRequest(f"{name} must be >= 0 (0 = none), got {getattr(spec, name)}")
-    if spec.attention_sinks and not spec.sliding_window:
-        raise InvalidRequest(f"attention_sinks {spec.attention_sinks} needs a sliding_window: sinks are kept beside "
-                             "a window, and without one every token is kept anyway")
-    if spec.sliding_window and spec.sliding_window < spec.page_size:
-        raise InvalidRequest(f"sliding_window {spec.sliding_window} is smaller than a page ({spec.page_size} "
-                             "tokens): pages are released whole, so the window must span at least one")
+    spec.attention_window()  # raises InvalidRequest for bad window or sinks settings
 

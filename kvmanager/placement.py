@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvserve.common.errors import InvalidRequest
-from kvserve.common.pages import num_pages_for, pages_read
+from kvserve.common.pages import num_pages_for
 from kvserve.common.tokens import check_token_ids
-from kvserve.common.wire.pages import PageAllocation, PoolSpec
+from kvserve.common.wire.pages import PageAllocation
 from kvserve.kvmanager.errors import UnknownWorker
 from kvserve.kvmanager.hashing import iter_chain_hashes
 from kvserve.kvmanager.pool import Block, PagePool
@@ -48,22 +48,22 @@ class Fit:
     num_pages_short: int = 0
 
 
-def allocation_plan(spec: PoolSpec, num_hits: int, op: PageAllocation) -> tuple[list[int], int]:
+def allocation_plan(pool: PagePool, num_hits: int, op: PageAllocation) -> tuple[list[int], int]:
     """Which hit pages the request holds and how many fresh pages it takes. A dense pool: every hit, and pages
     for the whole prompt. A pool with a sliding window: pages up to the hit and op.chunk_tokens past it, and of
     the hits only those that chunk reads (its sinks and its window); the others are holes from the start."""
-    page_size, total = spec.page_size, len(op.token_ids)
-    if not spec.sliding_window:
+    page_size, total, window = pool.spec.page_size, len(op.token_ids), pool.window
+    if not window.slides:
         return list(range(num_hits)), num_pages_for(total, page_size) - num_hits
     cached = num_hits * page_size
     cover = min(total, cached + op.chunk_tokens) if op.chunk_tokens else total
-    read = set(pages_read(cached, cover, spec.sliding_window, spec.attention_sinks, page_size))
+    read = set(window.pages_read(cached, cover, page_size))
     return [i for i in range(num_hits) if i in read], num_pages_for(cover, page_size) - num_hits
 
 
 def fit(pool: PagePool, op: PageAllocation) -> Fit:
     hits = [] if op.skip_prefix_cache else prefix_hits(pool, op.tenant, op.token_ids)
-    held, need = allocation_plan(pool.spec, len(hits), op)
+    held, need = allocation_plan(pool, len(hits), op)
     available = pool.available([hits[i].page_id for i in held])
     return Fit(hits, held, need) if available >= need else Fit(num_pages_short=need - available)
 

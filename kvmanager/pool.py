@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from kvserve.common.pages import num_sink_pages
 from kvserve.common.wire.pages import PoolSpec
 from kvserve.kvmanager.hashing import namespace_seed
 
@@ -37,6 +36,7 @@ class Block:
 class PagePool:
     def __init__(self, spec: PoolSpec):
         self.spec = spec
+        self.window = spec.attention_window()  # which pages its requests keep and which they may release
         self.ref_cnt = [0] * spec.num_pages
         self.block_of: list[Block | None] = [None] * spec.num_pages
         self.index: dict[bytes, Block] = {}  # block_hash -> block
@@ -67,13 +67,13 @@ class PagePool:
     @property
     def num_sink_pages(self) -> int:
         """Leading pages of a request's page table that hold attention sinks: never released by a window."""
-        return num_sink_pages(self.spec.attention_sinks, self.spec.page_size)
+        return self.window.num_sink_pages(self.spec.page_size)
 
     def seed_for(self, tenant: str) -> bytes:
         """h_0 of the tenant's prefix chains on this pool (hashing.py)."""
         s = self.spec
-        return namespace_seed(tenant, s.model_fingerprint, s.kv_dtype, s.page_size, s.kv_scales, s.sliding_window,
-                              s.attention_sinks)
+        return namespace_seed(tenant, s.model_fingerprint, s.kv_dtype, s.page_size, s.kv_scales, self.window.window,
+                              self.window.sinks)
 
     def available(self, hit_pages: list[int] = ()) -> int:
         """Pages an allocation could take, not counting cached pages it is about to reuse."""

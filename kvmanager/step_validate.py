@@ -114,7 +114,7 @@ def _check_allocate(mgr: KVManager, a: PageAllocation, step_id: int) -> None:
     pool = mgr.pool(a.worker_id)
     if a.chunk_tokens < 0:
         raise InvalidRequest(f"{where}: chunk_tokens must be >= 0 (0 = the whole prompt), got {a.chunk_tokens}")
-    if pool.spec.sliding_window and a.chunk_tokens:  # a window's pages at a time: the prompt may outgrow the pool
+    if pool.window.slides and a.chunk_tokens:  # a window's pages at a time: the prompt may outgrow the pool
         return
     if num_pages_for(len(a.token_ids), pool.spec.page_size) > pool.spec.num_pages:
         raise InvalidRequest(f"{where}: {len(a.token_ids)} tokens need more pages than pool {a.worker_id!r} has")
@@ -172,7 +172,7 @@ def _check_release(mgr: KVManager, r: PageRelease, step_id: int) -> None:
     if r.req_id in mgr.stale or req.is_replay("release", step_id):
         return
     pool = mgr.pools[req.worker_id]
-    if not pool.spec.sliding_window:
+    if not pool.window.slides:
         raise InvalidRequest(f"{where}: pool {req.worker_id!r} has no sliding window: nothing to release")
     table, num_sinks = req.page_table, pool.num_sink_pages
     if len(set(r.page_indices)) != len(r.page_indices):
@@ -182,7 +182,7 @@ def _check_release(mgr: KVManager, r: PageRelease, step_id: int) -> None:
             raise InvalidRequest(f"{where}: page index {i} is outside its page table [0, {len(table)})")
         if i < num_sinks:
             raise InvalidRequest(f"{where}: page index {i} holds a sink and cannot be released (the first "
-                                 f"{num_sinks} pages hold the pool's {pool.spec.attention_sinks} attention sinks)")
+                                 f"{num_sinks} pages hold the pool's {pool.window.sinks} attention sinks)")
         if i == len(table) - 1:
             raise InvalidRequest(f"{where}: page index {i} is the last page of its table: the next token goes "
                                  "there")

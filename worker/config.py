@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvserve.common.attention_window import FLAG_NAMES, AttentionWindow
 from kvserve.common.kvmem import kv_bytes_per_token
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -102,22 +103,14 @@ def _sliding_window(raw: dict, model_type: str) -> int:
     return int(window)
 
 
-def resolve_window(model: ModelConfig, sliding_window: int, sinks: int, page_size: int) -> tuple[int, int]:
-    """The (window, sinks) a worker serves: the model's own window, or --sliding-window for a model trained
+def resolve_window(model: ModelConfig, sliding_window: int, sinks: int, page_size: int) -> AttentionWindow:
+    """The attention window a worker serves: the model's own window, or --sliding-window for a model trained
     with full attention (with --attention-sinks, StreamingLLM). Raises ValueError on a bad combination."""
-    if sliding_window < 0 or sinks < 0:
-        raise ValueError(f"--sliding-window and --attention-sinks must be positive, got {sliding_window} and {sinks}")
-    window = model.sliding_window
-    if sliding_window:
-        if window and sliding_window != window:
-            raise ValueError(f"the model declares sliding_window {window}; --sliding-window {sliding_window} "
-                             "would serve it wrongly (leave it out)")
-        window = sliding_window
-    if sinks and not window:
-        raise ValueError("--attention-sinks needs --sliding-window (the window kept beside the sinks)")
-    if window and window < page_size:
-        raise ValueError(f"a sliding window of {window} tokens is smaller than a page ({page_size} tokens)")
-    return window, sinks
+    own = model.sliding_window
+    if sliding_window > 0 and own and sliding_window != own:
+        raise ValueError(f"the model declares sliding_window {own}; --sliding-window {sliding_window} "
+                         "would serve it wrongly (leave it out)")
+    return AttentionWindow.checked(sliding_window or own, sinks, page_size, FLAG_NAMES)
 
 
 def _rope_scaling(raw: dict) -> dict | None:

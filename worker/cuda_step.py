@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from kvserve.common.attention_window import AttentionWindow
 from kvserve.kernels.paged_attention import build_metadata
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.staging import stage, stage_metadata
@@ -25,14 +26,14 @@ class CudaStep:
     """Runs a step's forward pass on the GPU; ``forward`` returns the hidden states of the rows to sample."""
 
     def __init__(self, model, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, page_size: int,
-                 window: int, sinks: int, graphs: bool, max_graph_seqs: int, max_model_len: int):
+                 window: AttentionWindow, graphs: bool, max_graph_seqs: int, max_model_len: int):
         self.model, self.kv_cache, self.kv_scales = model, kv_cache, kv_scales
-        self.page_size, self.window, self.sinks = page_size, window, sinks
+        self.page_size, self.window = page_size, window
         self.device = kv_cache.device
         self.stream = torch.cuda.Stream(self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights and pool, made before
         torch.cuda.set_stream(self.stream)  # on the compute thread: every later op of the worker runs on it
-        why_not = graphs_unavailable(graphs, model.backend.name, window, sinks)
+        why_not = graphs_unavailable(graphs, model.backend.name, window)
         self.graphs = None if why_not else DecodeGraphs(model, kv_cache, kv_scales, page_size, max_graph_seqs,
                                                         max_model_len, capture=True)
         log.info("cuda path: one stream, pinned staging; decode CUDA graphs %s",
@@ -47,7 +48,7 @@ class CudaStep:
             return hidden.index_select(0, stage([torch.tensor(rows, dtype=torch.int64)], self.device)[0])
         meta = build_metadata([i.start_pos for i in items], [len(i.token_ids) for i in items],
                               [list(i.page_table) for i in items], self.page_size, torch.device("cpu"),
-                              self.window, self.sinks)
+                              self.window)
         tokens = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.int64)
         last = meta.cu_q_lens[1:][torch.tensor(rows, dtype=torch.int64)] - 1
         meta, (tokens, last) = stage_metadata(meta, [tokens, last], self.device)
@@ -55,12 +56,12 @@ class CudaStep:
         return hidden.index_select(0, last) if rows else None
 
 
-def graphs_unavailable(enabled: bool, backend: str, window: int, sinks: int) -> str | None:
+def graphs_unavailable(enabled: bool, backend: str, window: AttentionWindow) -> str | None:
     """Why decode steps run without CUDA graphs, or None when they use them."""
     if not enabled:
         return "--no-cuda-graphs"
     if backend not in GRAPH_BACKENDS:
         return f"the {backend} backend runs eagerly; graphs need {', '.join(GRAPH_BACKENDS)}"
-    if window or sinks:
+    if window.slides:
         return "sliding-window steps run eagerly"
     return None

@@ -87,8 +87,7 @@ class ModelRunner:
         self._compute = compute or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-compute")
         self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
         self.model_cfg = ModelConfig.from_folder(cfg.model_dir)
-        self.window, self.sinks = resolve_window(self.model_cfg, cfg.sliding_window, cfg.attention_sinks,
-                                                 cfg.page_size)
+        self.window = resolve_window(self.model_cfg, cfg.sliding_window, cfg.attention_sinks, cfg.page_size)
         budget = cfg.kv_cache_bytes
         if budget is None and cfg.num_pages is None:
             budget = DEFAULT_KV_CACHE_BYTES
@@ -116,7 +115,7 @@ class ModelRunner:
         from kvserve.worker.cuda_step import CudaStep
 
         return CudaStep(self.model, self.kv_cache, self.kv_scales, self.pool_size.page_size, self.window,
-                        self.sinks, self.cfg.cuda_graphs, self.cfg.cuda_graph_max_seqs,
+                        self.cfg.cuda_graphs, self.cfg.cuda_graph_max_seqs,
                         self.model_cfg.max_position_embeddings)
 
     def call(self, fn, *args, **kwargs):
@@ -134,10 +133,10 @@ class ModelRunner:
             kv_dtype=s.fmt.name, kv_scales=s.kv_scales, bytes_per_token=s.bytes_per_token,
             pool_bytes=s.pool_bytes, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
             num_heads=m.num_heads, head_dim=m.head_dim, vocab_size=m.vocab_size,
-            max_model_len=MAX_SINK_POSITIONS if self.sinks else m.max_position_embeddings,
+            max_model_len=MAX_SINK_POSITIONS if self.window.sinks else m.max_position_embeddings,
             eos_token_ids=m.eos_token_ids,
             device=str(self.device), attention_backend=self.model.backend.name,
-            sliding_window=self.window, attention_sinks=self.sinks,
+            sliding_window=self.window.window, attention_sinks=self.window.sinks,
         )
 
     def renew_epoch(self) -> int:
@@ -157,7 +156,7 @@ class ModelRunner:
         info = self.info
         malformed = validate_batch(batch, vocab_size=info.vocab_size, num_pages=info.num_pages,
                                    page_size=info.page_size, max_model_len=info.max_model_len,
-                                   max_step_tokens=self.cfg.max_step_tokens, window=self.window, sinks=self.sinks)
+                                   max_step_tokens=self.cfg.max_step_tokens, window=self.window)
         rejected = [RejectedItem(req_id, message) for req_id, message in malformed.items()]
         items = tuple(i for i in batch.items if i.req_id not in malformed)
         t0 = time.perf_counter()
@@ -193,7 +192,7 @@ class ModelRunner:
         """The forward pass on this device; hidden states of the last token of each item in ``rows``."""
         meta = build_metadata([i.start_pos for i in items], [len(i.token_ids) for i in items],
                               [list(i.page_table) for i in items], self.pool_size.page_size, self.device,
-                              self.window, self.sinks)
+                              self.window)
         tokens = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.int64, device=self.device)
         hidden = self.model.forward(tokens, meta, self.kv_cache, self.kv_scales)
         if not rows:

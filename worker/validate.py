@@ -4,15 +4,17 @@ others: one bad request never costs the others their step."""
 
 from __future__ import annotations
 
+from kvserve.common.attention_window import FULL_ATTENTION, AttentionWindow
 from kvserve.common.errors import InvalidRequest
-from kvserve.common.pages import HOLE, num_pages_for, pages_read
+from kvserve.common.pages import HOLE, num_pages_for
 from kvserve.common.request_checks import check_sampling
 from kvserve.common.tokens import check_token_ids
 from kvserve.common.wire.worker import StepBatch, StepItem
 
 
 def validate_batch(batch: StepBatch, *, vocab_size: int, num_pages: int, page_size: int,
-                   max_model_len: int, max_step_tokens: int, window: int = 0, sinks: int = 0) -> dict[str, str]:
+                   max_model_len: int, max_step_tokens: int,
+                   window: AttentionWindow = FULL_ATTENTION) -> dict[str, str]:
     """Raises InvalidRequest for a step malformed as a whole: no item, an empty or repeated req_id, more tokens
     than the worker takes, two items writing one page. Returns the items rejected alone, req_id -> what is
     wrong (a position, token id, page table or sampling parameter); the step computes the others. With a sliding
@@ -32,7 +34,7 @@ def validate_batch(batch: StepBatch, *, vocab_size: int, num_pages: int, page_si
     rejected: dict[str, str] = {}
     for item in batch.items:
         try:
-            _check_item(item, vocab_size, num_pages, page_size, max_model_len, window, sinks)
+            _check_item(item, vocab_size, num_pages, page_size, max_model_len, window)
         except InvalidRequest as e:
             rejected[item.req_id] = str(e)
     _check_no_shared_slots(tuple(i for i in batch.items if i.req_id not in rejected), page_size)
@@ -40,7 +42,7 @@ def validate_batch(batch: StepBatch, *, vocab_size: int, num_pages: int, page_si
 
 
 def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int, max_model_len: int,
-                window: int, sinks: int) -> None:
+                window: AttentionWindow) -> None:
     where = f"item {item.req_id!r}"
     if item.start_pos < 0:
         raise InvalidRequest(f"{where}: start_pos {item.start_pos} is negative")
@@ -53,12 +55,12 @@ def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int,
             f"{where}: page_table has {len(item.page_table)} pages but positions [0, {item.end_pos}) "
             f"need {pages_needed} of {page_size} tokens"
         )
-    pages = [p for p in item.page_table if p != HOLE] if window else item.page_table
+    pages = [p for p in item.page_table if p != HOLE] if window.slides else item.page_table
     bad = [p for p in pages if not 0 <= p < num_pages]
     if bad:
         raise InvalidRequest(f"{where}: page id {bad[0]} is out of range [0, {num_pages})")
-    if window and len(pages) != len(item.page_table):
-        _check_holes(where, item, window, sinks, page_size)
+    if len(pages) != len(item.page_table):
+        _check_holes(where, item, window, page_size)
     if len(set(pages)) != len(pages):  # also bounds a table's length by the pool's
         seen: set[int] = set()
         twice = next(p for p in pages if p in seen or seen.add(p))
@@ -67,12 +69,12 @@ def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int,
         check_sampling(where, item.sampling)
 
 
-def _check_holes(where: str, item: StepItem, window: int, sinks: int, page_size: int) -> None:
+def _check_holes(where: str, item: StepItem, window: AttentionWindow, page_size: int) -> None:
     """A hole (a page the window released) only where the item neither reads nor writes."""
-    for index in pages_read(item.start_pos, item.end_pos, window, sinks, page_size):
+    for index in window.pages_read(item.start_pos, item.end_pos, page_size):
         if item.page_table[index] == HOLE:
             raise InvalidRequest(f"{where}: page_table[{index}] is a hole, but positions {item.start_pos}.."
-                                 f"{item.end_pos - 1} read it (window {window}, sinks {sinks})")
+                                 f"{item.end_pos - 1} read it (window {window.window}, sinks {window.sinks})")
 
 
 def _check_no_shared_slots(items: tuple[StepItem, ...], page_size: int) -> None:

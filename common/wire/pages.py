@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvserve.common.attention_window import AttentionWindow
 from kvserve.common.wire.worker import WorkerInfo
 
 
@@ -29,6 +30,11 @@ class PoolSpec:
         """The pool a worker's Info describes, as the kvmanager registers it."""
         return cls(info.worker_id, info.epoch, info.num_pages, info.page_size, info.model_fingerprint,
                    info.kv_dtype, info.bytes_per_token, info.kv_scales, info.sliding_window, info.attention_sinks)
+
+    def attention_window(self) -> AttentionWindow:
+        """The policy of which positions this pool's requests keep and which pages they may release. Raises
+        InvalidRequest for bad settings (a negative one, sinks without a window, a window under a page)."""
+        return AttentionWindow.checked(self.sliding_window, self.attention_sinks, self.page_size)
 
 
 class OpStatus(enum.Enum):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.common.attention_window import AttentionWindow
+
 GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM's sampling epsilon: below it, sampling is greedy
 
 
@@ -92,3 +94,7 @@ class WorkerInfo:
     kv_scales: str = ""  # a quantised pool's scale scheme: "token_head" or "tensor"; "" for the others
     sliding_window: int = 0  # tokens of K/V attention reads back (the window); 0 = the whole sequence
     attention_sinks: int = 0  # leading tokens kept beside the window (StreamingLLM); 0 = none
+
+    def attention_window(self) -> AttentionWindow:
+        """The policy of which positions this worker's requests keep. Raises InvalidRequest for bad settings."""
+        return AttentionWindow.checked(self.sliding_window, self.attention_sinks, self.page_size)

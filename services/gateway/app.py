@@ -43,7 +43,7 @@ log = logging.getLogger("kvserve.gateway")
 def _pool_tokens(info) -> int:
     """The most tokens one request may hold on a worker's pool: all of it, or with a sliding window any number
     (it holds its window's pages, released as it advances)."""
-    return info.max_model_len if info.sliding_window else info.num_pages * info.page_size
+    return info.attention_window().max_request_tokens(info.max_model_len, info.num_pages * info.page_size)
 
 
 @dataclass(frozen=True, slots=True)

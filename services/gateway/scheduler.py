@@ -48,7 +48,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from kvserve.common.pages import HOLE, max_window_pages, num_pages_for, releasable_pages
+from kvserve.common.attention_window import FULL_ATTENTION, AttentionWindow
+from kvserve.common.pages import HOLE, num_pages_for
 from kvserve.common.wire.pages import (
     OpStatus,
     PageAllocation,
@@ -78,11 +79,10 @@ class SchedulerConfig:
     # long prompt's chunks do not stretch every running request's time per output token to a full budget's
     # prefill. vLLM's option of this name caps every chunk; here only chunks that share a step with decodes.
     long_prefill_token_threshold: int = 0
-    # The worker's sliding window and attention sinks (0: none). A running request's pages that hold only
+    # The worker's attention window (sliding window and sinks). A running request's pages that hold only
     # positions before its window are released as it advances (holes in its page table); an admission holds
     # only the pages its first chunk reads.
-    window: int = 0
-    sinks: int = 0
+    window: AttentionWindow = FULL_ATTENTION
     # Admissions and frees ride with the call made while the worker computes, whenever this step's running
     # requests need no page they lack (the module docstring); off, only commits and headroom do. The engine
     # turns it on when it overlaps page ops with compute; a caller that answers every call before computing
@@ -311,7 +311,7 @@ class Scheduler:
             return SchedulerOutput(None, running, admitted)
         spare -= sum(self._pages_needed(c.req, c.num_tokens) for c in admitted)
         extensions, headroom_only = self._with_headroom(running, extensions, spare)
-        chunk = (lambda c: c.num_tokens) if self.cfg.window else (lambda c: 0)
+        chunk = (lambda c: c.num_tokens) if self.cfg.window.slides else (lambda c: 0)  # dense: the whole prompt
         allocations = tuple(PageAllocation(c.req.req_id, c.req.tenant, tuple(c.req.all_token_ids), self.cfg.worker_id,
                                            skip_prefix_cache=not self.cfg.prefix_caching, chunk_tokens=chunk(c))
                             for c in admitted)
@@ -323,13 +323,11 @@ class Scheduler:
     def _releases(self, running: list[Chunk]) -> tuple[PageRelease, ...]:
         """With a sliding window: each running request's pages before the window of this step's first position
         (its sink pages and its last page stay)."""
-        if not self.cfg.window:
-            return ()
-        out = []
+        window, page_size, out = self.cfg.window, self.cfg.page_size, []
         for chunk in running:
             table = chunk.req.page_table
-            gone = [k for k in releasable_pages(chunk.start_pos, self.cfg.window, self.cfg.sinks, self.cfg.page_size)
-                    if k < len(table) - 1 and table[k] != HOLE]
+            gone = [k for k in window.releasable_pages(chunk.start_pos, page_size)
+                    if window.may_release(k, len(table), page_size) and table[k] != HOLE]
             if gone:
                 out.append(PageRelease(chunk.req.req_id, tuple(gone)))
         return tuple(out)
@@ -337,10 +335,7 @@ class Scheduler:
     def _pages_needed(self, req: Request, chunk_tokens: int) -> int:
         """Pages an admission takes at most (as if nothing hit the cache): the whole request, or with a window
         its sinks and the first chunk's window."""
-        pages = num_pages_for(req.num_tokens, self.cfg.page_size)
-        if self.cfg.window:
-            return min(pages, max_window_pages(self.cfg.window, self.cfg.sinks, self.cfg.page_size, chunk_tokens))
-        return pages
+        return self.cfg.window.max_pages_held(req.num_tokens, self.cfg.page_size, chunk_tokens)
 
     def _with_headroom(self, running: list[Chunk], extensions: list[PageExtension],
                        spare: int) -> tuple[list[PageExtension], frozenset[str]]:
@@ -354,7 +349,7 @@ class Scheduler:
             end = chunk.start_pos + chunk.num_tokens
             last = min(len(req.prompt_token_ids) + req.params.max_tokens - 1, self.cfg.max_model_len,
                        # the kvmanager refuses a call extending past its pool (a window's holes hold no page)
-                       self.cfg.max_model_len if self.cfg.window else self.cfg.num_pages * page_size)
+                       self.cfg.window.max_request_tokens(self.cfg.max_model_len, self.cfg.num_pages * page_size))
             target = max(end, min(end + page_size, last))
             have = max(len(req.page_table), num_pages_for(needed.get(req.req_id, 0), page_size))
             extra = num_pages_for(target, page_size) - have

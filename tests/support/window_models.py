@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.common.pages import HOLE, num_pages_for, releasable_pages
+from kvserve.common.pages import HOLE, num_pages_for
 
 WINDOW = 40  # the tiny Mistral's sliding window, in tokens
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -62,7 +62,7 @@ def run_windowed(runner, prompts: list[list[int]], new_tokens: int, budget: int)
     free list), as the gateway and kvmanager do."""
     from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
 
-    page_size, window, sinks = runner.info.page_size, runner.window, runner.sinks
+    page_size, window = runner.info.page_size, runner.window
     free = list(range(runner.info.num_pages))
     seqs = [Seq(p, new_tokens) for p in prompts]
     while not all(s.done for s in seqs):
@@ -71,7 +71,7 @@ def run_windowed(runner, prompts: list[list[int]], new_tokens: int, budget: int)
             n = 1 if s.computed >= len(s.prompt) else min(len(s.prompt) - s.computed, budget - used)
             if n <= 0:
                 continue
-            for k in releasable_pages(s.computed, window, sinks, page_size):
+            for k in window.releasable_pages(s.computed, page_size):
                 if s.page_table[k] != HOLE:
                     free.append(s.page_table[k])
                     s.page_table[k] = HOLE
@@ -135,17 +135,17 @@ def paged_logits(runner, tokens: list[int], chunks: list[int]) -> torch.Tensor:
     one repeated until the tokens run out); the window's pages released before each chunk. [len, vocab]."""
     from kvserve.kernels.paged_attention import build_metadata
 
-    page_size, window, sinks = runner.info.page_size, runner.window, runner.sinks
+    page_size, window = runner.info.page_size, runner.window
     free, table, out, at, i = list(range(runner.info.num_pages)), [], [], 0, 0
     while at < len(tokens):
         n = min(chunks[min(i, len(chunks) - 1)], len(tokens) - at)
-        for k in releasable_pages(at, window, sinks, page_size):
+        for k in window.releasable_pages(at, page_size):
             if table[k] != HOLE:
                 free.append(table[k])
                 table[k] = HOLE
         while len(table) < num_pages_for(at + n, page_size):
             table.append(free.pop(0))
-        meta = build_metadata([at], [n], [list(table)], page_size, runner.device, window, sinks)
+        meta = build_metadata([at], [n], [list(table)], page_size, runner.device, window)
         ids = torch.tensor(tokens[at:at + n])
 
         def run(ids=ids, meta=meta):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from engine_fakes import InlineExecutor
 
-from kvserve.common.pages import max_window_pages
+from kvserve.common.attention_window import AttentionWindow
 from kvserve.common.wire.pages import PageAllocation, PoolSpec, StepOps, StepResults
 from kvserve.common.wire.worker import SampledToken, StepBatch, StepOutput, WorkerInfo
 from kvserve.kvmanager.invariants import check_invariants
@@ -449,7 +449,7 @@ def windowed_setup(num_pages=10, budget=8, window=8, sinks=4):
     mgr = KVManager()
     mgr.register_worker(PoolSpec("w0", 1, num_pages, PS, "fp", "float32", 1, "", window, sinks))
     cfg = SchedulerConfig("w0", PS, num_pages, max_model_len=1 << 20, eos_token_ids=(0,),
-                          max_num_batched_tokens=budget, window=window, sinks=sinks)
+                          max_num_batched_tokens=budget, window=AttentionWindow(window, sinks))
     return mgr, core_over(mgr, cfg)
 
 
@@ -474,7 +474,7 @@ def test_a_windowed_request_longer_than_the_pool_holds_a_window_of_pages_and_com
             most = max(most, len(held(mgr, "a")))
             assert held(mgr, "a") == [p for p in req.page_table if p >= 0]  # the gateway's copy agrees
         starts += [(i.start_pos, len(i.token_ids)) for i in step.items]
-    assert most <= max_window_pages(8, 4, PS, chunk=8) and req.num_tokens == 100 > 10 * PS
+    assert most <= AttentionWindow(8, 4).max_pages_held(req.num_tokens, PS, chunk=8) and req.num_tokens == 100 > 10 * PS
     assert sum(n for _, n in starts) == 99 and [s for s, _ in starts] == sorted(s for s, _ in starts)
     assert req.output_token_ids == [100 + p for p in range(60, 100)]
     pool = mgr.pools["w0"]

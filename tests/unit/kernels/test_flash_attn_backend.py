@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from kvserve.common.attention_window import AttentionWindow
 from kvserve.common.pages import HOLE
 from kvserve.kernels import flash_attn_backend as fa
 from kvserve.kernels.backends import get_backend
@@ -88,11 +89,11 @@ def step_case(lengths, cached, heads, kv_heads, page_size, window=0, holes=False
             slots = build_metadata([0], [c], [table], page_size, torch.device("cpu")).slot_mapping
             write_kv(k[:c], v[:c], cache, slots)
         new.append((q[c:], k[c:], v[c:]))
-    if holes:  # pages wholly before every window still to come, released (kvserve/common/pages.py)
+    if holes:  # pages wholly before every window still to come, released (common/attention_window.py)
         tables = [[HOLE if (p + 1) * page_size <= c - window + 1 else page for p, page in enumerate(t)]
                   for t, c in zip(tables, cached, strict=True)]
     meta = build_metadata(cached, [n - c for n, c in zip(lengths, cached, strict=True)], tables, page_size,
-                          torch.device("cpu"), window=window)
+                          torch.device("cpu"), window=AttentionWindow(window))
     q, k, v = (torch.cat([t[i] for t in new]) for i in range(3))
     return cache, meta, q, k, v
 
@@ -138,7 +139,7 @@ def test_fa2_adapter_front_pads_queries_and_matches_the_reference(window):
 
 def test_conversion_is_int32_with_holes_as_page_zero_and_front_padded_rows():
     tables = [[5, HOLE, 7], [2], [3, 4]]
-    meta = build_metadata([16, 0, 17], [3, 1, 2], tables, 8, torch.device("cpu"), window=8)
+    meta = build_metadata([16, 0, 17], [3, 1, 2], tables, 8, torch.device("cpu"), window=AttentionWindow(8))
     a = convert_metadata(meta, padded_rows=True)
     assert all(t.dtype == torch.int32 for t in (a.cu_seqlens_q, a.seqused_k, a.page_table))
     assert a.cu_seqlens_q.tolist() == [0, 3, 4, 6] and a.seqused_k.tolist() == [19, 1, 19]
@@ -157,7 +158,7 @@ def test_refusals_say_why():
     with pytest.raises(ValueError, match="not torch.float32 over torch.float32"):
         backend.forward(q.float(), k.float(), k.float(), torch.zeros(2, 2, 16, 1, DIM), meta, backend.prepare(meta),
                         1.0)
-    sinks = build_metadata([0], [4], [[0]], 16, torch.device("cpu"), window=16, sinks=4)
+    sinks = build_metadata([0], [4], [[0]], 16, torch.device("cpu"), window=AttentionWindow(16, 4))
     with pytest.raises(ValueError, match="attention sinks"):
         backend.prepare(sinks)
     with pytest.raises(ValueError, match="multiple of 256 tokens, not 16"):

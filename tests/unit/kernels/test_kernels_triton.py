@@ -14,7 +14,8 @@ import torch
 from test_kernels import dense_attention, scattered_pages
 from test_kernels_kvquant import QUANTISED, SCHEMES, new_pool
 
-from kvserve.common.pages import HOLE, pages_read
+from kvserve.common.attention_window import AttentionWindow
+from kvserve.common.pages import HOLE
 from kvserve.kernels.backends import get_backend
 from kvserve.kernels.kv_quant import FORMAT_OF_DTYPE, FORMATS, write_kv_quantised
 from kvserve.kernels.paged_attention import build_metadata, write_kv
@@ -52,13 +53,13 @@ def step_inputs(lengths, cached, heads, kv_heads, page_size, seed, dtype=torch.f
             write_kv(k[:c].to(model_dtype), v[:c].to(model_dtype), cache, meta.slot_mapping, scales)
     if window:
         for table, c, n in zip(tables, cached, lengths, strict=True):
-            read = set(pages_read(c, n, window, sinks, page_size))
+            read = set(AttentionWindow(window, sinks).pages_read(c, n, page_size))
             table[:] = [p if i in read else HOLE for i, p in enumerate(table)]
     if dtype not in QUANTISED:
         unused = sorted(set(range(1, num_pages)) - {p for t in tables for p in t})  # page 0: the reference's pad
         cache[:, unused] = float("nan")
     q_lens = [n - c for n, c in zip(lengths, cached, strict=True)]
-    meta = build_metadata(cached, q_lens, tables, page_size, DEVICE, window, sinks)
+    meta = build_metadata(cached, q_lens, tables, page_size, DEVICE, AttentionWindow(window, sinks))
     q, k, v = (torch.cat([t[i][c:] for t, c in zip(full, cached, strict=True)]).to(DEVICE, model_dtype)
                for i in range(3))
     q_sink = torch.randn(q.shape, generator=gen).to(DEVICE, model_dtype) if sinks else None
@@ -281,7 +282,7 @@ def test_rope_and_store_writes_the_slots_the_reference_writes_with_its_bytes(dty
 def test_qkv_attention_equals_the_references_with_sinks_and_a_window():
     heads, kv_heads, head_dim = 4, 2, 16
     qkv, cos, sin, meta, _ = rope_step(heads, kv_heads, head_dim)
-    meta.window, meta.sinks = 12, 2
+    meta.window = AttentionWindow(12, 2)
     meta.sink_positions = meta.positions.clamp(max=13)
     table_cos, table_sin = (t.to(DEVICE) for t in cos_sin_table(inverse_frequencies(head_dim, 10000.0, None), 128))
     sink_rope = (table_cos[meta.sink_positions], table_sin[meta.sink_positions])

@@ -80,8 +80,8 @@ def test_a_window_or_sinks_give_their_own_namespace_and_no_window_keeps_the_old_
 @pytest.mark.parametrize("window,sinks,message", [
     (-4, 0, "sliding_window must be >= 0"),
     (8, -1, "attention_sinks must be >= 0"),
-    (0, 4, "attention_sinks 4 needs a sliding_window"),
-    (PS - 1, 0, "sliding_window 3 is smaller than a page"),
+    (0, 4, "attention_sinks needs sliding_window"),
+    (PS - 1, 0, "a sliding window of 3 tokens is smaller than a page"),
 ])
 def test_a_bad_window_is_refused_at_registration_and_registers_nothing(window, sinks, message):
     m = KVManager()

@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from kvserve.common.attention_window import AttentionWindow
 from kvserve.common.wire.worker import StepItem
 from kvserve.kernels.paged_attention import build_metadata, write_kv
 from kvserve.kernels.reference import ReferenceBackend, rope_split, sink_query
@@ -66,9 +67,9 @@ def test_staging_packs_one_block_and_views_it_back():
     block, layout = pack([a, b], pin=False)
     assert block.shape == (11,) and [x.tolist() for x in unpack(block, layout)] == [a.tolist(), b.tolist()]
     assert [x.tolist() for x in stage([a, b], CPU)] == [a.tolist(), b.tolist()]
-    meta = build_metadata([3, 0], [1, 4], [[2], [0, 1]], PAGE, CPU, window=4, sinks=1)
+    meta = build_metadata([3, 0], [1, 4], [[2], [0, 1]], PAGE, CPU, window=AttentionWindow(4, 1))
     staged, (extra,) = stage_metadata(meta, [torch.tensor([9, 8])], CPU)
-    assert extra.tolist() == [9, 8] and staged.max_seq_len == meta.max_seq_len and staged.sinks == 1
+    assert extra.tolist() == [9, 8] and staged.max_seq_len == meta.max_seq_len and staged.window.sinks == 1
     for name in ("q_lens", "start_pos", "seq_lens", "cu_q_lens", "positions", "token_seq", "slot_mapping",
                  "page_tables", "sink_positions"):
         assert torch.equal(getattr(staged, name), getattr(meta, name)), name

@@ -9,7 +9,8 @@ import pytest
 import torch
 from window_models import WINDOW, hf_model, paged_logits, run_windowed, save_tiny, streaming_reference_logits
 
-from kvserve.common.pages import max_window_pages, num_pages_for
+from kvserve.common.attention_window import AttentionWindow
+from kvserve.common.pages import num_pages_for
 from kvserve.worker.runner import ModelRunner, RunnerConfig
 
 PAGE = 16
@@ -44,13 +45,13 @@ def hf_generate(model, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sliding_window_greedy_matches_hf_mistral_and_holds_a_window_of_pages(tiny, backend):
     runner = make_runner(tiny["mistral"], backend)
-    assert runner.window == WINDOW and runner.sinks == 0  # read from the model's config
+    assert runner.window == AttentionWindow(WINDOW, 0)  # read from the model's config
     seqs = run_windowed(runner, prompts(), NEW_TOKENS, budget=48)
     hf = hf_model(tiny["mistral"])
     for s in seqs:
         assert s.output == hf_generate(hf, s.prompt)
         assert s.most_decode_pages <= num_pages_for(WINDOW, PAGE) + 1  # ceil(W / page_size) + 1
-        assert s.most_pages <= max_window_pages(WINDOW, 0, PAGE, chunk=48)
+        assert s.most_pages <= runner.window.max_pages_held(len(s.prompt) + NEW_TOKENS, PAGE, chunk=48)
         assert len(s.page_table) > num_pages_for(WINDOW, PAGE) + 1  # it did outgrow the window
 
 
@@ -83,8 +84,8 @@ def test_attention_sinks_match_a_streaming_reference_past_the_models_context(tin
 @pytest.mark.parametrize(("kw", "message"), [
     ({"sliding_window": 8}, "smaller than a page"),
     ({"attention_sinks": 4}, "needs --sliding-window"),
-    ({"sliding_window": -1}, "must be positive"),
-    ({"sliding_window": 64, "attention_sinks": -2}, "must be positive"),
+    ({"sliding_window": -1}, "--sliding-window must be >= 0"),
+    ({"sliding_window": 64, "attention_sinks": -2}, "--attention-sinks must be >= 0"),
 ])
 def test_bad_window_settings_are_refused_before_a_pool_exists(tiny, kw, message):
     with pytest.raises(ValueError, match=message):
@@ -164,7 +165,7 @@ def test_kv_mem_counts_the_pages_a_windowed_request_really_holds(tiny):
         assert out.returncode == 0, out.stderr
         report = json.loads(out.stdout)
         assert report["paging"]["pages_per_sequence"] == held
-        assert s.most_decode_pages <= max_window_pages(SINK_WINDOW, SINKS, PAGE)  # the window not page-aligned
+        assert s.most_decode_pages <= runner.window.max_pages_held(seq_len + 1, PAGE)  # the window not page-aligned
         assert report["tokens_per_sequence"] == SINKS + SINK_WINDOW
 
 
