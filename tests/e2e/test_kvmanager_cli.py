@@ -160,7 +160,7 @@ def test_kvmanager_snapshots_in_a_forked_child_and_restarts_from_it(tmp_path, mo
     with kvmanager_process(tmp_path, *args) as (proc, m):
         client = connect(m.group(2))
         gen = int(client.get("kvserve:gen"))
-        assert gen > 0 and client.exists(f"kvserve:s{gen}:pool:w0") and not client.exists("kvserve:log")
+        assert gen > 0 and client.exists(f"kvserve:snap:{gen}") and not client.exists("kvserve:log:0")
         out = run_cli(tmp_path, "admin", "stats", "--json", "--kvmanager", f"127.0.0.1:{m.group(1)}",
                       "--data-dir", str(data_dir))
         assert out.returncode == 0, out.stderr
