@@ -165,7 +165,7 @@ def bench_kv_cache(runner, hf, num_tokens: int, prompt_len: int = 32) -> dict:
     results: dict[str, list[int]] = {}
 
     def ours_cached():
-        results["cached"] = list(generate(runner, prompt, params))
+        (results["cached"],) = llm.generate([prompt], num_tokens, ignore_eos=True)
 
     def ours_uncached():
         results["uncached"] = generate_without_cache(runner, prompt, num_tokens)
