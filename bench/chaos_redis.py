@@ -11,13 +11,15 @@ Of SentinelCluster this module uses ``SentinelCluster(data_dir)``, ``.url`` (``r
 
 from __future__ import annotations
 
-import importlib
 import signal
 import sys
 import time
 from pathlib import Path
 
-from kvserve.common.embedded_redis import EmbeddedRedis
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from redis_sentinel import SentinelCluster  # noqa: E402  (the tests' harness)
+
+from kvserve.common.embedded_redis import EmbeddedRedis  # noqa: E402
 
 
 class SingleRedis:
@@ -51,9 +53,7 @@ class SentinelRedis:
     kind = "Redis Sentinel (primary + 2 replicas, 3 sentinels): kill -9 of the primary, a replica promoted"
 
     def __init__(self, data_dir: Path, failover_timeout_s: float = 30.0):
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-        module = importlib.import_module("redis_sentinel")
-        self.cluster = module.SentinelCluster(Path(data_dir))
+        self.cluster = SentinelCluster(Path(data_dir))
         self.url = self.cluster.url
         self.failover_timeout_s = failover_timeout_s
         self.killed: int | None = None
