@@ -52,7 +52,8 @@ def revision_env(rev: str):
             shim.mkdir(parents=True)
             for name, folder in PACKAGES.items():
                 (shim / name).symlink_to(tree / folder)
-            yield os.environ | {"PYTHONPATH": str(shim.parent)}
+            # its own build of the C++ kernels: one cache shared by two source trees would rebuild on every switch
+            yield os.environ | {"PYTHONPATH": str(shim.parent), "TORCH_EXTENSIONS_DIR": str(Path(tmp) / "ext")}
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
 
