@@ -6,7 +6,7 @@ with and without persistence (the Redis call log).
 Workload (seeded, deterministic): one registered pool of NUM_PAGES pages of PAGE_SIZE tokens; 2000-token
 prompts, half of which start with one of 16 shared 1024-token prefixes (8 tenants x 2) that an earlier request
 of the same tenant committed, so they hit exactly 1024 tokens; the other half are unique (no hit). Every call
-carries a step_id (idempotency tracking on), as a gateway's would. Scenarios, each a steady state:
+carries its step_id (counted from 1), as a gateway's does. Scenarios, each a steady state:
 
     admit    calls of 64 allocations each; then, separately timed, the call committing their prompts' full
              pages (prefill-commit) and the call freeing them (free). The cache is full: allocations evict.
@@ -48,6 +48,7 @@ import cProfile
 import dataclasses
 import datetime as dt
 import gc
+import itertools
 import json
 import os
 import platform
@@ -207,7 +208,7 @@ class Workload:
         return tuple(self.rng.integers(100, 32000, n).tolist())
 
     def _apply(self, kind: str | None, **lists) -> wire.StepResults:
-        return self._call(kind, wire.StepOps(**lists))
+        return self._call(kind, wire.StepOps(self.step_id + 1, **lists))
 
     def _call(self, kind: str | None, ops: wire.StepOps) -> wire.StepResults:
         """Applies ``ops`` (renumbered with this workload's step_id) to the reference and records the call."""
@@ -706,7 +707,8 @@ def grpc_floor(num_calls: int) -> dict:
     try:
         target.register()
         health_stub = health_pb2_grpc.HealthStub(target.channel)
-        calls = {"empty StepPages": lambda: target.stub.StepPages(pb.StepOps(), timeout=10),
+        step_ids = itertools.count(1)  # every call carries one
+        calls = {"empty StepPages": lambda: target.stub.StepPages(pb.StepOps(step_id=next(step_ids)), timeout=10),
                  "health Check": lambda: health_stub.Check(health_pb2.HealthCheckRequest(), timeout=10)}
         samples = {k: [] for k in calls}
         for _ in range(num_calls):

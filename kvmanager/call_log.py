@@ -274,10 +274,9 @@ class CallLog:
 
     def _queue(self, record: tuple) -> None:
         encoded = encode(record)
-        # A step with a step_id sent again right after is a retry (after a failed write, or a lost answer): it
-        # applies nothing, so it is logged once. A step without one is not idempotent, and the other calls are
-        # cheap to log twice: those are always logged.
-        if encoded == self.last_record and record[0] == "step" and record[1].step_id:
+        # A step sent again right after (same step_id) is a retry (after a failed write, or a lost answer): it
+        # applies nothing, so it is logged once. The other calls are cheap to log twice: those are always logged.
+        if encoded == self.last_record and record[0] == "step":
             return
         self.pending.append(encoded)
         self.last_record = encoded

@@ -143,9 +143,8 @@ class KVManager:
         final = {c.req_id: self._replay_or(sid, "commit", c.req_id, self._commit, c)
                  for c in ops.commits if c.req_id in freeing}
         out.frees = [self._replay_or(sid, "free", f.req_id, self._free, f) for f in ops.frees]
-        if sid:
-            for req_id, result in final.items():  # its request is gone now: a retry finds the answer here
-                self._remember("commit", req_id, sid, result)
+        for req_id, result in final.items():  # its request is gone now: a retry finds the answer here
+            self._remember("commit", req_id, sid, result)
         out.commits = [final[c.req_id] if c.req_id in final else
                        self._replay_or(sid, "commit", c.req_id, self._commit, c) for c in ops.commits]
         out.releases = [self._replay_or(sid, "release", r.req_id, self._release, r) for r in ops.releases]
@@ -161,16 +160,13 @@ class KVManager:
 
     def _replay_or(self, step_id: int, kind: str, req_id: str, apply, op):
         """The answer remembered for this (kind, req_id) from the call with this step_id, else apply(op)."""
-        if step_id:
-            req = self.requests.get(req_id) or self.stale.get(req_id)
-            if req is not None and req.is_replay(kind, step_id):
-                return req.last_ops[kind][1]
-            remembered = self.recent.get((kind, req_id))
-            if remembered is not None and remembered[0] == step_id:
-                return remembered[1]
+        req = self.requests.get(req_id) or self.stale.get(req_id)
+        if req is not None and req.is_replay(kind, step_id):
+            return req.last_ops[kind][1]
+        remembered = self.recent.get((kind, req_id))
+        if remembered is not None and remembered[0] == step_id:
+            return remembered[1]
         result = apply(op)
-        if not step_id:
-            return result
         req = self.requests.get(req_id) or self.stale.get(req_id)
         if req is not None:
             req.last_ops[kind] = (step_id, result)

@@ -24,12 +24,12 @@ class RequestPages:
 
     @property
     def last_step_id(self) -> int:
-        """The newest call that applied an op to this request (0: none tracked); an older call is stale."""
+        """The newest call that applied an op to this request (0: none yet); an older call is stale."""
         return max([s for s, _ in self.last_ops.values()], default=0)
 
     def is_replay(self, kind: str, step_id: int) -> bool:
         """Whether an op of this kind was already applied by the call with this step_id."""
-        return bool(step_id) and self.last_ops.get(kind, (None,))[0] == step_id
+        return self.last_ops.get(kind, (None,))[0] == step_id
 
 
 @dataclass(slots=True)

@@ -36,8 +36,8 @@ def _about(req_id: str) -> Iterator[None]:
 
 def validate_step(mgr: KVManager, ops: StepOps) -> None:
     """Raises the typed error of the first bad op, naming its request (req_id) where an op is at fault."""
-    if ops.step_id < 0:
-        raise InvalidRequest(f"step_id must be >= 0, got {ops.step_id}")
+    if ops.step_id < 1:
+        raise InvalidRequest(f"step_id must be >= 1, got {ops.step_id}")
     _check_unique(ops)
     for f in ops.frees:
         if not f.req_id:
@@ -87,8 +87,6 @@ def _live_or_stale(mgr: KVManager, req_id: str) -> RequestPages:
 
 
 def _check_not_stale(mgr: KVManager, req_id: str, kind: str, step_id: int, req: RequestPages | None = None) -> None:
-    if not step_id:
-        return
     req = req or mgr.requests.get(req_id) or mgr.stale.get(req_id)
     if req is not None and step_id < req.last_step_id:
         raise StaleStep(f"request {req_id!r}: step_id {step_id} is older than step {req.last_step_id} already "
@@ -103,7 +101,7 @@ def _check_allocate(mgr: KVManager, a: PageAllocation, step_id: int) -> None:
         raise InvalidRequest(f"{where}: tenant must not be empty")
     check_token_ids(where, a.token_ids)
     _check_not_stale(mgr, a.req_id, "allocate", step_id)
-    freed = mgr.recent.get(("free", a.req_id)) if step_id else None
+    freed = mgr.recent.get(("free", a.req_id))
     if freed is not None and step_id < freed[0]:  # a late attempt of a call the caller gave up on
         raise StaleStep(f"request {a.req_id!r}: step_id {step_id} is older than step {freed[0]}, which freed it")
     live = mgr.requests.get(a.req_id)
@@ -140,7 +138,7 @@ def _check_extend(mgr: KVManager, e: PageExtension, step_id: int, releasing: tup
 
 def _check_commit(mgr: KVManager, c: PageCommit, step_id: int) -> None:
     where = f"commit {c.req_id!r}"
-    if step_id and c.req_id not in mgr.requests and c.req_id not in mgr.stale:
+    if c.req_id not in mgr.requests and c.req_id not in mgr.stale:
         remembered = mgr.recent.get(("commit", c.req_id))
         if remembered is not None and remembered[0] == step_id:
             return  # a retried call whose first attempt committed this request's last pages, then freed it

@@ -89,7 +89,7 @@ class StepOps:
     (the commit of a request freed in the same step goes before the frees; a page committed in the step is
     indexed before it is released, and pages released serve the step's extensions and allocations)."""
 
-    step_id: int = 0  # 0 = no idempotency tracking
+    step_id: int  # >= 1, increasing per caller: a retried call sends the same one (see the proto's StepOps)
     allocations: tuple[PageAllocation, ...] = ()
     extensions: tuple[PageExtension, ...] = ()
     commits: tuple[PageCommit, ...] = ()

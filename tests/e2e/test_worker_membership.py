@@ -63,8 +63,9 @@ def listed_epoch(stub, other_than: int = 0) -> int:
 
 
 def allocate(stub, req_id: str) -> list[int]:
+    """Allocates in the test's first StepPages call (step_id 1) to this kvmanager."""
     op = pb.PageAllocation(req_id=req_id, tenant="A", worker_id=WORKER, packed_token_ids=le_uint32(PROMPT))
-    result = stub.StepPages(pb.StepOps(allocations=[op]), timeout=10).allocation_results[0]
+    result = stub.StepPages(pb.StepOps(step_id=1, allocations=[op]), timeout=10).allocation_results[0]
     assert result.status == pb.PAGE_OP_STATUS_OK
     return list(result.page_table)
 
@@ -94,7 +95,7 @@ def test_a_worker_joins_drains_on_sigterm_while_requests_run_then_leaves(tmp_pat
         assert members(stub)[0].num_requests == 1
         assert len(step(port, epoch, page_table).results) == 1  # still serving its running request
         assert worker.poll() is None
-        stub.StepPages(pb.StepOps(frees=[pb.PageFree(req_id="r")]), timeout=10)
+        stub.StepPages(pb.StepOps(step_id=2, frees=[pb.PageFree(req_id="r")]), timeout=10)
 
         assert worker.wait(timeout=WAIT_S) == 0
         assert members(stub) == [] and pool_ids(admin) == []  # it left: pool and member forgotten
@@ -136,6 +137,6 @@ def test_a_worker_killed_for_good_is_declared_dead_with_its_pool(tmp_path):
         killed = time.monotonic()
         poll(lambda: not members(stub) and not pool_ids(admin), "the dead worker and its pool are gone")
         assert time.monotonic() - killed >= LEASE_S * 0.5  # it was its lease lapsing, not the kill itself
-        stub.StepPages(pb.StepOps(frees=[pb.PageFree(req_id="r")]), timeout=10)  # a free of it is OK
+        stub.StepPages(pb.StepOps(step_id=2, frees=[pb.PageFree(req_id="r")]), timeout=10)  # a free of it is OK
     stderr = (tmp_path / "kvm" / "kvmanager.stderr").read_text()
     assert f"worker {WORKER} epoch" in stderr and "declared dead: its lease lapsed" in stderr

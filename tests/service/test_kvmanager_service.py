@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmanager_rpc import TOKEN, WORDS, Admin, write_word_tokenizer
+from step_ids import step_id_for
 
 from kvserve.common.tokens import le_uint32
 from kvserve.kvmanager import admin
@@ -41,21 +42,22 @@ class KV:
             worker_id=worker, epoch=epoch, num_pages=num_pages, page_size=PS, model_fingerprint="fp",
             kv_dtype="float32", bytes_per_token=BYTES_PER_TOKEN), timeout=10)
 
-    def step(self, step_id=0, allocations=(), extensions=(), commits=(), frees=()):
-        return self.stub.StepPages(pb.StepOps(step_id=step_id, allocations=allocations,
+    def step(self, step_id=None, allocations=(), extensions=(), commits=(), frees=()):
+        """One StepPages call: with ``step_id`` as given, else a new call's (newer than every one sent)."""
+        return self.stub.StepPages(pb.StepOps(step_id=step_id_for(self.mgr, step_id), allocations=allocations,
                                               extensions=extensions, commits=commits, frees=frees),
                                    timeout=10)
 
-    def alloc(self, req_id, tokens, tenant="A", worker="w0", step_id=0):
+    def alloc(self, req_id, tokens, tenant="A", worker="w0", step_id=None):
         op = pb.PageAllocation(req_id=req_id, tenant=tenant, packed_token_ids=le_uint32(tokens), worker_id=worker)
         return self.step(step_id, allocations=[op]).allocation_results[0]
 
-    def commit(self, req_id, start, tokens, step_id=0):
+    def commit(self, req_id, start, tokens, step_id=None):
         op = pb.PageCommit(req_id=req_id, start_pos=start, packed_token_ids=le_uint32(tokens),
                            num_computed_tokens=start + len(tokens))
         return self.step(step_id, commits=[op]).commit_results[0]
 
-    def free(self, req_id, step_id=0):
+    def free(self, req_id, step_id=None):
         return self.step(step_id, frees=[pb.PageFree(req_id=req_id)]).free_results[0]
 
     def stats(self):
@@ -174,6 +176,7 @@ BAD_STEPS = [
      "INVALID_ARGUMENT", "commit 'live': packed_token_ids: 17 bytes"),
     ("duplicate req_id", dict(frees=[pb.PageFree(req_id="x"), pb.PageFree(req_id="x")]), "INVALID_ARGUMENT",
      "appears twice in frees"),
+    ("no step_id", dict(step_id=0), "INVALID_ARGUMENT", "step_id must be >= 1, got 0"),
 ]
 
 
@@ -371,7 +374,7 @@ def test_reset_refuses_while_requests_run_unless_forced_then_drops_everything_bu
     s = kv.stats()
     assert [(p.num_free_pages, p.num_used_pages, p.num_requests) for p in s.pools] == [(8, 0, 0)]
     assert list(s.tenants) == [] and (s.prefix_cache_queries, s.num_evicted_blocks) == (0, 0)
-    err = rpc_error(kv.step, 0, (), [pb.PageExtension(req_id="r", num_tokens=9)])
+    err = rpc_error(kv.step, None, (), [pb.PageExtension(req_id="r", num_tokens=9)])
     assert err.code() == grpc.StatusCode.NOT_FOUND
     assert kv.free("r").status == OK
     assert list(kv.alloc("s", P1).page_table) == [0, 1, 2] and kv.alloc("s2", P1).num_cached_tokens == 0

@@ -223,7 +223,7 @@ def test_finish_says_whether_the_request_still_has_pages_to_free():
 def test_a_request_that_can_never_fit_fails_instead_of_waiting_forever():
     mgr, core = setup(num_pages=4)
     sched = core.scheduler
-    mgr.step(StepOps(allocations=(PageAllocation("elsewhere", "t", tuple(range(50, 58)), "w0"),)))  # holds 2 pages
+    mgr.step(StepOps(1, allocations=(PageAllocation("elsewhere", "t", tuple(range(50, 58)), "w0"),)))  # holds 2 pages
     big = request("big", range(1, 11), max_tokens=1)  # needs 3 pages; nothing of this scheduler will free any
     core.add(big)
     out = sched.schedule()
@@ -286,7 +286,7 @@ def test_headroom_the_pool_cannot_give_preempts_nothing():
     a = request("a", range(1, 7), max_tokens=20)  # 6 tokens: 2 pages
     core.add(a)
     run_step(core)
-    mgr.step(StepOps(allocations=(PageAllocation("other", "u", tuple(range(50, 58)), "w0"),)))  # the 2 other pages
+    mgr.step(StepOps(1, allocations=(PageAllocation("other", "u", tuple(range(50, 58)), "w0"),)))  # the 2 other pages
     out, step = run_step(core)  # a's first page is committed; the scheduler still counts 2 spare pages
     assert out.headroom_only == {"a"} and [(e.req_id, e.num_tokens) for e in out.ops.extensions] == [("a", 11)]
     assert [i.req_id for i in step.items] == ["a"] and sched.num_preemptions == 0 and len(a.page_table) == 2

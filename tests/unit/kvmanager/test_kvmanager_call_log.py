@@ -141,8 +141,7 @@ def test_a_store_on_a_closed_port_answers_unavailable_and_keeps_the_call():
 
 
 def test_a_step_whose_early_send_fails_is_logged_once_by_the_plain_write(redis_url, monkeypatch):
-    """send_early queues the record, then cannot send it; write() then sends it, once, also for a step without
-    a step_id (which the log cannot tell apart from the same call made twice)."""
+    """send_early queues the record, then cannot send it; write() then sends it, once."""
     client = connect(redis_url)
     svc = KVService(KVManager(), CallLog(client))
     svc.register_worker(spec("w0"))
@@ -156,7 +155,7 @@ def test_a_step_whose_early_send_fails_is_logged_once_by_the_plain_write(redis_u
         return get_connection(*args, **kwargs)
 
     monkeypatch.setattr(pool, "get_connection", fail_first)
-    assert svc.step(StepOps(0, allocations=(alloc("a", "A", range(9)),))).allocations[0].status is OpStatus.OK
+    assert svc.step(StepOps(1, allocations=(alloc("a", "A", range(9)),))).allocations[0].status is OpStatus.OK
     assert len(calls) >= 2 and client.llen("kvserve:log:0") == 2  # the registration, and the step once
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)
@@ -274,15 +273,18 @@ def test_the_log_is_snapshotted_once_it_holds_snapshot_bytes_even_under_snapshot
     assert exact(loaded) == exact(svc.manager) and store.num_logged_bytes == sizes[-1]
 
 
-def test_the_same_call_without_a_step_id_twice_in_a_row_is_logged_twice(redis_url):
-    """Only a step with a step_id is a retry when sent again: one without is applied again, so it is logged
-    again. The second call used to be taken for a retry: nothing to append, and the call was refused."""
+def test_a_call_sent_again_is_logged_once_and_a_new_call_with_the_same_ops_again(redis_url):
+    """The same call again right after (same step_id) is a retry: it applies nothing, so it is logged once. A new
+    call with the same ops (a newer step_id) is applied again, so it is logged again: it must not be taken for a
+    retry (nothing to append, and the call refused)."""
     client = connect(redis_url)
     svc = KVService(KVManager(), CallLog(client))
     svc.register_worker(spec("w0"))
-    svc.step(StepOps(0, allocations=(alloc("a", "A", range(9), "w0"),)))
+    svc.step(StepOps(1, allocations=(alloc("a", "A", range(9), "w0"),)))
     for _ in range(2):
-        assert svc.step(StepOps(0, commits=(PageCommit("a", 0, (), 9),))).commits[0].status is OpStatus.OK
+        assert svc.step(StepOps(2, commits=(PageCommit("a", 0, (), 9),))).commits[0].status is OpStatus.OK
+    assert client.llen("kvserve:log:0") == 3
+    assert svc.step(StepOps(3, commits=(PageCommit("a", 0, (), 9),))).commits[0].status is OpStatus.OK
     assert client.llen("kvserve:log:0") == 4
     loaded, _ = reload(redis_url)
     assert exact(loaded) == exact(svc.manager)

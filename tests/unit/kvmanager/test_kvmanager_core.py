@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from step_ids import next_step_id, step_id_for
 
 from kvserve.common.errors import InvalidRequest, StaleEpoch
 from kvserve.common.wire.pages import OpStatus, PageAllocation, PageCommit, PageExtension, PageFree, PoolSpec, StepOps
@@ -26,17 +27,18 @@ def mgr_with(*specs) -> KVManager:
     return m
 
 
-def alloc(m, req_id, tokens, tenant="t", worker="w0", step=0):
-    return m.step(StepOps(step, allocations=(PageAllocation(req_id, tenant, tuple(tokens), worker),))).allocations[0]
+def alloc(m, req_id, tokens, tenant="t", worker="w0", step=None):
+    op = PageAllocation(req_id, tenant, tuple(tokens), worker)
+    return m.step(StepOps(step_id_for(m, step), allocations=(op,))).allocations[0]
 
 
-def commit(m, req_id, start, tokens, computed=None, step=0):
+def commit(m, req_id, start, tokens, computed=None, step=None):
     op = PageCommit(req_id, start, tuple(tokens), computed if computed is not None else start + len(tokens))
-    return m.step(StepOps(step, commits=(op,))).commits[0]
+    return m.step(StepOps(step_id_for(m, step), commits=(op,))).commits[0]
 
 
-def free(m, req_id, step=0):
-    return m.step(StepOps(step, frees=(PageFree(req_id),))).frees[0]
+def free(m, req_id, step=None):
+    return m.step(StepOps(step_id_for(m, step), frees=(PageFree(req_id),))).frees[0]
 
 
 def ref_cnts(m, worker="w0"):
@@ -175,7 +177,7 @@ def test_out_of_pages_is_a_result_that_changes_nothing():
     assert r.status == OpStatus.OUT_OF_PAGES and r.num_pages_short == 1 and r.page_table == []
     assert "b" not in m.requests and ref_cnts(m) == [1, 1, 1, 0]
     alloc(m, "c", range(4))
-    ext = m.step(StepOps(extensions=(PageExtension("a", 16),))).extensions[0]
+    ext = m.step(StepOps(next_step_id(m), extensions=(PageExtension("a", 16),))).extensions[0]
     assert ext.status == OpStatus.OUT_OF_PAGES and ext.num_pages_short == 1
     assert m.requests["a"].page_table == [0, 1, 2]
 
@@ -183,16 +185,17 @@ def test_out_of_pages_is_a_result_that_changes_nothing():
 def test_extend_appends_pages():
     m = mgr_with()
     alloc(m, "a", range(4))
-    e = m.step(StepOps(extensions=(PageExtension("a", 4),))).extensions[0]
+    e = m.step(StepOps(next_step_id(m), extensions=(PageExtension("a", 4),))).extensions[0]
     assert e.new_page_ids == [] and e.num_pages == 1
-    e = m.step(StepOps(extensions=(PageExtension("a", 9),))).extensions[0]
+    e = m.step(StepOps(next_step_id(m), extensions=(PageExtension("a", 9),))).extensions[0]
     assert e.new_page_ids == [1, 2] and e.num_pages == 3
 
 
 def test_step_applies_frees_before_allocations():
     m = mgr_with(spec(num_pages=2))
     alloc(m, "a", range(8))
-    out = m.step(StepOps(frees=(PageFree("a"),), allocations=(PageAllocation("b", "t", tuple(range(8)), "w0"),)))
+    out = m.step(StepOps(next_step_id(m), frees=(PageFree("a"),),
+                         allocations=(PageAllocation("b", "t", tuple(range(8)), "w0"),)))
     assert out.allocations[0].status == OpStatus.OK and out.allocations[0].page_table == [1, 0]  # freed tail first
     assert out.pools[0].num_free_pages == 0
 
@@ -247,7 +250,8 @@ def test_reregistration_with_new_epoch_drops_old_pages_and_index():
     commit(m, "a", 0, prompt[:8])
     res = m.register_worker(spec(epoch=2))
     assert res.previous_epoch == 1 and res.dropped_req_ids == ("a",)
-    assert m.step(StepOps(extensions=(PageExtension("a", 12),))).extensions[0].status == OpStatus.STALE_EPOCH
+    ext = m.step(StepOps(next_step_id(m), extensions=(PageExtension("a", 12),))).extensions[0]
+    assert ext.status == OpStatus.STALE_EPOCH
     assert free(m, "a").status == OpStatus.STALE_EPOCH
     b = alloc(m, "b", prompt)
     assert b.epoch == 2 and b.num_cached_tokens == 0 and b.page_table == [0, 1, 2]
@@ -317,7 +321,7 @@ def test_pools_of_different_kv_formats_share_one_kvmanager_but_never_a_block():
 def test_an_allocation_names_its_worker_and_is_only_tried_there():
     m = mgr_with(spec("w0", num_pages=2), spec("w1"))
     with pytest.raises(InvalidRequest, match="worker_id must name the worker"):
-        m.step(StepOps(allocations=(PageAllocation("a", "t", (1, 2, 3)),)))
+        m.step(StepOps(next_step_id(m), allocations=(PageAllocation("a", "t", (1, 2, 3)),)))
     alloc(m, "a", range(8), worker="w0")  # w0 is full now, w1 empty
     r = alloc(m, "b", range(8), worker="w0")
     assert r.status is OpStatus.OUT_OF_PAGES and r.num_pages_short == 2  # not moved to w1
@@ -341,23 +345,24 @@ def test_place_answers_like_allocation_would_counting_queued_requests_without_si
         KVManager().place("t", (1,), {})
 
 BAD = [
-    (StepOps(allocations=(PageAllocation("a", "", (1,), "w0"),)), InvalidRequest, "tenant must not be empty"),
-    (StepOps(allocations=(PageAllocation("a", "t", (), "w0"),)), InvalidRequest, "token_ids must not be empty"),
-    (StepOps(allocations=(PageAllocation("a", "t", (-1,), "w0"),)), InvalidRequest, "token id -1 is not a uint32"),
-    (StepOps(allocations=(PageAllocation("a", "t", (1,), "nope"),)), UnknownWorker, "no pool is registered"),
-    (StepOps(allocations=(PageAllocation("a", "t", tuple(range(40)), "w0"),)), InvalidRequest,
+    (StepOps(2, allocations=(PageAllocation("a", "", (1,), "w0"),)), InvalidRequest, "tenant must not be empty"),
+    (StepOps(2, allocations=(PageAllocation("a", "t", (), "w0"),)), InvalidRequest, "token_ids must not be empty"),
+    (StepOps(2, allocations=(PageAllocation("a", "t", (-1,), "w0"),)), InvalidRequest, "token id -1 is not a uint32"),
+    (StepOps(2, allocations=(PageAllocation("a", "t", (1,), "nope"),)), UnknownWorker, "no pool is registered"),
+    (StepOps(2, allocations=(PageAllocation("a", "t", tuple(range(40)), "w0"),)), InvalidRequest,
      "more pages than pool 'w0' has"),
-    (StepOps(allocations=(PageAllocation("live", "t", (1,), "w0"),)), InvalidRequest, "already live"),
-    (StepOps(extensions=(PageExtension("ghost", 4),)), UnknownRequest, "'ghost' is not live"),
-    (StepOps(extensions=(PageExtension("live", -4),)), InvalidRequest, "num_tokens must be > 0"),
-    (StepOps(extensions=(PageExtension("live", 10**6),)), InvalidRequest, "exceeds the pool"),
-    (StepOps(commits=(PageCommit("live", 0, (1, 2, 3), 3),)), InvalidRequest, "not a whole number of pages"),
-    (StepOps(commits=(PageCommit("live", 4, (1, 2, 3, 4), 8),)), InvalidRequest, "must equal the 0 tokens"),
-    (StepOps(commits=(PageCommit("live", 0, (1, 2, 3, 4), 2),)), InvalidRequest, "num_computed_tokens"),
-    (StepOps(commits=(PageCommit("ghost", 0, (1, 2, 3, 4), 4),)), UnknownRequest, "not live"),
-    (StepOps(frees=(PageFree("x"), PageFree("x"))), InvalidRequest, "appears twice"),
-    (StepOps(frees=(PageFree("live"),), extensions=(PageExtension("live", 8),)), InvalidRequest, "another list"),
-    (StepOps(-1), InvalidRequest, "step_id must be >= 0"),
+    (StepOps(2, allocations=(PageAllocation("live", "t", (1,), "w0"),)), InvalidRequest, "already live"),
+    (StepOps(2, extensions=(PageExtension("ghost", 4),)), UnknownRequest, "'ghost' is not live"),
+    (StepOps(2, extensions=(PageExtension("live", -4),)), InvalidRequest, "num_tokens must be > 0"),
+    (StepOps(2, extensions=(PageExtension("live", 10**6),)), InvalidRequest, "exceeds the pool"),
+    (StepOps(2, commits=(PageCommit("live", 0, (1, 2, 3), 3),)), InvalidRequest, "not a whole number of pages"),
+    (StepOps(2, commits=(PageCommit("live", 4, (1, 2, 3, 4), 8),)), InvalidRequest, "must equal the 0 tokens"),
+    (StepOps(2, commits=(PageCommit("live", 0, (1, 2, 3, 4), 2),)), InvalidRequest, "num_computed_tokens"),
+    (StepOps(2, commits=(PageCommit("ghost", 0, (1, 2, 3, 4), 4),)), UnknownRequest, "not live"),
+    (StepOps(2, frees=(PageFree("x"), PageFree("x"))), InvalidRequest, "appears twice"),
+    (StepOps(2, frees=(PageFree("live"),), extensions=(PageExtension("live", 8),)), InvalidRequest, "another list"),
+    (StepOps(0), InvalidRequest, "step_id must be >= 1, got 0"),
+    (StepOps(-1), InvalidRequest, "step_id must be >= 1, got -1"),
 ]
 
 

@@ -134,7 +134,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.histories: list[tuple[int, ...]] = []
         self.pending: dict[str, list[int]] = {}  # req_id -> its tokens once the extension in flight succeeds
         self.num_ids = self.num_steps = 0
-        self.last = None  # (ops, results, snapshot after) of the latest call with a step_id
+        self.last = None  # (ops, results, snapshot after) of the latest call
         self.last_step: dict[str, int] = {}  # req_id with a record (live or stale) -> the newest step_id applied
 
     # -- plain actions (the fixed-bug repros call these directly) -----------------------------------------------
@@ -178,12 +178,12 @@ class KVManagerMachine(RuleBasedStateMachine):
         for a, r in zip(ops.allocations, res.allocations, strict=True):
             self.absorb_allocate(a, r, pre)
         self.pending.clear()
-        for op in (*ops.allocations, *ops.extensions, *ops.commits, *ops.frees, *ops.releases) if ops.step_id else ():
+        for op in (*ops.allocations, *ops.extensions, *ops.commits, *ops.frees, *ops.releases):
             if op.req_id in self.live or op.req_id in self.stale:
                 self.last_step[op.req_id] = max(self.last_step.get(op.req_id, 0), ops.step_id)
             else:  # freed, or an allocation short of pages: no record keeps its step_id
                 self.last_step.pop(op.req_id, None)
-        self.last = (ops, copy.deepcopy(res), snapshot(self.mgr, volatile=False)) if ops.step_id else None
+        self.last = (ops, copy.deepcopy(res), snapshot(self.mgr, volatile=False))
         self.check_all()  # after every call, also inside rules that make several
         return res
 
@@ -416,9 +416,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.num_ids += 1
         return f"r{self.num_ids}"
 
-    def next_step(self, data) -> int:
-        if data.draw(st.integers(0, 5)) == 0:
-            return 0  # no idempotency tracking
+    def next_step(self) -> int:
         self.num_steps += 1
         return self.num_steps
 
@@ -481,12 +479,12 @@ class KVManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def allocate(self, data):
         """A new request; usually its prompt is then computed and committed, and sometimes it finishes."""
-        r = self.call(StepOps(self.next_step(data), allocations=(self.alloc_op(data),))).allocations[0]
+        r = self.call(StepOps(self.next_step(), allocations=(self.alloc_op(data),))).allocations[0]
         if r.status is not OK or data.draw(st.integers(0, 3)) == 0:
             return
-        self.call(StepOps(self.next_step(data), commits=(self.commit_op(r.req_id, data),)))
+        self.call(StepOps(self.next_step(), commits=(self.commit_op(r.req_id, data),)))
         if data.draw(st.integers(0, 2)):
-            self.call(StepOps(self.next_step(data), frees=(PageFree(r.req_id),)))
+            self.call(StepOps(self.next_step(), frees=(PageFree(r.req_id),)))
 
     @precondition(lambda self: self.reuse_stale_ids and self.stale)
     @rule(data=st.data())
@@ -495,7 +493,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         re-queues it: the allocation is accepted (a newer call than any that touched it), and once it gets
         pages the stale record is gone; an allocation short of pages leaves it stale."""
         op = self.alloc_op(data, data.draw(st.sampled_from(sorted(self.stale))))
-        r = self.call(StepOps(self.next_step(data), allocations=(op,))).allocations[0]
+        r = self.call(StepOps(self.next_step(), allocations=(op,))).allocations[0]
         assert r.status in (OK, SHORT) and (op.req_id in self.mgr.stale) is (r.status is SHORT)
 
     @precondition(lambda self: any(p.num_evictable for p in self.mgr.pools.values()))
@@ -507,7 +505,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         num = min(MAX_TOKENS // PS, pool.num_free + data.draw(st.integers(1, pool.num_evictable)))
         tokens = tuple(range(1000 + 100 * self.num_ids, 1000 + 100 * self.num_ids + num * PS))
         op = PageAllocation(self.new_id(), data.draw(st.sampled_from(TENANTS)), tokens, w, data.draw(st.booleans()))
-        self.call(StepOps(self.next_step(data), allocations=(op,)))
+        self.call(StepOps(self.next_step(), allocations=(op,)))
 
     def call_on_live_or_stale(self, data, kind: str, on_live, on_stale) -> None:
         """One op (``kind``: "extensions" or "commits") on a live or a stale request, in a call of its own; a
@@ -515,7 +513,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live) + sorted(self.stale)))
         op = on_stale(self.stale[rid], rid) if rid in self.stale else on_live(rid, data)
         if op is not None:
-            self.call(StepOps(self.next_step(data), **{kind: (op,)}))
+            self.call(StepOps(self.next_step(), **{kind: (op,)}))
 
     @precondition(lambda self: self.live or self.stale)
     @rule(data=st.data())
@@ -539,7 +537,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(ids))
         op = PageRelease(rid, (NUM_SINK_PAGES,)) if rid in self.stale else self.release_op(rid, data)
         if op is not None:
-            self.call(StepOps(self.next_step(data), releases=(op,)))
+            self.call(StepOps(self.next_step(), releases=(op,)))
 
     @rule(data=st.data())
     def stream(self, data):
@@ -552,14 +550,14 @@ class KVManagerMachine(RuleBasedStateMachine):
         else:
             a = self.alloc_op(data, self.new_id())
             a = PageAllocation(a.req_id, a.tenant, a.token_ids, "w1", a.skip_prefix_cache)
-            if self.call(StepOps(self.next_step(data), allocations=(a,))).allocations[0].status is not OK:
+            if self.call(StepOps(self.next_step(), allocations=(a,))).allocations[0].status is not OK:
                 return
             rid = a.req_id
         for _ in range(data.draw(st.integers(1, 8))):
             if rid not in self.live or (ext := self.extend_op(rid, data)) is None:
                 return
             release = self.window_op(rid)
-            r = self.call(StepOps(self.next_step(data), extensions=(ext,), commits=(self.commit_op(rid, data),),
+            r = self.call(StepOps(self.next_step(), extensions=(ext,), commits=(self.commit_op(rid, data),),
                                   releases=(release,) if release else ()))
             if r.extensions[0].status is not OK:
                 return
@@ -569,7 +567,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         kinds = [k for k, ids in (("live", self.live), ("stale", self.stale), ("gone", self.gone)) if ids]
         kind = data.draw(st.sampled_from(kinds + ["unknown"]))
         ids = {"live": self.live, "stale": self.stale, "gone": self.gone}.get(kind, {"ghost"})
-        self.call(StepOps(self.next_step(data), frees=(PageFree(data.draw(st.sampled_from(sorted(ids)))),)))
+        self.call(StepOps(self.next_step(), frees=(PageFree(data.draw(st.sampled_from(sorted(ids)))),)))
 
     @rule(data=st.data())
     def batch(self, data):
@@ -588,7 +586,7 @@ class KVManagerMachine(RuleBasedStateMachine):
                 extensions.append(op)
         shared = self.draw_prompt(data) if data.draw(st.booleans()) else ()  # computed twice: a duplicate block
         allocations = [self.alloc_op(data, self.new_id(), shared) for _ in range(data.draw(st.integers(0, 3)))]
-        self.call(StepOps(self.next_step(data), tuple(allocations), tuple(extensions), tuple(commits), tuple(frees),
+        self.call(StepOps(self.next_step(), tuple(allocations), tuple(extensions), tuple(commits), tuple(frees),
                           tuple(releases)))
 
     @rule(data=st.data())
@@ -659,34 +657,36 @@ class KVManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         m, slots = self.live[rid], len(self.live[rid].page_table) * PS
         nc = m.num_committed
+        new = self.num_steps + 1  # a new call's id: what is refused is the bad op, not a stale id
         bad = data.draw(st.sampled_from((
-            StepOps(allocations=(PageAllocation("x", "", (1,), "w0"),)),
-            StepOps(allocations=(PageAllocation("x", "A", (1,), "nope"),)),
-            StepOps(allocations=(PageAllocation("x", "A", (1,)),)),
-            StepOps(allocations=(PageAllocation("x", "A", (1 << 32,), "w0"),)),
-            StepOps(allocations=(PageAllocation("x", "A", tuple(range(60)), "w0"),)),
-            StepOps(allocations=(PageAllocation(rid, "A", (1, 2), "w0"),)),
-            StepOps(extensions=(PageExtension("ghost", 4),)),
-            StepOps(extensions=(PageExtension(rid, 0),)),
-            StepOps(extensions=(PageExtension(rid, 1000),)),
-            StepOps(commits=(PageCommit(rid, nc, (1, 2, 3), slots),)),
-            StepOps(commits=(PageCommit(rid, nc + PS, (1, 2, 3, 4), slots),)),
-            StepOps(commits=(PageCommit(rid, nc, (), slots + 1),)),
-            StepOps(frees=(PageFree(rid), PageFree(rid))),
+            StepOps(new, allocations=(PageAllocation("x", "", (1,), "w0"),)),
+            StepOps(new, allocations=(PageAllocation("x", "A", (1,), "nope"),)),
+            StepOps(new, allocations=(PageAllocation("x", "A", (1,)),)),
+            StepOps(new, allocations=(PageAllocation("x", "A", (1 << 32,), "w0"),)),
+            StepOps(new, allocations=(PageAllocation("x", "A", tuple(range(60)), "w0"),)),
+            StepOps(new, allocations=(PageAllocation(rid, "A", (1, 2), "w0"),)),
+            StepOps(new, extensions=(PageExtension("ghost", 4),)),
+            StepOps(new, extensions=(PageExtension(rid, 0),)),
+            StepOps(new, extensions=(PageExtension(rid, 1000),)),
+            StepOps(new, commits=(PageCommit(rid, nc, (1, 2, 3), slots),)),
+            StepOps(new, commits=(PageCommit(rid, nc + PS, (1, 2, 3, 4), slots),)),
+            StepOps(new, commits=(PageCommit(rid, nc, (), slots + 1),)),
+            StepOps(new, frees=(PageFree(rid), PageFree(rid))),
+            StepOps(0),
             StepOps(-1),
             # bad on any pool: a dense pool has nothing to release, a windowed one refuses these indices
-            StepOps(releases=(PageRelease(rid, (len(m.page_table),)),)),
-            StepOps(releases=(PageRelease(rid, (len(m.page_table) - 1,)),)),
-            StepOps(releases=(PageRelease(rid, (0,)),)),
-            StepOps(releases=(PageRelease(rid, ()),), frees=(PageFree(rid),)),
-            StepOps(releases=(PageRelease(rid, ()), PageRelease(rid, ()))),
-            StepOps(extensions=(PageExtension(rid, (self.num_pages[m.worker] + 1 + m.page_table.count(HOLE)) * PS),)),
+            StepOps(new, releases=(PageRelease(rid, (len(m.page_table),)),)),
+            StepOps(new, releases=(PageRelease(rid, (len(m.page_table) - 1,)),)),
+            StepOps(new, releases=(PageRelease(rid, (0,)),)),
+            StepOps(new, releases=(PageRelease(rid, ()),), frees=(PageFree(rid),)),
+            StepOps(new, releases=(PageRelease(rid, ()), PageRelease(rid, ()))),
+            StepOps(new, extensions=(
+                PageExtension(rid, (self.num_pages[m.worker] + 1 + m.page_table.count(HOLE)) * PS),)),
         )))
         others = sorted(set(self.live) - {rid})
         good_free = (PageFree(data.draw(st.sampled_from(others))),) if others and data.draw(st.booleans()) else ()
         good_alloc = (self.alloc_op(data, self.new_id()),) if data.draw(st.booleans()) else ()
-        step_id = bad.step_id if bad.step_id < 0 else self.num_steps + 1
-        ops = StepOps(step_id, bad.allocations + good_alloc, bad.extensions, bad.commits, bad.frees + good_free,
+        ops = StepOps(bad.step_id, bad.allocations + good_alloc, bad.extensions, bad.commits, bad.frees + good_free,
                       bad.releases)
         before = self.baseline()
         with pytest.raises(DomainError):

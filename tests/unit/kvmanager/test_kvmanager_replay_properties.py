@@ -71,18 +71,11 @@ class ReplayMachine(KVManagerMachine):
         self.store = CallLog(connect(REDIS["url"]), self.prefix, snapshot_every=1 << 30, background=False)
         self.mgr = LoggedManager(self.store)
         self.settled: list[tuple[StepOps, object]] = []  # (call, its answer): calls of only frees, commits and
-        # releases, with a step_id, retried later
+        # releases, retried later
 
     def call(self, ops: StepOps):
         res = super().call(ops)
-        if not ops.step_id and ops.allocations:
-            # A req_id allocated again without a step_id leaves nothing to refuse an older call of its earlier
-            # request by (step_id 0 opts out of idempotency): no such call is retried. The gateway never does
-            # either (fresh req_ids, a step_id on every call).
-            again = {a.req_id for a in ops.allocations}
-            self.settled = [s for s in self.settled
-                            if not again & {o.req_id for o in (*s[0].commits, *s[0].frees, *s[0].releases)}]
-        if ops.step_id and not (ops.allocations or ops.extensions):
+        if not (ops.allocations or ops.extensions):
             self.settled.append((ops, copy.deepcopy(res)))
         return res
 
@@ -273,7 +266,7 @@ class LeaderChangeMachine(ReplayMachine):
         w = data.draw(st.sampled_from(props.WORKERS))
         if kind in ("step", "inline snapshot"):
             old.service.store.snapshot_every = 1 if kind == "inline snapshot" else 1 << 30
-            old.step(StepOps(self.next_step(data), allocations=(self.alloc_op(data, self.new_id()),)))
+            old.step(StepOps(self.next_step(), allocations=(self.alloc_op(data, self.new_id()),)))
         elif kind == "registration":
             old.register_worker(props.spec_for(w, self.epoch[w] + 1, self.num_pages[w]))
         elif kind == "admin call":

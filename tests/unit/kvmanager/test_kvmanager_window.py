@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import generate_latest
+from step_ids import step_id_for
 
 from kvserve.common.convert import pages as page_cv
 from kvserve.common.convert import worker as worker_cv
@@ -90,23 +91,23 @@ def mgr_with(*specs) -> KVManager:
     return m
 
 
-def step(m: KVManager, step_id=0, **ops) -> StepResults:
+def step(m: KVManager, step_id=None, **ops) -> StepResults:
     """One call, then the invariants (hole-aware) in full."""
-    out = m.step(StepOps(step_id, **{k: tuple(v) for k, v in ops.items()}))
+    out = m.step(StepOps(step_id_for(m, step_id), **{k: tuple(v) for k, v in ops.items()}))
     check_invariants(m)
     return out
 
 
-def alloc(m, req_id, tokens, tenant="t", worker="w0", step_id=0):
+def alloc(m, req_id, tokens, tenant="t", worker="w0", step_id=None):
     return step(m, step_id, allocations=[PageAllocation(req_id, tenant, tuple(tokens), worker)]).allocations[0]
 
 
-def commit(m, req_id, start, tokens, computed=None, step_id=0):
+def commit(m, req_id, start, tokens, computed=None, step_id=None):
     op = PageCommit(req_id, start, tuple(tokens), computed if computed is not None else start + len(tokens))
     return step(m, step_id, commits=[op]).commits[0]
 
 
-def release(m, req_id, *indices, step_id=0):
+def release(m, req_id, *indices, step_id=None):
     return step(m, step_id, releases=[PageRelease(req_id, indices)]).releases[0]
 
 
@@ -199,7 +200,7 @@ def test_in_one_step_a_page_committed_then_released_lands_in_the_lru_indexed():
     m = mgr_with()
     pool = m.pools["w0"]
     alloc(m, "a", PROMPT)
-    out = step(m, 1, commits=[PageCommit("a", 0, PROMPT[:16], 18)], releases=[PageRelease("a", (1, 2))],
+    out = step(m, commits=[PageCommit("a", 0, PROMPT[:16], 18)], releases=[PageRelease("a", (1, 2))],
                extensions=[PageExtension("a", 21)])
     assert out.commits[0].num_committed_tokens == 16 and out.releases[0].num_released == 2
     assert out.extensions[0].new_page_ids == [5]  # the free list first
@@ -211,7 +212,7 @@ def test_pages_released_in_a_step_serve_its_extensions_and_allocations():
     m = mgr_with(wspec(num_pages=6))
     prompt = tuple(range(100, 121))  # 21 tokens: all 6 pages
     assert alloc(m, "a", prompt).page_table == [0, 1, 2, 3, 4, 5]
-    out = step(m, 1, commits=[PageCommit("a", 0, prompt[:20], 21)], releases=[PageRelease("a", (1, 2))],
+    out = step(m, commits=[PageCommit("a", 0, prompt[:20], 21)], releases=[PageRelease("a", (1, 2))],
                extensions=[PageExtension("a", 25)], allocations=[PageAllocation("b", "t", (1, 2, 3), "w0")])
     # released before the extension and the allocation take pages: the LRU head (page 1), then page 2
     assert (out.extensions[0].status, out.extensions[0].new_page_ids) == (OpStatus.OK, [1])
@@ -517,10 +518,10 @@ def test_a_windowed_allocation_holds_only_its_first_chunks_pages_so_a_prompt_may
     m = mgr_with()
     pool = m.pools["w0"]
     long_prompt = tuple(range(1000, 1100))
-    a = step(m, 0, allocations=[PageAllocation("long", "t", long_prompt, "w0", chunk_tokens=8)]).allocations[0]
+    a = step(m, allocations=[PageAllocation("long", "t", long_prompt, "w0", chunk_tokens=8)]).allocations[0]
     assert a.status is OpStatus.OK and a.page_table == [0, 1] and pool.num_used == 2
     with pytest.raises(InvalidRequest, match="more pages than pool"):  # without chunk_tokens: the whole prompt
-        step(m, 0, allocations=[PageAllocation("whole", "t", long_prompt, "w0")])
+        step(m, allocations=[PageAllocation("whole", "t", long_prompt, "w0")])
     with pytest.raises(InvalidRequest, match="chunk_tokens must be >= 0"):
-        step(m, 0, allocations=[PageAllocation("neg", "t", long_prompt, "w0", chunk_tokens=-1)])
+        step(m, allocations=[PageAllocation("neg", "t", long_prompt, "w0", chunk_tokens=-1)])
     assert set(m.requests) == {"long"} and pool.num_used == 2  # the refused ones left nothing
