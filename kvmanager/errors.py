@@ -48,3 +48,7 @@ class NotLeader(Unavailable):
 class Fenced(NotLeader):
     """A write to Redis refused by the fencing token (kvmanager/fencing.py): another kvmanager has claimed the
     prefix since this one did. Nothing was written; this kvmanager's state is stale, and it steps down."""
+
+
+class StateLayoutError(RuntimeError):
+    """The state under the Redis prefix is in a layout this kvmanager cannot read; nothing was loaded."""

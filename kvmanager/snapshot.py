@@ -55,7 +55,7 @@ from kvserve.common.wire.pages import (
     PageReleaseResult,
     PoolSpec,
 )
-from kvserve.kvmanager.errors import Fenced
+from kvserve.kvmanager.errors import Fenced, StateLayoutError
 from kvserve.kvmanager.fencing import fenced_pipeline
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
@@ -191,7 +191,20 @@ def claim(client: redis.Redis, keys: GenerationKeys) -> tuple[int, int, list[int
     replay, oldest first; calls are appended to the last)."""
     owner = int(client.incr(keys.owner))
     gen = int(client.get(keys.gen) or 0)
+    check_layout(client, keys, gen)
     return owner, gen, sorted({g for _, _, g in keys.scan(client, "log") if g >= gen} | {gen})
+
+
+def check_layout(client: redis.Redis, keys: GenerationKeys, gen: int) -> None:
+    """Raises StateLayoutError when the prefix holds state this layout cannot read: a generation without its
+    snapshot (the one writer switches to a generation only once its snapshot is stored), or generation 0's
+    log under ``<prefix>:log`` (the layout of kvserve before the one snapshot format). Replaying such a log
+    onto an empty state would serve pages that are not free."""
+    if (gen and not client.exists(keys.snapshot(gen))) or client.exists(f"{keys.prefix}:log"):
+        raise StateLayoutError(
+            f"redis prefix {keys.prefix!r} holds kvmanager state in a layout this kvmanager does not read (from an "
+            f"earlier kvserve, or damaged): start it with another --redis-prefix, or delete the keys "
+            f"{keys.prefix}:* (redis-cli --scan --pattern '{keys.prefix}:*' | xargs redis-cli unlink)")
 
 
 def write(client: redis.Redis, keys: GenerationKeys, gen: int, chunks: list[bytes], old_log_gens: list[int],

@@ -1,4 +1,4 @@
-"""The write-ahead log store: calls appended, snapshots every N records, reload = snapshot + replay, and a
+"""The call log (kvmanager/call_log.py): calls appended, snapshots every N records, reload = snapshot + replay, and a
 failed write kept in memory, answered UNAVAILABLE, and logged once by the retry."""
 
 from __future__ import annotations

@@ -325,3 +325,20 @@ def test_an_inconsistent_snapshot_is_refused_on_load(corrupt):
         pool["lru"].append(pool["free"][0])
     with pytest.raises(AssertionError):
         snapshots.decode([json.dumps(state).encode()], KVManager())
+
+
+@pytest.mark.parametrize("left", ["a generation without its snapshot", "generation 0's log of the old layout"])
+def test_state_in_a_layout_this_kvmanager_cannot_read_is_refused_not_replayed(redis_url, left):
+    """A log replayed onto an empty state would hand out pages its requests hold: the load refuses, says what
+    to do, and loads nothing."""
+    from kvserve.kvmanager.errors import StateLayoutError
+
+    client = connect(redis_url)
+    if left == "a generation without its snapshot":
+        client.set("kvserve:gen", 3)
+    else:
+        client.rpush("kvserve:log", b'{"k": "register"}')
+    mgr = KVManager()
+    with pytest.raises(StateLayoutError, match=r"another --redis-prefix, or delete the keys kvserve:\*"):
+        CallLog(client).load(mgr)
+    assert not (mgr.pools or mgr.requests) and CallLog(connect(redis_url), prefix="other").load(KVManager()) is None

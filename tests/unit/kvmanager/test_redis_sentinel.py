@@ -1,4 +1,4 @@
-"""The kvmanager's store on Redis Sentinel (kvmanager/redis_sentinel.py's SentinelCluster: one primary, two
+"""The kvmanager's store on Redis Sentinel (tests/support/redis_sentinel.py's SentinelCluster: one primary, two
 replicas, three sentinels, real processes): it follows a primary killed with SIGKILL to the promoted replica, an
 acknowledged call survives the failover (WAIT 1), a write no replica acknowledged is answered UNAVAILABLE and
 retried, a demoted primary (READONLY) is a retry, and the Sentinel URL is parsed with clear errors."""
