@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
+.PHONY: install model kernels serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -96,6 +96,11 @@ bench-ab: model kernels
 # round: a refactor should leave the burst, prefix-hit and latency figures where they were.
 bench-revisions: model kernels
 	$(PY) bench/revisions_ab.py --before $(BEFORE)
+
+# Loading a prefix's KV pages from Redis vs recomputing them (float32 and int8 pages, alternated): the
+# break-even a shared KV tier must beat.
+bench-kv-breakeven: model kernels
+	$(PY) bench/kv_store_breakeven.py
 
 # The gateway's page ops overlapped with compute vs waited for, alternated over 8 rounds.
 bench-overlap: model kernels
