@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -33,11 +34,15 @@ from kvserve.common.tokenizer import Tokenizer  # noqa: E402
 from kvserve.services.model_store import prepare_default_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-# kvserve's import root over the repository's folders, as pyproject.toml's package-dir maps them.
-PACKAGES = {"services": "services", "kvmanager": "kvmanager", "worker": "worker", "kernels": "kernels",
-            "common": "common", "v1": "protos/kvserve/v1"}
 FIGURES = {"burst_tok_s": "higher", "prefix_hit_ttft_s": "lower", "load4_ttft_p50_s": "lower",
            "load4_tpot_p50_s": "lower"}
+
+
+def packages(tree: Path) -> dict[str, str]:
+    """kvserve's subpackages and their folders, as that tree's pyproject.toml maps them (package-dir)."""
+    with (tree / "pyproject.toml").open("rb") as f:
+        package_dir = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    return {name.removeprefix("kvserve."): folder for name, folder in package_dir.items()}
 
 
 @contextlib.contextmanager
@@ -50,7 +55,7 @@ def revision_env(rev: str):
         try:
             shim = Path(tmp) / "shim" / "kvserve"
             shim.mkdir(parents=True)
-            for name, folder in PACKAGES.items():
+            for name, folder in packages(tree).items():
                 (shim / name).symlink_to(tree / folder)
             # its own build of the C++ kernels: one cache shared by two source trees would rebuild on every switch
             yield os.environ | {"PYTHONPATH": str(shim.parent), "TORCH_EXTENSIONS_DIR": str(Path(tmp) / "ext")}
