@@ -74,7 +74,7 @@ from kvserve.common.wire import pages as wire
 from kvserve.common.wire.worker import SampledToken, StepOutput, WorkerInfo
 from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.redis_client import connect
+from kvserve.common.redis_client import connect
 from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.kvmanager.servicer import KVManagerServicer

@@ -21,7 +21,7 @@ A step is appended as soon as it is validated, while the manager applies it (sen
 when they changed state. Retried calls (same step_id) replay their answers, so a record logged twice (its
 first write failed) changes nothing the second time.
 
-With replicas (``wait_replicas`` > 0, redis_client.py says what that guarantees) each append, each inline
+With replicas (``wait_replicas`` > 0, common/redis_client.py says what that guarantees) each append, each inline
 snapshot and each new generation number is followed by a WAIT on the same connection, and fewer
 acknowledgements than asked fail the write. A failed write then leaves the log owing a resync: the next write
 is an inline snapshot of the whole state (stalling that call, as an admin reset does), so that what the
@@ -57,7 +57,7 @@ from kvserve.kvmanager.fencing import FENCED_CALL, as_fenced, read_fenced_reply,
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.membership import MemberTable
-from kvserve.kvmanager.redis_client import ReplicaWait, close_client, fresh_client
+from kvserve.common.redis_client import ReplicaWait, close_client, fresh_client
 from kvserve.kvmanager.snapshot import Child, GenerationKeys, claim
 from kvserve.kvmanager.state import Changes
 

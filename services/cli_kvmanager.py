@@ -9,7 +9,7 @@ state is appended to a Redis list, and the state is snapshotted every ``--snapsh
 Redis with replicas: ``--redis-url redis+sentinel://H:P[,H:P...]/SERVICE_NAME[/DB]`` follows the primary that
 the sentinels name, across failovers; ``--redis-wait-replicas N`` (default 1 for a Sentinel URL, else 0) answers
 a call only once N replicas acknowledged its write within ``--redis-wait-timeout-ms`` (else UNAVAILABLE, and the
-caller retries). kvmanager/redis_client.py says exactly what that guarantees.
+caller retries). common/redis_client.py says exactly what that guarantees.
 
 Leader and standbys: with Redis, several kvmanagers may run on one Redis (``--redis-url``); one leads (a lease in
 Redis, ``--leader-lease`` seconds, with a fencing token: kvmanager/leader.py), the others wait as standbys that
@@ -166,7 +166,7 @@ def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
     try:
         from kvserve.common.embedded_redis import EmbeddedRedis
         from kvserve.kvmanager.call_log import CallLog
-        from kvserve.kvmanager.redis_client import connect, describe_url, is_sentinel_url
+        from kvserve.common.redis_client import connect, describe_url, is_sentinel_url
     except ImportError as e:
         raise ValueError(f"Redis persistence is not available in this build ({e}); run with "
                          "--no-persistence") from e
@@ -215,7 +215,7 @@ def _elect(args, service, server, redis_url: str, stop):
     gRPC health following it. (election, "leader, " or "standby, " for the ready line). Raises as
     Election.first (Redis unreachable, a state that does not load)."""
     from kvserve.kvmanager.leader import Election, LeaderLease
-    from kvserve.kvmanager.redis_client import connect
+    from kvserve.common.redis_client import connect
     from kvserve.kvmanager.server import report_leadership, tune_gc_for_serving
 
     def on_role(leading: bool) -> None:

@@ -147,7 +147,7 @@ def test_kvmanager_snapshots_in_a_forked_child_and_restarts_from_it(tmp_path, mo
     """With a snapshot due every 2 calls, the real process forks inside its gRPC handlers. It sets
     GRPC_ENABLE_FORK_SUPPORT=0 itself (removed from the environment here), so no child crashes; a graceful
     stop lets a writing child finish, and the restart loads the child's generation."""
-    from kvserve.kvmanager.redis_client import connect
+    from kvserve.common.redis_client import connect
 
     monkeypatch.delenv("GRPC_ENABLE_FORK_SUPPORT", raising=False)  # conftest's: the kvmanager must set it
     data_dir = tmp_path / "data"

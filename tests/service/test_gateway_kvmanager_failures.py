@@ -34,7 +34,7 @@ from kvserve.common.wire.pages import PageAllocation, PageCommit, PoolSpec, Step
 from kvserve.common.wire.worker import SamplingParams
 from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.redis_client import connect
+from kvserve.common.redis_client import connect
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.services.gateway.app import Gateway, GatewayConfig

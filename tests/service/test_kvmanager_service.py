@@ -417,7 +417,7 @@ def redis_url(tmp_path_factory):
 
 def _redis_service(url: str, prefix: str) -> KVService:
     from kvserve.kvmanager.call_log import CallLog
-    from kvserve.kvmanager.redis_client import connect
+    from kvserve.common.redis_client import connect
 
     service = KVService(KVManager(), CallLog(connect(url), prefix))
     service.load()

@@ -24,7 +24,7 @@ import redis
 
 from kvserve.common.embedded_redis import HOST, EmbeddedRedis, redis_server_executable
 from kvserve.common.processes import die_with_parent
-from kvserve.kvmanager.redis_client import SENTINEL_SCHEME
+from kvserve.common.redis_client import SENTINEL_SCHEME
 
 POLL_S = 0.05
 

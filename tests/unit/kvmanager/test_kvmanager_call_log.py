@@ -18,7 +18,7 @@ from kvserve.kvmanager import admin
 from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.redis_client import connect, fresh_client
+from kvserve.common.redis_client import connect, fresh_client
 from kvserve.kvmanager.service import KVService
 
 from kvmanager_soak import snapshot  # isort: skip

@@ -21,7 +21,7 @@ from kvserve.kvmanager.errors import StoreUnavailable, UnknownRequest, UnknownWo
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.reaper import MemberReaper
-from kvserve.kvmanager.redis_client import connect, fresh_client
+from kvserve.common.redis_client import connect, fresh_client
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService
 

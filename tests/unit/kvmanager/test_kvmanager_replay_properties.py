@@ -29,7 +29,7 @@ from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import NotLeader, StaleStep, UnknownRequest
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.membership import MemberTable
-from kvserve.kvmanager.redis_client import connect
+from kvserve.common.redis_client import connect
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.snapshot import SWITCHED
 

@@ -20,7 +20,7 @@ from kvserve.kvmanager import admin
 from kvserve.kvmanager import snapshot as snapshots
 from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.redis_client import connect
+from kvserve.common.redis_client import connect
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService
 from kvserve.v1 import kvmanager_pb2 as pb

@@ -46,7 +46,7 @@ from kvserve.kvmanager.errors import StaleStep, UnknownRequest
 from kvserve.kvmanager.hashing import chain_hashes
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.redis_client import connect, fresh_client
+from kvserve.common.redis_client import connect, fresh_client
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.spans import record_op_spans

@@ -20,7 +20,7 @@ from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import StoreUnavailable
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.redis_client import SentinelUrl, connect, parse_sentinel_url
+from kvserve.common.redis_client import SentinelUrl, connect, parse_sentinel_url
 from kvserve.kvmanager.service import KVService
 
 from kvmanager_soak import snapshot  # isort: skip

@@ -1,4 +1,5 @@
-"""The kvmanager's Redis client: connect() (a plain ``redis://`` URL or a Sentinel one) and the replication check
+"""Redis clients of kvserve's services (the kvmanager's state, the shared KV tier): connect() (a plain
+``redis://`` URL or a Sentinel one) and the replication check
 after each write (ReplicaWait). The embedded Redis that ``kvserve up`` and ``kvserve kvmanager`` start by default
 is a process, not a client: common/embedded_redis.py.
 
