@@ -70,11 +70,11 @@ from results_io import write_results
 from kvserve.common.convert.pages import step_to_request_proto
 from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.pages import num_pages_for
+from kvserve.common.redis_client import connect
 from kvserve.common.wire import pages as wire
 from kvserve.common.wire.worker import SampledToken, StepOutput, WorkerInfo
 from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.manager import KVManager
-from kvserve.common.redis_client import connect
 from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.kvmanager.servicer import KVManagerServicer

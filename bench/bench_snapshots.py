@@ -46,9 +46,9 @@ from bench_kvmanager import SPEC, Workload, percentile  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 from kvserve.common.embedded_redis import EmbeddedRedis
+from kvserve.common.redis_client import connect  # noqa: E402
 from kvserve.kvmanager.call_log import DEFAULT_SNAPSHOT_EVERY, CallLog  # noqa: E402
 from kvserve.kvmanager.manager import KVManager  # noqa: E402
-from kvserve.common.redis_client import connect  # noqa: E402
 from kvserve.kvmanager.server import tune_gc_for_serving  # noqa: E402
 from kvserve.kvmanager.service import KVService  # noqa: E402
 from kvserve.kvmanager.snapshot import SWITCHED  # noqa: E402

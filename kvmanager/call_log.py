@@ -42,6 +42,7 @@ from dataclasses import asdict
 import numpy as np
 import redis
 
+from kvserve.common.redis_client import ReplicaWait, close_client, fresh_client
 from kvserve.common.tokens import UINT32, le_uint32, unpack_uint32
 from kvserve.common.wire.pages import (
     PageAllocation,
@@ -57,7 +58,6 @@ from kvserve.kvmanager.fencing import FENCED_CALL, as_fenced, read_fenced_reply,
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.membership import MemberTable
-from kvserve.common.redis_client import ReplicaWait, close_client, fresh_client
 from kvserve.kvmanager.snapshot import Child, GenerationKeys, claim
 from kvserve.kvmanager.state import Changes
 

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, fields
 import redis
 
 from kvserve.common.processes import die_with_parent
+from kvserve.common.redis_client import fresh_client
 from kvserve.common.wire.pages import (
     OpStatus,
     PageAllocationResult,
@@ -61,7 +62,6 @@ from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.membership import MemberRecord
 from kvserve.kvmanager.pool import Block, PagePool
-from kvserve.common.redis_client import fresh_client
 from kvserve.kvmanager.state import RequestPages, TenantCounters
 
 CHUNK_BYTES = 1 << 20  # one RPUSH each: small commands keep Redis answering the parent's appends in between

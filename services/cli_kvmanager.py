@@ -165,8 +165,8 @@ def _open_store(args, data_dir: Path, stack: contextlib.ExitStack):
         return NullStore(), "", "none, --no-persistence"
     try:
         from kvserve.common.embedded_redis import EmbeddedRedis
-        from kvserve.kvmanager.call_log import CallLog
         from kvserve.common.redis_client import connect, describe_url, is_sentinel_url
+        from kvserve.kvmanager.call_log import CallLog
     except ImportError as e:
         raise ValueError(f"Redis persistence is not available in this build ({e}); run with "
                          "--no-persistence") from e
@@ -214,8 +214,8 @@ def _elect(args, service, server, redis_url: str, stop):
     """The leader election over the store's Redis (kvmanager/leader.py): the first one made, the loop started,
     gRPC health following it. (election, "leader, " or "standby, " for the ready line). Raises as
     Election.first (Redis unreachable, a state that does not load)."""
-    from kvserve.kvmanager.leader import Election, LeaderLease
     from kvserve.common.redis_client import connect
+    from kvserve.kvmanager.leader import Election, LeaderLease
     from kvserve.kvmanager.server import report_leadership, tune_gc_for_serving
 
     def on_role(leading: bool) -> None:

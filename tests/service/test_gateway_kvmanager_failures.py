@@ -30,11 +30,11 @@ from conftest import TEST_NUM_PAGES, TEST_PAGE_SIZE
 from kvmanager_processes import kvmanager_process, stop_cleanly
 
 from kvserve.common.embedded_redis import EmbeddedRedis
+from kvserve.common.redis_client import connect
 from kvserve.common.wire.pages import PageAllocation, PageCommit, PoolSpec, StepOps
 from kvserve.common.wire.worker import SamplingParams
 from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.manager import KVManager
-from kvserve.common.redis_client import connect
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService, NullStore
 from kvserve.services.gateway.app import Gateway, GatewayConfig

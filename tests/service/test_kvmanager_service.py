@@ -416,8 +416,8 @@ def redis_url(tmp_path_factory):
 
 
 def _redis_service(url: str, prefix: str) -> KVService:
-    from kvserve.kvmanager.call_log import CallLog
     from kvserve.common.redis_client import connect
+    from kvserve.kvmanager.call_log import CallLog
 
     service = KVService(KVManager(), CallLog(connect(url), prefix))
     service.load()

@@ -149,8 +149,8 @@ def replay(num_steps: int, seed: int = 0) -> tuple[KVManager, Soak]:
 
 def make_store(url: str, prefix: str):
     """The call log with a snapshot due every 16 calls (so that snapshots fall due during a short soak)."""
-    from kvserve.kvmanager.call_log import CallLog
     from kvserve.common.redis_client import connect
+    from kvserve.kvmanager.call_log import CallLog
 
     return CallLog(connect(url), prefix, snapshot_every=16)
 

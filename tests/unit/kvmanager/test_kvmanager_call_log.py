@@ -13,12 +13,12 @@ from kvmanager_histories import alloc, build_history, spec
 
 from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.errors import InvalidRequest
+from kvserve.common.redis_client import connect, fresh_client
 from kvserve.common.wire.pages import OpStatus, PageCommit, PageExtension, PageFree, StepOps
 from kvserve.kvmanager import admin
 from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
-from kvserve.common.redis_client import connect, fresh_client
 from kvserve.kvmanager.service import KVService
 
 from kvmanager_soak import snapshot  # isort: skip

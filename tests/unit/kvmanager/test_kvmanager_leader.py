@@ -26,13 +26,13 @@ from kvmanager_histories import alloc, spec
 from polling import wait_for
 
 from kvserve.common.embedded_redis import EmbeddedRedis
+from kvserve.common.redis_client import connect
 from kvserve.common.wire.pages import PageCommit, PageFree, StepOps
 from kvserve.kvmanager import admin
 from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import Fenced, NotLeader
 from kvserve.kvmanager.fencing import fenced_call, fenced_pipeline, fenced_rpush
 from kvserve.kvmanager.leader import Election, LeaderLease
-from kvserve.common.redis_client import connect
 from kvserve.kvmanager.server import MANAGER_SERVICE, report_leadership, start_kvmanager_server
 from kvserve.kvmanager.service import KVService
 from kvserve.services.gateway.rpc.clients import KVManagerClient

@@ -13,6 +13,7 @@ import pytest
 
 from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.errors import InvalidRequest, StaleEpoch
+from kvserve.common.redis_client import connect, fresh_client
 from kvserve.common.wire.membership import WorkerMember
 from kvserve.common.wire.pages import PageAllocation, PageCommit, PageExtension, PageFree, PoolSpec, StepOps
 from kvserve.kvmanager import admin
@@ -21,7 +22,6 @@ from kvserve.kvmanager.errors import StoreUnavailable, UnknownRequest, UnknownWo
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.reaper import MemberReaper
-from kvserve.common.redis_client import connect, fresh_client
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService
 

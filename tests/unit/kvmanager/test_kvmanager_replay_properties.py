@@ -23,13 +23,13 @@ from hypothesis.stateful import invariant, precondition, rule
 from test_kvmanager_properties import KVManagerMachine, snapshot
 
 from kvserve.common.embedded_redis import EmbeddedRedis
+from kvserve.common.redis_client import connect
 from kvserve.common.wire.pages import StepOps
 from kvserve.kvmanager import admin
 from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import NotLeader, StaleStep, UnknownRequest
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.membership import MemberTable
-from kvserve.common.redis_client import connect
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.snapshot import SWITCHED
 

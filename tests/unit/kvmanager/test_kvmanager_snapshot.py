@@ -14,13 +14,13 @@ from test_kvmanager_call_log import exact, live_keys, reload
 from test_kvmanager_properties import snapshot as exact_state
 
 from kvserve.common.embedded_redis import EmbeddedRedis
+from kvserve.common.redis_client import connect
 from kvserve.common.tokens import le_uint32
 from kvserve.common.wire.pages import PageCommit, PageFree, StepOps
 from kvserve.kvmanager import admin
 from kvserve.kvmanager import snapshot as snapshots
 from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.manager import KVManager
-from kvserve.common.redis_client import connect
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService
 from kvserve.v1 import kvmanager_pb2 as pb

@@ -26,6 +26,7 @@ from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.metrics import KVManagerMetrics
 from kvserve.common.pages import HOLE
+from kvserve.common.redis_client import connect, fresh_client
 from kvserve.common.wire.pages import (
     OpStatus,
     PageAllocation,
@@ -46,7 +47,6 @@ from kvserve.kvmanager.errors import StaleStep, UnknownRequest
 from kvserve.kvmanager.hashing import chain_hashes
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
-from kvserve.common.redis_client import connect, fresh_client
 from kvserve.kvmanager.server import start_kvmanager_server
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.spans import record_op_spans

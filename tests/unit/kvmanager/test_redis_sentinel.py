@@ -15,12 +15,12 @@ from kvmanager_processes import kvmanager_process, populate, run_cli, stop_clean
 from redis_sentinel import SentinelCluster
 
 from kvserve.common.embedded_redis import EmbeddedRedis
+from kvserve.common.redis_client import SentinelUrl, connect, parse_sentinel_url
 from kvserve.common.wire.pages import PageCommit, PageFree, StepOps
 from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import StoreUnavailable
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
-from kvserve.common.redis_client import SentinelUrl, connect, parse_sentinel_url
 from kvserve.kvmanager.service import KVService
 
 from kvmanager_soak import snapshot  # isort: skip
