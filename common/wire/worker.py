@@ -94,6 +94,7 @@ class WorkerInfo:
     kv_scales: str = ""  # a quantised pool's scale scheme: "token_head" or "tensor"; "" for the others
     sliding_window: int = 0  # tokens of K/V attention reads back (the window); 0 = the whole sequence
     attention_sinks: int = 0  # leading tokens kept beside the window (StreamingLLM); 0 = none
+    kv_store: bool = False  # it reads and writes the shared KV tier (--kv-store-url)
 
     def attention_window(self) -> AttentionWindow:
         """The policy of which positions this worker's requests keep. Raises InvalidRequest for bad settings."""
