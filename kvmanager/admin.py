@@ -54,7 +54,34 @@ class TenantStats:
     num_pinned_blocks: int
     num_requests: int
     prefix_cache_queries: int
-    prefix_cache_hits: int
+    prefix_cache_hits: int  # both tiers
+    store_hits: int = 0  # of which: tokens loaded from the shared KV tier
+    num_store_blocks: int = 0  # the tenant's blocks in the store
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """The shared KV tier: its index (blocks, bytes, within capacity), its hits, and the workers' traffic."""
+
+    capacity_bytes: int  # 0: the tier is off
+    num_blocks: int
+    num_bytes: int
+    num_hit_pages: int  # pages allocations took from the store
+    num_added_blocks: int
+    num_evicted_blocks: int  # by the store's LRU, to stay within capacity
+    num_dropped_missing: int  # entries dropped: a load found the value absent or damaged
+    num_loaded_pages: int
+    num_loaded_bytes: int
+    load_s: float
+    num_failed_loads: int  # requests recomputed because a load failed
+    num_verify_failures: int
+    num_written_pages: int
+    num_written_bytes: int
+    num_dropped_writes: int
+
+    @property
+    def load_mb_per_s(self) -> float:
+        return self.num_loaded_bytes / self.load_s / 1e6 if self.load_s else 0.0
 
 
 @dataclass(slots=True)
@@ -64,6 +91,7 @@ class ClusterStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_evicted_blocks: int
+    store: StoreStats | None = None
 
 
 @dataclass(slots=True)
@@ -184,7 +212,19 @@ def _tenant_stats(mgr: KVManager) -> dict[str, TenantStats]:
             t.num_pinned_blocks += block.pinned
     for req in mgr.requests.values():
         entry(req.tenant).num_requests += 1
+    for tenant, hits in mgr.tier.tenant_hits.items():
+        entry(tenant).store_hits = hits
+    for e in mgr.tier.entries.values():
+        entry(e.tenant).num_store_blocks += 1
     return dict(sorted(out.items()))
+
+
+def store_stats(mgr: KVManager) -> StoreStats:
+    tier = mgr.tier
+    t, w = tier.totals, tier.totals.workers
+    return StoreStats(tier.capacity_bytes, len(tier), tier.num_bytes, t.num_hit_pages, t.num_added, t.num_evicted,
+                      t.num_dropped_missing, w.num_loaded_pages, w.num_loaded_bytes, w.load_s, w.num_failed_loads,
+                      w.num_verify_failures, w.num_written_pages, w.num_written_bytes, w.num_dropped_writes)
 
 
 def stats(mgr: KVManager) -> ClusterStats:
@@ -193,7 +233,7 @@ def stats(mgr: KVManager) -> ClusterStats:
     return ClusterStats(pools=[_pool_stats(mgr.pools[w]) for w in sorted(mgr.pools)], tenants=tenants,
                  prefix_cache_queries=sum(t.prefix_cache_queries for t in tenants),
                  prefix_cache_hits=sum(t.prefix_cache_hits for t in tenants),
-                 num_evicted_blocks=sum(p.num_evicted for p in mgr.pools.values()))
+                 num_evicted_blocks=sum(p.num_evicted for p in mgr.pools.values()), store=store_stats(mgr))
 
 
 def list_tenants(mgr: KVManager) -> list[TenantStats]:
@@ -306,6 +346,7 @@ def page_table(mgr: KVManager, req_id: str) -> PageTable:
 def evict_tenant(mgr: KVManager, tenant: str, worker_id: str = "", include_pinned: bool = False) -> EvictResult:
     """Evicts the tenant's cached blocks with ref_cnt 0 (pinned ones only with ``include_pinned``, which
     unpins them); their pages become free. Blocks held by requests are kept (unpinned with include_pinned).
+    Over every pool (no ``worker_id``), the tenant's blocks in the shared KV tier go too (counted as evicted).
 
     Raises InvalidRequest (empty tenant), UnknownWorker.
     """
@@ -324,6 +365,10 @@ def evict_tenant(mgr: KVManager, tenant: str, worker_id: str = "", include_pinne
             pool.evict(block.page_id)
             mgr.changes.changed = True
             evicted += 1
+    if not worker_id:
+        dropped = mgr.tier.drop_tenant(tenant)
+        evicted += dropped
+        mgr.changes.changed |= bool(dropped)
     return EvictResult(evicted, kept)
 
 
@@ -364,7 +409,8 @@ def unpin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: st
 
 
 def reset(mgr: KVManager, force: bool = False) -> DropResult:
-    """Drops every request (live and stale), block and counter. Pools stay registered with every page free.
+    """Drops every request (live and stale), block (in the pools and the shared KV tier, whose values are
+    deleted) and counter. Pools stay registered with every page free.
 
     Refused (RequestsRunning) while requests are live, unless ``force``: a gateway may still be computing them
     on their pages, which the reset would hand to new requests (their K/V overwritten mid-decode). ``force``
@@ -380,6 +426,7 @@ def reset(mgr: KVManager, force: bool = False) -> DropResult:
     mgr.requests.clear()
     mgr.stale.clear()
     mgr.tenants.clear()
+    mgr.tier.clear()
     for worker_id, pool in mgr.pools.items():
         mgr.pools[worker_id] = PagePool(pool.spec)
     mgr.changes.reset = True  # persisted as a snapshot of what is left, not as a log record

@@ -16,6 +16,7 @@ and same calls give the same pages, hits and answers (the restart tests check ex
                        join      a worker joined: its pool registered, its member record (address) set
                        drain     a member's draining flag changed
                        leave     a member left or was declared dead: it and its pool of that epoch are dropped
+                       tier      a worker's ReportTier (blocks the store acknowledged, values found missing)
 
 A step is appended as soon as it is validated, while the manager applies it (send_early); other calls only
 when they changed state. Retried calls (same step_id) replay their answers, so a record logged twice (its
@@ -53,6 +54,7 @@ from kvserve.common.wire.pages import (
     PoolSpec,
     StepOps,
 )
+from kvserve.common.wire.tier import StoredBlock, TierCounters, TierReport
 from kvserve.kvmanager import admin, membership, snapshot
 from kvserve.kvmanager.fencing import FENCED_CALL, as_fenced, read_fenced_reply, rpush_command
 from kvserve.kvmanager.invariants import check_invariants
@@ -90,7 +92,7 @@ def encode(record: tuple) -> bytes:
         ops: StepOps = record[1]
         body = {"s": ops.step_id,
                 "a": [[a.req_id, a.tenant, a.worker_id, a.skip_prefix_cache, tokens(a.token_ids),
-                       *([a.chunk_tokens] if a.chunk_tokens else [])] for a in ops.allocations],
+                       *_allocation_tail(a)] for a in ops.allocations],
                 "e": [[e.req_id, e.num_tokens] for e in ops.extensions],
                 "c": [[c.req_id, c.start_pos, tokens(c.token_ids), c.num_computed_tokens] for c in ops.commits],
                 "f": [f.req_id for f in ops.frees]}
@@ -100,6 +102,11 @@ def encode(record: tuple) -> bytes:
         body = {"spec": asdict(record[1]), "arg": record[2]}  # release_requests, or the member's address
     elif kind == "admin":
         body = {"fn": record[1], "args": list(record[2])}
+    elif kind == "tier":
+        r: TierReport = record[1]
+        body = {"w": r.worker_id, "e": r.epoch, "b": b"".join(b.block_hash for b in r.written).hex(),
+                "t": [b.tenant for b in r.written], "n": [b.num_bytes for b in r.written],
+                "m": b"".join(r.missing).hex(), "c": list(r.counters.as_tuple())}
     else:  # drain (worker_id, epoch, draining), leave (worker_id, epoch)
         body = {"args": list(record[1:])}
     narrow = _narrow(blobs)
@@ -109,6 +116,22 @@ def encode(record: tuple) -> bytes:
     if narrow is not None:
         return header + b"\n" + narrow
     return b"\n".join((header, *blobs)) if blobs else header + b"\n"
+
+
+def _allocation_tail(a: PageAllocation) -> list:
+    """An allocation's fields after its tokens, as far as one is not the default (most allocations: none)."""
+    tail = [a.chunk_tokens, a.skip_store, a.load_s_per_page, a.prefill_s_per_token]
+    while tail and not tail[-1]:
+        tail.pop()
+    return tail
+
+
+def _tier_report(d: dict) -> TierReport:
+    hashes, missing = bytes.fromhex(d["b"]), bytes.fromhex(d["m"])
+    written = tuple(StoredBlock(hashes[i * 16:(i + 1) * 16], t, n) for i, (t, n) in enumerate(zip(d["t"], d["n"],
+                                                                                                  strict=True)))
+    return TierReport(d["w"], d["e"], written, tuple(missing[i:i + 16] for i in range(0, len(missing), 16)),
+                      TierCounters(*d["c"]))
 
 
 def _narrow(blobs: list[bytes]) -> bytes | None:
@@ -148,7 +171,7 @@ def apply(mgr: KVManager, members: MemberTable, raw: bytes) -> None:
     kind = d["k"]
     if kind == "step":
         tok = _Tokens(raw, newline + 1, d.get("w", 4))
-        allocations = tuple(PageAllocation(r, t, tok(n), w, skip, *chunk) for r, t, w, skip, n, *chunk in d["a"])
+        allocations = tuple(PageAllocation(r, t, tok(n), w, skip, *tail) for r, t, w, skip, n, *tail in d["a"])
         commits = tuple(PageCommit(r, s, tok(n), c) for r, s, n, c in d["c"])
         mgr.step(StepOps(step_id=d["s"], allocations=allocations,
                          extensions=tuple(PageExtension(r, n) for r, n in d["e"]), commits=commits,
@@ -162,6 +185,8 @@ def apply(mgr: KVManager, members: MemberTable, raw: bytes) -> None:
         membership.set_draining(members, *d["args"])
     elif kind == "leave":
         membership.leave(mgr, members, *d["args"])
+    elif kind == "tier":
+        mgr.report_tier(_tier_report(d))
     else:
         ADMIN_MUTATIONS[d["fn"]](mgr, *_tuples(d["args"]))
 

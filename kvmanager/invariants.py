@@ -11,6 +11,8 @@ Per pool, every page is in exactly one state (see pool.py), and::
 A page held by a request holds nothing or a block of that request's tenant at that request's position
 (no cross-tenant hit), and a live request always sits on its pool's current epoch.
 
+The shared KV tier's index counts exactly its entries' bytes, within its capacity (none with the tier off).
+
 A hole (HOLE, a page its sliding window released) holds nothing and counts for no page. Holes exist only on
 pools with a window, never among the sink pages, and never at the end of a page table (the next token's page).
 """
@@ -45,6 +47,16 @@ def check_invariants(mgr: KVManager) -> None:
         _check_pool(pool, by_worker[worker_id])
     for tenant, counters in mgr.tenants.items():
         assert 0 <= counters.prefix_cache_hits <= counters.prefix_cache_queries, f"tenant {tenant!r}: {counters}"
+    _check_tier(mgr)
+
+
+def _check_tier(mgr: KVManager) -> None:
+    tier = mgr.tier
+    total = sum(e.num_bytes for e in tier.entries.values())
+    assert tier.num_bytes == total, f"store index: num_bytes {tier.num_bytes} != {total} in its entries"
+    assert not tier.entries or total <= tier.capacity_bytes, (
+        f"store index: {total} bytes recorded over its capacity of {tier.capacity_bytes}")
+    assert all(len(h) == 16 for h in tier.entries), "store index: a key that is not a 16-byte block hash"
 
 
 def _check_pool(pool: PagePool, live: list[RequestPages]) -> None:

@@ -6,6 +6,12 @@ serve the same step. A request freed in a call may also commit its last full pag
 before the frees. A page committed in a call and released by its window in it is indexed first, so it joins the
 LRU still cached. Out of pages is a result (OUT_OF_PAGES with num_pages_short), never an exception.
 
+The shared KV tier (tier.py): an allocation takes, past its pool hits, the blocks the store holds (store
+hits: fresh pages the worker fills before the first chunk, named in store_loads); a commit asks the committing
+worker to write its new blocks the store lacks (StepResults.store_writes); a worker's ReportTier records what
+landed (report_tier). Store hits enter the request's chain only with its first commit, which the gateway sends
+once the loads succeeded: a page that failed to load is never indexed.
+
 A release turns page table entries into holes (HOLE): the page is released as a free releases it (ref_cnt - 1;
 at 0 it joins the LRU if it holds a block, else the free list), and the request's later ops skip its holes.
 """
@@ -34,13 +40,16 @@ from kvserve.common.wire.pages import (
     RegisterResult,
     StepOps,
     StepResults,
+    StoreWriteOrder,
 )
+from kvserve.common.wire.tier import StoreLoad, StoreWrite, TierReport
 from kvserve.kvmanager.errors import UnknownRequest, UnknownWorker
 from kvserve.kvmanager.hashing import chain_hashes
 from kvserve.kvmanager.placement import Placement, fit, place
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import Changes, RequestPages, TenantCounters
 from kvserve.kvmanager.step_validate import validate_step
+from kvserve.kvmanager.tier import StoreIndex
 
 RECENT_RESULTS = 1 << 16
 
@@ -48,8 +57,10 @@ RECENT_RESULTS = 1 << 16
 class KVManager:
     """In-memory owner of every page. Not thread-safe: the servicer serialises calls."""
 
-    def __init__(self, load_penalty_pages: int = 4):
+    def __init__(self, load_penalty_pages: int = 4, store_capacity_bytes: int = 0):
         self.pools: dict[str, PagePool] = {}
+        self.tier = StoreIndex(store_capacity_bytes)  # the shared KV tier's index (capacity 0: off)
+        self.store_writes: list[StoreWriteOrder] = []  # asked for by this call's commits
         self.requests: dict[str, RequestPages] = {}
         self.stale: dict[str, RequestPages] = {}  # requests whose pool epoch was replaced
         self.tenants: dict[str, TenantCounters] = {}
@@ -151,6 +162,8 @@ class KVManager:
         out.extensions = [self._replay_or(sid, "extend", e.req_id, self._extend, e) for e in ops.extensions]
         out.allocations = [self._replay_or(sid, "allocate", a.req_id, self._allocate, a)
                            for a in ops.allocations]
+        if self.store_writes:  # a retried call asks for none: a block not written is only a miss later
+            out.store_writes, self.store_writes = self.store_writes, []
         out.pools = [PoolSummary(w, p.spec.epoch, p.num_free, p.num_evictable) for w, p in sorted(self.pools.items())]
         return out
 
@@ -189,29 +202,40 @@ class KVManager:
     # -- ops ------------------------------------------------------------------------------------------
     def _allocate(self, op: PageAllocation) -> PageAllocationResult:
         pool = self.pools[op.worker_id]
-        chosen = fit(pool, op)
+        chosen = fit(pool, op, self.tier)
         if chosen.num_pages_short:
             return PageAllocationResult(op.req_id, OpStatus.OUT_OF_PAGES, num_pages_short=chosen.num_pages_short)
-        hits, seed, spec = chosen.hits, pool.seed_for(op.tenant), pool.spec
+        hits, stored, seed, spec = chosen.hits, chosen.stored, pool.seed_for(op.tenant), pool.spec
         self.stale.pop(op.req_id, None)  # a re-queued request may reuse the id of its dropped incarnation
-        hit_pages = [HOLE] * len(hits)  # a sliding window's pool: the hits its first chunk does not read stay holes
-        for i in chosen.held:
-            hit_pages[i] = hits[i].page_id
-        pool.acquire([hits[i].page_id for i in chosen.held])
+        # a sliding window's pool: the hits its first chunk does not read stay holes
+        table = [HOLE] * (len(hits) + len(stored))
+        pool_held = [i for i in chosen.held if i < len(hits)]
+        for i in pool_held:
+            table[i] = hits[i].page_id
+        pool.acquire([hits[i].page_id for i in pool_held])
         self._touch(hits)
         fresh = pool.allocate(chosen.num_fresh)
-        num_cached = len(hits) * spec.page_size
-        req = RequestPages(op.req_id, op.tenant, spec.worker_id, spec.epoch, hit_pages + fresh, seed,
-                           [b.block_hash for b in hits], len(op.token_ids), num_cached, op.skip_prefix_cache)
+        filled = [i for i in chosen.held if i >= len(hits)]  # store hits it reads: fresh pages, loaded
+        for i, page_id in zip(filled, fresh, strict=False):
+            table[i] = page_id
+        table += fresh[len(filled):]
+        loads = [StoreLoad(table[i], stored[i - len(hits)], seed) for i in filled]
+        page_size = spec.page_size
+        num_committed, num_cached = len(hits) * page_size, (len(hits) + len(stored)) * page_size
+        req = RequestPages(op.req_id, op.tenant, spec.worker_id, spec.epoch, table, seed,
+                           [b.block_hash for b in hits], len(op.token_ids), num_committed, op.skip_prefix_cache)
         self.requests[op.req_id] = req
         pool.num_requests += 1
         counters = self.tenants.setdefault(op.tenant, TenantCounters())
         if not op.skip_prefix_cache:
             counters.prefix_cache_queries += len(op.token_ids)
             counters.prefix_cache_hits += num_cached
+        if stored:
+            self.tier.touch(stored)
+            self.tier.count_hits(op.tenant, len(stored), page_size)
         self.changes.changed = True
-        return PageAllocationResult(op.req_id, OpStatus.OK, spec.worker_id, spec.epoch, list(req.page_table),
-                                    num_cached)
+        return PageAllocationResult(op.req_id, OpStatus.OK, spec.worker_id, spec.epoch, list(table), num_cached,
+                                    store_loads=loads, num_committed_tokens=num_committed)
 
     def _extend(self, op: PageExtension) -> PageExtensionResult:
         if op.req_id in self.stale:
@@ -246,11 +270,31 @@ class KVManager:
             self.clock += k
             if HOLE in pages:  # a late commit of pages its window released: the chain goes on, without their blocks
                 blocks = [b for b in blocks if b.page_id != HOLE]
-            pool.cache_blocks(blocks)
+            added = pool.cache_blocks(blocks)
+            if pool.spec.kv_store and self.tier.enabled:
+                self._order_writes(pool, req, added)
             hashes.extend(new)
         req.num_committed_tokens += len(op.token_ids)
         self.changes.changed = True
         return PageCommitResult(op.req_id, OpStatus.OK, req.num_committed_tokens)
+
+    def _order_writes(self, pool: PagePool, req: RequestPages, blocks: list[Block]) -> None:
+        """Asks the committing worker to write the new blocks the store lacks (it copies them before its next
+        step computes, and reports what landed)."""
+        tier, worker_id = self.tier, pool.spec.worker_id
+        self.store_writes += [StoreWriteOrder(worker_id, StoreWrite(b.page_id, b.block_hash, req.seed, req.tenant))
+                              for b in blocks if b.block_hash not in tier]
+
+    # -- the shared KV tier ---------------------------------------------------------------------------
+    def report_tier(self, report: TierReport) -> tuple[int, int]:
+        """A worker's ReportTier: records the values the store acknowledged (LRU within capacity), drops the
+        entries whose values were found absent or damaged, sums its counters. Returns (added, evicted)."""
+        tier = self.tier
+        added, evicted = tier.add(list(report.written))
+        tier.drop_missing(report.missing)
+        tier.totals.workers = tier.totals.workers + report.counters
+        self.changes.changed = True
+        return added, evicted
 
     def _free(self, op: PageFree) -> PageFreeResult:
         if op.req_id in self.stale:
@@ -303,7 +347,7 @@ class KVManager:
         pools = {w: p for w, p in self.pools.items() if w not in exclude} if exclude else self.pools
         if self.pools and not pools:
             raise UnknownWorker("every registered worker is draining: nowhere to place a new request")
-        return place(pools, tenant, token_ids, num_queued, self.load_penalty_pages)
+        return place(pools, tenant, token_ids, num_queued, self.load_penalty_pages, self.tier)
 
 
 MAX_POOL_PAGES = 1 << 24  # ~0.9 GB of bookkeeping here; an H200 of SmolLM2 K/V holds ~0.4M pages of 16 tokens

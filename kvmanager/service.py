@@ -24,6 +24,7 @@ from typing import Protocol
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.wire.membership import HeartbeatResult, JoinResult, WorkerMember
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
+from kvserve.common.wire.tier import TierReport
 from kvserve.kvmanager.errors import Fenced, NotLeader, StoreUnavailable
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.membership import DEFAULT_WORKER_TIMEOUT_S, DeadMember, Member, MemberTable, join, leave
@@ -42,8 +43,8 @@ class Store(Protocol):
     def write(self, mgr: KVManager, members: MemberTable, record: tuple, reset: bool = False) -> None:
         """Makes a call durable, atomically: ``record`` is the call itself (("step", StepOps), ("register",
         PoolSpec, release_requests), ("admin", name, args), ("join", PoolSpec, address), ("drain", worker_id,
-        epoch, draining) or ("leave", worker_id, epoch)); ``reset``: the calls since the last write dropped
-        everything (an admin reset), so the store writes the state whole. Raises on failure."""
+        epoch, draining), ("leave", worker_id, epoch) or ("tier", TierReport)); ``reset``: the calls since the
+        last write dropped everything (an admin reset), so the store writes the state whole. Raises on failure."""
         ...
 
     def load(self, mgr: KVManager, members: MemberTable) -> None:
@@ -85,8 +86,13 @@ class KVService:
     (membership.py); the store persists the member table with the manager (join, drain and leave records)."""
 
     def __init__(self, manager: KVManager | None = None, store: Store | None = None,
-                 worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S, clock: Callable[[], float] = time.monotonic):
-        self.manager = manager or KVManager()
+                 worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
+                 make_manager: Callable[[], KVManager] = KVManager):
+        self.make_manager = make_manager  # an empty manager as configured (a take-over, a step down)
+        self.manager = manager or make_manager()
+        # The shared tier's values to delete (entries the calls removed), handed over once the call is durable
+        # (tier_janitor.py); None: dropped (no store to delete from).
+        self.on_tier_deleted: Callable[[list[bytes]], None] | None = None
         self.store = store or NullStore()
         self.lock = threading.Lock()
         self.store_ok = True
@@ -102,17 +108,19 @@ class KVService:
         workers that could not heartbeat while it took over)."""
         with self.lock:
             self.store.load(self.manager, self.members)
+            self._hand_over_deleted(recovered=True)
 
     def take_over(self, manager: KVManager | None = None) -> None:
         """Becomes the leader: a fresh manager (or ``manager``, empty) filled from the store, which claims the
         prefix (its new fencing token) before it reads; then serves. Raises as Store.load (and stays a
         standby)."""
-        manager = KVManager() if manager is None else manager
+        manager = self.make_manager() if manager is None else manager
         members = MemberTable(self.members.lease_s, self.members.clock)
         with self.lock:
             self.store.load(manager, members)
             self.manager, self.members = manager, members
             self.store_ok, self.leading = True, True
+            self._hand_over_deleted(recovered=True)
 
     def step_down(self, why: str) -> None:
         """Stops leading: calls raise NotLeader(why) from now on (a call running now finishes first), and the
@@ -132,7 +140,7 @@ class KVService:
         return NotLeader(self.not_leading_why)
 
     def _drop_state(self) -> None:
-        self.manager = KVManager()
+        self.manager = self.make_manager()
         self.members = MemberTable(self.members.lease_s, self.members.clock)
         self.store.abandon()
 
@@ -158,6 +166,14 @@ class KVService:
             results = self.manager.apply_checked(ops)
             self._persist(record, force=early)
             return results
+
+    def report_tier(self, report: TierReport) -> tuple[int, int]:
+        """KVManager.report_tier, logged. Raises StoreUnavailable, NotLeader."""
+        with self.lock:
+            self._check_leading()
+            result = self.manager.report_tier(report)
+            self._persist(("tier", report))
+            return result
 
     def mutate(self, fn, *args):
         """Runs an admin mutation ``fn(manager, *args)`` under the lock, and persists it."""
@@ -200,10 +216,22 @@ class KVService:
                                    f"retry the same call") from e
         self.manager.changes = Changes()
         self.store_ok = True
+        self._hand_over_deleted()
         elapsed_s = time.perf_counter() - t0
         self.last_store_ms = elapsed_s * 1000
         if self.on_store_write is not None:
             self.on_store_write(elapsed_s)
+
+    def _hand_over_deleted(self, recovered: bool = False) -> None:
+        """The store's values whose entries durable calls removed go to the janitor. ``recovered``: after a
+        load, the deletions its replay queued (some may have been done before the restart: deleting again is
+        harmless), less the blocks recorded again since."""
+        tier = self.manager.tier
+        deleted = tier.take_deleted()
+        if recovered:
+            deleted = [h for h in deleted if h not in tier]
+        if deleted and self.on_tier_deleted is not None:
+            self.on_tier_deleted(deleted)
 
     # -- membership (membership.py) -------------------------------------------------------------------------
     def join_worker(self, spec: PoolSpec, address: str) -> JoinResult:

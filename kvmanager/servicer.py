@@ -74,6 +74,11 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
     def ListWorkers(self, request, context):
         return member_cv.workers_to_proto(self.service.list_workers())
 
+    @aborts_on_domain_errors
+    def ReportTier(self, request, context):
+        added, evicted = self.service.report_tier(cv.tier_report_from_proto(request))
+        return pb.TierReportResult(num_added=added, num_evicted=evicted)
+
 
 class KVAdminServicer(kvmanager_pb2_grpc.KVAdminServiceServicer):
     """Operator calls; the admin token is checked before these run. ``tokenizer`` serves text input."""

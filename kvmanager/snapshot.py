@@ -56,6 +56,7 @@ from kvserve.common.wire.pages import (
     PageReleaseResult,
     PoolSpec,
 )
+from kvserve.common.wire.tier import StoreLoad, TierCounters
 from kvserve.kvmanager.errors import Fenced, StateLayoutError
 from kvserve.kvmanager.fencing import fenced_pipeline
 from kvserve.kvmanager.invariants import check_invariants
@@ -63,6 +64,7 @@ from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.membership import MemberRecord
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import RequestPages, TenantCounters
+from kvserve.kvmanager.tier import StoreEntry, StoreIndex, TierTotals
 
 CHUNK_BYTES = 1 << 20  # one RPUSH each: small commands keep Redis answering the parent's appends in between
 BATCH = 1000  # keys per SCAN step and per UNLINK
@@ -84,7 +86,8 @@ def encode(mgr: KVManager, members: Iterable[MemberRecord]) -> list[bytes]:
              "stale": [_request_dict(r) for r in mgr.stale.values()],
              "recent": [[kind, req_id, step_id, result_dict(result)]
                         for (kind, req_id), (step_id, result) in mgr.recent.items()],
-             "members": [list(m) for m in members]}
+             "members": [list(m) for m in members],
+             "tier": _tier_dict(mgr.tier)}
     data = json.dumps(state, separators=(",", ":")).encode()
     return [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
 
@@ -105,8 +108,30 @@ def decode(chunks: list[bytes], mgr: KVManager) -> list[MemberRecord]:
     mgr.stale = {r["req_id"]: _decode_request(r) for r in d["stale"]}
     mgr.recent = OrderedDict(((kind, req_id), (step_id, result_from_dict(kind, result)))
                              for kind, req_id, step_id, result in d["recent"])
+    if "tier" in d:  # absent from the snapshots of a kvmanager without the shared tier
+        _decode_tier(d["tier"], mgr.tier)
     check_invariants(mgr)
     return [(w, e, a, dr) for w, e, a, dr in d["members"]]
+
+
+def _tier_dict(tier: StoreIndex) -> dict:
+    """The store's index in LRU order; its capacity is configuration (the flag), not state."""
+    entries, t = tier.entries, tier.totals
+    return {"hashes": b"".join(entries).hex(), "tenants": [e.tenant for e in entries.values()],
+            "bytes": [e.num_bytes for e in entries.values()], "deleted": b"".join(tier.deleted).hex(),
+            "totals": [t.num_hit_pages, t.num_added, t.num_evicted, t.num_dropped_missing,
+                       list(t.workers.as_tuple())], "tenant_hits": tier.tenant_hits}
+
+
+def _decode_tier(d: dict, tier: StoreIndex) -> None:
+    hashes, deleted = bytes.fromhex(d["hashes"]), bytes.fromhex(d["deleted"])
+    for i, (tenant, num_bytes) in enumerate(zip(d["tenants"], d["bytes"], strict=True)):
+        tier.entries[hashes[i * HASH_BYTES:(i + 1) * HASH_BYTES]] = StoreEntry(tenant, num_bytes)
+    tier.num_bytes = sum(d["bytes"])
+    tier.deleted = [deleted[i:i + HASH_BYTES] for i in range(0, len(deleted), HASH_BYTES)]
+    *counts, workers = d["totals"]
+    tier.totals = TierTotals(*counts, TierCounters(*workers))
+    tier.tenant_hits = dict(d["tenant_hits"])
 
 
 def _pool_dict(pool: PagePool) -> dict:
@@ -152,11 +177,16 @@ def result_dict(result) -> dict:
     """An op's result (PageAllocationResult, ...) as JSON-ready fields; result_from_dict reads it back."""
     out = {f.name: getattr(result, f.name) for f in fields(result)}
     out["status"] = result.status.value
+    if "store_loads" in out:
+        out["store_loads"] = [[x.page_id, x.block_hash.hex(), x.namespace.hex()] for x in out["store_loads"]]
     return out
 
 
 def result_from_dict(kind: str, d: dict):
-    return RESULT_TYPES[kind](**{**d, "status": OpStatus(d["status"])})
+    d = {**d, "status": OpStatus(d["status"])}
+    if "store_loads" in d:
+        d["store_loads"] = [StoreLoad(p, bytes.fromhex(h), bytes.fromhex(n)) for p, h, n in d["store_loads"]]
+    return RESULT_TYPES[kind](**d)
 
 
 # -- generations and the writer -----------------------------------------------------------------------------

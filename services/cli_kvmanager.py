@@ -28,6 +28,7 @@ random token generated at every start and written to ``<data-dir>/admin_token`` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -57,6 +58,7 @@ def add_commands(sub) -> None:
         add_observability_flags,
         add_tls_flags,
         non_negative_int,
+        parse_bytes,
         positive_float,
         positive_int,
     )
@@ -93,6 +95,12 @@ def add_commands(sub) -> None:
     k.add_argument("--advertise-address", default=_env("advertise_address"),
                    help="host:port the others reach this kvmanager at, which a standby names as the leader's "
                         "(default: --host:port as bound)")
+    k.add_argument("--kv-store-url", default=_env("kv_store_url"),
+                   help="the shared KV tier's Redis (redis://, rediss://, redis+sentinel://; a Redis of its own: "
+                        "KV bytes must not crowd the state's Redis). The kvmanager indexes it and deletes the "
+                        "values it evicts; the workers read and write it (their own --kv-store-url)")
+    k.add_argument("--kv-store-bytes", type=parse_bytes, default=_env("kv_store_bytes", "0"),
+                   help="bound of the shared KV tier (LRU within it); 0 = off (default). Needs --kv-store-url")
     add_observability_flags(k)
     add_tls_flags(k, "server")
     k.set_defaults(func=run_kvmanager)
@@ -250,6 +258,8 @@ def run_kvmanager(args) -> int:
     data_dir = (args.data_dir or default_data_dir()).expanduser()
     with contextlib.ExitStack() as stack:
         try:
+            if args.kv_store_bytes and not args.kv_store_url:
+                raise ValueError("--kv-store-bytes needs --kv-store-url (the shared KV tier's Redis)")
             tls = tls_from_args(args, server=True)  # first: a bad file leaves nothing started
             tokenizer = _tokenizer(args.model)
             if _uses_data_dir(args):
@@ -261,7 +271,9 @@ def run_kvmanager(args) -> int:
         except OSError as e:  # e.g. --data-dir names a file
             print(f"kvserve: --data-dir {data_dir}: {e.strerror or e}", file=sys.stderr)
             return 2
-        service = KVService(KVManager(), store, worker_timeout_s=args.worker_timeout)
+        make_manager = functools.partial(KVManager, store_capacity_bytes=args.kv_store_bytes)
+        service = KVService(make_manager(), store, worker_timeout_s=args.worker_timeout, make_manager=make_manager)
+        janitor = _tier_janitor(args, service)
         elected = not args.no_persistence  # with Redis: a standby until it wins the first election
         service.leading = not elected
         if not elected:
@@ -293,5 +305,20 @@ def run_kvmanager(args) -> int:
         if election is not None:
             election.close()  # gives the lease up: a standby takes over at its next poll
         store.close()  # lets a snapshot child that is writing finish, while Redis is still up
+        if janitor is not None:
+            janitor.close()
         shutdown_tracing()
     return 0
+
+
+def _tier_janitor(args, service):
+    """The shared KV tier's janitor (deletes the values the index evicts), when the tier is on."""
+    if not args.kv_store_bytes:
+        return None
+    from kvserve.common.redis_client import connect, fresh_client
+    from kvserve.kvmanager.tier_janitor import TierJanitor
+
+    client = fresh_client(connect(args.kv_store_url), decode_responses=False)
+    janitor = TierJanitor(client, lambda h: h in service.manager.tier)
+    service.on_tier_deleted = janitor.delete
+    return janitor

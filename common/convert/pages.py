@@ -10,6 +10,7 @@ from kvserve.common.errors import InvalidRequest
 from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.tokens import le_uint32, unpack_uint32
 from kvserve.common.wire import pages as wire
+from kvserve.common.wire.tier import StoreLoad, StoreWrite
 from kvserve.v1 import kvmanager_pb2 as pb
 
 OP_STATUS = {
@@ -24,7 +25,7 @@ OK = pb.PAGE_OP_STATUS_OK
 # -- the kvmanager's side: requests in, answers out -----------------------------------------------------------
 def spec_from_proto(r: pb.PoolSpec) -> wire.PoolSpec:
     return wire.PoolSpec(r.worker_id, r.epoch, r.num_pages, r.page_size, r.model_fingerprint, r.kv_dtype,
-                         r.bytes_per_token, r.kv_scales, r.sliding_window, r.attention_sinks)
+                         r.bytes_per_token, r.kv_scales, r.sliding_window, r.attention_sinks, r.kv_store)
 
 
 def register_to_proto(r: wire.RegisterResult) -> pb.RegisterResult:
@@ -42,7 +43,8 @@ def unpack_token_ids(where: str, packed: bytes):
 
 def _allocation(a: pb.PageAllocation) -> wire.PageAllocation:
     token_ids = unpack_token_ids(f"allocation {a.req_id!r}", a.packed_token_ids)
-    return wire.PageAllocation(a.req_id, a.tenant, token_ids, a.worker_id, a.skip_prefix_cache, a.chunk_tokens)
+    return wire.PageAllocation(a.req_id, a.tenant, token_ids, a.worker_id, a.skip_prefix_cache, a.chunk_tokens,
+                               a.skip_store, a.load_s_per_page, a.prefill_s_per_token)
 
 
 def _commit(c: pb.PageCommit) -> wire.PageCommit:
@@ -61,8 +63,11 @@ def step_from_proto(r: pb.StepOps) -> wire.StepOps:
 # The answers are added in place (``repeated.add``), not built and then copied into the response, and an
 # extension's default fields are left unset: both save a copy per op of big calls.
 def _add_allocation(add, a: wire.PageAllocationResult) -> None:
-    add(req_id=a.req_id, status=OP_STATUS[a.status], worker_id=a.worker_id, epoch=a.epoch, page_table=a.page_table,
-        num_cached_tokens=a.num_cached_tokens, num_pages_short=a.num_pages_short)
+    msg = add(req_id=a.req_id, status=OP_STATUS[a.status], worker_id=a.worker_id, epoch=a.epoch,
+              page_table=a.page_table, num_cached_tokens=a.num_cached_tokens, num_pages_short=a.num_pages_short,
+              num_committed_tokens=a.num_committed_tokens)
+    for load in a.store_loads:
+        msg.store_loads.add(page_id=load.page_id, block_hash=load.block_hash, namespace=load.namespace)
 
 
 def _add_extension(add, e: wire.PageExtensionResult) -> None:
@@ -97,6 +102,9 @@ def step_to_proto(r: wire.StepResults, handle_ms: float) -> pb.StepResults:
             add_one(add, result)
     for p in r.pools:
         out.pools.add(**as_kwargs(p))
+    for order in r.store_writes:
+        w, msg = order.write, out.store_writes.add(worker_id=order.worker_id).write
+        msg.page_id, msg.block_hash, msg.namespace, msg.tenant = w.page_id, w.block_hash, w.namespace, w.tenant
     return out
 
 
@@ -122,7 +130,9 @@ def step_to_request_proto(ops: wire.StepOps, traceparents: Mapping[str, str] = N
         step_id=ops.step_id,
         allocations=[pb.PageAllocation(req_id=a.req_id, tenant=a.tenant, worker_id=a.worker_id,
                                        packed_token_ids=le_uint32(a.token_ids),
-                                       skip_prefix_cache=a.skip_prefix_cache, chunk_tokens=a.chunk_tokens, **tp(a))
+                                       skip_prefix_cache=a.skip_prefix_cache, chunk_tokens=a.chunk_tokens,
+                                       skip_store=a.skip_store, load_s_per_page=a.load_s_per_page,
+                                       prefill_s_per_token=a.prefill_s_per_token, **tp(a))
                      for a in ops.allocations],
         extensions=[pb.PageExtension(**as_kwargs(e), **tp(e)) for e in ops.extensions],
         commits=[pb.PageCommit(req_id=c.req_id, start_pos=c.start_pos, packed_token_ids=le_uint32(c.token_ids),
@@ -138,7 +148,9 @@ def place_to_proto(tenant: str, token_ids, num_queued: dict[str, int]) -> pb.Pla
 
 def _allocation_result(a: pb.PageAllocationResult) -> wire.PageAllocationResult:
     return wire.PageAllocationResult(a.req_id, STATUS_OF[a.status], a.worker_id, a.epoch, list(a.page_table),
-                                     a.num_cached_tokens, a.num_pages_short)
+                                     a.num_cached_tokens, a.num_pages_short,
+                                     [StoreLoad(x.page_id, x.block_hash, x.namespace) for x in a.store_loads],
+                                     a.num_committed_tokens)
 
 
 def _extension_result(e: pb.PageExtensionResult) -> wire.PageExtensionResult:
@@ -155,4 +167,7 @@ def step_results_from_proto(r: pb.StepResults) -> wire.StepResults:
         frees=[wire.PageFreeResult(f.req_id, STATUS_OF[f.status]) for f in r.free_results],
         releases=[wire.PageReleaseResult(x.req_id, STATUS_OF[x.status], x.num_released) for x in r.release_results],
         pools=[wire.PoolSummary(p.worker_id, p.epoch, p.num_free_pages, p.num_evictable_pages) for p in r.pools],
+        store_writes=[wire.StoreWriteOrder(o.worker_id, StoreWrite(o.write.page_id, o.write.block_hash,
+                                                                     o.write.namespace, o.write.tenant))
+                      for o in r.store_writes],
     )

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvserve.common.attention_window import AttentionWindow
+from kvserve.common.wire.tier import StoreLoad, StoreWrite
 from kvserve.common.wire.worker import WorkerInfo
 
 
@@ -24,12 +25,14 @@ class PoolSpec:
     kv_scales: str = ""  # a quantised pool's scale scheme ("" for the others); with kv_dtype, the KV format
     sliding_window: int = 0  # tokens of the attention window; 0 = none. Pages older than it may be released
     attention_sinks: int = 0  # leading tokens never released (their pages stay with the request); 0 = none
+    kv_store: bool = False  # the worker reads and writes the shared KV tier
 
     @classmethod
     def of(cls, info: WorkerInfo) -> PoolSpec:
         """The pool a worker's Info describes, as the kvmanager registers it."""
         return cls(info.worker_id, info.epoch, info.num_pages, info.page_size, info.model_fingerprint,
-                   info.kv_dtype, info.bytes_per_token, info.kv_scales, info.sliding_window, info.attention_sinks)
+                   info.kv_dtype, info.bytes_per_token, info.kv_scales, info.sliding_window, info.attention_sinks,
+                   info.kv_store)
 
     def attention_window(self) -> AttentionWindow:
         """The policy of which positions this pool's requests keep and which pages they may release. Raises
@@ -53,6 +56,10 @@ class PageAllocation:
     # A pool with a sliding window: cover the prefix hit and this many positions past it (0: the whole prompt);
     # hit pages the first chunk does not read stay holes (placement.allocation_plan).
     chunk_tokens: int = 0
+    skip_store: bool = False  # pool hits only (an earlier load from the store failed)
+    # The worker's measured costs (0: not measured yet): store hits are taken only when loading beats recomputing
+    load_s_per_page: float = 0.0
+    prefill_s_per_token: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +117,13 @@ class PageAllocationResult(PageOpResult):
     worker_id: str = ""
     epoch: int = 0
     page_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0  # leading prompt tokens found in the prefix cache (whole pages)
+    num_cached_tokens: int = 0  # leading prompt tokens found in the prefix cache (whole pages), store hits included
     num_pages_short: int = 0  # OUT_OF_PAGES: how many more pages it needed
+    # Store hits: pages the worker fills from the shared KV tier before the first chunk. They count in
+    # num_cached_tokens, not in num_committed_tokens (the pool hits): they are committed with the first
+    # computed pages, once their load succeeded.
+    store_loads: list[StoreLoad] = field(default_factory=list)
+    num_committed_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -152,6 +164,13 @@ class StepResults:
     frees: list[PageFreeResult] = field(default_factory=list)
     releases: list[PageReleaseResult] = field(default_factory=list)
     pools: list[PoolSummary] = field(default_factory=list)
+    store_writes: list[StoreWriteOrder] = field(default_factory=list)  # committed blocks the store lacks
+
+
+@dataclass(frozen=True, slots=True)
+class StoreWriteOrder:
+    worker_id: str
+    write: StoreWrite
 
 
 @dataclass(frozen=True, slots=True)

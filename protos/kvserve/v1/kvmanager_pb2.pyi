@@ -21,7 +21,7 @@ PAGE_OP_STATUS_STALE_EPOCH: PageOpStatus
 PAGE_OP_STATUS_UNKNOWN_REQUEST: PageOpStatus
 
 class PoolSpec(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests", "kv_scales", "sliding_window", "attention_sinks")
+    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests", "kv_scales", "sliding_window", "attention_sinks", "kv_store")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class PoolSpec(_message.Message):
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     num_pages: int
@@ -44,7 +45,8 @@ class PoolSpec(_message.Message):
     kv_scales: str
     sliding_window: int
     attention_sinks: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ...) -> None: ...
+    kv_store: bool
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., kv_store: _Optional[bool] = ...) -> None: ...
 
 class RegisterResult(_message.Message):
     __slots__ = ("ok", "previous_epoch", "dropped_req_ids", "released_req_ids")
@@ -133,7 +135,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ...) -> None: ...
 
 class PageAllocation(_message.Message):
-    __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent", "chunk_tokens")
+    __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent", "chunk_tokens", "skip_store", "load_s_per_page", "prefill_s_per_token")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +143,9 @@ class PageAllocation(_message.Message):
     SKIP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_STORE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     tenant: str
     worker_id: str
@@ -148,10 +153,35 @@ class PageAllocation(_message.Message):
     skip_prefix_cache: bool
     traceparent: str
     chunk_tokens: int
-    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+    skip_store: bool
+    load_s_per_page: float
+    prefill_s_per_token: float
+    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., skip_store: _Optional[bool] = ..., load_s_per_page: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ...) -> None: ...
+
+class StoreLoad(_message.Message):
+    __slots__ = ("page_id", "block_hash", "namespace")
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    page_id: int
+    block_hash: bytes
+    namespace: bytes
+    def __init__(self, page_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., namespace: _Optional[bytes] = ...) -> None: ...
+
+class StoreWrite(_message.Message):
+    __slots__ = ("page_id", "block_hash", "namespace", "tenant")
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    page_id: int
+    block_hash: bytes
+    namespace: bytes
+    tenant: str
+    def __init__(self, page_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PageAllocationResult(_message.Message):
-    __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short")
+    __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short", "store_loads", "num_committed_tokens")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +189,8 @@ class PageAllocationResult(_message.Message):
     PAGE_TABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_SHORT_FIELD_NUMBER: _ClassVar[int]
+    STORE_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     status: PageOpStatus
     worker_id: str
@@ -166,7 +198,9 @@ class PageAllocationResult(_message.Message):
     page_table: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     num_pages_short: int
-    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_pages_short: _Optional[int] = ...) -> None: ...
+    store_loads: _containers.RepeatedCompositeFieldContainer[StoreLoad]
+    num_committed_tokens: int
+    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_pages_short: _Optional[int] = ..., store_loads: _Optional[_Iterable[_Union[StoreLoad, _Mapping]]] = ..., num_committed_tokens: _Optional[int] = ...) -> None: ...
 
 class PageExtension(_message.Message):
     __slots__ = ("req_id", "num_tokens", "traceparent")
@@ -281,7 +315,7 @@ class PoolSummary(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_evictable_pages: _Optional[int] = ...) -> None: ...
 
 class StepResults(_message.Message):
-    __slots__ = ("allocation_results", "extension_results", "commit_results", "free_results", "pools", "handle_ms", "release_results")
+    __slots__ = ("allocation_results", "extension_results", "commit_results", "free_results", "pools", "handle_ms", "release_results", "store_writes")
     ALLOCATION_RESULTS_FIELD_NUMBER: _ClassVar[int]
     EXTENSION_RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +323,7 @@ class StepResults(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_MS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    STORE_WRITES_FIELD_NUMBER: _ClassVar[int]
     allocation_results: _containers.RepeatedCompositeFieldContainer[PageAllocationResult]
     extension_results: _containers.RepeatedCompositeFieldContainer[PageExtensionResult]
     commit_results: _containers.RepeatedCompositeFieldContainer[PageCommitResult]
@@ -296,7 +331,68 @@ class StepResults(_message.Message):
     pools: _containers.RepeatedCompositeFieldContainer[PoolSummary]
     handle_ms: float
     release_results: _containers.RepeatedCompositeFieldContainer[PageReleaseResult]
-    def __init__(self, allocation_results: _Optional[_Iterable[_Union[PageAllocationResult, _Mapping]]] = ..., extension_results: _Optional[_Iterable[_Union[PageExtensionResult, _Mapping]]] = ..., commit_results: _Optional[_Iterable[_Union[PageCommitResult, _Mapping]]] = ..., free_results: _Optional[_Iterable[_Union[PageFreeResult, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolSummary, _Mapping]]] = ..., handle_ms: _Optional[float] = ..., release_results: _Optional[_Iterable[_Union[PageReleaseResult, _Mapping]]] = ...) -> None: ...
+    store_writes: _containers.RepeatedCompositeFieldContainer[StoreWriteOrder]
+    def __init__(self, allocation_results: _Optional[_Iterable[_Union[PageAllocationResult, _Mapping]]] = ..., extension_results: _Optional[_Iterable[_Union[PageExtensionResult, _Mapping]]] = ..., commit_results: _Optional[_Iterable[_Union[PageCommitResult, _Mapping]]] = ..., free_results: _Optional[_Iterable[_Union[PageFreeResult, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolSummary, _Mapping]]] = ..., handle_ms: _Optional[float] = ..., release_results: _Optional[_Iterable[_Union[PageReleaseResult, _Mapping]]] = ..., store_writes: _Optional[_Iterable[_Union[StoreWriteOrder, _Mapping]]] = ...) -> None: ...
+
+class StoreWriteOrder(_message.Message):
+    __slots__ = ("worker_id", "write")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    write: StoreWrite
+    def __init__(self, worker_id: _Optional[str] = ..., write: _Optional[_Union[StoreWrite, _Mapping]] = ...) -> None: ...
+
+class StoredBlock(_message.Message):
+    __slots__ = ("block_hash", "tenant", "num_bytes")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    tenant: str
+    num_bytes: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., tenant: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class TierCounters(_message.Message):
+    __slots__ = ("num_loaded_pages", "num_loaded_bytes", "load_s", "num_failed_loads", "num_verify_failures", "num_written_pages", "num_written_bytes", "num_dropped_writes")
+    NUM_LOADED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFY_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_WRITTEN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    num_loaded_pages: int
+    num_loaded_bytes: int
+    load_s: float
+    num_failed_loads: int
+    num_verify_failures: int
+    num_written_pages: int
+    num_written_bytes: int
+    num_dropped_writes: int
+    def __init__(self, num_loaded_pages: _Optional[int] = ..., num_loaded_bytes: _Optional[int] = ..., load_s: _Optional[float] = ..., num_failed_loads: _Optional[int] = ..., num_verify_failures: _Optional[int] = ..., num_written_pages: _Optional[int] = ..., num_written_bytes: _Optional[int] = ..., num_dropped_writes: _Optional[int] = ...) -> None: ...
+
+class TierReport(_message.Message):
+    __slots__ = ("worker_id", "epoch", "written", "missing", "counters")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    written: _containers.RepeatedCompositeFieldContainer[StoredBlock]
+    missing: _containers.RepeatedScalarFieldContainer[bytes]
+    counters: TierCounters
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., written: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ..., missing: _Optional[_Iterable[bytes]] = ..., counters: _Optional[_Union[TierCounters, _Mapping]] = ...) -> None: ...
+
+class TierReportResult(_message.Message):
+    __slots__ = ("num_added", "num_evicted")
+    NUM_ADDED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    num_added: int
+    num_evicted: int
+    def __init__(self, num_added: _Optional[int] = ..., num_evicted: _Optional[int] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("tenant", "packed_token_ids", "num_queued")
@@ -374,36 +470,76 @@ class PoolStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., num_window_released_pages: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
-    __slots__ = ("tenant", "num_blocks", "num_pinned_blocks", "num_requests", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("tenant", "num_blocks", "num_pinned_blocks", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "store_hits", "num_store_blocks")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    STORE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     num_blocks: int
     num_pinned_blocks: int
     num_requests: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, tenant: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    store_hits: int
+    num_store_blocks: int
+    def __init__(self, tenant: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., store_hits: _Optional[int] = ..., num_store_blocks: _Optional[int] = ...) -> None: ...
+
+class StoreStats(_message.Message):
+    __slots__ = ("capacity_bytes", "num_blocks", "num_bytes", "num_hit_pages", "num_added_blocks", "num_evicted_blocks", "num_dropped_missing", "num_loaded_pages", "num_loaded_bytes", "load_s", "num_failed_loads", "num_verify_failures", "num_written_pages", "num_written_bytes", "num_dropped_writes")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADDED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_MISSING_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFY_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_WRITTEN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    num_blocks: int
+    num_bytes: int
+    num_hit_pages: int
+    num_added_blocks: int
+    num_evicted_blocks: int
+    num_dropped_missing: int
+    num_loaded_pages: int
+    num_loaded_bytes: int
+    load_s: float
+    num_failed_loads: int
+    num_verify_failures: int
+    num_written_pages: int
+    num_written_bytes: int
+    num_dropped_writes: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_hit_pages: _Optional[int] = ..., num_added_blocks: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_dropped_missing: _Optional[int] = ..., num_loaded_pages: _Optional[int] = ..., num_loaded_bytes: _Optional[int] = ..., load_s: _Optional[float] = ..., num_failed_loads: _Optional[int] = ..., num_verify_failures: _Optional[int] = ..., num_written_pages: _Optional[int] = ..., num_written_bytes: _Optional[int] = ..., num_dropped_writes: _Optional[int] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("pools", "tenants", "prefix_cache_queries", "prefix_cache_hits", "num_evicted_blocks", "store_ok")
+    __slots__ = ("pools", "tenants", "prefix_cache_queries", "prefix_cache_hits", "num_evicted_blocks", "store_ok", "kv_store")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STORE_OK_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_evicted_blocks: int
     store_ok: bool
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., store_ok: _Optional[bool] = ...) -> None: ...
+    kv_store: StoreStats
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., store_ok: _Optional[bool] = ..., kv_store: _Optional[_Union[StoreStats, _Mapping]] = ...) -> None: ...
 
 class ListTenantsRequest(_message.Message):
     __slots__ = ()

@@ -70,6 +70,11 @@ class KVManagerServiceStub:
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.ReportTier = channel.unary_unary(
+                '/kvserve.v1.KVManagerService/ReportTier',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.TierReport.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.TierReportResult.FromString,
+                _registered_method=True)
 
 
 class KVManagerServiceServicer:
@@ -151,6 +156,17 @@ class KVManagerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportTier(self, request, context):
+        """A worker's shared-KV-tier traffic since its last report: the blocks whose values the store acknowledged
+        (recorded in the store's index only now: bytes before metadata), the block hashes whose values were absent
+        or failed verification (their entries are dropped), and its counters. Logged like any call. Accepted
+        whatever the worker's epoch: a value in the store is valid without the pool that wrote it. INVALID_ARGUMENT
+        for an empty worker_id, a block hash that is not 16 bytes or a negative counter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVManagerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +204,11 @@ def add_KVManagerServiceServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'ReportTier': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportTier,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.TierReport.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.TierReportResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -380,6 +401,33 @@ class KVManagerService:
             '/kvserve.v1.KVManagerService/ListWorkers',
             kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersRequest.SerializeToString,
             kvserve_dot_v1_dot_kvmanager__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportTier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVManagerService/ReportTier',
+            kvserve_dot_v1_dot_kvmanager__pb2.TierReport.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.TierReportResult.FromString,
             options,
             channel_credentials,
             insecure,
