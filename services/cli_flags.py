@@ -18,8 +18,9 @@ def env_switch(name: str, default: bool) -> bool:
     return default if value is None else value.strip().lower() not in ("0", "false", "no", "off")
 
 
-def parse_bytes(text: str) -> int:
-    """'536870912', '512MiB', '1.5GiB', '64MB' -> bytes. Raises argparse.ArgumentTypeError on bad input."""
+def parse_bytes(text: str, allow_zero: bool = False) -> int:
+    """'536870912', '512MiB', '1.5GiB', '64MB' -> bytes (> 0, or >= 0 with ``allow_zero``). Raises
+    argparse.ArgumentTypeError on bad input."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
     s = text.strip().lower()
     for suffix, factor in units.items():
@@ -32,9 +33,14 @@ def parse_bytes(text: str) -> int:
         value = float(s) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (try 536870912 or 512MiB)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"byte size must be positive, got {text!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"byte size must be {'>= 0' if allow_zero else 'positive'}, got {text!r}")
     return int(value)
+
+
+def parse_bytes_or_zero(text: str) -> int:
+    """parse_bytes for a bound where 0 means off."""
+    return parse_bytes(text, allow_zero=True)
 
 
 def number(text: str) -> float:

@@ -58,7 +58,7 @@ def add_commands(sub) -> None:
         add_observability_flags,
         add_tls_flags,
         non_negative_int,
-        parse_bytes,
+        parse_bytes_or_zero,
         positive_float,
         positive_int,
     )
@@ -99,7 +99,7 @@ def add_commands(sub) -> None:
                    help="the shared KV tier's Redis (redis://, rediss://, redis+sentinel://; a Redis of its own: "
                         "KV bytes must not crowd the state's Redis). The kvmanager indexes it and deletes the "
                         "values it evicts; the workers read and write it (their own --kv-store-url)")
-    k.add_argument("--kv-store-bytes", type=parse_bytes, default=_env("kv_store_bytes", "0"),
+    k.add_argument("--kv-store-bytes", type=parse_bytes_or_zero, default=_env("kv_store_bytes", "0"),
                    help="bound of the shared KV tier (LRU within it); 0 = off (default). Needs --kv-store-url")
     add_observability_flags(k)
     add_tls_flags(k, "server")
