@@ -32,6 +32,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from kvserve.common.attention_window import AttentionWindow
+from kvserve.common.wire.tier import PAGE_VALUE_HEADER_BYTES
 
 if TYPE_CHECKING:
     from kvserve.common.kvmem_models import ModelSpec
@@ -123,6 +124,21 @@ class Paging:
     total_padding_bytes: int
 
 
+DEFAULT_PAGE_SIZE = 16  # the workers' default
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSizing:
+    """The shared KV tier (--kv-store-bytes): one value per page, its header included."""
+
+    store_bytes: int
+    page_size: int
+    value_bytes: int  # PAGE_VALUE_HEADER_BYTES + page_size x bytes per token
+    max_pages: int
+    max_tokens: int
+    max_sequences: int  # of --seq-len (their kept tokens' full pages: only full pages are stored)
+
+
 @dataclass(frozen=True, slots=True)
 class Capacity:
     gpu_memory_bytes: int
@@ -158,6 +174,7 @@ class KvMemReport:
     paging: Paging | None = None
     capacity: Capacity | None = None
     notes: tuple[str, ...] = ()
+    store: StoreSizing | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready: every figure in bytes, tokens or pages (ints)."""
@@ -179,6 +196,7 @@ class KvMemReport:
             "total_gib": self.total_bytes / GIB,
             "paging": asdict(self.paging) if self.paging else None,
             "capacity": asdict(self.capacity) if self.capacity else None,
+            "store": asdict(self.store) if self.store else None,
             "notes": list(self.notes),
         }
 
@@ -235,10 +253,12 @@ def calculate(
     weights_dtype: str = "bf16",
     memory_utilization: float = 0.9,
     reserve: int = 0,
+    store_bytes: int | None = None,
 ) -> KvMemReport:
     """The full answer. ``seq_len`` None: the model's max context. ``kv_dtype`` None: the model's own dtype.
     ``kv_scales``: the scale scheme of a quantised dtype (token_head or tensor).
     ``sliding_window`` None: the model's own window; 0: none. ``gpu_memory`` set: also the reverse question.
+    ``store_bytes`` set: what a shared KV tier of that size holds (pages of ``page_size``, default 16).
 
     Raises KvMemError on bad input, or when weights + reserve exceed the usable GPU memory.
     """
@@ -288,12 +308,26 @@ def calculate(
         capacity = _capacity(model, pt, batch, tokens, paging, page_size, gpu_memory=gpu_memory,
                              weights_bytes=weights_bytes, weights_dtype=weights_dtype,
                              memory_utilization=memory_utilization, reserve=reserve)
+    store = None
+    if store_bytes is not None:
+        store = store_sizing(pt.bytes, page_size or DEFAULT_PAGE_SIZE,
+                             _check_positive(store_bytes, "--kv-store-bytes"), tokens)
     return KvMemReport(
         model=model, kv_dtype=dtype, kv_scales=kv_scales if dtype.scale_bytes else "", per_token=pt, batch=batch,
         seq_len=seq_len, sliding_window=window, sinks=sinks,
         tokens_per_sequence=tokens, bytes_per_sequence=tokens * pt.bytes, total_tokens=batch * tokens,
-        total_bytes=batch * tokens * pt.bytes, paging=paging, capacity=capacity, notes=tuple(notes),
+        total_bytes=batch * tokens * pt.bytes, paging=paging, capacity=capacity, notes=tuple(notes), store=store,
     )
+
+
+def store_sizing(bytes_per_token: int, page_size: int, store_bytes: int, tokens_per_sequence: int) -> StoreSizing:
+    """Pages, tokens and sequences a shared KV tier of ``store_bytes`` holds: the kvmanager counts each value's
+    bytes (its header included) against --kv-store-bytes."""
+    value = PAGE_VALUE_HEADER_BYTES + page_size * bytes_per_token
+    pages = store_bytes // value
+    full_pages = tokens_per_sequence // page_size
+    sequences = pages // full_pages if full_pages else 0
+    return StoreSizing(store_bytes, page_size, value, pages, pages * page_size, sequences)
 
 
 def _capacity(model, pt, batch, tokens, paging, page_size, *, gpu_memory, weights_bytes, weights_dtype,

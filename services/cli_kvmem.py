@@ -10,6 +10,7 @@ import sys
 
 from kvserve.common.kvmem import GIB, KvMemReport, params_text
 from kvserve.common.kvmem_models import ModelSpec
+from kvserve.common.wire.tier import PAGE_VALUE_HEADER_BYTES
 
 PROG = "kvserve kv-mem"
 
@@ -78,6 +79,9 @@ def add_commands(sub) -> None:
                      help="fraction of GPU memory usable (default 0.9, like vLLM's gpu_memory_utilization)")
     rev.add_argument("--reserve", type=_non_negative_bytes, default=None,
                      help="bytes kept back for activations (default 0)")
+    p.add_argument("--kv-store-bytes", type=parse_bytes, default=None,
+                   help="size of a shared KV tier (kvserve up --kv-store-bytes): how many pages, tokens and "
+                        "sequences of --seq-len it keeps (pages of --page-size, default 16)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run_kv_mem)
 
@@ -118,7 +122,7 @@ def run_kv_mem(args) -> int:
             sliding_window=args.sliding_window, sinks=args.sinks, gpu_memory=args.gpu_memory,
             weights_bytes=args.weights_bytes, weights_dtype=args.weights_dtype or "bf16",
             memory_utilization=0.9 if args.memory_utilization is None else args.memory_utilization,
-            reserve=args.reserve or 0,
+            reserve=args.reserve or 0, store_bytes=args.kv_store_bytes,
         )
     except KvMemError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -187,6 +191,13 @@ def format_report(r: KvMemReport) -> str:
             f"requests      {c.max_concurrent_requests:,} concurrent requests of {r.seq_len:,} tokens "
             f"({c.request_tokens:,} kept, {per_req} each)",
             f"batch         {r.batch} x {r.seq_len:,} tokens {'fits' if c.batch_fits else 'does NOT fit'}",
+        ]
+    if s := r.store:
+        lines += [
+            f"KV store      a value per page: {PAGE_VALUE_HEADER_BYTES} B header + {s.page_size} x {pt.bytes:,} B = "
+            f"{s.value_bytes:,} B",
+            f"  holds       {human_bytes(s.store_bytes)} / {s.value_bytes:,} B = {s.max_pages:,} pages = "
+            f"{s.max_tokens:,} tokens = {s.max_sequences:,} sequences of {r.seq_len:,} tokens",
         ]
     lines += [f"note          {n}" for n in r.notes]
     return "\n".join(lines)

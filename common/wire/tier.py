@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 STORE_KEY_PREFIX = b"kvpage:"
+# A value's header (worker/page_codec.py's HEADER): magic, version, element bytes, scales flag, reserved,
+# namespace and block hash digests, payload bytes, checksum. A value is this plus page_size x bytes per token.
+PAGE_VALUE_HEADER_BYTES = 56
 
 
 def store_key(block_hash: bytes) -> bytes:

@@ -307,3 +307,22 @@ def test_cli_bad_input_is_one_clear_line_and_exit_2(args, message):
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and out.stdout == ""
+
+
+@pytest.mark.parametrize("kv_dtype,torch_dtype,scales", [("fp32", "float32", False), ("int8", "int8", True)])
+def test_the_kv_store_sizing_counts_the_values_a_worker_writes_byte_for_byte(kv_dtype, torch_dtype, scales):
+    """--kv-store-bytes: one value per page, as worker/page_codec.py encodes it (header included), which is what
+    the kvmanager counts against the bound."""
+    import torch
+
+    from kvserve.worker.page_codec import HEADER, encode_page
+
+    model = ModelSpec(name="tiny", num_layers=3, num_kv_heads=2, head_dim=8, max_context=4096)
+    r = calculate(model, seq_len=1200, kv_dtype=kv_dtype, page_size=16, store_bytes=10_000_000)
+    pool = torch.zeros(3, 2, 4, 16, 2, 8, dtype=getattr(torch, torch_dtype))
+    scale = torch.ones(3, 2, 4, 16, 2) if scales else None
+    value = encode_page(b"n" * 16, b"h" * 16, pool, scale, 1)
+    assert HEADER.size == r.store.value_bytes - 16 * r.per_token.bytes
+    assert len(value) == r.store.value_bytes
+    assert r.store.max_pages == 10_000_000 // len(value) and r.store.max_tokens == 16 * r.store.max_pages
+    assert r.store.max_sequences == r.store.max_pages // 75  # 1,200 tokens: 75 full pages each
