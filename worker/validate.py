@@ -9,18 +9,25 @@ from kvserve.common.errors import InvalidRequest
 from kvserve.common.pages import HOLE, num_pages_for
 from kvserve.common.request_checks import check_sampling
 from kvserve.common.tokens import check_token_ids
+from kvserve.common.wire.tier import StoreLoad, StoreWrite
 from kvserve.common.wire.worker import StepBatch, StepItem
+
+HASH_BYTES = 16  # block hashes and namespaces (xxh3_128)
 
 
 def validate_batch(batch: StepBatch, *, vocab_size: int, num_pages: int, page_size: int,
                    max_model_len: int, max_step_tokens: int,
                    window: AttentionWindow = FULL_ATTENTION) -> dict[str, str]:
-    """Raises InvalidRequest for a step malformed as a whole: no item, an empty or repeated req_id, more tokens
-    than the worker takes, two items writing one page. Returns the items rejected alone, req_id -> what is
-    wrong (a position, token id, page table or sampling parameter); the step computes the others. With a sliding
-    window (kernels/window.py) a page table may hold HOLEs where no position of the item is read or written."""
-    if not batch.items:
-        raise InvalidRequest("empty batch: a step needs at least one item")
+    """Raises InvalidRequest for a step malformed as a whole: no item (and no store write), an empty or repeated
+    req_id, more tokens than the worker takes, two items writing one page (a page an item fills from the store
+    counts as written by it), a malformed store write. Returns the items rejected alone, req_id -> what is
+    wrong (a position, token id, page table, store load or sampling parameter); the step computes the others.
+    With a sliding window (kernels/window.py) a page table may hold HOLEs where no position of the item is read
+    or written."""
+    if not batch.items and not batch.store_writes:
+        raise InvalidRequest("empty batch: a step needs at least one item or store write")
+    for write in batch.store_writes:
+        _check_store_page(f"store write of page {write.page_id}", write, num_pages)
     seen: set[str] = set()
     for item in batch.items:
         if not item.req_id:
@@ -67,6 +74,27 @@ def _check_item(item: StepItem, vocab_size: int, num_pages: int, page_size: int,
         raise InvalidRequest(f"{where}: page {twice} appears twice in its page_table")
     if item.sample:
         check_sampling(where, item.sampling)
+    _check_store_loads(where, item, num_pages)
+
+
+def _check_store_loads(where: str, item: StepItem, num_pages: int) -> None:
+    """Each page filled from the store is the item's own, once."""
+    seen: set[int] = set()
+    for load in item.store_loads:
+        _check_store_page(f"{where}: store load of page {load.page_id}", load, num_pages)
+        if load.page_id not in item.page_table:
+            raise InvalidRequest(f"{where}: store load of page {load.page_id}, which is not in its page_table")
+        if load.page_id in seen:
+            raise InvalidRequest(f"{where}: page {load.page_id} is loaded from the store twice")
+        seen.add(load.page_id)
+
+
+def _check_store_page(where: str, order: StoreLoad | StoreWrite, num_pages: int) -> None:
+    if not 0 <= order.page_id < num_pages:
+        raise InvalidRequest(f"{where}: page id out of range [0, {num_pages})")
+    for name in ("block_hash", "namespace"):
+        if len(getattr(order, name)) != HASH_BYTES:
+            raise InvalidRequest(f"{where}: {name} is {len(getattr(order, name))} bytes, not {HASH_BYTES}")
 
 
 def _check_holes(where: str, item: StepItem, window: AttentionWindow, page_size: int) -> None:
@@ -84,7 +112,8 @@ def _check_no_shared_slots(items: tuple[StepItem, ...], page_size: int) -> None:
     owner: dict[int, str] = {}
     for item in items:
         first, last = item.start_pos // page_size, (item.end_pos - 1) // page_size
-        for page_id in item.page_table[first : last + 1]:  # no page twice in a table: checked per item
+        loaded = (load.page_id for load in item.store_loads)  # pages of its table it fills from the store
+        for page_id in (*item.page_table[first : last + 1], *loaded):  # no page twice in a table: checked per item
             other = owner.setdefault(page_id, item.req_id)
             if other != item.req_id:
                 raise InvalidRequest(f"items {other!r} and {item.req_id!r} both write page {page_id} in one step")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.common.attention_window import AttentionWindow
+from kvserve.common.wire.tier import StoreLoad, StoreWrite
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM's sampling epsilon: below it, sampling is greedy
 
@@ -34,6 +35,9 @@ class StepItem:
     page_table: tuple[int, ...]
     sample: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Pages of its cached prefix to fill from the shared KV tier's store before it computes (with its first
+    # chunk). If any load fails, the item is not computed: StepOutput.unloaded.
+    store_loads: tuple[StoreLoad, ...] = ()
 
     @property
     def end_pos(self) -> int:
@@ -42,8 +46,10 @@ class StepItem:
 
 @dataclass(frozen=True, slots=True)
 class StepBatch:
-    items: tuple[StepItem, ...]
+    items: tuple[StepItem, ...]  # empty only in a writes-only step (store_writes not empty)
     epoch: int = 0  # 0 = unchecked
+    # Committed pages to copy (before the forward pass) and write to the shared KV tier's store in the background
+    store_writes: tuple[StoreWrite, ...] = ()
 
 
 @dataclass(slots=True)
@@ -69,6 +75,9 @@ class StepOutput:
     num_tokens: int
     compute_ms: float
     rejected: list[RejectedItem] = field(default_factory=list)  # items answered with no token: their requests fail
+    unloaded: list[str] = field(default_factory=list)  # req_ids not computed: their store loads failed (recompute)
+    num_loaded_pages: int = 0  # pages filled from the store, verified, for the items computed
+    load_ms: float = 0.0  # wall time of the step's store loads (not part of compute_ms)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
 from kvserve.v1 import common_pb2 as _common_pb2
+from kvserve.v1 import kvmanager_pb2 as _kvmanager_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StepItem(_message.Message):
-    __slots__ = ("req_id", "token_ids", "start_pos", "page_table", "sample", "sampling", "traceparent")
+    __slots__ = ("req_id", "token_ids", "start_pos", "page_table", "sample", "sampling", "traceparent", "store_loads")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +17,7 @@ class StepItem(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    STORE_LOADS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
@@ -23,15 +25,18 @@ class StepItem(_message.Message):
     sample: bool
     sampling: _common_pb2.SamplingParams
     traceparent: str
-    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    store_loads: _containers.RepeatedCompositeFieldContainer[_kvmanager_pb2.StoreLoad]
+    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., store_loads: _Optional[_Iterable[_Union[_kvmanager_pb2.StoreLoad, _Mapping]]] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("items", "epoch")
+    __slots__ = ("items", "epoch", "store_writes")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STORE_WRITES_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[StepItem]
     epoch: int
-    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    store_writes: _containers.RepeatedCompositeFieldContainer[_kvmanager_pb2.StoreWrite]
+    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., epoch: _Optional[int] = ..., store_writes: _Optional[_Iterable[_Union[_kvmanager_pb2.StoreWrite, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("req_id", "token_id", "logprob", "top_logprobs")
@@ -56,23 +61,29 @@ class RejectedItem(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., message: _Optional[str] = ..., invalid: _Optional[bool] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("results", "num_tokens", "compute_ms", "rejected")
+    __slots__ = ("results", "num_tokens", "compute_ms", "rejected", "unloaded", "num_loaded_pages", "load_ms")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SampledToken]
     num_tokens: int
     compute_ms: float
     rejected: _containers.RepeatedCompositeFieldContainer[RejectedItem]
-    def __init__(self, results: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., rejected: _Optional[_Iterable[_Union[RejectedItem, _Mapping]]] = ...) -> None: ...
+    unloaded: _containers.RepeatedScalarFieldContainer[str]
+    num_loaded_pages: int
+    load_ms: float
+    def __init__(self, results: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., rejected: _Optional[_Iterable[_Union[RejectedItem, _Mapping]]] = ..., unloaded: _Optional[_Iterable[str]] = ..., num_loaded_pages: _Optional[int] = ..., load_ms: _Optional[float] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "epoch", "model_name", "model_fingerprint", "page_size", "num_pages", "kv_dtype", "bytes_per_token", "pool_bytes", "num_layers", "num_kv_heads", "num_heads", "head_dim", "vocab_size", "max_model_len", "eos_token_ids", "device", "attention_backend", "kv_scales", "sliding_window", "attention_sinks")
+    __slots__ = ("worker_id", "epoch", "model_name", "model_fingerprint", "page_size", "num_pages", "kv_dtype", "bytes_per_token", "pool_bytes", "num_layers", "num_kv_heads", "num_heads", "head_dim", "vocab_size", "max_model_len", "eos_token_ids", "device", "attention_backend", "kv_scales", "sliding_window", "attention_sinks", "kv_store")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +105,7 @@ class WorkerInfo(_message.Message):
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     model_name: str
@@ -115,4 +127,5 @@ class WorkerInfo(_message.Message):
     kv_scales: str
     sliding_window: int
     attention_sinks: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ...) -> None: ...
+    kv_store: bool
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., kv_store: _Optional[bool] = ...) -> None: ...

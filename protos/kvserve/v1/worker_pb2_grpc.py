@@ -56,8 +56,10 @@ class WorkerServiceServicer:
     def Step(self, request, context):
         """Runs one forward pass over a batch that mixes prefill chunks and single decode tokens: writes the new
         tokens' K/V into the slots their page tables name, runs paged attention, and samples for the items that
-        ask for it. INVALID_ARGUMENT for a malformed batch (nothing is written to the pool then);
-        FAILED_PRECONDITION when `epoch` names another incarnation of this worker.
+        ask for it. Before the forward pass it copies the pages of store_writes (for the shared KV tier's store,
+        written in the background) and fills each item's store_loads from the store; an item whose loads fail is
+        not computed (StepOutput.unloaded). INVALID_ARGUMENT for a malformed batch (nothing is written to the pool
+        then); FAILED_PRECONDITION when `epoch` names another incarnation of this worker.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
