@@ -31,7 +31,21 @@ KVMANAGER_METRICS = (
     "kvserve:call_log_snapshots_total", "kvserve:call_log_last_snapshot_seconds",
     "kvserve:window_released_pages_total",
 )
-WORKER_METRICS = ("kvserve:worker_step_seconds", "kvserve:worker_batch_size", "kvserve:worker_batch_tokens")
+# The shared KV tier's counters of a worker (KVTier.stats()), by TierCounters field: (metric, help).
+TIER_COUNTERS = {
+    "num_loaded_pages": ("kvserve:kv_tier_loaded_pages", "Pages filled from the tier and verified."),
+    "num_loaded_bytes": ("kvserve:kv_tier_loaded_bytes", "Bytes of the values of those pages."),
+    "load_s": ("kvserve:kv_tier_load_seconds", "Wall time of the loads (round trips, verification, copy in)."),
+    "num_failed_loads": ("kvserve:kv_tier_failed_loads", "Requests whose loads failed (absent, damaged, tier down): "
+                         "recomputed."),
+    "num_verify_failures": ("kvserve:kv_tier_verify_failures", "Values that were there but failed verification."),
+    "num_written_pages": ("kvserve:kv_tier_written_pages", "Pages the tier acknowledged writing."),
+    "num_written_bytes": ("kvserve:kv_tier_written_bytes", "Bytes of the values of those pages."),
+    "num_dropped_writes": ("kvserve:kv_tier_dropped_writes", "Pages not written: the queue was full, the tier down, "
+                           "or no kvmanager to report them to."),
+}
+WORKER_METRICS = ("kvserve:worker_step_seconds", "kvserve:worker_batch_size", "kvserve:worker_batch_tokens",
+                  *(f"{name}_total" for name, _ in TIER_COUNTERS.values()))
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
@@ -72,7 +86,10 @@ class GatewayMetrics:
 
 
 class WorkerMetrics:
-    def __init__(self) -> None:
+    """Step latencies and sizes; and the shared KV tier's counters, read from ``tier_stats`` (KVTier.stats) at
+    scrape time (zeros without a tier), labelled ``tier="store"``."""
+
+    def __init__(self, tier_stats: Callable[[], object] | None = None) -> None:
         r = self.registry = CollectorRegistry()
         self.step = Histogram("kvserve:worker_step_seconds", "Forward pass and sampling of one step.",
                               buckets=LATENCY_BUCKETS_S, registry=r)
@@ -80,6 +97,24 @@ class WorkerMetrics:
                                     registry=r)
         self.batch_tokens = Histogram("kvserve:worker_batch_tokens", "Tokens computed per step.",
                                       buckets=BATCH_BUCKETS, registry=r)
+        r.register(_TierCollector(tier_stats))
+
+
+class _TierCollector:
+    """A worker's tier counters at scrape time: ``read_stats()`` returns common.wire.tier.TierCounters."""
+
+    def __init__(self, read_stats: Callable[[], object] | None):
+        self.read_stats = read_stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self.read_stats() if self.read_stats is not None else None
+        for field, (name, doc) in TIER_COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["tier"])
+            family.add_metric(["store"], getattr(stats, field) if stats is not None else 0)
+            yield family
 
 
 class KVManagerMetrics:

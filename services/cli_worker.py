@@ -9,6 +9,7 @@ from pathlib import Path
 
 log = logging.getLogger("kvserve.cli")
 DEFAULT_WORKER_PORT = 50061
+TIER_FLUSH_S = 5.0  # a stopping worker waits this long for its queued store writes and their report
 
 
 def _env(name, default=None):
@@ -103,6 +104,11 @@ def add_commands(sub) -> None:
     w.add_argument("--drain-timeout", type=positive_float, default=_env("drain_timeout", "30"),
                    help="with --kvmanager: on SIGTERM, seconds to let the running requests finish before "
                         "leaving (default 30)")
+    w.add_argument("--kv-store-url", default=_env("kv_store_url", ""),
+                   help="the shared KV tier: a Redis every worker of the model reads and writes KV pages in "
+                        "(redis://, rediss://, unix://, redis+sentinel://). With --kvmanager the worker writes "
+                        "the committed pages it is asked to and loads store hits; without --kvmanager it only "
+                        "loads (nothing could record its writes). Default: none")
     add_observability_flags(w)
     add_tls_flags(w, "both", dials="the kvmanager")
     w.set_defaults(func=run_worker)
@@ -169,12 +175,13 @@ def run_worker(args) -> int:
     tls = _tls(args, server=True)
     if tls is False:
         return 2
-    runner = _make_runner(args, worker_id=args.worker_id)
+    runner = _make_runner(args, worker_id=args.worker_id, kv_store_url=args.kv_store_url)
     if runner is None:
         return 2
     stop = install_stop_signals()  # before the ready line: a SIGTERM right after it still drains, exits 0
     setup_tracing("kvserve-worker")
-    metrics = WorkerMetrics() if args.metrics_port is not None else None
+    tier_stats = runner.tier.stats if runner.tier is not None else None
+    metrics = WorkerMetrics(tier_stats) if args.metrics_port is not None else None
     metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None
     try:
         ws = start_worker_server(runner, args.host, args.port, metrics=metrics, tls=tls)
@@ -189,8 +196,9 @@ def run_worker(args) -> int:
     print(f"kvserve worker {i.worker_id} ready on {args.host}:{ws.port}: model {i.model_name} on {i.device}, "
           f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
           f"({i.kv_dtype}{scales}); linear weights: {describe_weights(runner.model.weights)}"
-          f"{metrics_note(args.host, metrics_port)}{tls_note(tls)}{_member_note(keeper)}", flush=True)
-    code = _serve(args, ws, stop, keeper)
+          f"{metrics_note(args.host, metrics_port)}{tls_note(tls)}{_member_note(keeper)}{_store_note(runner)}",
+          flush=True)
+    code = _serve(args, runner, ws, stop, keeper)
     shutdown_tracing()
     return code
 
@@ -232,8 +240,10 @@ def _join(args, runner, ws, stop, tls):
     from kvserve.worker.membership import LeaseKeeper
 
     address = args.advertise_address or f"{args.host}:{ws.port}"
-    keeper = LeaseKeeper(runner, args.kvmanager, address, on_failed=stop.set, tls=tls).start()
-    keeper.joined.wait(JOIN_WAIT_S)
+    keeper = LeaseKeeper(runner, args.kvmanager, address, on_failed=stop.set, tls=tls)
+    if runner.tier is not None:
+        runner.tier.set_report(keeper.report_tier)
+    keeper.start().joined.wait(JOIN_WAIT_S)
     return keeper
 
 
@@ -245,17 +255,25 @@ def _member_note(keeper) -> str:
     return "; not joined yet (the kvmanager does not answer; still trying)"
 
 
-def _serve(args, ws, stop, keeper) -> int:
+def _store_note(runner) -> str:
+    if runner.tier is None:
+        return ""
+    return "; kv store " + ("read and written" if runner.tier.reporter.report is not None else "read only")
+
+
+def _serve(args, runner, ws, stop, keeper) -> int:
     """Serves until SIGTERM: as a worker the gateway's --workers names, or with --kvmanager as a member of the
-    kvmanager's membership, which drains and leaves before the server stops. The exit code."""
+    kvmanager's membership, which drains and leaves before the server stops. Then the KV tier's queued writes
+    are written and reported (bounded). The exit code."""
     if keeper is None:
         from kvserve.common.grpc_server import serve_until_signal
 
         serve_until_signal(ws, stop, "worker")
+        runner.close_tier(TIER_FLUSH_S)
         return 0
     from kvserve.worker.membership import serve_as_member
 
-    serve_as_member(ws, keeper, stop, args.drain_timeout)
+    serve_as_member(ws, keeper, stop, args.drain_timeout, on_stopped=lambda: runner.close_tier(TIER_FLUSH_S))
     return 1 if keeper.failed else 0
 
 

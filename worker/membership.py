@@ -23,10 +23,12 @@ import grpc
 
 from kvserve.common.channels import kvmanager_channel
 from kvserve.common.convert import membership as cv
+from kvserve.common.convert.tier import tier_report_to_proto
 from kvserve.common.grpc_server import GrpcServer
 from kvserve.common.tls import Tls
 from kvserve.common.wire.membership import HeartbeatResult
 from kvserve.common.wire.pages import PoolSpec
+from kvserve.common.wire.tier import TierReport
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 from kvserve.worker.runner import ModelRunner
@@ -38,6 +40,7 @@ ZERO_BEATS_TO_LEAVE = 2
 JOIN_TIMEOUT_S = 5.0
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 2.0
+REPORT_TIER_TIMEOUT_S = 5.0
 
 
 class LeaseKeeper:
@@ -141,6 +144,11 @@ class LeaseKeeper:
             self.lease_ms = result.lease_ms
         return result
 
+    def report_tier(self, report: TierReport) -> None:
+        """ReportTier: the shared KV tier's traffic since the last report (the worker's KVTier calls it from
+        its reporter thread, and retries). Raises grpc.RpcError."""
+        self.stub.ReportTier(tier_report_to_proto(report), timeout=REPORT_TIER_TIMEOUT_S)
+
     # -- draining and leaving -------------------------------------------------------------------------------
     def drain(self, timeout_s: float) -> None:
         """Stops keeping the lease in the background and drains in the caller: heartbeats with draining set
@@ -199,11 +207,14 @@ class LeaseKeeper:
 
 
 def serve_as_member(server: GrpcServer, keeper: LeaseKeeper, stop: threading.Event, drain_timeout_s: float,
-                    grace_s: float = 5.0) -> None:
+                    grace_s: float = 5.0, on_stopped: Callable[[], None] | None = None) -> None:
     """Blocks until ``stop`` is set (SIGTERM, or the keeper gave up), drains the worker and leaves, then stops
-    the server gracefully."""
+    the server gracefully. ``on_stopped`` runs once the server stopped, before the kvmanager's channel closes
+    (the KV tier's last writes and report)."""
     stop.wait()
     keeper.drain(drain_timeout_s)
     log.info("worker stopping (grace %.1fs)", grace_s)
     server.stop(grace_s)
+    if on_stopped is not None:
+        on_stopped()
     keeper.close()

@@ -6,6 +6,7 @@ It keeps no scheduling state between steps: every step carries its page tables a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvserve.common.errors import InvalidRequest, StaleEpoch
-from kvserve.common.wire.worker import RejectedItem, StepBatch, StepOutput, WorkerInfo
+from kvserve.common.wire.worker import RejectedItem, SampledToken, StepBatch, StepItem, StepOutput, WorkerInfo
 from kvserve.kernels.backends import get_backend
 from kvserve.kernels.kv_quant import FORMAT_OF_DTYPE, KVFormat, kv_format
 from kvserve.kernels.paged_attention import build_metadata
@@ -23,6 +24,7 @@ from kvserve.worker.config import ModelConfig, resolve_window
 from kvserve.worker.kv_pool import allocate_pool, allocate_scales, size_pool
 from kvserve.worker.model import LlamaDecoder
 from kvserve.worker.sampler import non_finite_rows, sample
+from kvserve.worker.tier import KVTier, store_client
 from kvserve.worker.validate import validate_batch
 from kvserve.worker.weights import load_weights, model_fingerprint
 
@@ -30,6 +32,7 @@ DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 # With attention sinks the positions a model sees stay below sinks + window however long a request runs, so a
 # worker takes requests of any length: its max_model_len is this (an int32 field on the wire).
 MAX_SINK_POSITIONS = (1 << 31) - 1
+log = logging.getLogger("kvserve.worker")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,6 +53,7 @@ class RunnerConfig:
     attention_sinks: int = 0  # with sliding_window: the first S tokens stay visible (StreamingLLM)
     cuda_graphs: bool = True  # on CUDA with the triton backend: pure-decode steps replay CUDA graphs
     cuda_graph_max_seqs: int = 64  # the largest decode batch captured (larger ones run eagerly)
+    kv_store_url: str = ""  # the shared KV tier's store (a Redis URL, as common/redis_client.py takes); "" = none
 
 
 def resolve_kv_format(kv_cache_dtype: str, dtype: torch.dtype) -> KVFormat:
@@ -96,6 +100,7 @@ class ModelRunner:
         self.epoch = time.time_ns()
         self._make_weights = make_weights or (lambda m, dtype, device: load_weights(cfg.model_dir, m, dtype, device))
         self.call(self._load)
+        self.tier = self._make_tier() if cfg.kv_store_url else None
         self.info = self._describe(model_fingerprint(cfg.model_dir) if make_weights is None else "made-weights")
 
     def _load(self) -> None:
@@ -118,6 +123,20 @@ class ModelRunner:
                         self.cfg.cuda_graphs, self.cfg.cuda_graph_max_seqs,
                         self.model_cfg.max_position_embeddings)
 
+    def _make_tier(self) -> KVTier:
+        """The shared KV tier over this pool. It reports to no kvmanager (so writes nothing) until the worker
+        joins one: tier.set_report()."""
+        return KVTier(store_client(self.cfg.kv_store_url), self.kv_cache, self.kv_scales, None,
+                      self.cfg.worker_id, lambda: self.epoch)
+
+    def close_tier(self, timeout_s: float) -> None:
+        """Writes and reports what the tier has queued (for up to ``timeout_s``), then stops it. Call once no
+        step runs any more (a graceful stop)."""
+        if self.tier is not None:
+            if not self.tier.flush(timeout_s):
+                log.warning("kv store: queued writes or reports not done within %.1fs; dropped", timeout_s)
+            self.tier.close()
+
     def call(self, fn, *args, **kwargs):
         """Runs ``fn`` on the compute thread and returns its result (re-raising its exception). Re-entrant:
         called on the compute thread, it runs ``fn`` inline."""
@@ -136,7 +155,7 @@ class ModelRunner:
             max_model_len=MAX_SINK_POSITIONS if self.window.sinks else m.max_position_embeddings,
             eos_token_ids=m.eos_token_ids,
             device=str(self.device), attention_backend=self.model.backend.name,
-            sliding_window=self.window.window, attention_sinks=self.window.sinks,
+            sliding_window=self.window.window, attention_sinks=self.window.sinks, kv_store=self.tier is not None,
         )
 
     def renew_epoch(self) -> int:
@@ -150,7 +169,9 @@ class ModelRunner:
     def step(self, batch: StepBatch) -> StepOutput:
         """Runs one step. Raises InvalidRequest for a step malformed as a whole (nothing computed) or StaleEpoch.
         An item malformed alone, or whose logits come out non-finite, is answered in StepOutput.rejected and
-        the others are computed."""
+        the others are computed. Before the forward pass the step's store writes are copied and its items'
+        store loads filled; an item whose loads failed is not computed (StepOutput.unloaded). A step of store
+        writes and no item copies them and computes nothing."""
         if batch.epoch and batch.epoch != self.epoch:
             raise StaleEpoch(f"step addressed epoch {batch.epoch}, but this worker is epoch {self.epoch}")
         info = self.info
@@ -159,11 +180,37 @@ class ModelRunner:
                                    max_step_tokens=self.cfg.max_step_tokens, window=self.window)
         rejected = [RejectedItem(req_id, message) for req_id, message in malformed.items()]
         items = tuple(i for i in batch.items if i.req_id not in malformed)
+        if not items and not batch.store_writes:
+            return StepOutput(sampled=[], num_tokens=0, compute_ms=0.0, rejected=rejected)
         t0 = time.perf_counter()
-        sampled = self.call(self._run, StepBatch(items, batch.epoch), rejected) if items else []
-        ms = (time.perf_counter() - t0) * 1000
-        return StepOutput(sampled=sampled, num_tokens=sum(len(i.token_ids) for i in items), compute_ms=ms,
-                          rejected=rejected)
+        sampled, computed, load_s = self.call(self._run_with_tier, StepBatch(items, batch.epoch, batch.store_writes),
+                                              rejected)
+        ms = (time.perf_counter() - t0 - load_s) * 1000
+        kept = {i.req_id for i in computed}
+        return StepOutput(sampled=sampled, num_tokens=sum(len(i.token_ids) for i in computed), compute_ms=ms,
+                          rejected=rejected, unloaded=[i.req_id for i in items if i.req_id not in kept],
+                          num_loaded_pages=sum(len(i.store_loads) for i in computed), load_ms=load_s * 1000)
+
+    def _run_with_tier(self, batch: StepBatch, rejected: list[RejectedItem]
+                       ) -> tuple[list[SampledToken], tuple[StepItem, ...], float]:
+        """The store's traffic, then the forward pass and sampling of the items whose loads succeeded. Returns
+        the sampled tokens, the items computed and the loads' seconds."""
+        items, load_s = self._store_traffic(batch)
+        return (self._run(StepBatch(items, batch.epoch), rejected) if items else []), items, load_s
+
+    def _store_traffic(self, batch: StepBatch) -> tuple[tuple[StepItem, ...], float]:
+        """Copies the pages of the step's store writes first (this step may overwrite them), then fills its
+        items' store loads. Returns the items to compute (those whose loads all succeeded) and the loads'
+        seconds. Without a store every item with loads fails them."""
+        loads = {i.req_id: i.store_loads for i in batch.items if i.store_loads}
+        if self.tier is None:
+            return tuple(i for i in batch.items if i.req_id not in loads), 0.0
+        self.tier.snapshot_writes(batch.store_writes)
+        if not loads:
+            return batch.items, 0.0
+        t0 = time.perf_counter()
+        failed = self.tier.load(loads)
+        return tuple(i for i in batch.items if i.req_id not in failed), time.perf_counter() - t0
 
     def _run(self, batch: StepBatch, rejected: list[RejectedItem] | None = None):
         """The forward pass and sampling of a validated batch; an item whose logits are non-finite is not sampled

@@ -31,7 +31,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             abort(context, e)
         end_ns = time.time_ns()
         record_step_spans(self.tracer, request.items, start_ns, end_ns)
-        if self.metrics is not None:
+        if self.metrics is not None and request.items:  # a writes-only step computes nothing
             self.metrics.step.observe(output.compute_ms / 1000)
             self.metrics.batch_size.observe(len(request.items))
             self.metrics.batch_tokens.observe(output.num_tokens)

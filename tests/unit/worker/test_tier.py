@@ -11,10 +11,12 @@ import threading
 import pytest
 import torch
 import xxhash
+from prometheus_client import generate_latest
 
 from kvserve.common.convert.tier import tier_report_from_proto, tier_report_to_proto
 from kvserve.common.convert.worker import batch_from_proto, batch_to_proto, output_from_proto, output_to_proto
 from kvserve.common.embedded_redis import EmbeddedRedis
+from kvserve.common.metrics import WorkerMetrics
 from kvserve.common.wire.tier import StoredBlock, StoreLoad, StoreWrite, TierCounters, TierReport, store_key
 from kvserve.common.wire.worker import StepBatch, StepItem, StepOutput
 from kvserve.worker.page_codec import HEADER, encode_page
@@ -297,3 +299,13 @@ def test_the_tier_s_messages_cross_the_wire_unchanged():
     assert batch_from_proto(batch_to_proto(batch)) == batch
     out = StepOutput(sampled=[], num_tokens=2, compute_ms=1.5, unloaded=["x"], num_loaded_pages=2, load_ms=0.25)
     assert output_from_proto(output_to_proto(out)) == out
+
+
+def test_the_worker_s_metrics_read_the_tier_s_counters_at_scrape_time(server, tiers):
+    pool, _ = make_pool("float32")
+    tier = make_tier(tiers, server, pool, None, report=None)
+    metrics = WorkerMetrics(tier.stats)
+    tier.snapshot_writes(writes([0, 1, 2]))  # no reporter: dropped
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvserve:kv_tier_dropped_writes_total{tier="store"} 3.0' in text
+    assert 'kvserve:kv_tier_loaded_pages_total{tier="store"} 0.0' in text
