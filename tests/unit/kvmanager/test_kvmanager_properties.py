@@ -12,13 +12,26 @@ tokens, so a hit across tenants, on a dead epoch's page or on a reused page fail
 Worker w1's pool has a sliding window (two pages) and attention sinks (its first page): its requests release
 pages past the window at random, in calls of their own and inside batches, and the model's page tables get the
 same holes. A hole holds nothing, so a commit over it writes no content; every check above still holds.
+
+The shared KV tier (kvmanager/tier.py): w0's pools have a store, w1's only under odd epochs, and the store holds
+a few blocks (STORE_BYTES), so its LRU evicts. The model predicts the writes each commit orders (the new blocks a
+pool with a store indexes that the store lacks), keeps the store's index as workers report writes landed (some of
+those ordered, in any order, some twice) and values missing, and predicts every allocation's store hits exactly:
+past the pool's hit, the run of blocks the store holds, each on a fresh page named in store_loads, counted in
+num_cached_tokens but not in num_committed_tokens; the request's first commit then indexes the loaded pages::
+
+    prompt   | page 0 | page 1 | page 2 |..      num_cached_tokens = 12, num_committed_tokens = 4
+    hit      |  p3    |  p5    |  p6    |       <- p3 a pool hit; p5, p6 fresh, loaded (store_loads)
+
+No entry names a value no worker reported written, none outlives a report of its value missing (until written
+again), a dropped pool or epoch never removes one, and each removal queues its value's deletion once.
 """
 
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
-from dataclasses import dataclass, field
+from collections import OrderedDict, defaultdict
+from dataclasses import astuple, dataclass, field, replace
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -36,7 +49,9 @@ from kvserve.common.wire.pages import (
     PageRelease,
     PoolSpec,
     StepOps,
+    StoreWriteOrder,
 )
+from kvserve.common.wire.tier import StoredBlock, StoreLoad, StoreWrite, TierCounters, TierReport
 from kvserve.kvmanager.admin import evict_tenant, forget_worker
 from kvserve.kvmanager.errors import UnknownTenant
 from kvserve.kvmanager.hashing import chain_hashes, namespace_seed
@@ -44,6 +59,7 @@ from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.placement import Placement
 from kvserve.kvmanager.state import Changes
+from kvserve.kvmanager.tier import TierTotals
 
 PS = 4  # page size
 WORKERS = ("w0", "w1")
@@ -54,10 +70,47 @@ MAX_WINDOWED_TOKENS = 40  # a windowed request: 10 pages, more than a small pool
 WINDOWS = {"w1": (2 * PS, PS)}  # worker -> (sliding_window, attention_sinks): two pages, and one sink page
 NUM_SINK_PAGES = 1
 OK, SHORT, STALE = OpStatus.OK, OpStatus.OUT_OF_PAGES, OpStatus.STALE_EPOCH
+PAGE_BYTES = PS * 64  # a page's K/V (bytes_per_token 64)
+STORE_BYTES = 10 * PAGE_BYTES  # the shared tier's capacity: a few prompts' values, so its LRU evicts
+# An allocation's load-or-recompute inputs: none measured (load), skip_store, a fast load, a load slower than
+# recomputing its page, one exactly as slow (recompute), one cost measured alone (as none: load).
+TIER_OPTIONS = ({},) * 2 + ({"skip_store": True}, {"load_s_per_page": 0.001, "prefill_s_per_token": 0.01},
+                            {"load_s_per_page": 0.5, "prefill_s_per_token": 0.01},
+                            {"load_s_per_page": 0.5, "prefill_s_per_token": 0.125}, {"load_s_per_page": 0.5})
+
+
+def has_store(worker: str, epoch: int) -> bool:
+    """w0's pools read and write the shared tier; w1's under odd epochs only (a pool with one, then without)."""
+    return worker == "w0" or epoch % 2 == 1
 
 
 def spec_for(worker: str, epoch: int, num_pages: int) -> PoolSpec:
-    return PoolSpec(worker, epoch, num_pages, PS, "fp", "float32", 64, "", *WINDOWS.get(worker, (0, 0)))
+    return PoolSpec(worker, epoch, num_pages, PS, "fp", "float32", 64, "", *WINDOWS.get(worker, (0, 0)),
+                    kv_store=has_store(worker, epoch))
+
+
+def value_bytes(block_hash: bytes) -> int:
+    """What a worker reports a block's value takes: a page and a header of some size (so an add may evict several
+    entries), now and then more than the whole store (deleted, never recorded)."""
+    return STORE_BYTES + 1 if block_hash[0] < 8 else PAGE_BYTES + 64 * (block_hash[0] % 3)
+
+
+def loads_pay(a: PageAllocation) -> bool:
+    """Whether the allocation may take store hits: not skipped, and a load measured faster than recomputing its
+    page (or either cost not measured yet)."""
+    if a.skip_store:
+        return False
+    return a.load_s_per_page <= 0 or a.prefill_s_per_token <= 0 or a.load_s_per_page < PS * a.prefill_s_per_token
+
+
+def first_chunk_pages(worker: str, num_cached: int, num_tokens: int) -> set[int]:
+    """The page indices a prompt's first chunk (the whole prompt) reads: all of them, or on the windowed pool its
+    sink pages and the window of its first computed position on (the hits before it are holes)."""
+    if worker not in WINDOWS:
+        return set(range(pages_for(num_tokens)))
+    window, sinks = WINDOWS[worker]
+    lo = max(0, num_cached - window + 1) // PS
+    return set(range(min(pages_for(sinks), lo))) | set(range(lo, pages_for(num_tokens)))
 
 
 def seed_of(tenant: str, worker: str = "w0") -> bytes:
@@ -80,15 +133,18 @@ def snapshot(mgr: KVManager, volatile: bool = True):
                  sorted((h, _block(b)) for h, b in p.index.items()), tuple(p.free), tuple(p.evictable),
                  p.num_requests, p.num_evicted, p.num_window_released) for w, p in mgr.pools.items()}
 
-    def reqs(d):
+    def reqs(d):  # the remembered answers by value: their repr (a fifth of a deepcopy's cost, on every call)
         return {k: (r.tenant, r.worker_id, r.epoch, tuple(r.page_table), r.seed, tuple(r.block_hashes),
-                    r.num_prompt_tokens, r.num_committed_tokens, r.skip_prefix_cache, copy.deepcopy(r.last_ops))
+                    r.num_prompt_tokens, r.num_committed_tokens, r.skip_prefix_cache, repr(r.last_ops))
                 for k, r in d.items()}
 
     tenants = {t: (c.prefix_cache_queries, c.prefix_cache_hits) for t, c in mgr.tenants.items()}
-    out = (pools, reqs(mgr.requests), reqs(mgr.stale), tenants, mgr.load_penalty_pages)
+    tier = mgr.tier  # its entries in LRU order; the deletions it queued are handed over once a call is durable
+    store = (tuple((h, e.tenant, e.num_bytes) for h, e in tier.entries.items()), tier.num_bytes, astuple(tier.totals),
+             sorted(tier.tenant_hits.items()))
+    out = (pools, reqs(mgr.requests), reqs(mgr.stale), tenants, mgr.load_penalty_pages, store)
     if volatile:
-        out += (mgr.clock, mgr.changes.changed, mgr.changes.reset)
+        out += (mgr.clock, mgr.changes.changed, mgr.changes.reset, tuple(tier.deleted))
     return out
 
 
@@ -101,6 +157,63 @@ class ModelReq:
     page_table: list[int]
     num_committed: int
     skip: bool
+
+
+@dataclass
+class ModelTier:
+    """The shared tier's index as the model keeps it: what workers reported written (LRU first, within
+    STORE_BYTES, minus what was reported missing or evicted), and what the invariants need."""
+
+    entries: OrderedDict[bytes, tuple[str, int]] = field(default_factory=OrderedDict)  # hash -> (tenant, bytes)
+    totals: TierTotals = field(default_factory=TierTotals)
+    tenant_hits: dict[str, int] = field(default_factory=dict)
+    deleted: list[bytes] = field(default_factory=list)  # removals whose deletion the manager must queue
+    orders: list[StoreWriteOrder] = field(default_factory=list)  # every write ordered, oldest first
+    prompts: dict[bytes, tuple[str, str, tuple[int, ...]]] = field(default_factory=dict)  # ordered block hash ->
+    # (tenant, worker, the tokens it ends): a prompt to come back with
+    written: set[bytes] = field(default_factory=set)  # ever reported written
+    missing: set[bytes] = field(default_factory=set)  # reported missing, and not reported written since
+
+    def report(self, r: TierReport) -> tuple[int, int]:
+        """Written values first (an LRU within capacity), then missing ones; returns (added, evicted)."""
+        added = evicted = 0
+        for b in r.written:
+            self.written.add(b.block_hash)
+            self.missing.discard(b.block_hash)
+            if b.block_hash in self.entries:
+                self.entries.move_to_end(b.block_hash)
+            elif b.num_bytes > STORE_BYTES:
+                self.deleted.append(b.block_hash)
+            else:
+                while sum(n for _, n in self.entries.values()) + b.num_bytes > STORE_BYTES:
+                    self.remove(next(iter(self.entries)))
+                    evicted += 1
+                self.entries[b.block_hash] = (b.tenant, b.num_bytes)
+                added += 1
+        self.missing.update(r.missing)
+        dropped = [h for h in dict.fromkeys(r.missing) if h in self.entries]
+        for h in dropped:
+            self.remove(h)
+        t = self.totals
+        self.totals = TierTotals(t.num_hit_pages, t.num_added + added, t.num_evicted + evicted,
+                                 t.num_dropped_missing + len(dropped), t.workers + r.counters)
+        return added, evicted
+
+    def hit(self, tenant: str, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self.entries.move_to_end(h)
+        self.totals.num_hit_pages += len(hashes)
+        self.tenant_hits[tenant] = self.tenant_hits.get(tenant, 0) + len(hashes) * PS
+
+    def drop_tenant(self, tenant: str) -> int:
+        doomed = [h for h, (t, _) in self.entries.items() if t == tenant]
+        for h in doomed:
+            self.remove(h)
+        return len(doomed)
+
+    def remove(self, block_hash: bytes) -> None:
+        del self.entries[block_hash]
+        self.deleted.append(block_hash)
 
 
 @dataclass
@@ -122,7 +235,10 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.mgr = KVManager()
+        self.mgr = KVManager(store_capacity_bytes=STORE_BYTES)
+        self.tier = ModelTier()
+        self.indexed: dict[str, set[bytes]] = {}  # during a call: each pool's indexed block hashes
+        self.writes: list[StoreWriteOrder] = []  # during a call: the writes its commits must order
         self.epoch: dict[str, int] = {}
         self.num_pages: dict[str, int] = {}
         self.live: dict[str, ModelReq] = {}
@@ -158,6 +274,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         single = len(ops.allocations) + len(ops.extensions) + len(ops.commits) + len(ops.frees) + len(
             ops.releases) == 1
         pre = self.pre_state() if single else None
+        self.indexed, self.writes = {w: set(p.index) for w, p in self.mgr.pools.items()}, []
         res = self.mgr.step(ops)
         assert [len(res.allocations), len(res.extensions), len(res.commits), len(res.frees), len(res.releases)] == [
             len(ops.allocations), len(ops.extensions), len(ops.commits), len(ops.frees), len(ops.releases)]
@@ -177,6 +294,8 @@ class KVManagerMachine(RuleBasedStateMachine):
             self.absorb_extend(e, r, pre)
         for a, r in zip(ops.allocations, res.allocations, strict=True):
             self.absorb_allocate(a, r, pre)
+        assert res.store_writes == self.writes, "the writes ordered: each new block a pool with a store indexes"
+        self.tier.orders += res.store_writes
         self.pending.clear()
         for op in (*ops.allocations, *ops.extensions, *ops.commits, *ops.frees, *ops.releases):
             if op.req_id in self.live or op.req_id in self.stale:
@@ -210,6 +329,24 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert (again.allocations, again.extensions, again.commits, again.frees, again.releases) == (
             res.allocations, res.extensions, res.commits, res.frees, res.releases)
         assert snapshot(self.mgr, volatile=False) == after and self.mgr.changes.empty()
+        assert again.store_writes == [] and not self.mgr.tier.deleted  # nothing ordered or removed again
+
+    def report(self, report: TierReport) -> None:
+        """A worker's ReportTier, and the model's; the last call's retry must still change nothing."""
+        assert self.send_report(report) == self.tier.report(report)
+        if self.last is not None:
+            ops, res, _ = self.last
+            self.last = (ops, res, snapshot(self.mgr, volatile=False))
+        self.check_all()
+
+    def send_report(self, report: TierReport) -> tuple[int, int]:
+        """The call; the replay machine sends it through the logged service."""
+        return self.mgr.report_tier(report)
+
+    def take_deletions(self) -> list[bytes]:
+        """The store values whose deletion calls queued since the last check (the replay machine's service hands
+        them to its janitor once each call is durable)."""
+        return self.mgr.tier.take_deleted()
 
     def extend_to(self, rid: str, new_tokens: list[int]) -> PageExtension:
         self.pending[rid] = self.live[rid].tokens + list(new_tokens)
@@ -241,8 +378,21 @@ class KVManagerMachine(RuleBasedStateMachine):
                 self.content[(m.worker, m.epoch, m.page_table[i])] = (m.tenant, prefix)
             if not m.skip:
                 self.committed[(m.worker, m.epoch, m.tenant)].add(prefix)
+                self.expect_write(m, m.page_table[i], prefix)
         m.num_committed = end
         self.histories.append(tuple(m.tokens))
+
+    def expect_write(self, m: ModelReq, page_id: int, prefix: tuple[int, ...]) -> None:
+        """A committed page joins its pool's index unless it is a hole or its block is indexed already (computed
+        twice); then, on a pool with a store, a write is ordered if the store lacks the block."""
+        block_hash = chain_hashes(seed_of(m.tenant, m.worker), prefix, PS)[-1]
+        if page_id == HOLE or block_hash in self.indexed[m.worker]:
+            return
+        self.indexed[m.worker].add(block_hash)
+        if has_store(m.worker, m.epoch) and block_hash not in self.tier.entries:
+            self.tier.prompts[block_hash] = (m.tenant, m.worker, prefix)
+            self.writes.append(StoreWriteOrder(m.worker, StoreWrite(page_id, block_hash, seed_of(m.tenant, m.worker),
+                                                                    m.tenant)))
 
     def absorb_release(self, x: PageRelease, r, pre) -> None:
         if x.req_id in self.stale:
@@ -291,26 +441,66 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert r.status is OK and r.worker_id == a.worker_id
         w, e, pt = r.worker_id, self.epoch[r.worker_id], r.page_table
         assert r.epoch == e, "an allocation named a dead epoch"
-        assert len(pt) == pages_for(len(a.token_ids)) and len(set(pt)) == len(pt)
-        assert all(0 <= p < self.num_pages[w] for p in pt)
-        k, rem = divmod(r.num_cached_tokens, PS)
-        assert rem == 0 and r.num_cached_tokens <= (len(a.token_ids) - 1) // PS * PS
-        assert not (a.skip_prefix_cache and k)
-        if k:  # a hit is explained by this tenant's own commits on this pool incarnation, page by page
-            assert a.token_ids[: k * PS] in self.committed[(w, e, a.tenant)], "hit not explained by own commits"
-            for i in range(k):
-                assert self.content.get((w, e, pt[i])) == (a.tenant, a.token_ids[: (i + 1) * PS]), "wrong hit"
-        for page_id in pt[k:]:
-            assert self.mgr.pools[w].ref_cnt[page_id] == 1  # a fresh page has exactly one holder
-            self.content.pop((w, e, page_id), None)
+        held = [page_id for page_id in pt if page_id != HOLE]
+        assert len(pt) == pages_for(len(a.token_ids)) and len(set(held)) == len(held)
+        assert all(0 <= p < self.num_pages[w] for p in held)
+        k = self.check_hits(a, r)
+        for page_id in pt[r.num_committed_tokens // PS:]:  # store hits and the rest: fresh pages
+            if page_id != HOLE:
+                assert self.mgr.pools[w].ref_cnt[page_id] == 1  # a fresh page has exactly one holder
+                self.content.pop((w, e, page_id), None)
         self.stale.pop(a.req_id, None)
         self.gone.discard(a.req_id)
-        self.live[a.req_id] = ModelReq(a.tenant, w, e, list(a.token_ids), list(pt), k * PS, a.skip_prefix_cache)
+        self.live[a.req_id] = ModelReq(a.tenant, w, e, list(a.token_ids), list(pt), r.num_committed_tokens,
+                                       a.skip_prefix_cache)
         counters = self.counters.setdefault(a.tenant, [0, 0])
         if not a.skip_prefix_cache:
             counters[0] += len(a.token_ids)
             counters[1] += k * PS
         self.histories.append(a.token_ids)
+
+    def check_hits(self, a: PageAllocation, r) -> int:
+        """An allocation's hits: pool hits explained by this tenant's own commits on this pool incarnation, page
+        by page; past them exactly the run of blocks the store holds, each read page of them a fresh page to
+        load. The store's entries become the most recently used. Returns the number of hit pages."""
+        w, e, pt = r.worker_id, self.epoch[r.worker_id], r.page_table
+        k, rem = divmod(r.num_cached_tokens, PS)
+        kp, rem_pool = divmod(r.num_committed_tokens, PS)
+        assert rem == rem_pool == 0 and kp <= k and r.num_cached_tokens <= (len(a.token_ids) - 1) // PS * PS
+        assert not (a.skip_prefix_cache and k)
+        read = first_chunk_pages(w, k * PS, len(a.token_ids))
+        assert [i for i in range(k) if pt[i] != HOLE] == [i for i in range(k) if i in read], "holes: pages not read"
+        if kp:
+            assert a.token_ids[: kp * PS] in self.committed[(w, e, a.tenant)], "hit not explained by own commits"
+            for i in range(kp):
+                assert i not in read or self.content.get((w, e, pt[i])) == (a.tenant, a.token_ids[: (i + 1) * PS])
+        stored = self.store_hits(a, w, kp)
+        assert k - kp == len(stored), "store hits: not the run of blocks the store holds past the pool's hit"
+        seed = seed_of(a.tenant, w)
+        assert r.store_loads == [StoreLoad(pt[i], stored[i - kp], seed) for i in range(kp, k) if i in read]
+        if stored:
+            self.tier.hit(a.tenant, stored)
+        return k
+
+    def store_hits(self, a: PageAllocation, w: str, num_pool_hits: int) -> list[bytes]:
+        """The blocks an allocation takes from the store past its pool hits (none with skip_prefix_cache, or a
+        load that does not pay)."""
+        if a.skip_prefix_cache or not loads_pay(a):
+            return []
+        return self.store_run(w, a.tenant, a.token_ids, num_pool_hits)
+
+    def store_run(self, w: str, tenant: str, token_ids: tuple[int, ...], num_pool_hits: int) -> list[bytes]:
+        """The hashes of the longest run of the prompt's cacheable pages past its pool hits that the model's store
+        holds; none on a pool without a store."""
+        if not has_store(w, self.epoch[w]):
+            return []
+        cacheable = token_ids[: (len(token_ids) - 1) // PS * PS]
+        run = []
+        for h in chain_hashes(seed_of(tenant, w), cacheable, PS)[num_pool_hits:]:
+            if h not in self.tier.entries:
+                break
+            run.append(h)
+        return run
 
     def pre_state(self) -> dict[str, Pre]:
         out = {}
@@ -335,16 +525,22 @@ class KVManagerMachine(RuleBasedStateMachine):
         return len(p.free) + len(p.evictable) - sum(1 for h in hits if h in p.evictable)
 
     def check_placement(self, a: PageAllocation, r, pre: dict[str, Pre]) -> None:
-        """Single allocation, on the pool it names: the longest indexed prefix, exact fresh pages, or exactly how
-        many pages it is short."""
-        p = pre[a.worker_id]
+        """Single allocation, on the pool it names: the longest indexed prefix, then the store's run past it, exact
+        fresh pages (first for the store hits it reads, in order), or exactly how many pages it is short."""
+        p, w = pre[a.worker_id], a.worker_id
         p.hits = self.model_hits(p, a.tenant, a.token_ids, a.skip_prefix_cache)
-        short = pages_for(len(a.token_ids)) - len(p.hits) - self.model_available(p, p.hits)
+        kp = len(p.hits)
+        k = kp + len(self.store_hits(a, w, kp))
+        read = first_chunk_pages(w, k * PS, len(a.token_ids))
+        held = [p.hits[i] for i in range(kp) if i in read]
+        need = pages_for(len(a.token_ids)) - k + sum(1 for i in range(kp, k) if i in read)
+        short = need - self.model_available(p, held)
         if short > 0:
             assert r.status is SHORT and r.num_pages_short == short, (r, short)
             return
-        fresh = (p.free + [e for e in p.evictable if e not in p.hits])[: len(r.page_table) - len(p.hits)]
-        assert r.page_table == p.hits + fresh and r.num_cached_tokens == len(p.hits) * PS, (r, p)
+        fresh = iter((p.free + [e for e in p.evictable if e not in held])[:need])
+        table = [(p.hits[i] if i < kp else next(fresh)) if i in read else HOLE for i in range(k)] + list(fresh)
+        assert (r.page_table, r.num_cached_tokens, r.num_committed_tokens) == (table, k * PS, kp * PS), (r, p)
 
     # -- invariants -------------------------------------------------------------------------------------
     def check_all(self) -> None:
@@ -365,7 +561,21 @@ class KVManagerMachine(RuleBasedStateMachine):
             if HOLE in m.page_table:  # only a windowed pool's, between its sink page and its last page
                 assert m.worker in WINDOWS and HOLE not in m.page_table[:NUM_SINK_PAGES] + m.page_table[-1:]
         assert {t: [c.prefix_cache_queries, c.prefix_cache_hits] for t, c in mgr.tenants.items()} == self.counters
+        self.check_tier()
         check_invariants(mgr)
+
+    def check_tier(self) -> None:
+        """The store's index is the model's, LRU order, tenants and bytes included (so a dropped pool or epoch
+        removed nothing from it); no entry names a value no worker reported written, or one reported missing
+        and not written since; every removal queued its value's deletion, once, in order."""
+        tier, model = self.mgr.tier, self.tier
+        assert [(h, e.tenant, e.num_bytes) for h, e in tier.entries.items()] == [
+            (h, *entry) for h, entry in model.entries.items()], "the store's index, in LRU order"
+        assert set(tier.entries) <= model.written, "an entry for a value no worker reported written"
+        assert not set(tier.entries) & model.missing, "an entry kept after its value was reported missing"
+        assert (tier.totals, tier.tenant_hits) == (model.totals, model.tenant_hits)
+        assert self.take_deletions() == model.deleted, "the values to delete: those whose entries were removed"
+        model.deleted = []
 
     def check_pool(self, w: str, pool) -> None:
         n, e = pool.spec.num_pages, pool.spec.epoch
@@ -433,7 +643,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         tenant = data.draw(st.sampled_from(TENANTS[:1] * 3 + TENANTS))  # mostly one tenant: more hits
         worker = data.draw(st.sampled_from(WORKERS[:1] * 3 + WORKERS))
         return PageAllocation(req_id or self.new_id(), tenant, prompt or self.draw_prompt(data), worker,
-                              data.draw(st.integers(0, 4)) == 0)
+                              data.draw(st.integers(0, 4)) == 0, **data.draw(st.sampled_from(TIER_OPTIONS)))
 
     def extend_op(self, rid: str, data) -> PageExtension | None:
         m = self.live[rid]
@@ -472,17 +682,23 @@ class KVManagerMachine(RuleBasedStateMachine):
         return PageCommit(rid, m.num_committed, tuple(m.tokens[m.num_committed : end]), len(m.tokens))
 
     # -- rules ------------------------------------------------------------------------------------------
-    @initialize(sizes=st.tuples(st.integers(6, 12), st.integers(6, 12)))
-    def init_pools(self, sizes):
+    @initialize(sizes=st.tuples(st.integers(6, 12), st.integers(6, 12)), load_penalty_pages=st.sampled_from((4, 1)))
+    def init_pools(self, sizes, load_penalty_pages=4):
+        # 1 as well as the default 4: a request of load then weighs a page of hit, so that placement's weighing of
+        # hits (two store hits for one pool hit) decides more often
+        self.mgr.load_penalty_pages = load_penalty_pages
         self.setup(sizes)
 
     @rule(data=st.data())
     def allocate(self, data):
-        """A new request; usually its prompt is then computed and committed, and sometimes it finishes."""
+        """A new request; usually its prompt is then computed and committed (and the writes that orders may be
+        reported landed), and sometimes it finishes."""
         r = self.call(StepOps(self.next_step(), allocations=(self.alloc_op(data),))).allocations[0]
         if r.status is not OK or data.draw(st.integers(0, 3)) == 0:
             return
-        self.call(StepOps(self.next_step(), commits=(self.commit_op(r.req_id, data),)))
+        ordered = self.call(StepOps(self.next_step(), commits=(self.commit_op(r.req_id, data),))).store_writes
+        if ordered and data.draw(st.booleans()):
+            self.report_written(data, ordered)
         if data.draw(st.integers(0, 2)):
             self.call(StepOps(self.next_step(), frees=(PageFree(r.req_id),)))
 
@@ -548,8 +764,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         if running and data.draw(st.booleans()):
             rid = data.draw(st.sampled_from(running))
         else:
-            a = self.alloc_op(data, self.new_id())
-            a = PageAllocation(a.req_id, a.tenant, a.token_ids, "w1", a.skip_prefix_cache)
+            a = replace(self.alloc_op(data, self.new_id()), worker_id="w1")
             if self.call(StepOps(self.next_step(), allocations=(a,))).allocations[0].status is not OK:
                 return
             rid = a.req_id
@@ -634,21 +849,94 @@ class KVManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.mgr.pools)
     @rule(data=st.data())
     def place(self, data):
-        """Place: the documented rule over every pool (longest hit, minus the load penalty per request running or
-        queued there, then the most available pages, then the smallest worker_id), and no side effect."""
-        tenant = data.draw(st.sampled_from(TENANTS))
-        prompt = self.draw_prompt(data)
+        self.check_place(data, data.draw(st.sampled_from(TENANTS)), self.draw_prompt(data))
+
+    def check_place(self, data, tenant: str, prompt: tuple[int, ...]) -> None:
+        """Place: the documented rule over every pool (longest hit, a store hit counting half a pool hit, minus
+        the load penalty per request running or queued there, then the most available pages, then the smallest
+        worker_id), and no side effect."""
         queued = {w: data.draw(st.integers(0, 2)) for w in self.mgr.pools if data.draw(st.booleans())}
         pre, before = self.pre_state(), self.baseline()
         keys, hits = {}, {}
         for w, p in pre.items():
-            hits[w] = self.model_hits(p, tenant, prompt)
+            pool_hits = self.model_hits(p, tenant, prompt)
+            num_stored = len(self.store_run(w, tenant, prompt, len(pool_hits)))  # a store hit: half a pool hit
+            hits[w] = len(pool_hits) + num_stored
             load = p.num_requests + queued.get(w, 0)
-            keys[w] = (len(hits[w]) - self.mgr.load_penalty_pages * load, self.model_available(p, hits[w]))
+            keys[w] = (len(pool_hits) + num_stored / 2 - self.mgr.load_penalty_pages * load,
+                       self.model_available(p, pool_hits))
         best = max(keys.values())
         chosen = min(w for w, key in keys.items() if key == best)
-        assert self.mgr.place(tenant, prompt, queued) == Placement(chosen, len(hits[chosen]) * PS), keys
+        assert self.mgr.place(tenant, prompt, queued) == Placement(chosen, hits[chosen] * PS), keys
         assert snapshot(self.mgr) == before
+
+    @precondition(lambda self: self.tier.orders)
+    @rule(data=st.data())
+    def report_written(self, data, recent: list[StoreWriteOrder] | None = None):
+        """A worker reports values the store acknowledged: the writes it was ordered lately from some point on
+        (the earlier ones reported before, or lost), maybe one of them lost, in any order, maybe one twice (or
+        already recorded)."""
+        recent = recent or self.tier.orders[-12:]
+        w = data.draw(st.sampled_from(sorted({o.worker_id for o in recent})))
+        mine = [o for o in recent if o.worker_id == w]
+        landed = mine[data.draw(st.integers(0, len(mine) - 1)):]
+        lost = data.draw(st.sampled_from([None] * 3 + landed[1:]))
+        landed = data.draw(st.permutations([o for o in landed if o is not lost]))
+        orders = landed + data.draw(st.lists(st.sampled_from(landed), max_size=2))
+        blocks = tuple(StoredBlock(o.write.block_hash, o.write.tenant, value_bytes(o.write.block_hash))
+                       for o in orders)
+        counters = TierCounters(num_written_pages=len(blocks), num_written_bytes=sum(b.num_bytes for b in blocks))
+        self.report(TierReport(w, self.epoch[w], written=blocks, counters=counters))
+
+    @precondition(lambda self: self.tier.orders)
+    @rule(data=st.data())
+    def report_missing(self, data):
+        """A worker's loads found values absent or damaged: mostly recorded ones, maybe one not recorded (evicted,
+        reported before, or never written)."""
+        known = list(self.tier.entries) * 3 + [o.write.block_hash for o in self.tier.orders[-4:]]
+        missing = tuple(data.draw(st.lists(st.sampled_from(known), min_size=1, max_size=3)))
+        w = data.draw(st.sampled_from(WORKERS))
+        counters = TierCounters(num_loaded_pages=1, load_s=0.1, num_failed_loads=1, num_verify_failures=1)
+        self.report(TierReport(w, self.epoch[w], missing=missing, counters=counters))
+
+    # One rule per way a pool loses blocks the store keeps: more store hits in each run (each run enables a random
+    # subset of the rules).
+    @precondition(lambda self: self.tier.prompts)
+    @rule(data=st.data())
+    def reload_from_the_store_after_an_evict(self, data):
+        self.reload_from_the_store(data, "evict")
+
+    @precondition(lambda self: self.tier.prompts)
+    @rule(data=st.data())
+    def reload_from_the_store_after_a_restart(self, data):
+        self.reload_from_the_store(data, "restart")
+
+    def reload_from_the_store(self, data, how: str) -> None:
+        """A prompt that an ordered block ends comes back (its chain's writes mostly reported landed first) after
+        the tenant was evicted from that pool, or after the worker restarted (a new epoch; a pool with no store
+        then gets no store hits). The store serves what the pool lost; the first commit indexes the loaded pages
+        and orders writes of what the store lacks, which may be reported."""
+        tenant, w, prefix = self.tier.prompts[data.draw(st.sampled_from(list(self.tier.prompts)[-12:]))]
+        if data.draw(st.integers(0, 3)):
+            chain = set(chain_hashes(seed_of(tenant, w), prefix, PS))
+            landed = data.draw(st.permutations([o for o in self.tier.orders if o.write.block_hash in chain]))
+            self.report(TierReport(w, self.epoch[w], tuple(
+                StoredBlock(o.write.block_hash, tenant, value_bytes(o.write.block_hash)) for o in landed)))
+        if how == "evict":
+            self.evict_a_tenant(tenant, w)
+        else:
+            self.register(w, self.epoch[w] + data.draw(st.integers(1, 2)), data.draw(st.integers(6, 12)))
+        suffix = tuple(data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=3)))  # the block is a full page
+        prompt = prefix[: (self.num_pages[w] - 1) * PS] + suffix
+        self.check_place(data, tenant, prompt)  # as the gateway asks, before it queues the request
+        op = replace(self.alloc_op(data, self.new_id(), prompt), tenant=tenant, worker_id=w, skip_prefix_cache=False)
+        if self.call(StepOps(self.next_step(), allocations=(op,))).allocations[0].status is not OK:
+            return
+        ordered = self.call(StepOps(self.next_step(), commits=(self.commit_op(op.req_id, data),))).store_writes
+        if ordered and data.draw(st.booleans()):
+            self.report_written(data, ordered)
+        if data.draw(st.booleans()):
+            self.call(StepOps(self.next_step(), frees=(PageFree(op.req_id),)))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -693,22 +981,24 @@ class KVManagerMachine(RuleBasedStateMachine):
             self.mgr.step(ops)
         assert snapshot(self.mgr) == before
 
-    @rule(tenant=st.sampled_from(TENANTS))
-    def evict_a_tenant(self, tenant):
+    @rule(tenant=st.sampled_from(TENANTS), worker=st.sampled_from(("", "", *WORKERS)))
+    def evict_a_tenant(self, tenant, worker=""):
+        """An operator evicts a tenant's cached blocks from one pool, or from every pool and the store."""
         before = self.baseline()
         mark = self.log_mark()
-        cached = [sum(1 for b in p.index.values() if b.tenant == tenant and not p.ref_cnt[b.page_id])
-                  for p in self.mgr.pools.values()]
+        pools = [p for w, p in self.mgr.pools.items() if worker in ("", w)]
+        cached = [sum(1 for b in p.index.values() if b.tenant == tenant and not p.ref_cnt[b.page_id]) for p in pools]
         try:
-            res = evict_tenant(self.mgr, tenant)
+            res = evict_tenant(self.mgr, tenant, worker)
         except UnknownTenant:
             assert snapshot(self.mgr) == before
             return
-        assert res.num_evicted_blocks == sum(cached)  # nothing is pinned here
+        num_stored = 0 if worker else self.tier.drop_tenant(tenant)
+        assert res.num_evicted_blocks == sum(cached) + num_stored  # nothing is pinned here
         assert self.logged_since(mark) == bool(res.num_evicted_blocks)  # logged only if it evicted something
         self.last = None
         self.counters = {t: [c.prefix_cache_queries, c.prefix_cache_hits] for t, c in self.mgr.tenants.items()}
-        for pool in self.mgr.pools.values():
+        for pool in pools:
             for page_id, b in enumerate(pool.block_of):
                 assert b is None or b.tenant != tenant or pool.ref_cnt[page_id] or b.pinned, "cached block kept"
 

@@ -3,10 +3,14 @@ through a KVService over the real call log (kvmanager/call_log.py) and a real Re
 random points, retries of earlier calls after others, an operator's pin and unpin, and workers that join,
 drain and leave. After every step a reload (the snapshot, then the logged calls replayed) must equal the live
 manager: page tables, blocks, counters, the clock, the remembered answers, the free lists and LRUs in their
-exact order (which later allocations depend on), and the member table.
+exact order (which later allocations depend on), the shared tier's index (its entries in LRU order, their
+tenants and bytes, its totals and per-tenant hits), and the member table. The service hands the values whose
+entries a call removed to its janitor once the call is durable (never a deposed leader's); a restart hands over
+again those handed over since the snapshot it starts from, but the blocks recorded since (deleting twice is
+harmless, never deleting leaks, deleting a recorded value loses it).
 
 Every kind of record the call log writes is made here: step, register, admin (pin, unpin, evict_tenant,
-forget_worker; a reset is an inline snapshot, in LeaderChangeMachine), join, drain and leave.
+forget_worker; a reset is an inline snapshot, in LeaderChangeMachine), join, drain, leave and tier.
 
 LeaderChangeMachine adds leader changes and fenced late writes of the deposed leader (see there)."""
 
@@ -25,11 +29,11 @@ from test_kvmanager_properties import KVManagerMachine, snapshot
 from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.redis_client import connect
 from kvserve.common.wire.pages import StepOps
+from kvserve.common.wire.tier import StoredBlock, TierReport
 from kvserve.kvmanager import admin
 from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import NotLeader, StaleStep, UnknownRequest
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.membership import MemberTable
 from kvserve.kvmanager.service import KVService
 from kvserve.kvmanager.snapshot import SWITCHED
 
@@ -48,7 +52,7 @@ class LoggedManager(KVManager):
     """A KVManager whose calls go through a KVService to the call log, as the servicer's do."""
 
     def __init__(self, store: CallLog):
-        super().__init__()
+        super().__init__(store_capacity_bytes=props.STORE_BYTES)
         self.service = KVService(self, store)
         self.replaying = False  # while its store loads it: the logged calls apply directly
 
@@ -70,8 +74,23 @@ class ReplayMachine(KVManagerMachine):
         self.prefix = next(PREFIXES)
         self.store = CallLog(connect(REDIS["url"]), self.prefix, snapshot_every=1 << 30, background=False)
         self.mgr = LoggedManager(self.store)
+        self.mgr.service.on_tier_deleted = self.janitor
+        self.handed: list[bytes] = []  # values the service handed to its janitor, not checked yet
+        self.since_snapshot: list[bytes] = []  # ... since the snapshot a reload starts from
         self.settled: list[tuple[StepOps, object]] = []  # (call, its answer): calls of only frees, commits and
         # releases, retried later
+
+    def janitor(self, block_hashes: list[bytes]) -> None:
+        self.handed += block_hashes
+        self.since_snapshot += block_hashes
+
+    def send_report(self, report):
+        return self.mgr.service.report_tier(report)  # logged, as the ReportTier RPC is
+
+    def take_deletions(self) -> list[bytes]:
+        assert not self.mgr.tier.deleted, "a durable call's deletions were not handed to the janitor"
+        handed, self.handed = self.handed, []
+        return handed
 
     def call(self, ops: StepOps):
         res = super().call(ops)
@@ -82,6 +101,7 @@ class ReplayMachine(KVManagerMachine):
     @rule(forked=st.booleans())
     def snapshot_now(self, forked=False):
         members = self.mgr.service.members
+        self.since_snapshot = []
         if not forked:
             self.store.snapshot(self.mgr, members)
             return
@@ -89,6 +109,14 @@ class ReplayMachine(KVManagerMachine):
         self.store._background_snapshot(self.mgr, members)  # due (even with an empty log), no child runs: forks now
         self.store.snapshot_every, self.store.background = 1 << 30, False
         assert self.store.wait_snapshot() == SWITCHED
+
+    @precondition(lambda self: self.tier.orders)
+    @rule(data=st.data())
+    def snapshot_the_tier(self, data):
+        """Writes land, then a snapshot: the store's index comes back in its LRU order (which the entries that
+        later reports and store hits move, replayed over it), with its totals and hits."""
+        self.report_written(data)
+        self.snapshot_now()
 
     @precondition(lambda self: self.settled)
     @rule(data=st.data())
@@ -104,6 +132,7 @@ class ReplayMachine(KVManagerMachine):
         if not refusals:
             again = self.mgr.step(ops)
             assert (again.commits, again.frees, again.releases) == (first.commits, first.frees, first.releases)
+            assert again.store_writes == [], "a retried commit orders no write"
         else:
             with pytest.raises(refusals):
                 self.mgr.step(ops)
@@ -132,12 +161,12 @@ class ReplayMachine(KVManagerMachine):
         self.mgr.service.mutate(admin.unpin, tenant, tokens, "")
         self.last = None  # the last call's retry would see the LRU moved
 
-    @rule(tenant=st.sampled_from(props.TENANTS))
-    def evict_a_tenant(self, tenant):
+    @rule(tenant=st.sampled_from(props.TENANTS), worker=st.sampled_from(("", "", *props.WORKERS)))
+    def evict_a_tenant(self, tenant, worker=""):
         real = props.evict_tenant
         props.evict_tenant = lambda mgr, *args: mgr.service.mutate(real, *args)  # logged, as the admin RPC is
         try:
-            KVManagerMachine.evict_a_tenant(self, tenant)
+            KVManagerMachine.evict_a_tenant(self, tenant, worker)
         finally:
             props.evict_tenant = real
 
@@ -190,11 +219,15 @@ class ReplayMachine(KVManagerMachine):
 
     @invariant()
     def a_restart_reloads_the_live_state(self):
-        loaded, members = KVManager(), MemberTable()
-        CallLog(connect(REDIS["url"]), self.prefix).load(loaded, members)
+        loaded, recovered = KVManager(self.mgr.load_penalty_pages, props.STORE_BYTES), []
+        restarted = KVService(loaded, CallLog(connect(REDIS["url"]), self.prefix))
+        restarted.on_tier_deleted = recovered.extend
+        restarted.load()
         assert snapshot(loaded, volatile=False) == snapshot(self.mgr, volatile=False)
-        assert members.records() == self.mgr.service.members.records()
+        assert restarted.members.records() == self.mgr.service.members.records()
         assert (loaded.clock, loaded.recent) == (self.mgr.clock, self.mgr.recent)
+        # the values whose removal is durable since the snapshot are deleted again, but those recorded since
+        assert recovered == [h for h in self.since_snapshot if h not in loaded.tier], "the restart's deletions"
         self.claim_back()
 
     def claim_back(self) -> None:
@@ -240,15 +273,25 @@ class LeaderChangeMachine(ReplayMachine):
     def leader_change_then_a_late_reset(self, data):
         self.leader_change(data, "reset")
 
+    @rule(data=st.data())
+    def leader_change_then_a_late_tier_report(self, data):
+        self.leader_change(data, "tier report")
+
     def leader_change(self, data, late: str) -> None:
         old = self.mgr
         store = CallLog(connect(REDIS["url"]), self.prefix, snapshot_every=1 << 30, background=False)
         new = LoggedManager(store)
+        new.load_penalty_pages = old.load_penalty_pages  # configuration, as the flag gives it
         new.service.leading, new.replaying = False, True
+        recovered, late_deleted = [], []
+        new.service.on_tier_deleted, old.service.on_tier_deleted = recovered.extend, late_deleted.extend
         new.service.take_over(new)  # claims the prefix (a newer fencing token), then loads
         new.replaying = False
         assert snapshot(new, volatile=False) == snapshot(old, volatile=False)
         assert (new.clock, new.recent) == (old.clock, old.recent)
+        # the deletions its replay queued again, less the blocks recorded since
+        assert recovered == [h for h in self.since_snapshot if h not in new.tier]
+        new.service.on_tier_deleted = self.janitor
         before = redis_contents(store.client, self.prefix)
         try:
             self.late_write(old, late, data)
@@ -258,11 +301,13 @@ class LeaderChangeMachine(ReplayMachine):
             # instead of an early send): answered from the old state, which the new leader holds too
             assert late == "inline snapshot" and old.changes.empty()
         assert redis_contents(store.client, self.prefix) == before, "a deposed leader's write was applied"
+        assert late_deleted == [], "a deposed leader's janitor deleted values the new leader may still record"
         self.mgr, self.store = new, store
 
     def late_write(self, old: LoggedManager, kind: str, data) -> None:
-        """A call that writes, of each path a write to Redis takes: a step's record sent early, a registration's
-        and an admin call's appended, an inline snapshot's MULTI/EXEC (due now, or an admin reset)."""
+        """A call that writes, of each path a write to Redis takes: a step's record sent early, a registration's,
+        an admin call's and a tier report's appended, an inline snapshot's MULTI/EXEC (due now, or an admin
+        reset)."""
         w = data.draw(st.sampled_from(props.WORKERS))
         if kind in ("step", "inline snapshot"):
             old.service.store.snapshot_every = 1 if kind == "inline snapshot" else 1 << 30
@@ -271,6 +316,10 @@ class LeaderChangeMachine(ReplayMachine):
             old.register_worker(props.spec_for(w, self.epoch[w] + 1, self.num_pages[w]))
         elif kind == "admin call":
             old.service.mutate(admin.forget_worker, w, True)
+        elif kind == "tier report":  # values landed (evicting others, maybe), one found missing
+            written = tuple(StoredBlock(o.write.block_hash, o.write.tenant, props.value_bytes(o.write.block_hash))
+                            for o in self.tier.orders[-6:])
+            old.service.report_tier(TierReport(w, self.epoch[w], written, tuple(self.tier.entries)[:1]))
         else:
             old.service.mutate(admin.reset, True)
 
