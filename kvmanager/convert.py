@@ -4,8 +4,9 @@ common/convert/pages.py). No logic beyond renaming and copying."""
 from __future__ import annotations
 
 from kvserve.common.convert.fields import to_message
+from kvserve.common.convert.tier import tier_report_from_proto
 from kvserve.common.errors import InvalidRequest
-from kvserve.common.wire.tier import StoredBlock, TierCounters, TierReport
+from kvserve.common.wire.tier import TierReport
 from kvserve.kvmanager import admin
 from kvserve.v1 import kvmanager_pb2 as pb
 
@@ -13,22 +14,21 @@ HASH_BYTES = 16
 
 
 # -- KVManagerService ---------------------------------------------------------------------------------------
-def tier_report_from_proto(r: pb.TierReport) -> TierReport:
-    """Raises InvalidRequest for an empty worker_id, a block hash that is not 16 bytes, a negative number."""
-    if not r.worker_id:
+def checked_tier_report(r: pb.TierReport) -> TierReport:
+    """A ReportTier's report. Raises InvalidRequest for an empty worker_id, a block hash that is not 16 bytes,
+    a negative count or size."""
+    report = tier_report_from_proto(r)
+    if not report.worker_id:
         raise InvalidRequest("worker_id must not be empty")
-    hashes = [b.block_hash for b in r.written] + list(r.missing)
-    bad = next((h for h in hashes if len(h) != HASH_BYTES), None)
+    bad = next((h for h in [b.block_hash for b in report.written] + list(report.missing) if len(h) != HASH_BYTES),
+               None)
     if bad is not None:
         raise InvalidRequest(f"a block hash is {HASH_BYTES} bytes, got {len(bad)}")
-    c = r.counters
-    counters = TierCounters(c.num_loaded_pages, c.num_loaded_bytes, c.load_s, c.num_failed_loads,
-                            c.num_verify_failures, c.num_written_pages, c.num_written_bytes, c.num_dropped_writes)
-    negative = [b.num_bytes for b in r.written if b.num_bytes < 0] + [v for v in counters.as_tuple() if v < 0]
+    negative = [b.num_bytes for b in report.written if b.num_bytes < 0] + [
+        v for v in report.counters.as_tuple() if v < 0]
     if negative:
         raise InvalidRequest(f"counts and byte sizes must be >= 0, got {negative[0]}")
-    written = tuple(StoredBlock(b.block_hash, b.tenant, b.num_bytes) for b in r.written)
-    return TierReport(r.worker_id, r.epoch, written, tuple(r.missing), counters)
+    return report
 
 
 # -- KVAdminService -----------------------------------------------------------------------------------------

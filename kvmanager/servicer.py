@@ -76,7 +76,7 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
 
     @aborts_on_domain_errors
     def ReportTier(self, request, context):
-        added, evicted = self.service.report_tier(cv.tier_report_from_proto(request))
+        added, evicted = self.service.report_tier(cv.checked_tier_report(request))
         return pb.TierReportResult(num_added=added, num_evicted=evicted)
 
 

@@ -132,6 +132,7 @@ def _decode_tier(d: dict, tier: StoreIndex) -> None:
     *counts, workers = d["totals"]
     tier.totals = TierTotals(*counts, TierCounters(*workers))
     tier.tenant_hits = dict(d["tenant_hits"])
+    tier.fit_capacity()  # a restart with a smaller --kv-store-bytes (or 0) than the state was written under
 
 
 def _pool_dict(pool: PagePool) -> dict:

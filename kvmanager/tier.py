@@ -7,9 +7,10 @@ only its pool, and the store's LRU evicting an entry leaves any pool's copy.
 An entry is added only when a worker reports that the store acknowledged the value (bytes before metadata);
 it leaves when the LRU needs its bytes, when a worker reports its value absent or damaged, or with its tenant
 (admin evict) or everything (admin reset). Every removal queues the value's key for deletion (``deleted``,
-drained by the service's janitor after the call is durable): a deletion never precedes the removal, so an entry
-never names a value that was deleted on purpose. A value deleted or lost by the store itself (flushed,
-restarted without its data) is found absent by the next load, reported, and its entry dropped.
+drained by the service's janitor after the call is durable): a deletion never precedes the removal. One race
+remains: a block removed, then written again by a worker whose SET lands just before the janitor's deletion of
+the old value, is recorded again with its value gone. Like a value the store itself lost (flushed, restarted
+without its data), it is found absent by the next load, which recomputes, reports it, and its entry is dropped.
 
 Deterministic, like the rest of the manager: the same reports give the same index (replay).
 """
@@ -108,6 +109,16 @@ class StoreIndex:
     def count_hits(self, tenant: str, num_pages: int, page_size: int) -> None:
         self.totals.num_hit_pages += num_pages
         self.tenant_hits[tenant] = self.tenant_hits.get(tenant, 0) + num_pages * page_size
+
+    def fit_capacity(self) -> int:
+        """Evicts least recently used entries until the index fits its capacity (all of them with the tier off):
+        after a restart with a smaller --kv-store-bytes. Returns how many."""
+        evicted = 0
+        while self.entries and (not self.enabled or self.num_bytes > self.capacity_bytes):
+            self._remove(next(iter(self.entries)))
+            evicted += 1
+        self.totals.num_evicted += evicted
+        return evicted
 
     def take_deleted(self) -> list[bytes]:
         deleted, self.deleted = self.deleted, []

@@ -1,7 +1,10 @@
 """``kvserve up``: the whole stack on one machine in one command.
 
-    kvmanager (embedded Redis) ── workers × N ── gateway      started in this order, each once the previous
-                                                              printed its ready line; stopped in reverse
+    KV store ── kvmanager (embedded Redis) ── workers × N ── gateway      started in this order, each once
+                                                                         the previous printed its ready line;
+                                                                         stopped in reverse
+
+The KV store is the shared KV tier's Redis (cli_up_store.py).
 
 Each service is a child process in its own process group (so a terminal's Ctrl-C reaches ``up`` alone and the
 stop order holds: the gateway drains and frees its pages while the kvmanager still runs), and dies with ``up``
@@ -21,6 +24,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvserve.services.cli_up_store import DEFAULT_KV_STORE_BYTES, kv_store_argv, open_kv_store
+
 READY = re.compile(r"kvserve \S+(?: \S+)? ready on (?P<host>[^\s:]+):(?P<port>\d+)")
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
@@ -33,7 +38,7 @@ def _env(name, default=None):
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli_flags import parse_bytes, positive_int
+    from kvserve.services.cli_flags import parse_bytes, parse_bytes_or_zero, positive_int
     from kvserve.services.cli_gateway import DEFAULT_GATEWAY_PORT, add_gateway_flags
     from kvserve.services.cli_kvmanager import DEFAULT_KVMANAGER_PORT
     from kvserve.services.cli_worker import add_kv_format_flags, add_window_flags
@@ -52,6 +57,12 @@ def add_commands(sub) -> None:
     u.add_argument("--data-dir", type=Path, default=_env("data_dir"),
                    help="kvmanager data: embedded Redis files and the admin token (default: <cache dir>/kvmanager)")
     u.add_argument("--redis-url", default=_env("redis_url"), help="an external Redis instead of the embedded one")
+    u.add_argument("--kv-store-bytes", type=parse_bytes_or_zero,
+                   default=_env("kv_store_bytes", DEFAULT_KV_STORE_BYTES),
+                   help=f"bound of the shared KV tier, which keeps committed KV pages past the pools' evictions, "
+                        f"worker restarts and up's own restarts (default {DEFAULT_KV_STORE_BYTES}; 0 = off)")
+    u.add_argument("--kv-store-url", default=_env("kv_store_url"),
+                   help="the shared KV tier's Redis (default: an embedded one under <data dir>/kv-store)")
     size = u.add_mutually_exclusive_group()
     size.add_argument("--kv-cache-bytes", type=parse_bytes, help="KV pool budget per worker (default 512MiB)")
     size.add_argument("--num-pages", type=positive_int, help="KV pool pages per worker")
@@ -115,7 +126,7 @@ def _kvmanager_argv(args, model_dir: Path) -> list[str]:
         argv += ["--data-dir", str(args.data_dir)]
     if args.redis_url:
         argv += ["--redis-url", args.redis_url]
-    return argv
+    return argv + kv_store_argv(args)
 
 
 def _worker_argv(args, i: int, kvmanager: str) -> list[str]:
@@ -125,7 +136,7 @@ def _worker_argv(args, i: int, kvmanager: str) -> list[str]:
             str(args.attention_sinks)]
     argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)] if args.kv_cache_bytes else []
     argv += ["--num-pages", str(args.num_pages)] if args.num_pages else []
-    return argv + _model_argv(args)
+    return argv + kv_store_argv(args, worker=True) + _model_argv(args)
 
 
 def _model_argv(args) -> list[str]:
@@ -193,6 +204,10 @@ def _start_kvmanagers(args, children: list[Child], stack: contextlib.ExitStack) 
 
 def _start_stack(args, children: list[Child], stack: contextlib.ExitStack) -> tuple[str, dict]:
     """Starts every service; (the --kvmanager value the gateway got, the kvmanagers _watch restarts)."""
+    try:
+        open_kv_store(args, stack)
+    except (RuntimeError, OSError) as e:
+        raise RuntimeError(f"the KV store did not start: {e}") from e
     restart = _start_kvmanagers(args, children, stack)
     kvmanager = ",".join(child.address for child in children)
     for i in range(args.workers):
@@ -243,7 +258,7 @@ def run_up(args) -> int:
     stop = install_stop_signals()
     children: list[Child] = []
     died: list[str] = []
-    stack = contextlib.ExitStack()  # the Redis of --kvmanager-replicas N > 1: closed once every child stopped
+    stack = contextlib.ExitStack()  # the KV store, the Redis of --kvmanager-replicas N > 1: closed after the children
     try:
         kvmanager, restart = _start_stack(args, children, stack)
         _watch(children, stop, died, restart)

@@ -54,8 +54,10 @@ def replica_port(args, i: int) -> int:
 
 
 def replica_argv(args, model_dir: Path, shared: SharedRedis, port: int) -> list[str]:
+    from kvserve.services.cli_up_store import kv_store_argv
+
     return ["kvmanager", "--host", args.host, "--port", str(port), "--model", str(model_dir), "--redis-url",
-            shared.url]
+            shared.url, *kv_store_argv(args)]
 
 
 def keep_running(child, argv_for_port: Callable[[int], list[str]], env: dict[str, str], stop: threading.Event,

@@ -22,7 +22,7 @@ S = descriptor_pb2.ServiceDescriptorProto
 SERVICES = {
     "WorkerService": ("worker", {"Step", "Info"}),
     "KVManagerService": ("kvmanager", {"RegisterWorker", "StepPages", "Place", "JoinWorker", "Heartbeat",
-                                       "LeaveWorker", "ListWorkers"}),
+                                       "LeaveWorker", "ListWorkers", "ReportTier"}),
     "KVAdminService": (
         "kvmanager",
         {

@@ -225,3 +225,31 @@ def test_the_tier_survives_a_snapshot_and_a_replay_of_the_log():
     assert list(restored.tier.entries) == list(mgr.tier.entries)
     assert restored.tier.totals == mgr.tier.totals and restored.tier.tenant_hits == mgr.tier.tenant_hits
     assert restored.requests["b"].last_ops == mgr.requests["b"].last_ops
+
+
+@pytest.mark.parametrize("capacity", [2 * PAGE_BYTES, 0])
+def test_a_restart_with_a_smaller_bound_evicts_the_least_recently_used_entries_down_to_it(capacity):
+    mgr = manager(capacity=4 * PAGE_BYTES)
+    h = [bytes([i]) * 16 for i in range(3)]
+    mgr.report_tier(written(mgr, h))
+    mgr.tier.touch([h[0]])
+    mgr.tier.take_deleted()
+    restored = KVManager(store_capacity_bytes=capacity)
+    snapshot_format.decode(snapshot_format.encode(mgr, []), restored)
+    kept = [h[2], h[0]][len([h[2], h[0]]) - capacity // PAGE_BYTES:] if capacity else []
+    assert list(restored.tier.entries) == kept
+    assert sorted(restored.tier.take_deleted()) == sorted(set(h) - set(kept))
+
+
+def test_a_malformed_tier_report_is_refused_with_what_is_wrong():
+    from kvserve.common.convert.tier import tier_report_to_proto
+    from kvserve.common.errors import InvalidRequest
+    from kvserve.kvmanager.convert import checked_tier_report
+
+    good = TierReport("w0", 1, (StoredBlock(b"h" * 16, "t", 10),), (b"m" * 16,))
+    assert checked_tier_report(tier_report_to_proto(good)) == good
+    for bad, message in ((TierReport("", 1), "worker_id"), (TierReport("w0", 1, missing=(b"short",)), "16 bytes"),
+                         (TierReport("w0", 1, (StoredBlock(b"h" * 16, "t", -1),)), ">= 0"),
+                         (TierReport("w0", 1, counters=TierCounters(num_loaded_pages=-2)), ">= 0")):
+        with pytest.raises(InvalidRequest, match=message):
+            checked_tier_report(tier_report_to_proto(bad))
