@@ -7,6 +7,10 @@ bottom (``step``):
     output = worker.step(batch)                 3. compute
     scheduler.update(batch, output, stopped)    4. update: tokens and finishes, returned as the step's events
 
+The shared KV tier: the blocks an answer asks to be written (StepResults.store_writes) go with the worker's
+next step, which copies them before it computes; with nothing to compute, a step carries them alone. Requests
+whose pages the worker could not load from the store are recomputed (Scheduler.unloaded).
+
 A step whose call changes nothing the worker computes now (out.can_overlap: commits, headroom, frees, and
 admissions reserved ahead for the next step) sends its call through the injected executor while the worker
 computes, and applies the answer before the step's tokens: the kvmanager's latency hides behind the forward pass.
@@ -26,7 +30,8 @@ from dataclasses import dataclass, field
 
 from kvserve.common.tokenizer import Tokenizer
 from kvserve.common.wire.pages import PoolSpec, StepResults
-from kvserve.common.wire.worker import SampledToken, StepOutput, WorkerInfo
+from kvserve.common.wire.tier import StoreWrite
+from kvserve.common.wire.worker import SampledToken, StepBatch, StepOutput, WorkerInfo
 from kvserve.services.gateway.backends import KVManagerBackend, WorkerBackend
 from kvserve.services.gateway.errors import (
     BackendFailure,
@@ -109,6 +114,7 @@ class EngineCore:
         self.finishing: dict[str, tuple[Request, str]] = {}  # finished; ends once freed, with the rest of its text
         self.kv_failed = False  # the last kvmanager call failed
         self.incompatible = ""  # why the restarted worker cannot be served through this core, if it cannot
+        self.pending_writes: tuple[StoreWrite, ...] = ()  # for the worker's next step
         self._events = StepEvents()
 
     # -- one step ---------------------------------------------------------------------------------------
@@ -144,6 +150,8 @@ class EngineCore:
         for req in batch.failed:
             self._ended(self.live.pop(req.req_id))
         computing = bool(batch.chunks)
+        if not computing and self.pending_writes:
+            self._write_only()
         return batch, computing, self._compute(batch) if computing else None, kv_wait_s
 
     def _overlapped(self, out: SchedulerOutput) -> tuple[ScheduledBatch, bool, StepOutput | None, float]:
@@ -159,7 +167,7 @@ class EngineCore:
             t0 = time.perf_counter()
             results = self._answer(out, call.result)
             kv_wait_s = time.perf_counter() - t0
-            self.scheduler.apply_late(out, results)
+            self.scheduler.apply_late(out, results)  # its writes go with the next step: this one computed
         self._deliver_freed(f.req_id for f in out.ops.frees)
         self._observe_assign(out)
         return batch, computing, output, kv_wait_s
@@ -177,7 +185,24 @@ class EngineCore:
             self.kv_failed = True
             raise
         self.kv_failed = False
+        worker_id = self.info.worker_id
+        self.pending_writes += tuple(o.write for o in results.store_writes if o.worker_id == worker_id)
         return results
+
+    def _take_writes(self) -> tuple[StoreWrite, ...]:
+        """The writes for the step about to be sent: they go once, whatever becomes of that step (a block not
+        written is only a miss later)."""
+        writes, self.pending_writes = self.pending_writes, ()
+        return writes
+
+    def _write_only(self) -> None:
+        """A step that computes nothing, to hand the worker its pending writes (before any later step can
+        overwrite their pages). Its failure loses only the writes."""
+        try:
+            self.worker.step(StepBatch((), self.info.epoch, self._take_writes()), self.traceparents)
+        except BackendFailure as e:
+            log.info("engine %s: a writes-only step failed (%s); those blocks are not written to the store",
+                     self.info.worker_id, e)
 
     def _refused(self, out: SchedulerOutput, error: KVManagerFailed) -> None:
         """The kvmanager refused the call for one request (error.req_id) and applied none of it: that request
@@ -205,7 +230,7 @@ class EngineCore:
         requests counts against each of them (_failed_step); one the worker refused as a whole is skipped (its
         requests compute again, one under suspicion per step), and the worker is not suspected of being gone."""
         try:
-            return self.worker.step(batch.to_step(self.info.epoch), self.traceparents)
+            return self.worker.step(batch.to_step(self.info.epoch, self._take_writes()), self.traceparents)
         except WorkerRestarted as e:
             self._failed_step(batch, e)
             return None
@@ -250,11 +275,24 @@ class EngineCore:
         if output is None:
             self._reregister()  # the worker restarted: its pages are gone, recompute what ran
             return
+        self._measure(batch, output)
+        if output.unloaded:
+            log.warning("engine %s: %d requests' pages could not be loaded from the KV store; they recompute",
+                        self.info.worker_id, len(output.unloaded))
+            self.scheduler.unloaded(batch, output.unloaded)
+            self.scheduler.tier.load_failed()
         self._rejected(batch, output)
         texts = {s.req_id: self._push(s) for s in output.sampled}
         stopped = frozenset(req_id for req_id, (_, stop) in texts.items() if stop)
         for req, sampled in self.scheduler.update(batch, output.sampled, stopped):
             self._token(req, sampled, texts[req.req_id][0])
+
+    def _measure(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """The worker's load and prefill costs, for the kvmanager's load-or-recompute choice (tier_rates.py)."""
+        tier = self.scheduler.tier
+        tier.loaded(output.num_loaded_pages, output.load_ms)
+        prefill = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)
+        tier.computed(prefill, output.num_tokens, output.compute_ms)
 
     def _push(self, sampled: SampledToken) -> tuple[str, bool]:
         text = self.texts.get(sampled.req_id)
@@ -303,6 +341,7 @@ class EngineCore:
                     result.previous_epoch, self.info.epoch, self.scheduler.num_running)
         self.scheduler.preempt_all()
         self.scheduler.resize(info.num_pages)  # it may come back with another pool size
+        self.pending_writes = ()  # of pages the old incarnation held
 
     # -- requests in and out ----------------------------------------------------------------------------
     def add(self, req: Request, text: TextStream | None = None, traceparent: str = "", first: bool = False) -> None:
@@ -322,7 +361,7 @@ class EngineCore:
         self._end(req_id, self.scheduler.cancel)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.pending_writes)
 
     def flush(self) -> StepEvents:
         """The events since the last step or flush (ends between steps: cancels, failures, hand-overs)."""
@@ -364,6 +403,7 @@ class EngineCore:
         moved = [self._move(req_id) for req_id in list(self.live)]
         self._deliver_freed(list(self.finishing))
         self.scheduler.reset()  # what it held lived on the dropped pool
+        self.pending_writes = ()
         return moved
 
     def _move(self, req_id: str) -> Moved:

@@ -57,6 +57,10 @@ class Request:
     num_committed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix hit of the first admission computed: what usage reports
     admitted_ahead: bool = False  # allocated by a call made while the worker computed; its first chunk is next
+    # Pages its first chunk fills from the shared KV tier (StoreLoad), until that chunk computed: their tokens
+    # count as computed, not committed, so nothing of them is committed before the load is known to have worked.
+    store_loads: tuple = ()
+    skip_store: bool = False  # a load from the store failed for it: its next admissions take pool hits only
     num_preemptions: int = 0
     # Steps with it in them that failed in a row without an answer for it (the worker refused the step as a whole,
     # restarted or was lost in it). While > 0 it is under suspicion: at most one such request computes per step
@@ -101,4 +105,5 @@ class Request:
         self.num_computed_tokens = 0
         self.num_committed_tokens = 0
         self.admitted_ahead = False
+        self.store_loads = ()
         self.num_preemptions += 1

@@ -63,6 +63,7 @@ from kvserve.common.wire.pages import (
 from kvserve.common.wire.worker import SampledToken, StepBatch, StepItem
 from kvserve.services.gateway.errors import OutOfCapacity
 from kvserve.services.gateway.request import FinishReason, Request, RequestStatus
+from kvserve.services.gateway.tier_rates import TierRates
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +125,12 @@ class ScheduledBatch:
     chunks: list[Chunk]
     failed: list[Request] = field(default_factory=list)  # finished with an error by assign()
 
-    def to_step(self, epoch: int) -> StepBatch:
+    def to_step(self, epoch: int, store_writes: tuple = ()) -> StepBatch:
         items = tuple(StepItem(c.req.req_id, c.req.token_ids(c.start_pos, c.start_pos + c.num_tokens),
                                c.start_pos, tuple(c.req.page_table), sample=c.start_pos + c.num_tokens ==
-                               c.req.num_tokens, sampling=c.req.params.sampling) for c in self.chunks)
-        return StepBatch(items=items, epoch=epoch)
+                               c.req.num_tokens, sampling=c.req.params.sampling,
+                               store_loads=c.req.store_loads if c.admitted else ()) for c in self.chunks)
+        return StepBatch(items=items, epoch=epoch, store_writes=store_writes)
 
 
 class Scheduler:
@@ -143,6 +145,7 @@ class Scheduler:
         self._step_ids = itertools.count(1)
         self.num_preemptions = 0
         self.preempted: list[Request] = []  # by the last assign(), for the engine's metrics and spans
+        self.tier = TierRates()  # the worker's measured load and prefill costs (the engine core updates them)
 
     # -- requests in and out ----------------------------------------------------------------------------
     def add(self, req: Request, first: bool = False) -> None:
@@ -312,8 +315,12 @@ class Scheduler:
         spare -= sum(self._pages_needed(c.req, c.num_tokens) for c in admitted)
         extensions, headroom_only = self._with_headroom(running, extensions, spare)
         chunk = (lambda c: c.num_tokens) if self.cfg.window.slides else (lambda c: 0)  # dense: the whole prompt
+        tier, skip_store = self.tier, self.tier.skip_store
         allocations = tuple(PageAllocation(c.req.req_id, c.req.tenant, tuple(c.req.all_token_ids), self.cfg.worker_id,
-                                           skip_prefix_cache=not self.cfg.prefix_caching, chunk_tokens=chunk(c))
+                                           skip_prefix_cache=not self.cfg.prefix_caching, chunk_tokens=chunk(c),
+                                           skip_store=skip_store or c.req.skip_store,
+                                           load_s_per_page=tier.load_s_per_page,
+                                           prefill_s_per_token=tier.prefill_s_per_token)
                             for c in admitted)
         ops = StepOps(next(self._step_ids), allocations, tuple(extensions), tuple(final_commits + commits), frees,
                       releases)
@@ -371,8 +378,9 @@ class Scheduler:
         return threshold if threshold > 0 and decoding else self.cfg.max_num_batched_tokens
 
     def _commit_for(self, req: Request) -> PageCommit | None:
-        """The request's pages that became full since its last commit, if prefix caching is on."""
-        if not self.cfg.prefix_caching:
+        """The request's pages that became full since its last commit, if prefix caching is on (none while its
+        pages from the store are not loaded yet: they are committed once its first chunk computed)."""
+        if not self.cfg.prefix_caching or req.store_loads:
             return None
         full = req.num_computed_tokens // self.cfg.page_size * self.cfg.page_size
         if full <= req.num_committed_tokens:
@@ -476,7 +484,8 @@ class Scheduler:
                 short.append(req)
                 continue
             req.status, req.page_table, req.epoch = RequestStatus.RUNNING, list(a.page_table), a.epoch
-            req.num_computed_tokens = req.num_committed_tokens = a.num_cached_tokens
+            req.num_computed_tokens, req.num_committed_tokens = a.num_cached_tokens, a.num_committed_tokens
+            req.store_loads = tuple(a.store_loads)
             self.running.append(req)
             if batch is None:
                 req.admitted_ahead = True
@@ -495,6 +504,17 @@ class Scheduler:
             f"the request needs {num_pages_for(req.num_tokens, self.cfg.page_size)} pages but worker "
             f"{self.cfg.worker_id} cannot free that many (pinned or cached blocks of running requests hold them)"))
         batch.failed.append(req)
+
+    def unloaded(self, batch: ScheduledBatch, req_ids) -> None:
+        """The worker could not load these requests' pages from the store (and computed none of them): out of
+        the batch, each frees its pages (nothing of them committed) and is queued first, to take pool hits only
+        on its next admission."""
+        gone = set(req_ids)
+        for chunk in [c for c in batch.chunks if c.req.req_id in gone]:
+            batch.chunks.remove(chunk)
+            chunk.req.skip_store = True
+            if chunk.req.status is RequestStatus.RUNNING:
+                self.preempt(chunk.req)
 
     def preempt(self, req: Request) -> None:
         """Frees the request's pages (next step) and queues it first for recompute."""
@@ -517,6 +537,7 @@ class Scheduler:
         for c in batch.chunks:
             c.req.num_computed_tokens = c.start_pos + c.num_tokens
             c.req.admitted_ahead = False
+            c.req.store_loads = ()  # loaded: its pages are committed from the next step on
             c.req.num_failed_steps = 0
             if c.admitted and c.req.num_cached_tokens is None:
                 c.req.num_cached_tokens = c.start_pos
