@@ -242,9 +242,28 @@ def _yes(flag: bool) -> str:
 def _tenants_table(tenants) -> str:
     if not tenants:
         return "(no tenants)"
-    return table(["TENANT", "BLOCKS", "PINNED", "REQUESTS", "QUERY_TOKENS", "HIT_TOKENS", "HIT_RATE"],
-                 [[t.tenant, t.num_blocks, t.num_pinned_blocks, t.num_requests, t.prefix_cache_queries,
-                   t.prefix_cache_hits, _rate(t.prefix_cache_hits, t.prefix_cache_queries)] for t in tenants])
+    return table(["TENANT", "BLOCKS", "PINNED", "STORE_BLOCKS", "REQUESTS", "QUERY_TOKENS", "HIT_TOKENS", "POOL_HITS",
+                  "STORE_HITS", "HIT_RATE"],
+                 [[t.tenant, t.num_blocks, t.num_pinned_blocks, t.num_store_blocks, t.num_requests,
+                   t.prefix_cache_queries, t.prefix_cache_hits, t.prefix_cache_hits - t.store_hits, t.store_hits,
+                   _rate(t.prefix_cache_hits, t.prefix_cache_queries)] for t in tenants])
+
+
+def _tiers_table(r) -> str:
+    """Per tier: the pools (summed) and the shared KV store."""
+    s = r.kv_store
+    pool_blocks = sum(t.num_blocks for t in r.tenants)
+    pool_hits = r.prefix_cache_hits - sum(t.store_hits for t in r.tenants)
+    rows = [["pool", pool_blocks, sum(p.cached_bytes + p.used_bytes for p in r.pools), pool_hits, "-", "-", "-",
+             "-", "-", "-"]]
+    if s.capacity_bytes:
+        mb_s = f"{s.num_loaded_bytes / s.load_s / 1e6:.0f}" if s.load_s else "-"
+        page_size = r.pools[0].page_size if r.pools else 0
+        rows.append(["store", s.num_blocks, f"{s.num_bytes} of {s.capacity_bytes}", s.num_hit_pages * page_size,
+                     s.num_loaded_pages, mb_s, s.num_failed_loads, s.num_written_pages, s.num_dropped_writes,
+                     s.num_verify_failures])
+    return table(["TIER", "BLOCKS", "BYTES", "HIT_TOKENS", "LOADED_PAGES", "LOAD_MB/S", "FAILED_LOADS",
+                  "WRITTEN_PAGES", "DROPPED_WRITES", "VERIFY_FAILURES"], rows)
 
 
 def _render_stats(r, args) -> str:
@@ -259,7 +278,7 @@ def _render_stats(r, args) -> str:
     total = (f"prefix cache: {r.prefix_cache_hits} of {r.prefix_cache_queries} query tokens hit "
              f"({_rate(r.prefix_cache_hits, r.prefix_cache_queries)}), {r.num_evicted_blocks} blocks evicted, "
              f"store {'ok' if r.store_ok else 'FAILING'}")
-    return f"pools\n{pools}\n\ntenants\n{_tenants_table(r.tenants)}\n\n{total}"
+    return f"pools\n{pools}\n\ntiers\n{_tiers_table(r)}\n\ntenants\n{_tenants_table(r.tenants)}\n\n{total}"
 
 
 def _render_inspect(r, args) -> str:
