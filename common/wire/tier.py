@@ -1,5 +1,5 @@
 """The shared KV tier's messages, as plain data: which pages a worker writes to the store or fills from it, and
-what it reports back to the kvmanager (design: docs/design/kv-tier.md).
+what it reports back to the kvmanager (docs/features/kv-tier.md).
 
 The kvmanager decides (it owns every block's locations); the gateway carries its decisions to the worker with
 the step; the worker moves the bytes and reports to the kvmanager which blocks landed, which values were missing
