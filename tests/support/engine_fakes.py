@@ -12,10 +12,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Executor, Future
 
 from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
+from kvserve.common.wire.tier import StoredBlock, TierReport
 from kvserve.common.wire.worker import RejectedItem, SampledToken, StepBatch, StepOutput, WorkerInfo
 from kvserve.kvmanager.admin import forget_worker
 from kvserve.kvmanager.manager import KVManager
@@ -53,8 +55,8 @@ class InlineExecutor(Executor):
 
 
 class InProcessKVManager(inprocess.InProcessKVManager):
-    def __init__(self):
-        super().__init__(KVManager())
+    def __init__(self, store_capacity_bytes: int = 0):
+        super().__init__(KVManager(store_capacity_bytes=store_capacity_bytes))
         self.reachable = True
         self.num_calls = 0
 
@@ -137,3 +139,52 @@ class PagedRuleWorker:
 
     def close(self) -> None:
         pass
+
+
+class StoreRuleWorker(PagedRuleWorker):
+    """A PagedRuleWorker with a shared KV tier: ``store`` (block_hash -> the page's token ids, shared by the workers
+    of a test) is its KV store. It writes what a step's store_writes name (and reports them to ``kv`` as
+    ReportTier would, once "acknowledged"), and fills store_loads from it; an item with a value missing from the
+    store is answered in ``unloaded`` and the value reported missing."""
+
+    def __init__(self, kv: InProcessKVManager, store: dict, worker_id: str = "w0", **kw):
+        super().__init__(worker_id, **kw)
+        self.kv, self.store = kv, store
+        self.num_loaded_pages = 0
+        self.batches: list[StepBatch] = []
+
+    @property
+    def info_now(self) -> WorkerInfo:
+        return dataclasses.replace(super().info_now, kv_store=True)
+
+    def step(self, batch: StepBatch, traceparents=NO_TRACES) -> StepOutput:
+        self.batches.append(batch)
+        if batch.epoch and batch.epoch != self.epoch:
+            return super().step(batch, traceparents)  # raises WorkerRestarted
+        written = []
+        for w in batch.store_writes:
+            self.store[w.block_hash] = [self.slots.get(w.page_id * self.page_size + o, -1)
+                                        for o in range(self.page_size)]
+            written.append(StoredBlock(w.block_hash, w.tenant, 100))
+        unloaded, missing, loaded = [], [], 0
+        for item in batch.items:
+            for load in item.store_loads:
+                page = self.store.get(load.block_hash)
+                if page is None:
+                    missing.append(load.block_hash)
+                    continue
+                for o, token in enumerate(page):
+                    self.slots[load.page_id * self.page_size + o] = token
+                loaded += 1
+            if any(load.block_hash in missing for load in item.store_loads):
+                unloaded.append(item.req_id)
+        if written or missing:
+            self.kv.mgr.report_tier(TierReport(self.worker_id, self.epoch, tuple(written), tuple(missing)))
+        self.num_loaded_pages += loaded
+        items = tuple(i for i in batch.items if i.req_id not in unloaded)
+        if not items:
+            self.num_steps += 1
+            return StepOutput([], 0, 0.0, unloaded=unloaded)
+        out = super().step(dataclasses.replace(batch, items=items, store_writes=()), traceparents)
+        out.unloaded, out.num_loaded_pages, out.load_ms = unloaded, loaded, 0.01 * loaded
+        return out
