@@ -100,6 +100,8 @@ class EmbeddedRedis:
                 try:
                     if client.ping():
                         return True
+                except redis.AuthenticationError:  # it answers, and wants a password (--requirepass)
+                    return True
                 except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
                     time.sleep(0.01)  # polling for readiness under a deadline
         finally:
