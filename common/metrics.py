@@ -24,13 +24,6 @@ GATEWAY_METRICS = (
     "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total", "kvserve:request_success_total",
     "kvserve:http_requests_total", "kvserve:http_request_duration_seconds",
 )
-KVMANAGER_METRICS = (
-    "kvserve:kv_cache_usage_perc", "kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
-    "kvserve:evicted_blocks_total", "kvserve:kvmanager_rpc_seconds", "kvserve:redis_write_seconds",
-    "kvserve:num_cached_pages", "kvserve:call_log_records", "kvserve:call_log_bytes", "kvserve:call_log_generation",
-    "kvserve:call_log_snapshots_total", "kvserve:call_log_last_snapshot_seconds",
-    "kvserve:window_released_pages_total",
-)
 # The shared KV tier's counters of a worker (KVTier.stats()), by TierCounters field: (metric, help).
 TIER_COUNTERS = {
     "num_loaded_pages": ("kvserve:kv_tier_loaded_pages", "Pages filled from the tier and verified."),
@@ -46,6 +39,21 @@ TIER_COUNTERS = {
 }
 WORKER_METRICS = ("kvserve:worker_step_seconds", "kvserve:worker_batch_size", "kvserve:worker_batch_tokens",
                   *(f"{name}_total" for name, _ in TIER_COUNTERS.values()))
+# The same counters on the kvmanager, summed over the workers' reports (ReportTier): kept across worker restarts,
+# and named apart so that a sum over every scraped series never counts a load twice.
+REPORTED_TIER_COUNTERS = {field: (name.replace("kvserve:kv_tier_", "kvserve:kv_tier_reported_"), doc)
+                          for field, (name, doc) in TIER_COUNTERS.items()}
+KVMANAGER_METRICS = (
+    "kvserve:kv_cache_usage_perc", "kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
+    "kvserve:evicted_blocks_total", "kvserve:kvmanager_rpc_seconds", "kvserve:redis_write_seconds",
+    "kvserve:num_cached_pages", "kvserve:call_log_records", "kvserve:call_log_bytes", "kvserve:call_log_generation",
+    "kvserve:call_log_snapshots_total", "kvserve:call_log_last_snapshot_seconds",
+    "kvserve:window_released_pages_total",
+    "kvserve:kv_tier_blocks", "kvserve:kv_tier_bytes", "kvserve:kv_tier_capacity_bytes",
+    "kvserve:prefix_cache_tier_hits_total", "kvserve:kv_tier_added_blocks_total",
+    "kvserve:kv_tier_evicted_blocks_total", "kvserve:kv_tier_dropped_missing_total",
+    *(f"{name}_total" for name, _ in REPORTED_TIER_COUNTERS.values()),
+)
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
@@ -132,7 +140,8 @@ class KVManagerMetrics:
 
 
 class _StateCollector:
-    """kvmanager state as metrics at scrape time: ``read_stats()`` returns kvmanager.admin.ClusterStats."""
+    """kvmanager state as metrics at scrape time: ``read_stats()`` returns kvmanager.admin.ClusterStats (read once
+    a scrape: pools, tenants, and the two KV tiers)."""
 
     def __init__(self, read_stats: Callable[[], object]):
         self.read_stats = read_stats
@@ -164,6 +173,64 @@ class _StateCollector:
         evicted = CounterMetricFamily("kvserve:evicted_blocks", "Cached blocks evicted to make room.")
         evicted.add_metric([], stats.num_evicted_blocks)
         yield from (usage, cached, released, queries, hits, evicted)
+        yield from _tier_families(stats)
+
+
+def _tier_families(stats):
+    """The two tiers of KV, ``tier="pool"`` (the workers' pools, summed) and ``tier="store"`` (the shared KV tier),
+    from the ClusterStats the state's families read. Without a store (``stats.store`` None) the pool's alone."""
+    store = stats.store
+    yield from _tier_gauges(stats, store)
+    hits = CounterMetricFamily("kvserve:prefix_cache_tier_hits", "Prompt tokens found cached, per tenant and tier: "
+                               "on the pool of the worker that ran the request, or loaded from the store. They sum "
+                               "to prefix_cache_hits.", labels=["tenant", "tier"])
+    for t in stats.tenants:
+        hits.add_metric([t.tenant, "pool"], t.prefix_cache_hits - t.store_hits)
+        if store is not None:
+            hits.add_metric([t.tenant, "store"], t.store_hits)
+    yield hits
+    yield from _store_counters(stats.num_evicted_blocks, store)
+    for field, (name, doc) in REPORTED_TIER_COUNTERS.items():
+        family = CounterMetricFamily(name, f"{doc} Summed over the workers' reports to the kvmanager.",
+                                     labels=["tier"])
+        if store is not None:
+            family.add_metric(["store"], getattr(store, field))
+        yield family
+
+
+def _tier_gauges(stats, store):
+    """Blocks, bytes and capacity per tier. The pool's bytes are those of its pages in use or cached (what the
+    admin stats' tiers table shows), its capacity the pools' bytes."""
+    blocks = GaugeMetricFamily("kvserve:kv_tier_blocks", "Cached blocks per tier: in the pools' prefix indexes, "
+                               "or in the store's index.", labels=["tier"])
+    num_bytes = GaugeMetricFamily("kvserve:kv_tier_bytes", "Bytes per tier: the pools' pages in use or cached, or "
+                                  "the store's values (headers included).", labels=["tier"])
+    capacity = GaugeMetricFamily("kvserve:kv_tier_capacity_bytes", "Bytes the tier may hold: the pools' pages, or "
+                                 "--kv-store-bytes (0: the tier is off).", labels=["tier"])
+    blocks.add_metric(["pool"], sum(t.num_blocks for t in stats.tenants))
+    num_bytes.add_metric(["pool"], sum(p.used_bytes + p.cached_bytes for p in stats.pools))
+    capacity.add_metric(["pool"], sum(p.pool_bytes for p in stats.pools))
+    if store is not None:
+        blocks.add_metric(["store"], store.num_blocks)
+        num_bytes.add_metric(["store"], store.num_bytes)
+        capacity.add_metric(["store"], store.capacity_bytes)
+    return blocks, num_bytes, capacity
+
+
+def _store_counters(num_evicted_pool_blocks: int, store):
+    """The store's own counters; evictions for the pool too (the pools' LRU)."""
+    for name, doc, field in (
+            ("added_blocks", "Blocks recorded in the store: values a worker reported written.", "num_added_blocks"),
+            ("evicted_blocks", "Blocks evicted to make room: by the pools' LRU, or the store's within "
+             "--kv-store-bytes.", "num_evicted_blocks"),
+            ("dropped_missing", "Store entries dropped because a load found the value absent or damaged.",
+             "num_dropped_missing")):
+        family = CounterMetricFamily(f"kvserve:kv_tier_{name}", doc, labels=["tier"])
+        if field == "num_evicted_blocks":
+            family.add_metric(["pool"], num_evicted_pool_blocks)
+        if store is not None:
+            family.add_metric(["store"], getattr(store, field))
+        yield family
 
 
 class _CallLogCollector:

@@ -14,11 +14,13 @@ from prometheus_client.metrics import MetricWrapperBase
 from kvserve.common.metrics import (
     GATEWAY_METRICS,
     KVMANAGER_METRICS,
+    TIER_COUNTERS,
     WORKER_METRICS,
     GatewayMetrics,
     KVManagerMetrics,
     WorkerMetrics,
 )
+from kvserve.kvmanager.admin import StoreStats
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana-dashboard.json"
 METRIC_TOKEN = re.compile(r"kvserve:[a-zA-Z0-9_:]+")
@@ -26,12 +28,13 @@ PANEL_KINDS = {"timeseries", "stat", "gauge"}
 
 
 def _read_stats() -> SimpleNamespace:
-    """A stand-in for kvmanager.admin.ClusterStats with one pool and one tenant, so every labelled family has
-    samples."""
+    """A stand-in for kvmanager.admin.ClusterStats with one pool, one tenant and the store, so every labelled
+    family has samples."""
     pool = SimpleNamespace(worker_id="w0", kv_dtype="int8", num_used_pages=3, num_pages=8, num_cached_pages=2,
-                           num_window_released_pages=5)
-    tenant = SimpleNamespace(tenant="t0", prefix_cache_queries=10, prefix_cache_hits=4)
-    return SimpleNamespace(pools=[pool], tenants=[tenant], num_evicted_blocks=1)
+                           num_window_released_pages=5, used_bytes=300, cached_bytes=200, pool_bytes=800)
+    tenant = SimpleNamespace(tenant="t0", prefix_cache_queries=10, prefix_cache_hits=4, store_hits=2, num_blocks=3)
+    store = StoreStats(1000, 2, 200, 2, 3, 1, 0, 2, 200, 0.1, 0, 0, 3, 300, 0)
+    return SimpleNamespace(pools=[pool], tenants=[tenant], num_evicted_blocks=1, store=store)
 
 
 def _call_log() -> SimpleNamespace:
@@ -171,6 +174,16 @@ def test_every_histogram_quantile_aggregates_buckets_by_le(dashboard: dict) -> N
     "kvserve:num_requests_waiting",
     "kvserve:num_preemptions_total",
     "kvserve:evicted_blocks_total",
+    # the shared KV tier
+    "kvserve:prefix_cache_tier_hits_total",
+    "kvserve:kv_tier_bytes",
+    "kvserve:kv_tier_capacity_bytes",
+    "kvserve:kv_tier_loaded_bytes_total",
+    "kvserve:kv_tier_load_seconds_total",
+    "kvserve:kv_tier_written_pages_total",
+    "kvserve:kv_tier_dropped_writes_total",
+    "kvserve:kv_tier_failed_loads_total",
+    "kvserve:kv_tier_verify_failures_total",
 ])
 def test_the_dashboard_covers(dashboard: dict, needed: str) -> None:
     assert any(needed in METRIC_TOKEN.findall(expr) for _, expr in _exprs(dashboard)), needed
@@ -184,3 +197,29 @@ def test_hit_rate_divides_hits_by_queries_and_ttft_tpot_have_p50_p90_p99(dashboa
         quantiles = {m for e in exprs if f"kvserve:{metric}_bucket" in e
                      for m in re.findall(r"histogram_quantile\(\s*([0-9.]+)", e)}
         assert {"0.5", "0.9", "0.99"} <= quantiles, (metric, quantiles)
+
+
+def test_tier_panels_split_hits_by_tier_and_rate_loads_by_their_own_seconds(dashboard: dict) -> None:
+    exprs = [expr for _, expr in _exprs(dashboard)]
+    # pool vs store: each tier's hit tokens over every prompt token looked up (the two sum to the hit rate)
+    assert any(re.search(r"sum by \(tier\) \(rate\(kvserve:prefix_cache_tier_hits_total.*\)\s*/\s*ignoring \(tier\) "
+                         r"group_left sum\(rate\(kvserve:prefix_cache_queries_total", e) for e in exprs)
+    # MB/s while loading: bytes over the seconds the loads took, not over wall time
+    assert any(re.search(r"kv_tier_loaded_bytes_total.*\)\s*/\s*sum\(rate\(kvserve:kv_tier_load_seconds_total", e)
+               for e in exprs)
+    assert any("kv_tier_bytes{tier=\"store\"}" in e for e in exprs)
+    assert any("kv_tier_capacity_bytes{tier=\"store\"}" in e for e in exprs)
+
+
+def test_tier_panels_read_the_workers_counters_never_the_kvmanagers_sums_of_them(dashboard: dict) -> None:
+    """The kvmanager exports the workers' tier counters summed (kv_tier_reported_*): a query over both would
+    count every load twice, so the dashboard reads the workers' own (live, and by instance)."""
+    worker_counters = {f"{name}_total" for name, _ in TIER_COUNTERS.values()}
+    read = set()
+    for title, expr in _exprs(dashboard):
+        tokens = set(METRIC_TOKEN.findall(expr))
+        assert not any("kv_tier_reported_" in t for t in tokens), title
+        if tokens & worker_counters:
+            read |= tokens & worker_counters
+            assert 'tier="store"' in expr, f"{title}: {expr!r}"
+    assert read, "no panel reads the workers' tier counters"
