@@ -5,6 +5,7 @@ It keeps no scheduling state between steps: every step carries its page tables a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvserve.common.errors import InvalidRequest, StaleEpoch
+from kvserve.common.wire.tier import TierCounters
 from kvserve.common.wire.worker import RejectedItem, SampledToken, StepBatch, StepItem, StepOutput, WorkerInfo
 from kvserve.kernels.backends import get_backend
 from kvserve.kernels.kv_quant import FORMAT_OF_DTYPE, KVFormat, kv_format
@@ -54,6 +56,34 @@ class RunnerConfig:
     cuda_graphs: bool = True  # on CUDA with the triton backend: pure-decode steps replay CUDA graphs
     cuda_graph_max_seqs: int = 64  # the largest decode batch captured (larger ones run eagerly)
     kv_store_url: str = ""  # the shared KV tier's store (a Redis URL, as common/redis_client.py takes); "" = none
+
+
+@dataclass(frozen=True, slots=True)
+class TierPart:
+    """One part of a step's store traffic (the write snapshot, or the loads): its wall-clock span and the tier's
+    counters around it."""
+
+    start_ns: int
+    end_ns: int
+    before: TierCounters
+    after: TierCounters
+
+
+@dataclass(slots=True)
+class TierStep:
+    """What a step's store traffic did, for its spans (worker/spans.py): ModelRunner.step fills the parts the step
+    had, and its caller takes it (take_tier_step). Only the compute thread snapshots and loads, so a part's load
+    counters are its own; the writer thread may drop a write during a snapshot, and that drop is in the
+    snapshot's counters too."""
+
+    snapshot: TierPart | None = None
+    load: TierPart | None = None
+
+    @contextlib.contextmanager
+    def part(self, name: str, tier: KVTier):
+        before, start_ns = tier.stats(), time.time_ns()
+        yield
+        setattr(self, name, TierPart(start_ns, time.time_ns(), before, tier.stats()))
 
 
 def resolve_kv_format(kv_cache_dtype: str, dtype: torch.dtype) -> KVFormat:
@@ -101,6 +131,7 @@ class ModelRunner:
         self._make_weights = make_weights or (lambda m, dtype, device: load_weights(cfg.model_dir, m, dtype, device))
         self.call(self._load)
         self.tier = self._make_tier() if cfg.kv_store_url else None
+        self._seen = threading.local()  # each calling thread's last TierStep, until take_tier_step()
         self.info = self._describe(model_fingerprint(cfg.model_dir) if make_weights is None else "made-weights")
 
     def _load(self) -> None:
@@ -171,7 +202,9 @@ class ModelRunner:
         An item malformed alone, or whose logits come out non-finite, is answered in StepOutput.rejected and
         the others are computed. Before the forward pass the step's store writes are copied and its items'
         store loads filled; an item whose loads failed is not computed (StepOutput.unloaded). A step of store
-        writes and no item copies them and computes nothing."""
+        writes and no item copies them and computes nothing. The store traffic's timing and counters are this
+        thread's take_tier_step() afterwards (for the step's spans)."""
+        seen = self._seen.tier_step = TierStep()
         if batch.epoch and batch.epoch != self.epoch:
             raise StaleEpoch(f"step addressed epoch {batch.epoch}, but this worker is epoch {self.epoch}")
         info = self.info
@@ -184,32 +217,41 @@ class ModelRunner:
             return StepOutput(sampled=[], num_tokens=0, compute_ms=0.0, rejected=rejected)
         t0 = time.perf_counter()
         sampled, computed, load_s = self.call(self._run_with_tier, StepBatch(items, batch.epoch, batch.store_writes),
-                                              rejected)
+                                              rejected, seen)
         ms = (time.perf_counter() - t0 - load_s) * 1000
         kept = {i.req_id for i in computed}
         return StepOutput(sampled=sampled, num_tokens=sum(len(i.token_ids) for i in computed), compute_ms=ms,
                           rejected=rejected, unloaded=[i.req_id for i in items if i.req_id not in kept],
                           num_loaded_pages=sum(len(i.store_loads) for i in computed), load_ms=load_s * 1000)
 
-    def _run_with_tier(self, batch: StepBatch, rejected: list[RejectedItem]
+    def take_tier_step(self) -> TierStep | None:
+        """What the store traffic of the last step this thread ran did (None if it ran none since the last take):
+        the servicer records its spans. A thread runs one step at a time, so it is that step's."""
+        seen, self._seen.tier_step = getattr(self._seen, "tier_step", None), None
+        return seen
+
+    def _run_with_tier(self, batch: StepBatch, rejected: list[RejectedItem], seen: TierStep
                        ) -> tuple[list[SampledToken], tuple[StepItem, ...], float]:
         """The store's traffic, then the forward pass and sampling of the items whose loads succeeded. Returns
         the sampled tokens, the items computed and the loads' seconds."""
-        items, load_s = self._store_traffic(batch)
+        items, load_s = self._store_traffic(batch, seen)
         return (self._run(StepBatch(items, batch.epoch), rejected) if items else []), items, load_s
 
-    def _store_traffic(self, batch: StepBatch) -> tuple[tuple[StepItem, ...], float]:
+    def _store_traffic(self, batch: StepBatch, seen: TierStep) -> tuple[tuple[StepItem, ...], float]:
         """Copies the pages of the step's store writes first (this step may overwrite them), then fills its
         items' store loads. Returns the items to compute (those whose loads all succeeded) and the loads'
         seconds. Without a store every item with loads fails them."""
         loads = {i.req_id: i.store_loads for i in batch.items if i.store_loads}
         if self.tier is None:
             return tuple(i for i in batch.items if i.req_id not in loads), 0.0
-        self.tier.snapshot_writes(batch.store_writes)
+        if batch.store_writes:
+            with seen.part("snapshot", self.tier):
+                self.tier.snapshot_writes(batch.store_writes)
         if not loads:
             return batch.items, 0.0
         t0 = time.perf_counter()
-        failed = self.tier.load(loads)
+        with seen.part("load", self.tier):
+            failed = self.tier.load(loads)
         return tuple(i for i in batch.items if i.req_id not in failed), time.perf_counter() - t0
 
     def _run(self, batch: StepBatch, rejected: list[RejectedItem] | None = None):

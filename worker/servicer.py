@@ -12,7 +12,7 @@ from kvserve.common.metrics import WorkerMetrics
 from kvserve.common.telemetry import tracer
 from kvserve.v1 import worker_pb2_grpc
 from kvserve.worker.runner import ModelRunner
-from kvserve.worker.spans import record_step_spans
+from kvserve.worker.spans import record_step_spans, record_tier_spans
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -31,6 +31,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             abort(context, e)
         end_ns = time.time_ns()
         record_step_spans(self.tracer, request.items, start_ns, end_ns)
+        seen = self.runner.take_tier_step()
+        if seen is not None:
+            record_tier_spans(self.tracer, request, output.unloaded, seen)
         if self.metrics is not None and request.items:  # a writes-only step computes nothing
             self.metrics.step.observe(output.compute_ms / 1000)
             self.metrics.batch_size.observe(len(request.items))
