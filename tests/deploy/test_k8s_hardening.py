@@ -39,6 +39,9 @@ SERVICES = (("kvserve-kvmanager", "kvmanager", 50051), ("kvserve-worker", "worke
             ("kvserve-gateway", "gateway", 50050))
 KVSERVE_UID = 10001
 REDIS_UID = 999  # the redis image's own user
+# The workloads of the redis image: the state's Redis (with Sentinel) and the KV store. Plaintext behind their
+# NetworkPolicies, outside the TLS Component.
+REDIS_WORKLOADS = ("kvserve-redis", "kvserve-kv-store")
 ADMIN_LABELS = {"kvserve.io/admin": "true"}
 # Peers that select pods which no manifest makes, on purpose: the admin pod an operator starts with
 # `kubectl run ... --labels=kvserve.io/admin=true` (networkpolicies.yaml) to run `kvserve admin`.
@@ -144,22 +147,28 @@ def test_every_pod_has_its_own_policy_and_prometheus_reaches_every_metrics_port(
 def test_the_policies_admit_exactly_the_connections_the_services_make() -> None:
     """Clients reach only the gateway; only the gateway reaches the workers; the gateway, the workers
     (membership), the kvmanager pods (`kubectl exec ... kvserve admin`) and the admin pod, all of this namespace,
-    reach the kvmanager; only the kvmanager and the Redis pods themselves (replication, Sentinel) reach Redis."""
-    gw, wk, km, rd = "kvserve-gateway", "kvserve-worker", "kvserve-kvmanager", "kvserve-redis"
+    reach the kvmanager; only the kvmanager and the Redis pods themselves (replication, Sentinel) reach Redis;
+    only the kvmanager (deletions) and the workers (pages) reach the KV store."""
+    gw, wk, km, rd, ks = "kvserve-gateway", "kvserve-worker", "kvserve-kvmanager", "kvserve-redis", "kvserve-kv-store"
     assert admitted() == {
         (ANYONE, gw, 50050), (ANYONE, gw, 8000),
         (gw, wk, 50061),
         (gw, km, 50051), (wk, km, 50051), (km, km, 50051), (ADMIN, km, 50051),
         (km, rd, 6379), (km, rd, 26379), (rd, rd, 6379), (rd, rd, 26379),
+        (km, ks, 6379), (wk, ks, 6379),
     }
 
 
 def test_the_ports_the_policies_admit_are_the_ports_the_services_dial() -> None:
-    """The kvmanager's address in the gateway and the workers, and its Redis URL, name the ports admitted."""
+    """The kvmanager's address in the gateway and the workers, its Redis URL, and the KV store's URL name the
+    ports admitted."""
     for name in ("kvserve-gateway", "kvserve-worker"):
         assert env(container(workload(name)))["KVSERVE_KVMANAGER"]["value"].endswith(":50051"), name
     redis_url = env(container(workload("kvserve-kvmanager"), "kvmanager"))["KVSERVE_REDIS_URL"]["value"]
     assert set(re.findall(r":(\d+)", redis_url)) == {"26379"}
+    for name, command in (("kvserve-kvmanager", "kvmanager"), ("kvserve-worker", "worker")):
+        store_url = env(container(workload(name), command))["KVSERVE_KV_STORE_URL"]["value"]
+        assert set(re.findall(r":(\d+)", store_url)) == {"6379"}, name
 
 
 def test_the_admin_pod_is_documented_and_carries_the_admitted_label() -> None:
@@ -177,11 +186,12 @@ def test_the_admin_pod_is_documented_and_carries_the_admitted_label() -> None:
 def test_every_pod_runs_as_non_root_with_a_read_only_root(workload_doc: dict) -> None:
     name = workload_doc["metadata"]["name"]
     pod_spec = workload_doc["spec"]["template"]["spec"]
-    uid = REDIS_UID if name == "kvserve-redis" else KVSERVE_UID
+    uid = REDIS_UID if name in REDIS_WORKLOADS else KVSERVE_UID
+    # A volume claim's group is checked at its top only (OnRootMismatch): a large AOF does not slow each start.
+    claims = "volumeClaimTemplates" in workload_doc["spec"]
     assert pod_spec["securityContext"] == {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid,
                                            "fsGroup": uid, "seccompProfile": {"type": "RuntimeDefault"},
-                                           **({"fsGroupChangePolicy": "OnRootMismatch"} if uid == REDIS_UID
-                                              else {})}
+                                           **({"fsGroupChangePolicy": "OnRootMismatch"} if claims else {})}
     assert not pod_spec.get("hostNetwork") and not pod_spec.get("hostPID") and not pod_spec.get("hostIPC")
     for c in all_containers(workload_doc):
         assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -235,14 +245,15 @@ def test_redis_writes_only_to_its_volume_claim() -> None:
 
 @pytest.mark.parametrize(("workload_name", "container_name"), [
     ("kvserve-kvmanager", "kvmanager"), ("kvserve-worker", "worker"), ("kvserve-gateway", "gateway"),
-    ("kvserve-redis", "redis")])
+    ("kvserve-redis", "redis"), ("kvserve-kv-store", "redis")])
 def test_every_service_request_cites_a_benchmark_figure(workload_name: str, container_name: str) -> None:
     """The comment right above the service container's `resources:` names the figure and the file under
     bench/results/ it comes from, and that file exists."""
     c = container(workload(workload_name), container_name)
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     path = {"kvserve-kvmanager": "kvmanager-statefulset.yaml", "kvserve-worker": "worker-statefulset.yaml",
-            "kvserve-gateway": "gateway-deployment.yaml", "kvserve-redis": "redis-statefulset.yaml"}[workload_name]
+            "kvserve-gateway": "gateway-deployment.yaml", "kvserve-redis": "redis-statefulset.yaml",
+            "kvserve-kv-store": "kv-store-statefulset.yaml"}[workload_name]
     lines = (K8S_DIR / path).read_text().splitlines()
     # The container's entry (its name, then its image), not a port or a volume of the same name.
     start = next(i for i, ln in enumerate(lines[:-1]) if ln.strip() == f"- name: {container_name}"
@@ -328,8 +339,8 @@ def test_cert_manager_example_issues_the_mounted_secret_for_every_service_name()
     names = set(leaf["dnsNames"])
     for service in of_kind("Service"):
         name = service["metadata"]["name"]
-        if name == "kvserve-redis":
-            continue  # Redis stays plaintext, behind its NetworkPolicy
+        if name in REDIS_WORKLOADS:
+            continue  # Redis and the KV store stay plaintext, behind their NetworkPolicies
         assert name in names, name
         if service["spec"].get("clusterIP") == "None":
             assert f"*.{name}" in names, f"the pods through the headless Service {name}"
