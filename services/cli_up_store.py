@@ -29,7 +29,7 @@ def open_kv_store(args, stack: contextlib.ExitStack) -> None:
 
     data_dir = (args.data_dir or default_data_dir()).expanduser() / "kv-store"
     maxmemory = args.kv_store_bytes * 5 // 4 + (64 << 20)  # values' overhead; the kvmanager's bound comes first
-    store = EmbeddedRedis(data_dir, args=("--appendonly", "no", "--save", "3600 1", "--maxmemory", str(maxmemory),
+    store = EmbeddedRedis(data_dir, args=("--appendonly", "no", "--save", "3600", "1", "--maxmemory", str(maxmemory),
                                           "--maxmemory-policy", "allkeys-lru"))
     stack.enter_context(store)
     args.kv_store_url = store.url

@@ -103,10 +103,6 @@ def test_a_conversation_served_on_one_worker_is_loaded_from_the_store_by_the_oth
         wait_for(lambda: idle(stack), "every page freed", WAIT_S)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: services/cli_up_store.py:32 starts the store with ('--save', '3600 1') as one argument, which the "
-    "bundled redis-server 6.2.14 ignores (CONFIG GET save answers ''), so the store saves no RDB at stop: the "
-    "restarted stack's index records blocks whose values are gone, and the revisit's load fails (recomputed)"))
 def test_a_stack_stopped_and_started_again_on_its_data_dir_loads_the_revisit_from_the_store(tmp_path):
     """`kvserve up` stopped with SIGTERM and started again on the same --data-dir: the kvmanager's index comes
     back from its Redis, the KV values from the store's RDB file, and the new worker's empty pool loads the
