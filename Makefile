@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
+.PHONY: install model kernels serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -101,6 +101,13 @@ bench-revisions: model kernels
 # break-even a shared KV tier must beat.
 bench-kv-breakeven: model kernels
 	$(PY) bench/kv_store_breakeven.py
+
+# Issue 38's acceptance run: the shared KV tier on vs off in one run. Multi-turn conversations whose working set is
+# four times the pool (revisit TTFT, tokens from the store, the pool and computed; float32 and int8 pages), the
+# load rate against the break-even, the mixed burst alternated, and revisits after a worker's kill -9 and after
+# whole-stack restarts. bench/results/tiered-<date>.json, .md and .png; 20-25 minutes on two cores.
+bench-tiered: model kernels
+	$(PY) bench/bench_tiered.py
 
 # The gateway's page ops overlapped with compute vs waited for, alternated over 8 rounds.
 bench-overlap: model kernels
