@@ -130,25 +130,41 @@ class KVTier:
         return failed
 
     def _load_request(self, pages: Sequence[StoreLoad], done: _Loaded) -> bool:
-        """Loads one request's pages until the first that fails; raises the store's errors."""
+        """Loads one request's pages; False if any failed. After a failure the rest are only checked for presence
+        (nothing more is copied in: the request is recomputed), so that every absent value of the request is
+        reported at once and a store that lost its data is forgotten in one failed load per request, not one per
+        page. Raises the store's errors."""
+        ok = True
         for start in range(0, len(pages), MGET_CHUNK):
             chunk = pages[start:start + MGET_CHUNK]
-            values = self.client.mget([store_key(p.block_hash) for p in chunk])
+            keys = [store_key(p.block_hash) for p in chunk]
+            values = self.client.mget(keys) if ok else self._presence(keys)
             self.health.mark_up()
             for p, value in zip(chunk, values, strict=True):
                 if value is None:
                     done.missing.append(p.block_hash)
-                    return False
-                try:
-                    decode_page(value, p.namespace, p.block_hash, self.pool, self.scales, p.page_id)
-                except PageMismatch as e:
-                    log.warning("kv store: the value of block %s failed verification (%s); recomputing",
-                                p.block_hash.hex(), e)
-                    done.missing.append(p.block_hash)
-                    done.num_verify_failures += 1
-                    return False
-                done.num_pages += 1
-                done.num_bytes += len(value)
+                    ok = False
+                elif ok:
+                    ok = self._fill(p, value, done)
+        return ok
+
+    def _presence(self, keys: list[bytes]) -> list[bool | None]:
+        """True for each key the store holds, None for the others (EXISTS, pipelined)."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        return [True if n else None for n in pipe.execute()]
+
+    def _fill(self, p: StoreLoad, value: bytes, done: _Loaded) -> bool:
+        try:
+            decode_page(value, p.namespace, p.block_hash, self.pool, self.scales, p.page_id)
+        except PageMismatch as e:
+            log.warning("kv store: the value of block %s failed verification (%s); recomputing", p.block_hash.hex(), e)
+            done.missing.append(p.block_hash)
+            done.num_verify_failures += 1
+            return False
+        done.num_pages += 1
+        done.num_bytes += len(value)
         return True
 
     def stats(self) -> TierCounters:

@@ -309,3 +309,18 @@ def test_the_worker_s_metrics_read_the_tier_s_counters_at_scrape_time(server, ti
     text = generate_latest(metrics.registry).decode()
     assert 'kvserve:kv_tier_dropped_writes_total{tier="store"} 3.0' in text
     assert 'kvserve:kv_tier_loaded_pages_total{tier="store"} 0.0' in text
+
+
+def test_every_absent_value_of_a_request_is_reported_in_one_failed_load(server, tiers):
+    """A store that lost its data must be forgotten in one failed load per request, not one per page; after the
+    first failure nothing more is copied in (the request is recomputed)."""
+    source, _ = make_pool("float32")
+    present = put_values(server, source, None, [1, 2])
+    pool, _ = make_pool("float32", random=False)
+    reports = Reports()
+    tier = make_tier(tiers, server, pool, None, reports)
+    loads = [StoreLoad(0, block_hash(50), NS), StoreLoad(1, present[0], NS), StoreLoad(2, block_hash(51), NS),
+             StoreLoad(3, present[1], NS)]
+    assert tier.load({"r": loads}) == {"r"}
+    assert not pool.any() and tier.stats().num_loaded_pages == 0
+    assert tier.flush(FLUSH_S) and sorted(reports.missing()) == sorted([block_hash(50), block_hash(51)])
