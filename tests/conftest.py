@@ -105,7 +105,7 @@ def tokenizer(model_dir):
 SLOW_FOLDERS = ("e2e", "deploy/image")
 MODEL_FIXTURES = {"runner", "worker_server", "worker_channel", "worker_stub", "hf_model", "hf_greedy"}
 SLOW_MODULE_SOURCES = ("service_process", "kvmanager_process(", "worker_process(", "running_stack", "ModelRunner(",
-                       "from_pretrained(")
+                       "from_pretrained(", "tier_runners(")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 

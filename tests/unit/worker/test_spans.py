@@ -8,55 +8,34 @@ to the step's traced requests (pages queued or dropped). Untraced steps record n
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import xxhash
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from tier_runners import tier_runners
 
 from kvserve.common.convert.worker import batch_to_proto
-from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.wire.tier import StoreLoad, StoreWrite, TierCounters
 from kvserve.common.wire.worker import StepBatch, StepItem
-from kvserve.worker.runner import ModelRunner, RunnerConfig, TierPart, TierStep
+from kvserve.worker.runner import ModelRunner, TierPart, TierStep
 from kvserve.worker.servicer import WorkerServicer
 from kvserve.worker.spans import record_tier_spans
-from kvserve.worker.weights import random_weights
 
-PAGE = 4
 PROMPT = tuple(range(7, 20))
 NS = xxhash.xxh3_128_digest(b"tenant model")
 HASHES = [xxhash.xxh3_128_digest(NS + bytes([i])) for i in range(3)]
 WRITES = tuple(StoreWrite(p, h, NS, "t") for p, h in zip((5, 6, 7), HASHES, strict=True))
 LOADS = tuple(StoreLoad(p, h, NS) for p, h in zip((1, 2, 3), HASHES, strict=True))
 ABSENT = (StoreLoad(9, xxhash.xxh3_128_digest(b"never written"), NS),)
-CONFIG = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-          "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 TRACE_R, TRACE_X = "0af7651916cd43dd8448eb211c80319c", "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENTS = {"r": f"00-{TRACE_R}-b7ad6b7169203331-01", "x": f"00-{TRACE_X}-00f067aa0ba902b7-01"}
 
 
 @pytest.fixture
 def make_runner(tmp_path):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(CONFIG))
-    server = EmbeddedRedis(tmp_path / "store")
-    runners: list[ModelRunner] = []
-
-    def make(**kw) -> ModelRunner:
-        cfg = RunnerConfig(model_dir=tmp_path / "model", num_pages=16, page_size=PAGE, device="cpu", dtype="float32",
-                           attention_backend="reference", **{"kv_store_url": server.url, **kw})
-        runners.append(ModelRunner(cfg, make_weights=lambda m, dtype, device: random_weights(m, dtype, device,
-                                                                                             std=0.1)))
-        return runners[-1]
-
-    yield make
-    for r in runners:
-        r.close_tier(5.0)
-    server.stop()
+    with tier_runners(tmp_path) as make:
+        yield make
 
 
 @pytest.fixture

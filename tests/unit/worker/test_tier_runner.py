@@ -5,46 +5,23 @@ step's others are."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import xxhash
+from tier_runners import tier_runners
 
-from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.wire.tier import StoreLoad, StoreWrite
 from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
-from kvserve.worker.runner import ModelRunner, RunnerConfig
-from kvserve.worker.weights import random_weights
 
-PAGE = 4
 PROMPT = tuple(range(7, 20))  # 13 tokens: 3 full pages and 1 token past them
 NS = xxhash.xxh3_128_digest(b"tenant model")
 HASHES = [xxhash.xxh3_128_digest(NS + bytes([i])) for i in range(3)]
 TOP = SamplingParams(top_logprobs=5)
-CONFIG = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-          "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 
 
 @pytest.fixture
 def make_runner(tmp_path):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(CONFIG))
-    server = EmbeddedRedis(tmp_path / "store")
-    runners: list[ModelRunner] = []
-
-    def make(**kw) -> ModelRunner:
-        kw = {"kv_store_url": server.url, **kw}
-        cfg = RunnerConfig(model_dir=tmp_path / "model", num_pages=16, page_size=PAGE, device="cpu",
-                           dtype="float32", attention_backend="reference", **kw)
-        runners.append(ModelRunner(cfg, make_weights=lambda m, dtype, device: random_weights(m, dtype, device,
-                                                                                             std=0.1)))
-        return runners[-1]
-
-    yield make
-    for r in runners:
-        r.close_tier(5.0)
-    server.stop()
+    with tier_runners(tmp_path) as make:
+        yield make
 
 
 def last_token(table, loads=(), req_id="r") -> StepItem:
