@@ -33,13 +33,6 @@ def cacheable_prefix(token_ids: tuple[int, ...], page_size: int) -> tuple[int, .
     return token_ids[: (len(token_ids) - 1) // page_size * page_size]
 
 
-def prefix_hits(pool: PagePool, tenant: str, token_ids: tuple[int, ...]) -> list[Block]:
-    """The cached blocks of the longest prefix of the prompt's cacheable pages on ``pool``."""
-    page_size = pool.spec.page_size
-    return pool.longest_prefix(iter_chain_hashes(pool.seed_for(tenant), cacheable_prefix(token_ids, page_size),
-                                                 page_size))
-
-
 def tiered_hits(pool: PagePool, tier: StoreIndex | None, tenant: str,
                 token_ids: tuple[int, ...]) -> tuple[list[Block], list[bytes]]:
     """The longest prefix of the prompt's cacheable pages found in the pool, then, past it, the longest run of

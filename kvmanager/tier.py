@@ -89,9 +89,11 @@ class StoreIndex:
 
     def drop_missing(self, hashes) -> int:
         """Entries whose values a worker found absent or damaged. Returns how many were recorded."""
-        dropped = sum(1 for h in hashes if h in self.entries and self._remove(h) is not None)
-        self.totals.num_dropped_missing += dropped
-        return dropped
+        recorded = [h for h in dict.fromkeys(hashes) if h in self.entries]
+        for h in recorded:
+            self._remove(h)
+        self.totals.num_dropped_missing += len(recorded)
+        return len(recorded)
 
     def drop_tenant(self, tenant: str) -> int:
         doomed = [h for h, e in self.entries.items() if e.tenant == tenant]
