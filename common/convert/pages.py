@@ -44,7 +44,8 @@ def unpack_token_ids(where: str, packed: bytes):
 def _allocation(a: pb.PageAllocation) -> wire.PageAllocation:
     token_ids = unpack_token_ids(f"allocation {a.req_id!r}", a.packed_token_ids)
     return wire.PageAllocation(a.req_id, a.tenant, token_ids, a.worker_id, a.skip_prefix_cache, a.chunk_tokens,
-                               a.skip_store, a.load_s_per_page, a.prefill_s_per_token)
+                               a.skip_store, a.load_s_per_page, a.prefill_s_per_token,
+                               tuple(wire.PinPoint(p.num_tokens, p.ttl_s) for p in a.pins))
 
 
 def _commit(c: pb.PageCommit) -> wire.PageCommit:
@@ -65,7 +66,7 @@ def step_from_proto(r: pb.StepOps) -> wire.StepOps:
 def _add_allocation(add, a: wire.PageAllocationResult) -> None:
     msg = add(req_id=a.req_id, status=OP_STATUS[a.status], worker_id=a.worker_id, epoch=a.epoch,
               page_table=a.page_table, num_cached_tokens=a.num_cached_tokens, num_pages_short=a.num_pages_short,
-              num_committed_tokens=a.num_committed_tokens)
+              num_committed_tokens=a.num_committed_tokens, num_pinned_tokens=a.num_pinned_tokens)
     for load in a.store_loads:
         msg.store_loads.add(page_id=load.page_id, block_hash=load.block_hash, namespace=load.namespace)
 
@@ -79,7 +80,8 @@ def _add_extension(add, e: wire.PageExtensionResult) -> None:
 
 
 def _add_commit(add, c: wire.PageCommitResult) -> None:
-    add(req_id=c.req_id, status=OP_STATUS[c.status], num_committed_tokens=c.num_committed_tokens)
+    add(req_id=c.req_id, status=OP_STATUS[c.status], num_committed_tokens=c.num_committed_tokens,
+        num_pinned_tokens=c.num_pinned_tokens)
 
 
 def _add_free(add, f: wire.PageFreeResult) -> None:
@@ -132,7 +134,9 @@ def step_to_request_proto(ops: wire.StepOps, traceparents: Mapping[str, str] = N
                                        packed_token_ids=le_uint32(a.token_ids),
                                        skip_prefix_cache=a.skip_prefix_cache, chunk_tokens=a.chunk_tokens,
                                        skip_store=a.skip_store, load_s_per_page=a.load_s_per_page,
-                                       prefill_s_per_token=a.prefill_s_per_token, **tp(a))
+                                       prefill_s_per_token=a.prefill_s_per_token,
+                                       pins=[pb.PinPoint(num_tokens=p.num_tokens, ttl_s=p.ttl_s) for p in a.pins],
+                                       **tp(a))
                      for a in ops.allocations],
         extensions=[pb.PageExtension(**as_kwargs(e), **tp(e)) for e in ops.extensions],
         commits=[pb.PageCommit(req_id=c.req_id, start_pos=c.start_pos, packed_token_ids=le_uint32(c.token_ids),
@@ -150,7 +154,7 @@ def _allocation_result(a: pb.PageAllocationResult) -> wire.PageAllocationResult:
     return wire.PageAllocationResult(a.req_id, STATUS_OF[a.status], a.worker_id, a.epoch, list(a.page_table),
                                      a.num_cached_tokens, a.num_pages_short,
                                      [StoreLoad(x.page_id, x.block_hash, x.namespace) for x in a.store_loads],
-                                     a.num_committed_tokens)
+                                     a.num_committed_tokens, a.num_pinned_tokens)
 
 
 def _extension_result(e: pb.PageExtensionResult) -> wire.PageExtensionResult:
@@ -162,7 +166,7 @@ def step_results_from_proto(r: pb.StepResults) -> wire.StepResults:
     return wire.StepResults(
         allocations=list(map(_allocation_result, r.allocation_results)),
         extensions=list(map(_extension_result, r.extension_results)),
-        commits=[wire.PageCommitResult(c.req_id, STATUS_OF[c.status], c.num_committed_tokens)
+        commits=[wire.PageCommitResult(c.req_id, STATUS_OF[c.status], c.num_committed_tokens, c.num_pinned_tokens)
                  for c in r.commit_results],
         frees=[wire.PageFreeResult(f.req_id, STATUS_OF[f.status]) for f in r.free_results],
         releases=[wire.PageReleaseResult(x.req_id, STATUS_OF[x.status], x.num_released) for x in r.release_results],

@@ -47,6 +47,15 @@ class OpStatus(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class PinPoint:
+    """A soft pin a request asks for: its full pages up to num_tokens, kept for ttl_s seconds after the pin is
+    taken or last hit, within its tenant's pin budget (kvmanager/pins.py)."""
+
+    num_tokens: int
+    ttl_s: int
+
+
+@dataclass(frozen=True, slots=True)
 class PageAllocation:
     req_id: str
     tenant: str
@@ -60,6 +69,7 @@ class PageAllocation:
     # The worker's measured costs (0: not measured yet): store hits are taken only when loading beats recomputing
     load_s_per_page: float = 0.0
     prefill_s_per_token: float = 0.0
+    pins: tuple[PinPoint, ...] = ()  # taken as its pages are cached (hit now, or committed later)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +134,7 @@ class PageAllocationResult(PageOpResult):
     # computed pages, once their load succeeded.
     store_loads: list[StoreLoad] = field(default_factory=list)
     num_committed_tokens: int = 0
+    num_pinned_tokens: int = 0  # leading prompt tokens under a pin this request took or refreshed
 
 
 @dataclass(slots=True)
@@ -136,6 +147,7 @@ class PageExtensionResult(PageOpResult):
 @dataclass(slots=True)
 class PageCommitResult(PageOpResult):
     num_committed_tokens: int = 0
+    num_pinned_tokens: int = 0  # as PageAllocationResult's, after this op
 
 
 @dataclass(slots=True)

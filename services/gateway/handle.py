@@ -23,6 +23,7 @@ class Usage:
     prompt_tokens: int
     num_cached_tokens: int  # of the prompt, served from the prefix cache (a multiple of the page size)
     completion_tokens: int
+    num_pinned_tokens: int = 0  # of the prompt, under a soft pin this request took or refreshed
 
 
 @dataclass(slots=True)
@@ -93,5 +94,6 @@ class RequestHandle:
     def finish(self, text: str = "") -> None:
         """Queues the last delta (the engine calls it once the request's pages are freed, or it held none)."""
         req = self.req
-        usage = Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, len(req.output_token_ids))
+        usage = Usage(len(req.prompt_token_ids), req.num_cached_tokens or 0, len(req.output_token_ids),
+                      req.num_pinned_tokens)
         self.put(OutputDelta(text=text, finish_reason=req.finish_reason, usage=usage, error=req.error))

@@ -14,6 +14,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.common.wire.pages import PinPoint
 from kvserve.common.wire.worker import SamplingParams
 
 
@@ -61,6 +62,9 @@ class Request:
     # count as computed, not committed, so nothing of them is committed before the load is known to have worked.
     store_loads: tuple = ()
     skip_store: bool = False  # a load from the store failed for it: its next admissions take pool hits only
+    pins: tuple[PinPoint, ...] = ()  # soft pins of its prompt's prefixes it asks the kvmanager for
+    num_pinned_tokens: int = 0  # leading prompt tokens under a pin it took or refreshed (the kvmanager's answer)
+    cache_key: str = ""  # placement affinity within the tenant (OpenAI's prompt_cache_key); "" = none
     num_preemptions: int = 0
     # Steps with it in them that failed in a row without an answer for it (the worker refused the step as a whole,
     # restarted or was lost in it). While > 0 it is under suspicion: at most one such request computes per step

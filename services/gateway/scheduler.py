@@ -140,6 +140,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is preempted first
         self.pending_frees: list[str] = []
         self.final_commits: list[PageCommit] = []  # of requests in pending_frees: the pages they filled last
+        self.finishing: dict[str, Request] = {}  # requests of final_commits, for the pins their answers report
         self.requests: dict[str, Request] = {}  # every request not finished, by req_id
         self.num_available_pages = cfg.num_pages  # free + evictable, as of the last answer
         self._step_ids = itertools.count(1)
@@ -198,6 +199,7 @@ class Scheduler:
         commit = self._commit_for(req) if commit else None
         if commit is not None:
             self.final_commits.append(commit)
+            self.finishing[req.req_id] = req
 
     def resend_frees(self, out: SchedulerOutput) -> None:
         """The page-ops call of ``out`` failed: its frees go out again with the next one (its commits do not:
@@ -209,13 +211,13 @@ class Scheduler:
         """Forgets the commits queued with pending frees (after a page-ops call whose answer was lost: it may
         have been applied, and a commit computed before it would be refused as out of order). Only cache entries
         are lost."""
-        self.final_commits = []
+        self.final_commits, self.finishing = [], {}
 
     def abandon_frees(self) -> int:
         """Forgets the frees still to send (the engine stops, and the kvmanager cannot be reached); their pages
         stay allocated there until the worker's pool is registered again. Returns how many."""
         num = len(self.pending_frees)
-        self.pending_frees, self.final_commits = [], []
+        self.pending_frees, self.final_commits, self.finishing = [], [], {}
         return num
 
     def skip(self, batch: ScheduledBatch) -> None:
@@ -273,6 +275,7 @@ class Scheduler:
         sequence goes on."""
         self.waiting.clear()
         self.running, self.pending_frees, self.final_commits, self.preempted = [], [], [], []
+        self.finishing = {}
         self.requests = {}
         self.num_available_pages = self.cfg.num_pages
 
@@ -320,7 +323,7 @@ class Scheduler:
                                            skip_prefix_cache=not self.cfg.prefix_caching, chunk_tokens=chunk(c),
                                            skip_store=skip_store or c.req.skip_store,
                                            load_s_per_page=tier.load_s_per_page,
-                                           prefill_s_per_token=tier.prefill_s_per_token)
+                                           prefill_s_per_token=tier.prefill_s_per_token, pins=c.req.pins)
                             for c in admitted)
         ops = StepOps(next(self._step_ids), allocations, tuple(extensions), tuple(final_commits + commits), frees,
                       releases)
@@ -444,8 +447,12 @@ class Scheduler:
                 self.num_available_pages = pool.num_free_pages + pool.num_evictable_pages
         freed = {f.req_id for f in out.ops.frees} if out.ops is not None else ()
         for c in results.commits:
-            if c.status is OpStatus.OK and c.req_id not in freed:
-                self.requests[c.req_id].num_committed_tokens = c.num_committed_tokens
+            req = self.requests.get(c.req_id) or self.finishing.pop(c.req_id, None)
+            if c.status is not OpStatus.OK or req is None:
+                continue
+            req.num_pinned_tokens = max(req.num_pinned_tokens, c.num_pinned_tokens)  # usage reports it once freed
+            if c.req_id not in freed:
+                req.num_committed_tokens = c.num_committed_tokens
         released = {r.req_id: r for r in out.ops.releases} if out.ops is not None else {}
         for r in results.releases:  # the window's pages are gone: holes in the request's copy of its table
             req = self.requests.get(r.req_id)
@@ -486,6 +493,7 @@ class Scheduler:
             req.status, req.page_table, req.epoch = RequestStatus.RUNNING, list(a.page_table), a.epoch
             req.num_computed_tokens, req.num_committed_tokens = a.num_cached_tokens, a.num_committed_tokens
             req.store_loads = tuple(a.store_loads)
+            req.num_pinned_tokens = max(req.num_pinned_tokens, a.num_pinned_tokens)
             self.running.append(req)
             if batch is None:
                 req.admitted_ahead = True

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.request_checks import check_sampling, check_stop, check_text
 from kvserve.common.tokenizer import ChatTemplateError, Tokenizer
+from kvserve.common.wire.pages import PinPoint
 from kvserve.common.wire.worker import SamplingParams
 from kvserve.services.gateway.request import Request, RequestParams
 
@@ -27,6 +28,10 @@ class GenerateInput:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     ignore_eos: bool = False
+    # Soft pins of prompt prefixes (cache_control breakpoints, prompt_cache_retention): num_tokens past the prompt
+    # are cut to it; 0 = the whole prompt.
+    pins: tuple[PinPoint, ...] = ()
+    cache_key: str = ""  # placement affinity within the tenant (OpenAI's prompt_cache_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,4 +110,28 @@ def validate_request(inp: GenerateInput, tenant: str, tokenizer: Tokenizer, limi
                              "for one generated token")
     params = RequestParams(max_tokens=_max_tokens(inp, len(prompt_ids), limits), sampling=inp.sampling,
                            stop=inp.stop, logprobs=inp.logprobs, ignore_eos=inp.ignore_eos)
-    return Request(req_id=f"req-{uuid.uuid4().hex[:16]}", tenant=tenant, prompt_token_ids=prompt_ids, params=params)
+    return Request(req_id=f"req-{uuid.uuid4().hex[:16]}", tenant=tenant, prompt_token_ids=prompt_ids, params=params,
+                   pins=_pins(inp.pins, len(prompt_ids)), cache_key=_cache_key(inp.cache_key))
+
+
+MAX_PINS = 8  # Anthropic allows 4 cache_control breakpoints; with prompt_cache_retention, room to spare
+MAX_PIN_TTL_S = 7 * 24 * 3600
+MAX_CACHE_KEY_CHARS = 1024
+
+
+def _pins(pins: tuple[PinPoint, ...], num_prompt: int) -> tuple[PinPoint, ...]:
+    if len(pins) > MAX_PINS:
+        raise InvalidRequest(f"{len(pins)} cache pins asked for; at most {MAX_PINS} per request")
+    for p in pins:
+        if not 0 < p.ttl_s <= MAX_PIN_TTL_S:
+            raise InvalidRequest(f"a cache pin's ttl must be 1 to {MAX_PIN_TTL_S} seconds, got {p.ttl_s}")
+        if p.num_tokens < 0:
+            raise InvalidRequest(f"a cache pin's num_tokens must be >= 0 (0 = the whole prompt), got {p.num_tokens}")
+    return tuple(PinPoint(min(p.num_tokens or num_prompt, num_prompt), p.ttl_s) for p in pins)
+
+
+def _cache_key(key: str) -> str:
+    if len(key) > MAX_CACHE_KEY_CHARS:
+        raise InvalidRequest(f"prompt_cache_key has {len(key)} characters; at most {MAX_CACHE_KEY_CHARS}",
+                             param="prompt_cache_key")
+    return key

@@ -135,7 +135,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ...) -> None: ...
 
 class PageAllocation(_message.Message):
-    __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent", "chunk_tokens", "skip_store", "load_s_per_page", "prefill_s_per_token")
+    __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent", "chunk_tokens", "skip_store", "load_s_per_page", "prefill_s_per_token", "pins")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class PageAllocation(_message.Message):
     SKIP_STORE_FIELD_NUMBER: _ClassVar[int]
     LOAD_S_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     tenant: str
     worker_id: str
@@ -156,7 +157,16 @@ class PageAllocation(_message.Message):
     skip_store: bool
     load_s_per_page: float
     prefill_s_per_token: float
-    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., skip_store: _Optional[bool] = ..., load_s_per_page: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ...) -> None: ...
+    pins: _containers.RepeatedCompositeFieldContainer[PinPoint]
+    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., skip_store: _Optional[bool] = ..., load_s_per_page: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., pins: _Optional[_Iterable[_Union[PinPoint, _Mapping]]] = ...) -> None: ...
+
+class PinPoint(_message.Message):
+    __slots__ = ("num_tokens", "ttl_s")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    ttl_s: int
+    def __init__(self, num_tokens: _Optional[int] = ..., ttl_s: _Optional[int] = ...) -> None: ...
 
 class StoreLoad(_message.Message):
     __slots__ = ("page_id", "block_hash", "namespace")
@@ -181,7 +191,7 @@ class StoreWrite(_message.Message):
     def __init__(self, page_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PageAllocationResult(_message.Message):
-    __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short", "store_loads", "num_committed_tokens")
+    __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short", "store_loads", "num_committed_tokens", "num_pinned_tokens")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +201,7 @@ class PageAllocationResult(_message.Message):
     NUM_PAGES_SHORT_FIELD_NUMBER: _ClassVar[int]
     STORE_LOADS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     status: PageOpStatus
     worker_id: str
@@ -200,7 +211,8 @@ class PageAllocationResult(_message.Message):
     num_pages_short: int
     store_loads: _containers.RepeatedCompositeFieldContainer[StoreLoad]
     num_committed_tokens: int
-    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_pages_short: _Optional[int] = ..., store_loads: _Optional[_Iterable[_Union[StoreLoad, _Mapping]]] = ..., num_committed_tokens: _Optional[int] = ...) -> None: ...
+    num_pinned_tokens: int
+    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_pages_short: _Optional[int] = ..., store_loads: _Optional[_Iterable[_Union[StoreLoad, _Mapping]]] = ..., num_committed_tokens: _Optional[int] = ..., num_pinned_tokens: _Optional[int] = ...) -> None: ...
 
 class PageExtension(_message.Message):
     __slots__ = ("req_id", "num_tokens", "traceparent")
@@ -241,14 +253,16 @@ class PageCommit(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., start_pos: _Optional[int] = ..., packed_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PageCommitResult(_message.Message):
-    __slots__ = ("req_id", "status", "num_committed_tokens")
+    __slots__ = ("req_id", "status", "num_committed_tokens", "num_pinned_tokens")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     status: PageOpStatus
     num_committed_tokens: int
-    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., num_committed_tokens: _Optional[int] = ...) -> None: ...
+    num_pinned_tokens: int
+    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., num_committed_tokens: _Optional[int] = ..., num_pinned_tokens: _Optional[int] = ...) -> None: ...
 
 class PageFree(_message.Message):
     __slots__ = ("req_id", "traceparent")
@@ -606,16 +620,18 @@ class TenantReport(_message.Message):
     def __init__(self, stats: _Optional[_Union[TenantStats, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[CachedBlock, _Mapping]]] = ..., prefixes: _Optional[_Iterable[_Union[CachedPrefix, _Mapping]]] = ...) -> None: ...
 
 class PrefixRequest(_message.Message):
-    __slots__ = ("tenant", "token_ids", "text", "worker_id")
+    __slots__ = ("tenant", "token_ids", "text", "worker_id", "ttl_s")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     token_ids: TokenIds
     text: str
     worker_id: str
-    def __init__(self, tenant: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    ttl_s: int
+    def __init__(self, tenant: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., worker_id: _Optional[str] = ..., ttl_s: _Optional[int] = ...) -> None: ...
 
 class ProbeHit(_message.Message):
     __slots__ = ("worker_id", "epoch", "num_cached_tokens")
@@ -658,12 +674,16 @@ class EvictResult(_message.Message):
     def __init__(self, num_evicted_blocks: _Optional[int] = ..., num_kept_blocks: _Optional[int] = ...) -> None: ...
 
 class PinResult(_message.Message):
-    __slots__ = ("num_pinned_blocks", "num_pinned_tokens")
+    __slots__ = ("num_pinned_blocks", "num_pinned_tokens", "expires_ms", "num_over_budget_blocks")
     NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OVER_BUDGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_pinned_blocks: int
     num_pinned_tokens: int
-    def __init__(self, num_pinned_blocks: _Optional[int] = ..., num_pinned_tokens: _Optional[int] = ...) -> None: ...
+    expires_ms: int
+    num_over_budget_blocks: int
+    def __init__(self, num_pinned_blocks: _Optional[int] = ..., num_pinned_tokens: _Optional[int] = ..., expires_ms: _Optional[int] = ..., num_over_budget_blocks: _Optional[int] = ...) -> None: ...
 
 class UnpinResponse(_message.Message):
     __slots__ = ("num_unpinned_blocks",)
