@@ -19,6 +19,7 @@ from pathlib import Path
 from kvserve.common.metrics import GatewayMetrics
 from kvserve.common.tokenizer import Tokenizer
 from kvserve.common.wire.pages import PoolSpec
+from kvserve.services.gateway.affinity import Affinity
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.backends import KVManagerBackend, WorkerBackend
 from kvserve.services.gateway.core import incompatible_change
@@ -77,12 +78,14 @@ class Gateway:
         self.cfg, self.keys, self.kv = cfg, keys, kv
         self.observe = Observer(metrics)
         self.tokenizer = Tokenizer(cfg.model_dir)
-        self._lock = threading.Lock()  # guards _engines, _parked, _declared_dead, closing, _placing_by_load
+        # guards _engines, _parked, _declared_dead, closing, _placing_by_load, affinity
+        self._lock = threading.Lock()
         self._engines: dict[str, EngineLoop] = {}
         # engines given up on whose pool the kvmanager has not dropped yet: their hand-over drops it first
         self._declared_dead: set[EngineLoop] = set()
         self._parked: list[tuple[float, Transfer]] = []  # handed over while no worker was live: (since, request)
         self._placing_by_load = False  # the kvmanager did not answer the last placement
+        self.affinity = Affinity()  # (tenant, cache_key) -> the worker its requests go to while it has room
         self.closing = False
         self.reference = None  # the WorkerInfo every worker must match (model, page size, context, window)
         self.limits: Limits | None = None
@@ -258,16 +261,30 @@ class Gateway:
             return engine.submit(req)
 
     def place(self, req: Request, num_queued: dict[str, int], engines: list[EngineLoop]) -> EngineLoop:
+        """The engine a request goes to, among ``engines`` (the ones taking new requests; ``num_queued``: the
+        requests this gateway has queued on each, by worker_id). A request with a cache_key goes to the worker
+        its tenant's key was placed on while that one has room (affinity.py), without asking the kvmanager;
+        otherwise it is placed by ``_place_by_cache`` and, with a key, the worker is remembered for it."""
+        by_id = {e.info.worker_id: e for e in engines}
+        if req.cache_key:
+            worker_id = self.affinity.worker_for(req.tenant, req.cache_key, num_queued)
+            if worker_id is not None:
+                return by_id[worker_id]
+        engine = self._place_by_cache(req, num_queued, by_id)
+        if req.cache_key:
+            self.affinity.remember(req.tenant, req.cache_key, engine.info.worker_id)
+        return engine
+
+    def _place_by_cache(self, req: Request, num_queued: dict[str, int], by_id: dict[str, EngineLoop]) -> EngineLoop:
         """The worker the kvmanager's cache-aware placement chooses (longest prefix hit balanced against
-        load, ``num_queued``: the requests this gateway has queued per worker) among ``engines``, the ones
-        taking new requests; the only one when there is one.
+        load) among ``by_id``'s; the only one when there is one.
 
         While the kvmanager is unreachable, or when it names a worker that is not among them (gone, draining),
         the one with the fewest queued requests: the request then waits for the kvmanager in its first page op,
         as running ones do, instead of holding up every submission behind a placement that waits out the
         outage."""
-        if len(engines) == 1:
-            return engines[0]
+        if len(by_id) == 1:
+            return next(iter(by_id.values()))
         least_queued = min(num_queued, key=num_queued.get)  # the first of the least queued
         try:
             worker_id = self.kv.place(req.tenant, req.prompt_token_ids, num_queued)
@@ -276,7 +293,6 @@ class Gateway:
             self._placement_degraded(str(e))
         else:
             self._placement_degraded(None)
-        by_id = {e.info.worker_id: e for e in engines}
         return by_id.get(worker_id, by_id[least_queued])
 
     def _placement_degraded(self, why: str | None) -> None:
