@@ -23,12 +23,14 @@ class ApiKeys:
         return not self.keys
 
     def tenant_for(self, metadata: dict[str, str]) -> str:
-        """The tenant of a call's ``authorization: Bearer <key>`` metadata. Raises Unauthenticated."""
+        """The tenant of a call's ``authorization: Bearer <key>`` metadata, or else of its ``x-api-key`` (how
+        Anthropic's clients send the key). Raises Unauthenticated."""
         if self.dev_mode:
             return DEV_TENANT
-        key = bearer_token(metadata.get("authorization", ""))
+        key = bearer_token(metadata.get("authorization", "")) or metadata.get("x-api-key", "").strip() or None
         if key is None:
-            raise Unauthenticated("missing API key: send metadata 'authorization: Bearer <api key>'")
+            raise Unauthenticated("missing API key: send metadata 'authorization: Bearer <api key>' or "
+                                  "'x-api-key: <api key>'")
         for known, tenant in self.keys:
             if hmac.compare_digest(known.encode(), key.encode()):
                 return tenant

@@ -1,11 +1,13 @@
-"""The gateway's OpenAI-compatible HTTP front-end: thin, as the gRPC servicer. A request body -> the protocol
-models -> GenerateInput, the tenant from the bearer key (the same keys as gRPC), Gateway.submit, deltas ->
-OpenAI's shapes; typed errors become statuses by the one table of errors.py.
+"""The gateway's HTTP front-end, OpenAI's API and Anthropic's Messages API: thin, as the gRPC servicer. A
+request body -> the protocol models -> GenerateInput, the tenant from the API key (``authorization: Bearer`` or
+``x-api-key``; the same keys as gRPC), Gateway.submit, deltas -> the API's shapes; typed errors become statuses
+by the one table of errors.py.
 
     GET  /health                 200 while serving, 503 once the gateway drains
     GET  /v1/models[/{model}]    the served model
     POST /v1/completions         prompt: text or token ids
     POST /v1/chat/completions    messages, through the model's chat template
+    POST /v1/messages            Anthropic's Messages API: text blocks, cache_control breakpoints as soft pins
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from kvserve.common.errors import DomainError
 from kvserve.common.metrics import GatewayMetrics
 from kvserve.common.telemetry import context_from_metadata
 from kvserve.services.gateway.app import Gateway
+from kvserve.services.gateway.http import anthropic_responses as anthropic
+from kvserve.services.gateway.http.anthropic_protocol import MessagesRequest
 from kvserve.services.gateway.http.errors import BodyTooLarge, ModelNotFound, error_body, headers_of, status_of
 from kvserve.services.gateway.http.metrics import HttpMetricsMiddleware
 from kvserve.services.gateway.http.protocol import ChatCompletionRequest, CompletionRequest, ParamError, parse
@@ -73,7 +77,8 @@ class HttpFrontEnd:
         routes = [Route("/health", self.health), Route("/v1/models", self.models),
                   Route("/v1/models/{model:path}", self.model),
                   Route("/v1/completions", self.completions, methods=["POST"]),
-                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/v1/messages", self.messages, methods=["POST"])]
         app = Starlette(routes=routes, exception_handlers={HTTPException: self.http_error})
         self.app = HttpMetricsMiddleware(app, metrics, [r.path for r in routes]) if metrics else app
 
@@ -118,6 +123,23 @@ class HttpFrontEnd:
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, ChatCompletionRequest, chat=True)
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API over the same core; its errors in Anthropic's shape."""
+        try:
+            tenant = self.gateway.keys.tenant_for(request.headers)
+            params = parse(MessagesRequest, await read_json(request, self.max_body_bytes))
+            self._check_model(params.model)
+            parent = context_from_metadata(request.headers.items())
+            # Tokenising the breakpoints and the prompt, and placing it: on a thread, as _generate's submit.
+            handle = await anyio.to_thread.run_sync(
+                lambda: self.gateway.submit(params.to_input(self.gateway.tokenizer), tenant, parent))
+        except DomainError as e:
+            return anthropic.error_response(e)
+        req = handle.req
+        rendering = anthropic.MessageRendering(req.req_id, self.model_name, req.pins, req.params.stop,
+                                               self.gateway.tokenizer.decode)
+        return (anthropic.MessageStream if params.stream else anthropic.WholeMessage)(handle, rendering)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
