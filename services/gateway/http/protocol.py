@@ -13,11 +13,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvserve.common.errors import InvalidRequest
+from kvserve.common.wire.pages import PinPoint
 from kvserve.common.wire.worker import SamplingParams
 from kvserve.services.gateway.validate import GenerateInput
 
 # OpenAI's default sampling temperature (the API's, not kvserve gRPC's, where unset means greedy).
 DEFAULT_TEMPERATURE = 1.0
+# prompt_cache_retention -> the soft pins it asks for: "24h" pins the whole prompt's prefix for a day.
+RETENTION_PINS = {"in_memory": (), "24h": (PinPoint(num_tokens=0, ttl_s=24 * 3600),)}
 
 
 class ParamError(InvalidRequest):
@@ -52,9 +55,14 @@ class _Sampling(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_cache_key: str | None = None  # placement affinity within the tenant (its length: validate.py)
+    prompt_cache_retention: str | None = None  # a key of RETENTION_PINS; None = "in_memory"
 
     @model_validator(mode="after")
     def _supported(self):
+        if self.prompt_cache_retention not in (None, *RETENTION_PINS):
+            raise ParamError(f"prompt_cache_retention must be one of {', '.join(map(repr, RETENTION_PINS))}, got "
+                             f"{self.prompt_cache_retention!r}", "prompt_cache_retention")
         if self.n not in (None, 1):
             raise ParamError(f"n must be 1 (one choice per request), got {self.n}", "n")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -77,7 +85,9 @@ class _Sampling(_Body):
     def _input(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int, **prompt) -> GenerateInput:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return GenerateInput(sampling=self.sampling(top_logprobs), max_tokens=max_tokens or 0, stop=stop,
-                             logprobs=logprobs, ignore_eos=self.ignore_eos, **prompt)
+                             logprobs=logprobs, ignore_eos=self.ignore_eos,
+                             pins=RETENTION_PINS[self.prompt_cache_retention or "in_memory"],
+                             cache_key=self.prompt_cache_key or "", **prompt)
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
