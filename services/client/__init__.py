@@ -37,13 +37,14 @@ from kvserve.services.client.errors import (
     from_rpc_error,
 )
 from kvserve.services.client.retry import RetryPolicy
-from kvserve.services.client.types import Completion, Delta, Logprob, Usage, build_request
+from kvserve.services.client.types import CachePin, Completion, Delta, Logprob, Usage, build_request
 
 __all__ = [
     "DEFAULT_GATEWAY_ADDRESS",
     "DEFAULT_TIMEOUT_S",
     "AsyncClient",
     "AsyncGenerateStream",
+    "CachePin",
     "Cancelled",
     "Client",
     "Completion",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -20,6 +20,7 @@ from kvserve.common.tls import channel_credentials, load_tls
 from kvserve.services.client.errors import from_rpc_error, rpc_error_code
 from kvserve.services.client.retry import RetryPolicy, retry_wait_s
 from kvserve.services.client.types import (
+    CachePin,
     Completion,
     Delta,
     build_request,
@@ -203,8 +204,8 @@ class Client(ClientBase):
     """
 
     def generate(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
-                 prompt_token_ids: Sequence[int] | None = None,
-                 timeout_s: float | None = None, **sampling: Any) -> GenerateStream:
+                 prompt_token_ids: Sequence[int] | None = None, cache_pins: Iterable[CachePin | tuple[int, int]] = (),
+                 cache_key: str = "", timeout_s: float | None = None, **sampling: Any) -> GenerateStream:
         """Starts a streamed completion.
 
         Args:
@@ -213,6 +214,11 @@ class Client(ClientBase):
             messages: chat messages, each ``{"role": ..., "content": ...}``, oldest first, rendered with the
                 model's chat template.
             prompt_token_ids: the prompt as token ids of the model's vocabulary, fed as they are.
+            cache_pins: soft pins of prompt prefixes, each a ``CachePin`` or ``(num_tokens, ttl_s)`` (num_tokens 0
+                = the whole prompt): their pages stay cached for ttl_s seconds after the last hit, within the
+                tenant's pin budget; ``usage.pinned_tokens`` says what was pinned.
+            cache_key: placement affinity within the tenant: requests with the same key go to the same worker
+                while it has room; empty for none.
             timeout_s: the deadline of the whole stream in seconds; None uses the client's.
             **sampling: max_tokens, temperature, top_p, top_k, seed, stop, logprobs, top_logprobs, ignore_eos
                 (see ``types.build_request``).
@@ -222,10 +228,11 @@ class Client(ClientBase):
 
         Raises:
             ValueError: not exactly one of prompt, messages and prompt_token_ids, a malformed message, a
-                token id outside 0 to 2**32 - 1, or a non-positive timeout.
+                token id outside 0 to 2**32 - 1, a malformed cache pin, or a non-positive timeout.
             TypeError: an unknown sampling keyword.
         """
-        request = build_request(prompt, messages, prompt_token_ids=prompt_token_ids, **sampling)
+        request = build_request(prompt, messages, prompt_token_ids=prompt_token_ids, cache_pins=cache_pins,
+                                cache_key=cache_key, **sampling)
         deadline = call_deadline(timeout_s, self._timeout_s)
 
         def start(timeout: float) -> Any:
@@ -234,12 +241,13 @@ class Client(ClientBase):
         return GenerateStream(start, self._retry, deadline, self._rng)
 
     def complete(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
-                 prompt_token_ids: Sequence[int] | None = None,
-                 timeout_s: float | None = None, **sampling: Any) -> Completion:
+                 prompt_token_ids: Sequence[int] | None = None, cache_pins: Iterable[CachePin | tuple[int, int]] = (),
+                 cache_key: str = "", timeout_s: float | None = None, **sampling: Any) -> Completion:
         """Runs a completion and returns it once finished (the unary Complete call).
 
         Args:
-            prompt, messages, prompt_token_ids, timeout_s, **sampling: as for ``generate``.
+            prompt, messages, prompt_token_ids, cache_pins, cache_key, timeout_s, **sampling: as for
+                ``generate``.
 
         Returns:
             The finished completion.
@@ -249,7 +257,8 @@ class Client(ClientBase):
                 Unauthenticated, DeadlineExceeded, ...), chained from the grpc.RpcError.
             ValueError, TypeError: as for ``generate``.
         """
-        request = build_request(prompt, messages, prompt_token_ids=prompt_token_ids, **sampling)
+        request = build_request(prompt, messages, prompt_token_ids=prompt_token_ids, cache_pins=cache_pins,
+                                cache_key=cache_key, **sampling)
         deadline = call_deadline(timeout_s, self._timeout_s)
         attempt = 1
         while True:

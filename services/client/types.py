@@ -22,11 +22,28 @@ class Usage:
         prompt_tokens: tokens of the prompt (after the chat template).
         cached_tokens: of those, tokens whose K/V came from the prefix cache.
         completion_tokens: tokens generated.
+        pinned_tokens: of the prompt tokens, those under a soft pin this request took or refreshed
+            (``cache_pins``); a multiple of the page size.
     """
 
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    pinned_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CachePin:
+    """A soft pin of a prompt's prefix: its pages stay cached (in the workers' pools and the shared KV tier)
+    for ``ttl_s`` seconds after the pin is taken or last hit, within the tenant's pin budget.
+
+    Attributes:
+        num_tokens: prompt tokens the pin covers (its full pages are pinned); 0 = the whole prompt.
+        ttl_s: seconds the pin lasts after it is taken or last hit (the gateway takes 1 to 7 days' worth).
+    """
+
+    num_tokens: int
+    ttl_s: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +117,9 @@ def _set(message, **fields) -> None:
 def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str]] | None = None, *,
                   prompt_token_ids: Sequence[int] | None = None, max_tokens: int = 0, temperature: float = 0.0,
                   top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Iterable[str] = (),
-                  logprobs: bool = False, top_logprobs: int = 0,
-                  ignore_eos: bool = False) -> gateway_pb2.GenerateRequest:
+                  logprobs: bool = False, top_logprobs: int = 0, ignore_eos: bool = False,
+                  cache_pins: Iterable[CachePin | tuple[int, int]] = (),
+                  cache_key: str = "") -> gateway_pb2.GenerateRequest:
     """Builds a GenerateRequest. Values are sent as given: the gateway validates ranges.
 
     Args:
@@ -118,14 +136,19 @@ def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str
         logprobs: whether to return each generated token's logprob.
         top_logprobs: number of alternatives returned with each token's logprob.
         ignore_eos: keep generating past end-of-sequence tokens until max_tokens.
+        cache_pins: soft pins of prompt prefixes, each a ``CachePin`` or a ``(num_tokens, ttl_s)`` pair
+            (num_tokens 0 = the whole prompt); at most 8. ``usage.pinned_tokens`` says what was pinned.
+        cache_key: placement affinity within the tenant: requests with the same key go to the same worker
+            while it has room (OpenAI's prompt_cache_key); empty for none.
 
     Returns:
         The request message.
 
     Raises:
         ValueError: not exactly one of ``prompt``, ``messages`` and ``prompt_token_ids`` is given, a message
-            lacks ``"role"`` or ``"content"``, or a value does not fit its field (``seed=-1``,
-            ``max_tokens=2**40``, a token id outside 0 to 2**32 - 1); the message names the argument.
+            lacks ``"role"`` or ``"content"``, a cache pin is not a CachePin or a pair of ints, or a value does
+            not fit its field (``seed=-1``, ``max_tokens=2**40``, a token id outside 0 to 2**32 - 1); the
+            message names the argument.
     """
     if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages and prompt_token_ids")
@@ -136,7 +159,8 @@ def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str
         _set(sampling, top_p=top_p)
     if seed is not None:
         _set(sampling, seed=seed)
-    _set(request, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=ignore_eos)
+    _set(request, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=ignore_eos, cache_key=cache_key)
+    request.cache_pins.extend(_cache_pins(cache_pins))
     try:
         request.stop.extend([stop] if isinstance(stop, str) else stop)
     except TypeError as e:
@@ -170,6 +194,18 @@ def _prompt_token_ids(token_ids: Sequence[int]) -> gateway_pb2.PromptTokenIds:
     return message
 
 
+def _cache_pins(pins: Iterable[CachePin | tuple[int, int]]) -> list[gateway_pb2.CachePin]:
+    messages = []
+    for i, pin in enumerate(pins):
+        try:
+            num_tokens, ttl_s = (pin.num_tokens, pin.ttl_s) if isinstance(pin, CachePin) else pin
+            messages.append(gateway_pb2.CachePin(num_tokens=num_tokens, ttl_s=ttl_s))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"cache_pins[{i}]={pin!r}: give a CachePin or a (num_tokens, ttl_s) pair of ints "
+                             f"({e})") from None
+    return messages
+
+
 def delta_from_response(response: gateway_pb2.GenerateResponse) -> Delta:
     """Converts one streamed GenerateResponse into a Delta (usage only when the message carries it)."""
     return Delta(req_id=response.req_id, text=response.text, token_ids=tuple(response.token_ids),
@@ -193,7 +229,7 @@ def _finish_reason(value: int) -> str | None:
 
 def _usage(usage: gateway_pb2.Usage) -> Usage:
     return Usage(prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
-                 completion_tokens=usage.completion_tokens)
+                 completion_tokens=usage.completion_tokens, pinned_tokens=usage.pinned_tokens)
 
 
 def _logprobs(logprobs: Iterable[gateway_pb2.GeneratedLogprob]) -> tuple[Logprob, ...]:

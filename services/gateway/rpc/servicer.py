@@ -9,6 +9,7 @@ from kvserve.common.convert.sampling import sampling_from_proto
 from kvserve.common.errors import DomainError
 from kvserve.common.grpc_server import abort
 from kvserve.common.telemetry import context_from_metadata
+from kvserve.common.wire.pages import PinPoint
 from kvserve.services.gateway.app import Gateway
 from kvserve.services.gateway.handle import OutputDelta, RequestHandle, Usage
 from kvserve.services.gateway.request import FinishReason
@@ -21,13 +22,14 @@ FINISH = {FinishReason.EOS: gateway_pb2.FINISH_REASON_EOS, FinishReason.STOP: ga
 
 def input_from_proto(r: gateway_pb2.GenerateRequest) -> GenerateInput:
     """The request's oneof input becomes the one matching GenerateInput field; none set leaves all three None
-    (validation says so)."""
+    (validation says so). Cache pins and the cache key are taken as sent (validation bounds them)."""
     which = r.WhichOneof("input")
     messages = tuple((m.role, m.content) for m in r.messages.messages) if which == "messages" else None
     token_ids = tuple(r.prompt_token_ids.token_ids) if which == "prompt_token_ids" else None
     return GenerateInput(prompt=r.prompt if which == "prompt" else None, messages=messages,
                          prompt_token_ids=token_ids, sampling=sampling_from_proto(r.sampling),
-                         max_tokens=r.max_tokens, stop=tuple(r.stop), logprobs=r.logprobs, ignore_eos=r.ignore_eos)
+                         max_tokens=r.max_tokens, stop=tuple(r.stop), logprobs=r.logprobs, ignore_eos=r.ignore_eos,
+                         pins=tuple(PinPoint(p.num_tokens, p.ttl_s) for p in r.cache_pins), cache_key=r.cache_key)
 
 
 def _logprobs(delta: OutputDelta) -> list[gateway_pb2.GeneratedLogprob]:
@@ -38,11 +40,12 @@ def _logprobs(delta: OutputDelta) -> list[gateway_pb2.GeneratedLogprob]:
 
 
 def usage_to_proto(usage: Usage | None) -> gateway_pb2.Usage | None:
-    """The public Usage keeps OpenAI's name for the prompt tokens served from the cache: cached_tokens."""
+    """The public Usage keeps OpenAI's name for the prompt tokens served from the cache (cached_tokens), and
+    names the pinned ones alike (pinned_tokens)."""
     if usage is None:
         return None
     return gateway_pb2.Usage(prompt_tokens=usage.prompt_tokens, cached_tokens=usage.num_cached_tokens,
-                             completion_tokens=usage.completion_tokens)
+                             completion_tokens=usage.completion_tokens, pinned_tokens=usage.num_pinned_tokens)
 
 
 def delta_to_proto(req_id: str, delta: OutputDelta) -> gateway_pb2.GenerateResponse:
