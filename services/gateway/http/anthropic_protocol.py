@@ -122,6 +122,9 @@ class MessagesRequest(_Body):
         for name, (neutral, message) in REFUSED_FIELDS.items():
             if data.get(name) not in (None, neutral):
                 raise ParamError(message, name)
+        output = data.get("output_config")
+        if isinstance(output, dict) and output.get("format") is not None:  # its effort changes nothing here
+            raise ParamError("output_config.format (structured outputs) is not supported", "output_config.format")
         data = dict(data)
         system = data.get("system")
         data["system"] = [] if system is None or system == "" else _as_blocks("system", system)

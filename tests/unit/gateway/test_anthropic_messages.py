@@ -51,6 +51,7 @@ BAD = [  # (body, what the message says)
     (body(tools=[{"name": "f", "input_schema": {}}]), "tools are not supported"),
     (body(tool_choice={"type": "auto"}), "tool_choice is not supported"),
     (body(thinking={"type": "enabled", "budget_tokens": 1024}), "extended thinking is not supported"),
+    (body(output_config={"format": {"type": "json_schema", "schema": {}}}), "structured outputs"),
     (body(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type":
                                                                               "image/png", "data": "AA=="}}]}]),
      "messages.0.content.0: image blocks are not supported"),
