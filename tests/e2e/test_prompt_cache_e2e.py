@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -18,9 +19,11 @@ import kv_tier_stack
 import openai
 import pytest
 from gateway_stack import running_stack
-from kv_tier_stack import PAGE_SIZE, WAIT_S, tier_env, tier_stack
+from kv_tier_stack import LEASE_S, PAGE_SIZE, READY_TIMEOUT_S, WAIT_S, TierStack, tier_env
 from polling import wait_for
+from service_process import service_process
 
+from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.v1 import kvmanager_pb2 as pb
 
 KEYED = {"prompt_cache_key": "railway-faq", "prompt_cache_retention": "24h"}
@@ -106,14 +109,27 @@ MAX_TOKENS = 4
 STORE_BYTES = "12MiB"  # some 17 pages of the CPU's float32 K/V: the pinned prefix, the control, a little more
 TEXT = ("The lighthouse keeper wrote down the weather every morning: wind from the west, a grey sea, gulls over "
         "the harbour wall, and the ferry late again because of the fog that rolled in from the islands. ")
-GATEWAY_HTTP = re.compile(r"kvserve gateway ready on \S+ \(HTTP (\S+),")
+GATEWAY_READY = re.compile(r"^kvserve gateway ready on 127\.0\.0\.1:(\d+) \(HTTP (\S+),")
 
 
 @pytest.fixture
 def small_tier(tmp_path, monkeypatch):
+    """kv_tier_stack's store, kvmanager and worker-0 with a small store, and a gateway whose OpenAI API is
+    known: (the stack, the API's base URL)."""
     monkeypatch.setattr(kv_tier_stack, "STORE_BYTES", STORE_BYTES)  # read as its kvmanager starts
-    with tier_stack(tmp_path, ("retained",)) as stack:
-        yield stack
+    with contextlib.ExitStack() as exits:
+        stack = TierStack(tmp_path, tier_env(), exits.enter_context(EmbeddedRedis(tmp_path / "kv-store")))
+        exits.enter_context(stack._exits)  # its processes stop before the store
+        stack.kvmanager, _ = stack.start_kvmanager("kvmanager-0", None)
+        stack.start_worker("worker-0")
+        keys = tmp_path / "keys.json"
+        keys.write_text(json.dumps({"key-retained": "retained"}))
+        args = ["gateway", "--port", "0", "--http-port", "0", "--kvmanager", stack.kvmanager, "--api-keys-file",
+                str(keys), "--worker-timeout", LEASE_S]
+        _, m = stack._exits.enter_context(service_process(args, GATEWAY_READY, stack.env, stack.gateway_log_path,
+                                                          READY_TIMEOUT_S))
+        stack.gateway = f"127.0.0.1:{m.group(1)}"
+        yield stack, m.group(2)
 
 
 def prompt(tokenizer, topic: str) -> list[int]:
@@ -132,8 +148,7 @@ def cached_tokens(reply) -> int:
 
 
 def test_a_24h_retained_prefix_survives_a_worker_restart_and_a_flood_through_the_store(small_tier, tokenizer):
-    stack = small_tier
-    http = GATEWAY_HTTP.search(stack.gateway_log_path.read_text()).group(1)
+    stack, http = small_tier
     pinned, control = prompt(tokenizer, "Pinned"), prompt(tokenizer, "Control")
     with openai_client(http, "retained") as client:
         first = complete(client, pinned, prompt_cache_retention="24h")
