@@ -20,6 +20,7 @@ from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import TenantCounters
 from kvserve.kvmanager.step_validate import check_tenant
 
+MAX_PIN_TTL_S = 7 * 24 * 3600
 DEFAULT_MAX_BLOCKS = 100
 DEFAULT_MAX_PREFIXES = 10
 
@@ -147,6 +148,8 @@ class EvictResult:
 class PinResult:
     num_pinned_blocks: int
     num_pinned_tokens: int  # on the best pool
+    expires_ms: int = 0  # a soft pin's expiry (Unix ms); 0 for an operator's pin
+    num_over_budget_blocks: int = 0  # a soft pin's blocks left unpinned: the tenant's pin budget was spent
 
 
 PAGE_HELD, PAGE_SINK, PAGE_RELEASED = "held", "sink", "released"  # PageInfo.kind
@@ -345,20 +348,26 @@ def page_table(mgr: KVManager, req_id: str) -> PageTable:
 # -- mutations ----------------------------------------------------------------------------------------------
 def evict_tenant(mgr: KVManager, tenant: str, worker_id: str = "", include_pinned: bool = False) -> EvictResult:
     """Evicts the tenant's cached blocks with ref_cnt 0 (pinned ones only with ``include_pinned``, which
-    unpins them); their pages become free. Blocks held by requests are kept (unpinned with include_pinned).
-    Over every pool (no ``worker_id``), the tenant's blocks in the shared KV tier go too (counted as evicted).
+    removes their pins); their pages become free. Blocks held by requests are kept (unpinned with
+    include_pinned). Over every pool (no ``worker_id``), the tenant's blocks in the shared KV tier go too
+    (counted as evicted; pinned ones only with include_pinned), and with include_pinned all its pins.
 
     Raises InvalidRequest (empty tenant), UnknownWorker.
     """
     check_tenant(tenant)
+    pools = _pools_in_scope(mgr, worker_id)
+    if include_pinned:
+        doomed = mgr.pins.of_tenant(tenant) if not worker_id else [
+            b.block_hash for b in pools[0].index.values() if b.tenant == tenant and b.pinned]
+        for h in sorted(doomed):
+            mgr.pins.remove(h)
+            mgr.mark_pinned(h, False)
+        mgr.changes.changed |= bool(doomed)
     evicted = kept = 0
-    for pool in _pools_in_scope(mgr, worker_id):
+    for pool in pools:
         # In page order, not the index's: pages join the free list (and unpinned blocks the LRU) in this order,
         # which later allocations see, and the index's insertion order is not the same after a restart.
         for block in sorted((b for b in pool.index.values() if b.tenant == tenant), key=lambda b: b.page_id):
-            if include_pinned and block.pinned:
-                pool.set_pinned(block, False)
-                mgr.changes.changed = True
             if block.pinned or pool.ref_cnt[block.page_id] > 0:
                 kept += 1
                 continue
@@ -372,40 +381,64 @@ def evict_tenant(mgr: KVManager, tenant: str, worker_id: str = "", include_pinne
     return EvictResult(evicted, kept)
 
 
-def _set_pinned(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str,
-                pinned: bool) -> tuple[int, int, int]:
-    """(blocks of the prefix reached, blocks whose flag changed, most tokens reached on one pool)."""
+def pin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str = "", ttl_s: int = 0) -> PinResult:
+    """Pins the cached full-page blocks of a prefix found on the pools in scope, wherever they are (pins.py):
+    never evicted from any pool or the tier while pinned. ``ttl_s`` 0: an operator's pin, until unpinned,
+    outside any budget; > 0: a soft pin for the tenant, lapsing ttl_s after its last hit, within its pin
+    budget (judged on the pool with the longest prefix): blocks past the budget stay unpinned, counted in
+    num_over_budget_blocks.
+
+    Raises InvalidRequest (empty tenant or tokens, token id not a uint32, negative ttl), UnknownWorker.
+    """
     check_tenant(tenant)
     check_token_ids("", token_ids)
-    reached = changed = best_tokens = 0
-    for pool in _pools_in_scope(mgr, worker_id):
-        blocks = _prefix_blocks(mgr, pool, tenant, token_ids)
-        for block in blocks if pinned else reversed(blocks):  # unpinned tail first: the chain's end leaves first
-            if block.pinned != pinned:
-                pool.set_pinned(block, pinned)
-                if not pinned:  # it joins the LRU's most recent end; a reload orders the LRU by last_used
-                    pool.touch(block, mgr.tick())
-                mgr.changes.changed = True
-                changed += 1
-        reached += len(blocks)
-        best_tokens = max(best_tokens, len(blocks) * pool.spec.page_size)
-    return reached, changed, best_tokens
+    if not 0 <= ttl_s <= MAX_PIN_TTL_S:
+        raise InvalidRequest(f"ttl_s must be 0 (an operator's pin) to {MAX_PIN_TTL_S} seconds, got {ttl_s}")
+    pools = _pools_in_scope(mgr, worker_id)
+    found = {p.spec.worker_id: _prefix_blocks(mgr, p, tenant, token_ids) for p in pools}
+    best = max(pools, key=lambda p: len(found[p.spec.worker_id]), default=None)
+    hashes = list(dict.fromkeys(b.block_hash for p in pools for b in found[p.spec.worker_id]))
+    room = (mgr.pin_budget(tenant, best) - mgr.pins.num_soft.get(tenant, 0)) if ttl_s and best else 0
+    over = 0
+    for h in hashes:
+        is_new = h not in mgr.pins
+        if ttl_s and is_new and room <= 0:
+            over += 1
+            continue
+        was = mgr.pins.get(h)
+        before = (was.ttl_ms, was.expires_ms) if was else None
+        mgr.pins.add(h, tenant, ttl_s * 1000, mgr.now_ms)
+        room -= is_new
+        if is_new:
+            mgr.mark_pinned(h, True)
+        if before != (mgr.pins.get(h).ttl_ms, mgr.pins.get(h).expires_ms):
+            mgr.changes.changed = True
+    reached = sum(b.pinned for bs in found.values() for b in bs)
+    best_tokens = max((_leading_pinned(found[p.spec.worker_id]) * p.spec.page_size for p in pools), default=0)
+    return PinResult(reached, best_tokens, mgr.now_ms + ttl_s * 1000 if ttl_s else 0, over)
 
 
-def pin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str = "") -> PinResult:
-    """Pins the cached full-page blocks of a prefix on every pool in scope; pinned blocks are never evicted.
-
-    Raises InvalidRequest (empty tenant or tokens, token id not a uint32), UnknownWorker.
-    """
-    reached, _, best_tokens = _set_pinned(mgr, tenant, token_ids, worker_id, True)
-    return PinResult(reached, best_tokens)
+def _leading_pinned(blocks: list[Block]) -> int:
+    n = 0
+    while n < len(blocks) and blocks[n].pinned:
+        n += 1
+    return n
 
 
 def unpin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str = "") -> int:
-    """Unpins the blocks of a prefix, tail first: each counts as used now (last_used = the clock) and joins the
-    LRU's most recent end once no request holds it. Returns how many blocks were pinned and are now unpinned.
-    Raises as ``pin``."""
-    return _set_pinned(mgr, tenant, token_ids, worker_id, False)[1]
+    """Removes the pins of a prefix's blocks found on the pools in scope, tail first: each counts as used now
+    (last_used = the clock) and joins its LRUs' most recent end once no request holds it. Returns how many
+    blocks of those pools were pinned and are not any more. Raises as ``pin``."""
+    check_tenant(tenant)
+    check_token_ids("", token_ids)
+    pools = _pools_in_scope(mgr, worker_id)
+    found = [_prefix_blocks(mgr, p, tenant, token_ids) for p in pools]
+    changed = sum(b.pinned for bs in found for b in bs)
+    for h in reversed(list(dict.fromkeys(b.block_hash for bs in found for b in bs))):
+        if mgr.pins.remove(h) is not None:
+            mgr.mark_pinned(h, False)
+            mgr.changes.changed = True
+    return changed
 
 
 def reset(mgr: KVManager, force: bool = False) -> DropResult:
@@ -427,6 +460,8 @@ def reset(mgr: KVManager, force: bool = False) -> DropResult:
     mgr.stale.clear()
     mgr.tenants.clear()
     mgr.tier.clear()
+    mgr.pins.clear()
+    mgr.fair.last_active.clear()
     for worker_id, pool in mgr.pools.items():
         mgr.pools[worker_id] = PagePool(pool.spec)
     mgr.changes.reset = True  # persisted as a snapshot of what is left, not as a log record

@@ -18,6 +18,9 @@ and same calls give the same pages, hits and answers (the restart tests check ex
                        leave     a member left or was declared dead: it and its pool of that epoch are dropped
                        tier      a worker's ReportTier (blocks the store acknowledged, values found missing)
 
+Each record's header also holds the call's time ("now", Unix ms): a replay sets it before applying the call, so
+the soft pins that lapsed before it lapse again at the same point (pins.py).
+
 A step is appended as soon as it is validated, while the manager applies it (send_early); other calls only
 when they changed state. Retried calls (same step_id) replay their answers, so a record logged twice (its
 first write failed) changes nothing the second time.
@@ -51,6 +54,7 @@ from kvserve.common.wire.pages import (
     PageExtension,
     PageFree,
     PageRelease,
+    PinPoint,
     PoolSpec,
     StepOps,
 )
@@ -76,7 +80,20 @@ DEFAULT_SNAPSHOT_BYTES = 64 << 20
 OVERDUE = 4
 
 
-def encode(record: tuple) -> bytes:
+def encode(record: tuple, now_ms: int = 0) -> bytes:
+    """``now_ms``: the call's time, in the header as "now" (a replay sets it first, so pins lapse as they did)."""
+    return with_time(encode_call(record), now_ms)
+
+
+def with_time(encoded: bytes, now_ms: int) -> bytes:
+    """A record encode_call made, with the call's time added to its header."""
+    if not now_ms:
+        return encoded
+    end = encoded.index(b"\n") - 1  # the header's closing brace
+    return b"%s,\"now\":%d%s" % (encoded[:end], now_ms, encoded[end:])
+
+
+def encode_call(record: tuple) -> bytes:
     """One log record: a compact JSON header, a newline, then the token ids of the step's allocations and
     commits in header order (the header holds their counts). Binary because a call admitting 64 prompts of
     2000 tokens carries 512 KB of token ids, which as JSON text would be slow to encode and send. When every
@@ -120,9 +137,16 @@ def encode(record: tuple) -> bytes:
 
 def _allocation_tail(a: PageAllocation) -> list:
     """An allocation's fields after its tokens, as far as one is not the default (most allocations: none)."""
-    tail = [a.chunk_tokens, a.skip_store, a.load_s_per_page, a.prefill_s_per_token]
+    tail = [a.chunk_tokens, a.skip_store, a.load_s_per_page, a.prefill_s_per_token,
+            [[p.num_tokens, p.ttl_s] for p in a.pins]]
     while tail and not tail[-1]:
         tail.pop()
+    return tail
+
+
+def _tail(tail: list) -> list:
+    if len(tail) > 4:
+        tail[4] = tuple(PinPoint(*p) for p in tail[4])
     return tail
 
 
@@ -169,9 +193,11 @@ def apply(mgr: KVManager, members: MemberTable, raw: bytes) -> None:
     newline = raw.find(b"\n")
     d = json.loads(raw if newline < 0 else raw[:newline])
     kind = d["k"]
+    if "now" in d:
+        mgr.set_time(d["now"])
     if kind == "step":
         tok = _Tokens(raw, newline + 1, d.get("w", 4))
-        allocations = tuple(PageAllocation(r, t, tok(n), w, skip, *tail) for r, t, w, skip, n, *tail in d["a"])
+        allocations = tuple(PageAllocation(r, t, tok(n), w, skip, *_tail(tail)) for r, t, w, skip, n, *tail in d["a"])
         commits = tuple(PageCommit(r, s, tok(n), c) for r, s, n, c in d["c"])
         mgr.step(StepOps(step_id=d["s"], allocations=allocations,
                          extensions=tuple(PageExtension(r, n) for r, n in d["e"]), commits=commits,
@@ -229,14 +255,14 @@ class CallLog:
     def log_key(self) -> str:
         return self.keys.log(self.log_gens[-1])
 
-    def send_early(self, record: tuple) -> bool:
+    def send_early(self, record: tuple, now_ms: int = 0) -> bool:
         """Sends the RPUSH of a validated step (and of any records still pending) before the manager applies
         it, without waiting: Redis appends while the manager works, and write() reads the reply before the
         call is answered, so an answer is still only given once its call is durable. False (nothing sent)
         when this call will take an inline snapshot instead, or the send failed (write() then retries the
         plain way). A call logged this way may turn out to change nothing: replaying it changes nothing
         either."""
-        self._queue(record)
+        self._queue(record, now_ms)
         self.queued_early = record
         if not self.pending or self._inline_due():
             return False
@@ -272,7 +298,7 @@ class CallLog:
             self._finish_early()
         else:
             if record is not queued:  # a step whose early send did not go out is queued already
-                self._queue(record)
+                self._queue(record, mgr.now_ms)
             if reset or self._inline_due():
                 self.snapshot(mgr, members)
                 return
@@ -297,13 +323,14 @@ class CallLog:
         """Records and bytes a restart would replay, the pending ones included."""
         return self.num_logged + len(self.pending), self.num_logged_bytes + sum(map(len, self.pending))
 
-    def _queue(self, record: tuple) -> None:
-        encoded = encode(record)
+    def _queue(self, record: tuple, now_ms: int = 0) -> None:
+        encoded = encode_call(record)
         # A step sent again right after (same step_id) is a retry (after a failed write, or a lost answer): it
-        # applies nothing, so it is logged once. The other calls are cheap to log twice: those are always logged.
+        # applies nothing, so it is logged once (pins its time lapsed lapse again before the next call replayed).
+        # The other calls are cheap to log twice: those are always logged.
         if encoded == self.last_record and record[0] == "step":
             return
-        self.pending.append(encoded)
+        self.pending.append(with_time(encoded, now_ms))
         self.last_record = encoded
 
     def _snapshot_due(self) -> bool:

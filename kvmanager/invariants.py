@@ -9,9 +9,15 @@ Per pool, every page is in exactly one state (see pool.py), and::
     num_used + num_cached + num_free == num_pages
 
 A page held by a request holds nothing or a block of that request's tenant at that request's position
-(no cross-tenant hit), and a live request always sits on its pool's current epoch.
+(no cross-tenant hit), and a live request always sits on its pool's current epoch. Every page that is not free
+has one owner (the tenant of its block and of its holders), usage counts them per tenant, and each evictable
+page sits in its own tenant's LRU.
 
-The shared KV tier's index counts exactly its entries' bytes, within its capacity (none with the tier off).
+Pins: a block is flagged pinned exactly when its hash is in the pin table, in every pool and in the tier; each
+tenant's soft-pin count is its soft pins'.
+
+The shared KV tier's index counts exactly its entries' bytes (per tenant too, and the pinned ones'), within
+its capacity (none with the tier off); its LRU holds exactly its unpinned entries.
 
 A hole (HOLE, a page its sliding window released) holds nothing and counts for no page. Holes exist only on
 pools with a window, never among the sink pages, and never at the end of a page table (the next token's page).
@@ -48,12 +54,35 @@ def check_invariants(mgr: KVManager) -> None:
     for tenant, counters in mgr.tenants.items():
         assert 0 <= counters.prefix_cache_hits <= counters.prefix_cache_queries, f"tenant {tenant!r}: {counters}"
     _check_tier(mgr)
+    _check_pins(mgr)
+
+
+def _check_pins(mgr: KVManager) -> None:
+    pins = mgr.pins
+    for pool in mgr.pools.values():
+        for h, block in pool.index.items():
+            assert block.pinned == (h in pins), (f"{pool.spec.worker_id}: block {h.hex()} pinned={block.pinned} "
+                                                 f"but {'in' if h in pins else 'not in'} the pin table")
+    for h, e in mgr.tier.entries.items():
+        assert e.pinned == (h in pins), f"store index: entry {h.hex()} pinned={e.pinned} disagrees with the pins"
+    soft = Counter(p.tenant for p in pins.pins.values() if p.ttl_ms)
+    assert soft == Counter(pins.num_soft), f"soft pins per tenant {dict(soft)} != counted {pins.num_soft}"
+    for h, p in pins.pins.items():
+        assert (p.ttl_ms > 0) == (p.expires_ms > 0), f"pin {h.hex()}: ttl {p.ttl_ms} but expires {p.expires_ms}"
 
 
 def _check_tier(mgr: KVManager) -> None:
     tier = mgr.tier
     total = sum(e.num_bytes for e in tier.entries.values())
     assert tier.num_bytes == total, f"store index: num_bytes {tier.num_bytes} != {total} in its entries"
+    usage: Counter[str] = Counter()
+    for e in tier.entries.values():
+        usage[e.tenant] += e.num_bytes
+    assert usage == Counter(tier.usage), f"store index: usage {tier.usage} != {dict(usage)} in its entries"
+    pinned = sum(e.num_bytes for e in tier.entries.values() if e.pinned)
+    assert tier.pinned_bytes == pinned, f"store index: pinned_bytes {tier.pinned_bytes} != {pinned}"
+    unpinned = {h for h, e in tier.entries.items() if not e.pinned}
+    assert set(tier.lru) == unpinned and len(tier.lru) == len(unpinned), "store index: its LRU is not its unpinned entries"
     assert not tier.entries or total <= tier.capacity_bytes, (
         f"store index: {total} bytes recorded over its capacity of {tier.capacity_bytes}")
     assert all(len(h) == 16 for h in tier.entries), "store index: a key that is not a 16-byte block hash"
@@ -76,6 +105,22 @@ def _check_pool(pool: PagePool, live: list[RequestPages]) -> None:
     assert pool.num_requests == len(live), f"{w}: num_requests {pool.num_requests} != {len(live)} live"
     _check_index(pool)
     _check_lists(pool)
+    _check_owners(pool, live)
+
+
+def _check_owners(pool: PagePool, live: list[RequestPages]) -> None:
+    w = pool.spec.worker_id
+    want: list[str | None] = [b.tenant if b is not None else None for b in pool.block_of]
+    for req in live:
+        for p in req.page_table:
+            if p != HOLE:
+                want[p] = req.tenant
+    assert pool.owner == want, f"{w}: page owners {pool.owner} != {want}"
+    usage = Counter(t for t in want if t is not None)
+    assert usage == Counter({t: n for t, n in pool.usage.items() if n}), f"{w}: usage {pool.usage} != {dict(usage)}"
+    for tenant, od in pool.evictable.by_tenant.items():
+        assert od, f"{w}: tenant {tenant!r} has an empty LRU left behind"
+        assert all(pool.block_of[p].tenant == tenant for p in od), f"{w}: a page in {tenant!r}'s LRU is not its"
 
 
 def _check_holes(pool: PagePool, req: RequestPages) -> None:

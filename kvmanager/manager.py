@@ -12,6 +12,11 @@ worker to write its new blocks the store lacks (StepResults.store_writes); a wor
 landed (report_tier). Store hits enter the request's chain only with its first commit, which the gateway sends
 once the loads succeeded: a page that failed to load is never indexed.
 
+Eviction is tenant-aware (fair_share.py) in the pools and the tier. Pins (pins.py) are by block hash: a
+request's pins are taken as its blocks enter its chain (hit at allocation, or committed), within its tenant's pin
+budget; every hit refreshes a soft pin, and set_time() lapses the pins due. Time (``now_ms``) is an input of each
+call, logged with it, so a replay takes and lapses the same pins.
+
 A release turns page table entries into holes (HOLE): the page is released as a free releases it (ref_cnt - 1;
 at 0 it joins the LRU if it holds a block, else the free list), and the request's later ops skip its holes.
 """
@@ -42,13 +47,16 @@ from kvserve.common.wire.pages import (
     StepResults,
     StoreWriteOrder,
 )
-from kvserve.common.wire.tier import StoreLoad, StoreWrite, TierReport
+from kvserve.common.wire.tier import PAGE_VALUE_HEADER_BYTES, StoreLoad, StoreWrite, TierReport
 from kvserve.kvmanager.errors import UnknownRequest, UnknownWorker
+from kvserve.kvmanager.fair_share import FairShare
 from kvserve.kvmanager.hashing import chain_hashes
 from kvserve.kvmanager.placement import Placement, fit, place
+from kvserve.kvmanager.pins import PinTable
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import Changes, RequestPages, TenantCounters
 from kvserve.kvmanager.step_validate import validate_step
+from kvserve.kvmanager.tenants import CachePolicy
 from kvserve.kvmanager.tier import StoreIndex
 
 RECENT_RESULTS = 1 << 16
@@ -57,9 +65,12 @@ RECENT_RESULTS = 1 << 16
 class KVManager:
     """In-memory owner of every page. Not thread-safe: the servicer serialises calls."""
 
-    def __init__(self, load_penalty_pages: int = 4, store_capacity_bytes: int = 0):
+    def __init__(self, load_penalty_pages: int = 4, store_capacity_bytes: int = 0, policy: CachePolicy | None = None):
         self.pools: dict[str, PagePool] = {}
-        self.tier = StoreIndex(store_capacity_bytes)  # the shared KV tier's index (capacity 0: off)
+        self.fair = FairShare(policy)  # who gives up pages and tier entries (fair share, or the global LRU)
+        self.tier = StoreIndex(store_capacity_bytes, self.fair)  # the shared KV tier's index (capacity 0: off)
+        self.pins = PinTable()
+        self.now_ms = 0  # wall-clock time of the current call (set_time), for pins' TTLs and tenants' activity
         self.store_writes: list[StoreWriteOrder] = []  # asked for by this call's commits
         self.requests: dict[str, RequestPages] = {}
         self.stale: dict[str, RequestPages] = {}  # requests whose pool epoch was replaced
@@ -171,6 +182,29 @@ class KVManager:
         self.clock += 1
         return self.clock
 
+    def set_time(self, now_ms: int) -> list[bytes]:
+        """The current call's time (it never goes back): soft pins due by then lapse, their blocks join the LRUs.
+        Returns the lapsed blocks' hashes."""
+        if now_ms > self.now_ms:
+            self.now_ms = self.fair.now_ms = now_ms
+        lapsed = self.pins.expire(self.now_ms) if self.pins else []
+        for h in lapsed:
+            self.mark_pinned(h, False)
+        if lapsed:
+            self.changes.changed = True
+        return lapsed
+
+    def mark_pinned(self, block_hash: bytes, pinned: bool) -> None:
+        """Sets the pin flag of a block in every pool that holds it and in the tier. Unpinned, it counts as used
+        now (a reload orders the LRUs by last_used)."""
+        for pool in self.pools.values():
+            block = pool.index.get(block_hash)
+            if block is not None and block.pinned != pinned:
+                if not pinned:
+                    pool.touch(block, self.tick())
+                pool.set_pinned(block, pinned)
+        self.tier.set_pinned(block_hash, pinned)
+
     def _replay_or(self, step_id: int, kind: str, req_id: str, apply, op):
         """The answer remembered for this (kind, req_id) from the call with this step_id, else apply(op)."""
         req = self.requests.get(req_id) or self.stale.get(req_id)
@@ -214,7 +248,8 @@ class KVManager:
             table[i] = hits[i].page_id
         pool.acquire([hits[i].page_id for i in pool_held])
         self._touch(hits)
-        fresh = pool.allocate(chosen.num_fresh)
+        self.fair.touch(op.tenant)
+        fresh = pool.allocate(chosen.num_fresh, op.tenant, self.fair)
         filled = [i for i in chosen.held if i >= len(hits)]  # store hits it reads: fresh pages, loaded
         for i, page_id in zip(filled, fresh, strict=False):
             table[i] = page_id
@@ -223,8 +258,14 @@ class KVManager:
         page_size = spec.page_size
         num_committed, num_cached = len(hits) * page_size, (len(hits) + len(stored)) * page_size
         req = RequestPages(op.req_id, op.tenant, spec.worker_id, spec.epoch, table, seed,
-                           [b.block_hash for b in hits], len(op.token_ids), num_committed, op.skip_prefix_cache)
+                           [b.block_hash for b in hits], len(op.token_ids), num_committed, op.skip_prefix_cache,
+                           pins=op.pins)
         self.requests[op.req_id] = req
+        if self.pins:  # a hit refreshes the pins of what it hit
+            for h in req.block_hashes:
+                self.pins.refresh(h, self.now_ms)
+            for h in stored:
+                self.pins.refresh(h, self.now_ms)
         pool.num_requests += 1
         counters = self.tenants.setdefault(op.tenant, TenantCounters())
         if not op.skip_prefix_cache:
@@ -235,7 +276,8 @@ class KVManager:
             self.tier.count_hits(op.tenant, len(stored), page_size)
         self.changes.changed = True
         return PageAllocationResult(op.req_id, OpStatus.OK, spec.worker_id, spec.epoch, list(table), num_cached,
-                                    store_loads=loads, num_committed_tokens=num_committed)
+                                    store_loads=loads, num_committed_tokens=num_committed,
+                                    num_pinned_tokens=self._take_pins(req, pool))
 
     def _extend(self, op: PageExtension) -> PageExtensionResult:
         if op.req_id in self.stale:
@@ -248,7 +290,7 @@ class KVManager:
         if pool.available() < need:
             return PageExtensionResult(op.req_id, OpStatus.OUT_OF_PAGES, [], len(req.page_table),
                                        need - pool.available())
-        fresh = pool.allocate(need)
+        fresh = pool.allocate(need, req.tenant, self.fair)
         req.page_table.extend(fresh)
         self.changes.changed = True
         return PageExtensionResult(op.req_id, OpStatus.OK, fresh, len(req.page_table))
@@ -271,12 +313,52 @@ class KVManager:
             if HOLE in pages:  # a late commit of pages its window released: the chain goes on, without their blocks
                 blocks = [b for b in blocks if b.page_id != HOLE]
             added = pool.cache_blocks(blocks)
+            if self.pins:  # a block pinned while elsewhere (another pool, the tier) is pinned here too
+                for b in added:
+                    if b.block_hash in self.pins:
+                        pool.set_pinned(b, True)
             if pool.spec.kv_store and self.tier.enabled:
                 self._order_writes(pool, req, added)
             hashes.extend(new)
         req.num_committed_tokens += len(op.token_ids)
+        self.fair.touch(req.tenant)
         self.changes.changed = True
-        return PageCommitResult(op.req_id, OpStatus.OK, req.num_committed_tokens)
+        return PageCommitResult(op.req_id, OpStatus.OK, req.num_committed_tokens, self._take_pins(req, pool))
+
+    # -- pins -------------------------------------------------------------------------------------------
+    def _take_pins(self, req: RequestPages, pool: PagePool) -> int:
+        """Pins the request's chain as far as its pins reach and its chain goes, each block with the longest TTL
+        of the pins covering it, until its tenant's pin budget is spent. Returns its pinned prompt tokens."""
+        page_size = pool.spec.page_size
+        if not req.pins:
+            return 0
+        reach = [(p.num_tokens // page_size, p.ttl_s * 1000) for p in req.pins]
+        end = min(max(n for n, _ in reach), len(req.block_hashes))
+        i = req.num_pinned_blocks
+        if i < end:
+            room = self.pin_budget(req.tenant, pool) - self.pins.num_soft.get(req.tenant, 0)
+            for i in range(i, end):
+                h = req.block_hashes[i]
+                is_new = h not in self.pins
+                if is_new and room <= 0:
+                    break
+                self.pins.add(h, req.tenant, max(ttl for n, ttl in reach if n > i), self.now_ms)
+                if is_new:
+                    room -= 1
+                    self.mark_pinned(h, True)
+            else:
+                i = end
+            req.num_pinned_blocks = i
+        return req.num_pinned_blocks * page_size
+
+    def pin_budget(self, tenant: str, pool: PagePool) -> int:
+        """Blocks the tenant's soft pins may hold, judged on ``pool``: its pages, and with the shared tier, the
+        values that fit in its tier pin budget."""
+        budget = self.fair.pin_budget(tenant, pool.spec.num_pages)
+        if self.tier.enabled and pool.spec.kv_store:
+            value_bytes = pool.spec.bytes_per_token * pool.spec.page_size + PAGE_VALUE_HEADER_BYTES
+            budget = min(budget, self.fair.store_pin_budget(tenant, self.tier.capacity_bytes) // value_bytes)
+        return budget
 
     def _order_writes(self, pool: PagePool, req: RequestPages, blocks: list[Block]) -> None:
         """Asks the committing worker to write the new blocks the store lacks (it copies them before its next
@@ -290,7 +372,7 @@ class KVManager:
         """A worker's ReportTier: records the values the store acknowledged (LRU within capacity), drops the
         entries whose values were found absent or damaged, sums its counters. Returns (added, evicted)."""
         tier = self.tier
-        added, evicted = tier.add(list(report.written))
+        added, evicted = tier.add(list(report.written), self.pins)
         tier.drop_missing(report.missing)
         tier.totals.workers = tier.totals.workers + report.counters
         self.changes.changed = True

@@ -6,17 +6,21 @@ Every page is in exactly one of three states::
     cached     ref_cnt = 0, holds a block       in the evictable LRU, unless its block is pinned
     free       ref_cnt = 0, no block            on the free list
 
-so ``num_used + num_cached + num_free == num_pages`` always. Allocation takes free pages first (FIFO), then
-evicts the least recently used cached page. Both structures are O(1) per page: a deque and an OrderedDict
-(a hash map over a doubly linked list, so a page can leave the middle of the LRU when a request hits it).
+so ``num_used + num_cached + num_free == num_pages`` always. Every page that is not free has one owner, the
+tenant whose request took it (hits stay within a tenant's namespace), counted in ``usage``. Allocation takes
+free pages first (FIFO), then evicts cached pages: the tenant fair_share.py picks gives up its least recently
+used one (a tenant at its cap gives up its own first, before any free page). Both structures are O(1) per
+page: a deque and a TenantLRU (an OrderedDict per tenant, so a page can leave the middle of its LRU when a
+request hits it).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 
 from kvserve.common.wire.pages import PoolSpec
+from kvserve.kvmanager.fair_share import FairShare, TenantLRU, pool_limits
 from kvserve.kvmanager.hashing import namespace_seed
 
 
@@ -30,7 +34,7 @@ class Block:
     page_id: int
     block_index: int  # covers tokens [block_index * page_size, (block_index + 1) * page_size)
     last_used: int  # the manager's logical clock; orders the LRU after a restart
-    pinned: bool = False
+    pinned: bool = False  # under a pin of the manager's PinTable (pins.py): not evictable
 
 
 class PagePool:
@@ -41,7 +45,11 @@ class PagePool:
         self.block_of: list[Block | None] = [None] * spec.num_pages
         self.index: dict[bytes, Block] = {}  # block_hash -> block
         self.free: deque[int] = deque(range(spec.num_pages))
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently used
+        self.evictable = TenantLRU()  # cached unpinned pages, least recently used first per tenant
+        self.owner: list[str | None] = [None] * spec.num_pages  # the tenant holding each page; None: free
+        self.usage: dict[str, int] = {}  # tenant -> pages it owns here (used, cached or pinned)
+        self.num_evicted_from: dict[str, int] = {}  # tenant -> its blocks evicted here, since registration
+        self.num_evicted_by: dict[str, int] = {}  # tenant -> blocks its allocations evicted (its own included)
         self.num_requests = 0
         self.num_evicted = 0
         self.num_window_released = 0  # pages requests released past their sliding window, since registration
@@ -77,7 +85,8 @@ class PagePool:
 
     def available(self, hit_pages: list[int] = ()) -> int:
         """Pages an allocation could take, not counting cached pages it is about to reuse."""
-        return self.num_free + self.num_evictable - sum(1 for p in hit_pages if p in self.evictable)
+        has, block_of = self.evictable.has, self.block_of
+        return self.num_free + self.num_evictable - sum(1 for p in hit_pages if has(p, block_of[p].tenant))
 
     # -- prefix index ---------------------------------------------------------------------------------
     def longest_prefix(self, hashes) -> list[Block]:
@@ -113,35 +122,57 @@ class PagePool:
     # per call at 64 prompts of 2000 tokens), so they bind attributes to locals and avoid per-page calls.
     def acquire(self, page_ids) -> None:
         """One more holder of each page (prefix hits); a cached page leaves the LRU."""
-        ref_cnt, evictable = self.ref_cnt, self.evictable
+        ref_cnt, discard, block_of = self.ref_cnt, self.evictable.discard, self.block_of
         for page_id in page_ids:
             if not ref_cnt[page_id]:
-                evictable.pop(page_id, None)
+                discard(page_id, block_of[page_id].tenant)
             ref_cnt[page_id] += 1
 
-    def allocate(self, num: int) -> list[int]:
-        """``num`` fresh pages with ref_cnt 1: free ones first, then the least recently used cached ones, whose
-        blocks leave the index. Caller checked available()."""
+    def allocate(self, num: int, tenant: str = "", fair: FairShare | None = None) -> list[int]:
+        """``num`` fresh pages with ref_cnt 1 for ``tenant``: its own least recently used cached pages first while
+        it is at its cap, then free ones, then cached ones of the tenants ``fair`` picks (None: the global LRU),
+        whose blocks leave the index. Caller checked available()."""
         assert num <= self.num_free + self.num_evictable
-        free, ref_cnt = self.free, self.ref_cnt
-        pages = [free.popleft() for _ in range(min(num, len(free)))]
-        num_evicted = num - len(pages)
-        if num_evicted:
-            popitem, block_of, index = self.evictable.popitem, self.block_of, self.index
-            for _ in range(num_evicted):
-                page_id = popitem(last=False)[0]
-                del index[block_of[page_id].block_hash]  # _drop_block, inlined: this loop runs once per page
-                block_of[page_id] = None
-                pages.append(page_id)
-            self.num_evicted += num_evicted
+        fair = fair or GLOBAL_LRU
+        lru, usage, num_pages = self.evictable, self.usage, self.spec.num_pages
+        pages: list[int] = []
+        if tenant in lru.by_tenant and fair.over_cap(tenant, usage.get(tenant, 0), num_pages, pool_limits):
+            pages += [self._take_cached(tenant, tenant) for _ in range(min(num, lru.count(tenant)))]
+        free = self.free
+        pages += [free.popleft() for _ in range(min(num - len(pages), len(free)))]
+        if len(pages) < num:
+            for victim in fair.victims(lru, usage, num_pages, pool_limits):
+                pages.append(self._take_cached(victim, tenant))
+                if len(pages) == num:
+                    break
+        ref_cnt, owner = self.ref_cnt, self.owner
+        fresh = 0
         for page_id in pages:
             ref_cnt[page_id] = 1
+            if owner[page_id] is None:
+                owner[page_id] = tenant
+                fresh += 1
+        usage[tenant] = usage.get(tenant, 0) + fresh
         return pages
+
+    def _take_cached(self, victim: str, tenant: str) -> int:
+        """Evicts the victim's least recently used cached page and hands it to ``tenant``."""
+        page_id = self.evictable.pop_oldest(victim)
+        del self.index[self.block_of[page_id].block_hash]
+        self.block_of[page_id] = None
+        self.num_evicted += 1
+        self.num_evicted_from[victim] = self.num_evicted_from.get(victim, 0) + 1
+        self.num_evicted_by[tenant] = self.num_evicted_by.get(tenant, 0) + 1
+        if victim != tenant:
+            self.usage[victim] -= 1
+            self.usage[tenant] = self.usage.get(tenant, 0) + 1
+            self.owner[page_id] = tenant
+        return page_id
 
     def release(self, page_ids) -> list[Block]:
         """One holder fewer for each page, in order; at ref_cnt 0 a page joins the LRU (cached, unpinned) or
         the free list. Returns the cached blocks whose pages reached ref_cnt 0, in that order."""
-        ref_cnt, block_of, free, evictable = self.ref_cnt, self.block_of, self.free, self.evictable
+        ref_cnt, block_of, free, add = self.ref_cnt, self.block_of, self.free, self.evictable.add
         settled = []
         for page_id in page_ids:
             n = ref_cnt[page_id] - 1
@@ -152,9 +183,10 @@ class PagePool:
                 block = block_of[page_id]
                 if block is None:
                     free.append(page_id)
+                    self._disown(page_id)
                 else:
                     if not block.pinned:
-                        evictable[page_id] = None
+                        add(page_id, block.tenant)
                     settled.append(block)
         return settled
 
@@ -166,11 +198,34 @@ class PagePool:
 
     def evict(self, page_id: int) -> Block:
         """Drops the cached block of an evictable page; the page becomes free."""
-        del self.evictable[page_id]
         block = self._drop_block(page_id)
+        self.evictable.discard(page_id, block.tenant)
         self.free.append(page_id)
+        self._disown(page_id)
         self.num_evicted += 1
+        self.num_evicted_from[block.tenant] = self.num_evicted_from.get(block.tenant, 0) + 1
         return block
+
+    def _disown(self, page_id: int) -> None:
+        tenant = self.owner[page_id]
+        self.owner[page_id] = None
+        self.usage[tenant] -= 1
+
+    def recount_owners(self, requests) -> None:
+        """Owners and usage from the blocks and the live requests' page tables (after a snapshot's load)."""
+        owner = [None] * self.spec.num_pages
+        for p, block in enumerate(self.block_of):
+            if block is not None:
+                owner[p] = block.tenant
+        for req in requests:
+            if req.worker_id == self.spec.worker_id and req.epoch == self.spec.epoch:
+                for p in req.page_table:
+                    if p >= 0:
+                        owner[p] = req.tenant
+        self.owner, self.usage = owner, {}
+        for tenant in owner:
+            if tenant is not None:
+                self.usage[tenant] = self.usage.get(tenant, 0) + 1
 
     def set_pinned(self, block: Block, pinned: bool) -> None:
         if block.pinned == pinned:
@@ -178,9 +233,12 @@ class PagePool:
         block.pinned = pinned
         if self.ref_cnt[block.page_id] == 0:
             if pinned:
-                self.evictable.pop(block.page_id, None)
+                self.evictable.discard(block.page_id, block.tenant)
             else:
-                self.evictable[block.page_id] = None
+                self.evictable.add(block.page_id, block.tenant)
 
     def touch(self, block: Block, clock: int) -> None:
         block.last_used = clock
+
+
+GLOBAL_LRU = FairShare.global_lru()

@@ -35,9 +35,10 @@ from kvserve.kvmanager.state import Changes
 class Store(Protocol):
     """Persistence of the manager's state and the member table (call_log.py's CallLog, or NullStore)."""
 
-    def send_early(self, record: tuple) -> bool:
-        """Called with a validated step before it is applied: True means the record is on its way and the next
-        write() completes it (it is then called even if the call changed nothing)."""
+    def send_early(self, record: tuple, now_ms: int = 0) -> bool:
+        """Called with a validated step before it is applied (``now_ms``: the call's time, logged with it): True
+        means the record is on its way and the next write() completes it (it is then called even if the call
+        changed nothing)."""
         ...
 
     def write(self, mgr: KVManager, members: MemberTable, record: tuple, reset: bool = False) -> None:
@@ -63,7 +64,7 @@ class Store(Protocol):
 class NullStore:
     """No persistence (tests of the domain, --no-persistence)."""
 
-    def send_early(self, record: tuple) -> bool:
+    def send_early(self, record: tuple, now_ms: int = 0) -> bool:
         return False
 
     def write(self, mgr: KVManager, members: MemberTable, record: tuple, reset: bool = False) -> None:
@@ -87,8 +88,10 @@ class KVService:
 
     def __init__(self, manager: KVManager | None = None, store: Store | None = None,
                  worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
-                 make_manager: Callable[[], KVManager] = KVManager):
+                 make_manager: Callable[[], KVManager] = KVManager,
+                 wall_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000):
         self.make_manager = make_manager  # an empty manager as configured (a take-over, a step down)
+        self.wall_ms = wall_ms  # each mutating call's time (pins' TTLs, tenants' activity), logged with it
         self.manager = manager or make_manager()
         # The shared tier's values to delete (entries the calls removed), handed over once the call is durable
         # (tier_janitor.py); None: dropped (no store to delete from).
@@ -151,6 +154,7 @@ class KVService:
     def register_worker(self, spec: PoolSpec, release_requests: bool = False) -> RegisterResult:
         with self.lock:
             self._check_leading()
+            self.manager.set_time(self.wall_ms())
             result = self.manager.register_worker(spec, release_requests)
             self._persist(("register", spec, release_requests))
             return result
@@ -159,10 +163,11 @@ class KVService:
         with self.lock:
             self._check_leading()
             self.manager.check(ops)  # bad input raises here: nothing applied, nothing logged
+            self.manager.set_time(self.wall_ms())
             record = ("step", ops)
             # The call log can send this one before it is applied: Redis appends it while the manager works,
             # and the answer still waits for Redis's reply (in _persist).
-            early = self.store.send_early(record)
+            early = self.store.send_early(record, self.manager.now_ms)
             results = self.manager.apply_checked(ops)
             self._persist(record, force=early)
             return results
@@ -171,6 +176,7 @@ class KVService:
         """KVManager.report_tier, logged. Raises StoreUnavailable, NotLeader."""
         with self.lock:
             self._check_leading()
+            self.manager.set_time(self.wall_ms())
             result = self.manager.report_tier(report)
             self._persist(("tier", report))
             return result
@@ -182,6 +188,7 @@ class KVService:
             return self._mutate_locked(fn, *args)
 
     def _mutate_locked(self, fn, *args):
+        self.manager.set_time(self.wall_ms())
         result = fn(self.manager, *args)
         self._persist(("admin", fn.__name__, args))
         return result

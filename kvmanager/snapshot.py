@@ -54,6 +54,7 @@ from kvserve.common.wire.pages import (
     PageExtensionResult,
     PageFreeResult,
     PageReleaseResult,
+    PinPoint,
     PoolSpec,
 )
 from kvserve.common.wire.tier import StoreLoad, TierCounters
@@ -62,6 +63,7 @@ from kvserve.kvmanager.fencing import fenced_pipeline
 from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.membership import MemberRecord
+from kvserve.kvmanager.pins import PinTable
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import RequestPages, TenantCounters
 from kvserve.kvmanager.tier import StoreEntry, StoreIndex, TierTotals
@@ -87,7 +89,8 @@ def encode(mgr: KVManager, members: Iterable[MemberRecord]) -> list[bytes]:
              "recent": [[kind, req_id, step_id, result_dict(result)]
                         for (kind, req_id), (step_id, result) in mgr.recent.items()],
              "members": [list(m) for m in members],
-             "tier": _tier_dict(mgr.tier)}
+             "tier": _tier_dict(mgr.tier),
+             "now_ms": mgr.now_ms, "active": mgr.fair.last_active, "pins": _pins_dict(mgr.pins)}
     data = json.dumps(state, separators=(",", ":")).encode()
     return [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
 
@@ -106,6 +109,12 @@ def decode(chunks: list[bytes], mgr: KVManager) -> list[MemberRecord]:
         mgr.pools[pool.spec.worker_id] = pool
     mgr.requests = {r["req_id"]: _decode_request(r) for r in d["requests"]}
     mgr.stale = {r["req_id"]: _decode_request(r) for r in d["stale"]}
+    for pool in mgr.pools.values():
+        pool.recount_owners(mgr.requests.values())
+    mgr.now_ms = mgr.fair.now_ms = d.get("now_ms", 0)
+    mgr.fair.last_active = dict(d.get("active", {}))
+    if "pins" in d:
+        _decode_pins(d["pins"], mgr.pins)
     mgr.recent = OrderedDict(((kind, req_id), (step_id, result_from_dict(kind, result)))
                              for kind, req_id, step_id, result in d["recent"])
     if "tier" in d:  # absent from the snapshots of a kvmanager without the shared tier
@@ -114,24 +123,47 @@ def decode(chunks: list[bytes], mgr: KVManager) -> list[MemberRecord]:
     return [(w, e, a, dr) for w, e, a, dr in d["members"]]
 
 
+def _pins_dict(pins: PinTable) -> list:
+    items = pins.pins.items()
+    return [b"".join(h for h, _ in items).hex(), [p.tenant for _, p in items], [p.ttl_ms for _, p in items],
+            [p.expires_ms for _, p in items]]
+
+
+def _decode_pins(d: list, pins: PinTable) -> None:
+    hashes, *columns = d
+    hashes = bytes.fromhex(hashes)
+    pins.load((hashes[i * HASH_BYTES:(i + 1) * HASH_BYTES], *c) for i, c in enumerate(zip(*columns, strict=True)))
+
+
 def _tier_dict(tier: StoreIndex) -> dict:
-    """The store's index in LRU order; its capacity is configuration (the flag), not state."""
+    """The store's index in LRU order (the tenants' LRUs keep its order); its capacity is configuration (the
+    flag), not state."""
     entries, t = tier.entries, tier.totals
     return {"hashes": b"".join(entries).hex(), "tenants": [e.tenant for e in entries.values()],
-            "bytes": [e.num_bytes for e in entries.values()], "deleted": b"".join(tier.deleted).hex(),
+            "bytes": [e.num_bytes for e in entries.values()], "pinned": [e.pinned for e in entries.values()],
+            "deleted": b"".join(tier.deleted).hex(),
             "totals": [t.num_hit_pages, t.num_added, t.num_evicted, t.num_dropped_missing,
-                       list(t.workers.as_tuple())], "tenant_hits": tier.tenant_hits}
+                       list(t.workers.as_tuple()), t.num_rejected], "tenant_hits": tier.tenant_hits,
+            "evicted_from": tier.evicted_from, "rejected": tier.rejected}
 
 
 def _decode_tier(d: dict, tier: StoreIndex) -> None:
     hashes, deleted = bytes.fromhex(d["hashes"]), bytes.fromhex(d["deleted"])
-    for i, (tenant, num_bytes) in enumerate(zip(d["tenants"], d["bytes"], strict=True)):
-        tier.entries[hashes[i * HASH_BYTES:(i + 1) * HASH_BYTES]] = StoreEntry(tenant, num_bytes)
+    pinned = d.get("pinned") or [False] * len(d["bytes"])
+    for i, (tenant, num_bytes, is_pinned) in enumerate(zip(d["tenants"], d["bytes"], pinned, strict=True)):
+        h = hashes[i * HASH_BYTES:(i + 1) * HASH_BYTES]
+        tier.entries[h] = StoreEntry(tenant, num_bytes, is_pinned)
+        tier.usage[tenant] = tier.usage.get(tenant, 0) + num_bytes
+        if is_pinned:
+            tier.pinned_bytes += num_bytes
+        else:
+            tier.lru.add(h, tenant)
     tier.num_bytes = sum(d["bytes"])
     tier.deleted = [deleted[i:i + HASH_BYTES] for i in range(0, len(deleted), HASH_BYTES)]
-    *counts, workers = d["totals"]
-    tier.totals = TierTotals(*counts, TierCounters(*workers))
+    counts, workers, rejected = d["totals"][:4], d["totals"][4], d["totals"][5:]
+    tier.totals = TierTotals(*counts, TierCounters(*workers), *rejected)
     tier.tenant_hits = dict(d["tenant_hits"])
+    tier.evicted_from, tier.rejected = dict(d.get("evicted_from", {})), dict(d.get("rejected", {}))
     tier.fit_capacity()  # a restart with a smaller --kv-store-bytes (or 0) than the state was written under
 
 
@@ -139,7 +171,8 @@ def _pool_dict(pool: PagePool) -> dict:
     blocks = pool.index.values()
     return {"spec": asdict(pool.spec), "ref_cnt": pool.ref_cnt, "free": list(pool.free),
             "lru": list(pool.evictable), "num_requests": pool.num_requests, "num_evicted": pool.num_evicted,
-            "num_window_released": pool.num_window_released,
+            "num_window_released": pool.num_window_released, "evicted_from": pool.num_evicted_from,
+            "evicted_by": pool.num_evicted_by,
             "blocks": [b"".join(b.block_hash for b in blocks).hex(), b"".join(b.parent_hash for b in blocks).hex(),
                        [b.tenant for b in blocks], [b.page_id for b in blocks], [b.block_index for b in blocks],
                        [b.last_used for b in blocks], [b.pinned for b in blocks]]}
@@ -147,28 +180,34 @@ def _pool_dict(pool: PagePool) -> dict:
 
 def _decode_pool(p: dict) -> PagePool:
     pool = PagePool(PoolSpec(**p["spec"]))
-    pool.ref_cnt, pool.free, pool.evictable = p["ref_cnt"], deque(p["free"]), OrderedDict.fromkeys(p["lru"])
+    pool.ref_cnt, pool.free = p["ref_cnt"], deque(p["free"])
     pool.num_requests, pool.num_evicted, pool.num_window_released = (
         p["num_requests"], p["num_evicted"], p["num_window_released"])
+    pool.num_evicted_from, pool.num_evicted_by = dict(p.get("evicted_from", {})), dict(p.get("evicted_by", {}))
     hashes, parents, *columns = p["blocks"]
     hashes, parents = bytes.fromhex(hashes), bytes.fromhex(parents)
     for i, (tenant, page_id, block_index, last_used, pinned) in enumerate(zip(*columns, strict=True)):
         at = slice(i * HASH_BYTES, (i + 1) * HASH_BYTES)
         block = Block(hashes[at], parents[at], tenant, page_id, block_index, last_used, pinned)
         pool.index[block.block_hash] = pool.block_of[page_id] = block
+    for page_id in p["lru"]:  # in the global LRU's order: each tenant's LRU keeps it
+        block = pool.block_of[page_id]
+        assert block is not None, f"{pool.spec.worker_id}: page {page_id} is in the LRU without a block"
+        pool.evictable.add(page_id, block.tenant)
     return pool
 
 
 def _request_dict(req: RequestPages) -> dict:
     d = {f.name: getattr(req, f.name) for f in fields(req)}
     d["seed"], d["block_hashes"] = req.seed.hex(), b"".join(req.block_hashes).hex()
+    d["pins"] = [[p.num_tokens, p.ttl_s] for p in req.pins]
     d["last_ops"] = {kind: [step_id, result_dict(result)] for kind, (step_id, result) in req.last_ops.items()}
     return d
 
 
 def _decode_request(d: dict) -> RequestPages:
     hashes = bytes.fromhex(d["block_hashes"])
-    return RequestPages(**{**d, "seed": bytes.fromhex(d["seed"]),
+    return RequestPages(**{**d, "seed": bytes.fromhex(d["seed"]), "pins": tuple(PinPoint(*p) for p in d.get("pins", ())),
                            "block_hashes": [hashes[i:i + HASH_BYTES] for i in range(0, len(hashes), HASH_BYTES)],
                            "last_ops": {kind: (step_id, result_from_dict(kind, result))
                                         for kind, (step_id, result) in d["last_ops"].items()}})

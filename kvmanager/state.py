@@ -19,6 +19,8 @@ class RequestPages:
     num_prompt_tokens: int
     num_committed_tokens: int = 0  # leading tokens whose full pages are committed (or were hit)
     skip_prefix_cache: bool = False
+    pins: tuple = ()  # the PinPoints it asked for
+    num_pinned_blocks: int = 0  # leading blocks of its chain its pins took or refreshed
     # op kind ("allocate", "extend", "commit", "release") -> (step_id, result): replayed for a retried call
     last_ops: dict[str, tuple[int, object]] = field(default_factory=dict)
 

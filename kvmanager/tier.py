@@ -12,6 +12,11 @@ remains: a block removed, then written again by a worker whose SET lands just be
 the old value, is recorded again with its value gone. Like a value the store itself lost (flushed, restarted
 without its data), it is found absent by the next load, which recomputes, reports it, and its entry is dropped.
 
+Eviction is tenant-aware as in the pools (fair_share.py, in bytes against the tier's capacity): a tenant at its
+store cap gives up its own entries first, then the tenant furthest over its share does. Entries under a pin
+(pins.py) are not evicted; a value that cannot be kept because everything else is pinned is not recorded (its
+value is deleted) and counted as rejected for its tenant, never dropped silently.
+
 Deterministic, like the rest of the manager: the same reports give the same index (replay).
 """
 
@@ -21,12 +26,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvserve.common.wire.tier import StoredBlock, TierCounters
+from kvserve.kvmanager.fair_share import FairShare, TenantLRU, store_limits
 
 
 @dataclass(slots=True)
 class StoreEntry:
     tenant: str
     num_bytes: int
+    pinned: bool = False  # under a pin (pins.py): not in the LRU, never evicted
 
 
 @dataclass(slots=True)
@@ -38,16 +45,23 @@ class TierTotals:
     num_evicted: int = 0  # entries the LRU evicted to stay within capacity
     num_dropped_missing: int = 0  # entries dropped because a load found the value absent or damaged
     workers: TierCounters = field(default_factory=TierCounters)
+    num_rejected: int = 0  # values not recorded: no room left that was not pinned
 
 
 class StoreIndex:
-    def __init__(self, capacity_bytes: int = 0):
+    def __init__(self, capacity_bytes: int = 0, fair: FairShare | None = None):
         self.capacity_bytes = capacity_bytes  # 0: the tier is off (nothing is written or served)
+        self.fair = fair or FairShare.global_lru()
         self.entries: OrderedDict[bytes, StoreEntry] = OrderedDict()  # first = least recently used
+        self.lru = TenantLRU()  # the unpinned entries' hashes, per tenant
         self.num_bytes = 0
+        self.pinned_bytes = 0  # of the pinned entries: no eviction frees them
+        self.usage: dict[str, int] = {}  # tenant -> bytes of its entries (pinned ones included)
         self.totals = TierTotals()
         self.deleted: list[bytes] = []  # block hashes whose values are to be deleted from the store
         self.tenant_hits: dict[str, int] = {}  # tenant -> store-hit tokens
+        self.evicted_from: dict[str, int] = {}  # tenant -> its entries evicted to make room
+        self.rejected: dict[str, int] = {}  # tenant -> its values not recorded (no unpinned room)
 
     @property
     def enabled(self) -> bool:
@@ -61,31 +75,78 @@ class StoreIndex:
 
     def touch(self, hashes) -> None:
         """Hit: the entries become the most recently used, in order."""
+        entries, add = self.entries, self.lru.add
         for h in hashes:
-            self.entries.move_to_end(h)
+            entries.move_to_end(h)
+            entry = entries[h]
+            if not entry.pinned:
+                add(h, entry.tenant)
 
-    def add(self, blocks: list[StoredBlock]) -> tuple[int, int]:
-        """Records values the store acknowledged, evicting least recently used entries to stay within capacity.
-        A block already recorded is only touched; one larger than the whole capacity is not recorded (its value
-        is deleted). Returns (added, evicted)."""
+    def add(self, blocks: list[StoredBlock], pinned=frozenset()) -> tuple[int, int]:
+        """Records values the store acknowledged (``pinned``: the hashes under a pin), evicting entries as
+        fair_share.py orders them to stay within capacity. A block already recorded is only touched; one that
+        cannot fit (larger than the whole capacity, or only pinned entries left to evict) is not recorded and
+        its value is deleted. Returns (added, evicted)."""
         added = evicted = 0
         for b in blocks:
-            entry = self.entries.get(b.block_hash)
-            if entry is not None:
-                self.entries.move_to_end(b.block_hash)
+            if b.block_hash in self.entries:
+                self.touch((b.block_hash,))
                 continue
-            if not self.enabled or b.num_bytes > self.capacity_bytes:
+            made_room = self._make_room(b.tenant, b.num_bytes) if self.enabled else None
+            if made_room is None:
                 self.deleted.append(b.block_hash)
+                if self.enabled:
+                    self.totals.num_rejected += 1
+                    self.rejected[b.tenant] = self.rejected.get(b.tenant, 0) + 1
                 continue
-            while self.num_bytes + b.num_bytes > self.capacity_bytes:
-                self._remove(next(iter(self.entries)))
-                evicted += 1
-            self.entries[b.block_hash] = StoreEntry(b.tenant, b.num_bytes)
+            evicted += made_room
+            is_pinned = b.block_hash in pinned
+            self.entries[b.block_hash] = StoreEntry(b.tenant, b.num_bytes, is_pinned)
+            if is_pinned:
+                self.pinned_bytes += b.num_bytes
+            else:
+                self.lru.add(b.block_hash, b.tenant)
             self.num_bytes += b.num_bytes
+            self.usage[b.tenant] = self.usage.get(b.tenant, 0) + b.num_bytes
             added += 1
         self.totals.num_added += added
         self.totals.num_evicted += evicted
         return added, evicted
+
+    def _make_room(self, tenant: str, num_bytes: int) -> int | None:
+        """Evicts until ``num_bytes`` more fit: the tenant's own entries first while it is at its store cap, then
+        fair share's victims. Returns how many were evicted, or None (nothing evicted) when they cannot fit."""
+        if num_bytes > self.capacity_bytes - self.pinned_bytes:
+            return None
+        evicted, lru, fair = 0, self.lru, self.fair
+        if lru.count(tenant) and fair.over_cap(tenant, self.usage.get(tenant, 0), self.capacity_bytes,
+                                               store_limits):
+            while lru.count(tenant) and self.num_bytes + num_bytes > self.capacity_bytes:
+                self._evict(lru.pop_oldest(tenant))
+                evicted += 1
+        if self.num_bytes + num_bytes > self.capacity_bytes:
+            for victim in fair.victims(lru, self.usage, self.capacity_bytes, store_limits):
+                self._evict(lru.pop_oldest(victim))
+                evicted += 1
+                if self.num_bytes + num_bytes <= self.capacity_bytes:
+                    break
+        return evicted
+
+    def _evict(self, block_hash: bytes) -> None:
+        entry = self._remove(block_hash)
+        self.evicted_from[entry.tenant] = self.evicted_from.get(entry.tenant, 0) + 1
+
+    def set_pinned(self, block_hash: bytes, pinned: bool) -> None:
+        entry = self.entries.get(block_hash)
+        if entry is None or entry.pinned == pinned:
+            return
+        entry.pinned = pinned
+        if pinned:
+            self.lru.discard(block_hash, entry.tenant)
+            self.pinned_bytes += entry.num_bytes
+        else:
+            self.lru.add(block_hash, entry.tenant)
+            self.pinned_bytes -= entry.num_bytes
 
     def drop_missing(self, hashes) -> int:
         """Entries whose values a worker found absent or damaged. Returns how many were recorded."""
@@ -96,7 +157,8 @@ class StoreIndex:
         return len(recorded)
 
     def drop_tenant(self, tenant: str) -> int:
-        doomed = [h for h, e in self.entries.items() if e.tenant == tenant]
+        """Drops the tenant's unpinned entries (pinned ones go once their pins are removed)."""
+        doomed = [h for h, e in self.entries.items() if e.tenant == tenant and not e.pinned]
         for h in doomed:
             self._remove(h)
         return len(doomed)
@@ -104,9 +166,9 @@ class StoreIndex:
     def clear(self) -> None:
         self.deleted.extend(self.entries)
         self.entries.clear()
-        self.num_bytes = 0
-        self.totals = TierTotals()
-        self.tenant_hits = {}
+        self.lru = TenantLRU()
+        self.num_bytes = self.pinned_bytes = 0
+        self.usage, self.totals, self.tenant_hits, self.evicted_from, self.rejected = {}, TierTotals(), {}, {}, {}
 
     def count_hits(self, tenant: str, num_pages: int, page_size: int) -> None:
         self.totals.num_hit_pages += num_pages
@@ -116,9 +178,16 @@ class StoreIndex:
         """Evicts least recently used entries until the index fits its capacity (all of them with the tier off):
         after a restart with a smaller --kv-store-bytes. Returns how many."""
         evicted = 0
-        while self.entries and (not self.enabled or self.num_bytes > self.capacity_bytes):
-            self._remove(next(iter(self.entries)))
-            evicted += 1
+        if not self.enabled:
+            evicted = len(self.entries)
+            for h in list(self.entries):
+                self._remove(h)
+        elif self.num_bytes > self.capacity_bytes:
+            for victim in self.fair.victims(self.lru, self.usage, self.capacity_bytes, store_limits):
+                self._evict(self.lru.pop_oldest(victim))
+                evicted += 1
+                if self.num_bytes <= self.capacity_bytes:
+                    break
         self.totals.num_evicted += evicted
         return evicted
 
@@ -128,6 +197,13 @@ class StoreIndex:
 
     def _remove(self, block_hash: bytes) -> StoreEntry:
         entry = self.entries.pop(block_hash)
+        if entry.pinned:
+            self.pinned_bytes -= entry.num_bytes
+        else:
+            self.lru.discard(block_hash, entry.tenant)
         self.num_bytes -= entry.num_bytes
+        self.usage[entry.tenant] -= entry.num_bytes
+        if not self.usage[entry.tenant]:
+            del self.usage[entry.tenant]
         self.deleted.append(block_hash)
         return entry

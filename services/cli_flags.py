@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvserve.common.units import byte_size
+
 
 def env_default(name: str, default=None):
     """The value of ``KVSERVE_<NAME>`` if set, else ``default``."""
@@ -21,21 +23,10 @@ def env_switch(name: str, default: bool) -> bool:
 def parse_bytes(text: str, allow_zero: bool = False) -> int:
     """'536870912', '512MiB', '1.5GiB', '64MB' -> bytes (> 0, or >= 0 with ``allow_zero``). Raises
     argparse.ArgumentTypeError on bad input."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    s = text.strip().lower()
-    for suffix, factor in units.items():
-        if s.endswith(suffix):
-            s, scale = s[: -len(suffix)], factor
-            break
-    else:
-        scale = 1
     try:
-        value = float(s) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (try 536870912 or 512MiB)") from None
-    if value < 0 or (value == 0 and not allow_zero):
-        raise argparse.ArgumentTypeError(f"byte size must be {'>= 0' if allow_zero else 'positive'}, got {text!r}")
-    return int(value)
+        return byte_size(text, allow_zero)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_bytes_or_zero(text: str) -> int:

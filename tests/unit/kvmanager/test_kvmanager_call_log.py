@@ -173,15 +173,15 @@ def test_a_step_whose_early_append_fails_is_unavailable_then_durable_exactly_onc
         svc.register_worker(spec("w0"))
         send_early = store.send_early
 
-        def send_then_fail(record):
+        def send_then_fail(record, now_ms=0):
             if fault == "redis killed before it appended":
                 server.proc.send_signal(signal.SIGSTOP)  # the RPUSH waits in the socket, unread
-                sent = send_early(record)
+                sent = send_early(record, now_ms)
                 server.proc.kill()
                 server.proc.wait()
                 server.proc = None
             else:
-                sent = send_early(record)
+                sent = send_early(record, now_ms)
                 while store.client.llen("kvserve:log:0") < 2:  # Redis has appended it (and replied)
                     pass
                 store.in_flight[0].disconnect()  # the reply is never read

@@ -59,6 +59,7 @@ from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.placement import Placement
 from kvserve.kvmanager.state import Changes
+from kvserve.kvmanager.tenants import CachePolicy
 from kvserve.kvmanager.tier import TierTotals
 
 PS = 4  # page size
@@ -176,14 +177,15 @@ class ModelTier:
 
     def report(self, r: TierReport) -> tuple[int, int]:
         """Written values first (an LRU within capacity), then missing ones; returns (added, evicted)."""
-        added = evicted = 0
+        added = evicted = rejected = 0
         for b in r.written:
             self.written.add(b.block_hash)
             self.missing.discard(b.block_hash)
             if b.block_hash in self.entries:
                 self.entries.move_to_end(b.block_hash)
-            elif b.num_bytes > STORE_BYTES:
+            elif b.num_bytes > STORE_BYTES:  # cannot be kept: deleted, and counted
                 self.deleted.append(b.block_hash)
+                rejected += 1
             else:
                 while sum(n for _, n in self.entries.values()) + b.num_bytes > STORE_BYTES:
                     self.remove(next(iter(self.entries)))
@@ -196,7 +198,8 @@ class ModelTier:
             self.remove(h)
         t = self.totals
         self.totals = TierTotals(t.num_hit_pages, t.num_added + added, t.num_evicted + evicted,
-                                 t.num_dropped_missing + len(dropped), t.workers + r.counters)
+                                 t.num_dropped_missing + len(dropped), t.workers + r.counters,
+                                 t.num_rejected + rejected)
         return added, evicted
 
     def hit(self, tenant: str, hashes: list[bytes]) -> None:
@@ -235,7 +238,8 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.mgr = KVManager(store_capacity_bytes=STORE_BYTES)
+        # one global LRU over the tenants: the oracle's eviction order (fair share has its own properties)
+        self.mgr = KVManager(store_capacity_bytes=STORE_BYTES, policy=CachePolicy("lru"))
         self.tier = ModelTier()
         self.indexed: dict[str, set[bytes]] = {}  # during a call: each pool's indexed block hashes
         self.writes: list[StoreWriteOrder] = []  # during a call: the writes its commits must order

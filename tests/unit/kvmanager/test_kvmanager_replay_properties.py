@@ -35,6 +35,7 @@ from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import NotLeader, StaleStep, UnknownRequest
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.service import KVService
+from kvserve.kvmanager.tenants import CachePolicy
 from kvserve.kvmanager.snapshot import SWITCHED
 
 REDIS: dict[str, str] = {}
@@ -52,7 +53,7 @@ class LoggedManager(KVManager):
     """A KVManager whose calls go through a KVService to the call log, as the servicer's do."""
 
     def __init__(self, store: CallLog):
-        super().__init__(store_capacity_bytes=props.STORE_BYTES)
+        super().__init__(store_capacity_bytes=props.STORE_BYTES, policy=CachePolicy("lru"))  # the oracle's order
         self.service = KVService(self, store)
         self.replaying = False  # while its store loads it: the logged calls apply directly
 
@@ -219,7 +220,7 @@ class ReplayMachine(KVManagerMachine):
 
     @invariant()
     def a_restart_reloads_the_live_state(self):
-        loaded, recovered = KVManager(self.mgr.load_penalty_pages, props.STORE_BYTES), []
+        loaded, recovered = KVManager(self.mgr.load_penalty_pages, props.STORE_BYTES, CachePolicy("lru")), []
         restarted = KVService(loaded, CallLog(connect(REDIS["url"]), self.prefix))
         restarted.on_tier_deleted = recovered.extend
         restarted.load()
