@@ -22,6 +22,7 @@ from kvserve.services.gateway.rpc.server import start_gateway_server
 from kvserve.services.gateway.rpc.servicer import input_from_proto, usage_to_proto
 from kvserve.v1 import gateway_pb2
 
+PAGE_SIZE = 4  # the rule workers'
 
 def test_pins_and_key_reach_the_gateways_input_as_sent():
     request = build_request("Hello", cache_pins=[(0, 86400), CachePin(num_tokens=32, ttl_s=300)], cache_key="doc")
@@ -75,7 +76,7 @@ def served(model_dir):
     """(the gateway's address, the gateway, its kvmanager); key-a is tenant a."""
     kv = PinRecordingKV()
     gateway = Gateway(GatewayConfig(model_dir), ApiKeys((("key-a", "a"),)), kv,
-                      [PagedRuleWorker(f"w{i}", num_pages=64) for i in range(2)])
+                      [PagedRuleWorker(f"w{i}", num_pages=64, page_size=PAGE_SIZE) for i in range(2)])
     server = start_gateway_server(gateway, "127.0.0.1", 0)
     try:
         yield f"127.0.0.1:{server.port}", gateway, kv
@@ -92,8 +93,10 @@ def test_the_clients_pins_reach_the_kvmanager_and_the_key_its_placement(served):
         assert done.finish_reason == "length" and len(done.token_ids) == 3
         prompt_tokens = done.usage.prompt_tokens
         assert kv.pins[done.req_id] == (PinPoint(prompt_tokens, 3600), PinPoint(4, 60))  # 0 = the whole prompt
+        assert done.usage.pinned_tokens == prompt_tokens // PAGE_SIZE * PAGE_SIZE  # the prompt's full pages
         deltas = list(client.generate("The ferry was late again", max_tokens=3, ignore_eos=True))
-        assert kv.pins[deltas[-1].req_id] == () and deltas[-1].usage.pinned_tokens == 0
+        assert kv.pins[deltas[-1].req_id] == () and deltas[-1].usage.pinned_tokens == 0  # hit, not pinned by it
+        assert deltas[-1].usage.cached_tokens == done.usage.pinned_tokens
         with pytest.raises(InvalidArgument, match="ttl"):
             client.complete("The ferry", max_tokens=1, cache_pins=[(0, 0)])
     idle = {e.info.worker_id: 0 for e in gateway.engines}
