@@ -174,6 +174,37 @@ class _StateCollector:
         evicted.add_metric([], stats.num_evicted_blocks)
         yield from (usage, cached, released, queries, hits, evicted)
         yield from _tier_families(stats)
+        yield from _tenant_families(stats.tenants)
+
+
+TENANT_GAUGES = {  # TenantStats field -> (metric, help): a tenant's holdings against its share and limits
+    "num_pages": ("kvserve:tenant_pages", "Pages a tenant holds over all pools (used, cached, pinned)."),
+    "share_pages": ("kvserve:tenant_share_pages", "A tenant's fair share of the pools now (0 while inactive)."),
+    "floor_pages": ("kvserve:tenant_floor_pages", "A tenant's floor over all pools (0: none)."),
+    "cap_pages": ("kvserve:tenant_cap_pages", "A tenant's cap over all pools (0: none)."),
+    "store_bytes": ("kvserve:tenant_store_bytes", "Bytes of a tenant's entries in the shared KV tier."),
+    "store_floor_bytes": ("kvserve:tenant_store_floor_bytes", "A tenant's floor in the shared KV tier (0: none)."),
+    "store_cap_bytes": ("kvserve:tenant_store_cap_bytes", "A tenant's cap in the shared KV tier (0: none)."),
+    "num_pin_blocks": ("kvserve:tenant_pinned_blocks", "Blocks under a tenant's pins (soft and operator's)."),
+    "num_soft_pin_blocks": ("kvserve:tenant_soft_pinned_blocks", "Blocks under a tenant's soft (TTL) pins."),
+    "pin_budget_blocks": ("kvserve:tenant_pin_budget_blocks", "Blocks a tenant's soft pins may hold."),
+}
+TENANT_COUNTERS = {
+    "num_evicted_pages": ("kvserve:tenant_evicted_pages", "A tenant's cached pages evicted from the pools."),
+    "num_evictions_caused": ("kvserve:tenant_evictions_caused", "Cached pages a tenant's allocations evicted."),
+    "num_store_evicted": ("kvserve:tenant_store_evicted_blocks", "A tenant's entries the shared tier evicted."),
+    "num_store_rejected": ("kvserve:tenant_store_rejected_blocks", "A tenant's values the shared tier could not "
+                           "keep (everything else pinned)."),
+}
+
+
+def _tenant_families(tenants):
+    for kind, table in ((GaugeMetricFamily, TENANT_GAUGES), (CounterMetricFamily, TENANT_COUNTERS)):
+        for field, (name, doc) in table.items():
+            family = kind(name, doc, labels=["tenant"])
+            for t in tenants:
+                family.add_metric([t.tenant], getattr(t, field))
+            yield family
 
 
 def _tier_families(stats):

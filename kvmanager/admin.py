@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvserve.common.errors import InvalidRequest, StaleEpoch
 from kvserve.common.pages import HOLE
 from kvserve.common.tokens import check_token_ids
+from kvserve.common.wire.pages import MAX_PIN_TTL_S
 from kvserve.kvmanager.errors import RequestsRunning, UnknownTenant
 from kvserve.kvmanager.hashing import hex_hash, iter_chain_hashes
 from kvserve.kvmanager.manager import KVManager
@@ -20,7 +21,6 @@ from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import TenantCounters
 from kvserve.kvmanager.step_validate import check_tenant
 
-MAX_PIN_TTL_S = 7 * 24 * 3600
 DEFAULT_MAX_BLOCKS = 100
 DEFAULT_MAX_PREFIXES = 10
 
@@ -58,6 +58,22 @@ class TenantStats:
     prefix_cache_hits: int  # both tiers
     store_hits: int = 0  # of which: tokens loaded from the shared KV tier
     num_store_blocks: int = 0  # the tenant's blocks in the store
+    weight: float = 1.0  # in the fair share (fair_share.py)
+    active: bool = False  # used the cache within the active window
+    num_pages: int = 0  # held over all pools (used, cached, pinned)
+    share_pages: int = 0  # its fair share now, summed over the pools
+    floor_pages: int = 0  # summed over the pools; 0: none
+    cap_pages: int = 0
+    store_bytes: int = 0
+    store_floor_bytes: int = 0
+    store_cap_bytes: int = 0
+    num_pin_blocks: int = 0  # under its pins, soft and operator's
+    num_soft_pin_blocks: int = 0
+    pin_budget_blocks: int = 0  # on its largest pool
+    num_evicted_pages: int = 0  # its pages evicted from the pools (suffered)
+    num_evictions_caused: int = 0  # pages its allocations evicted (its own included)
+    num_store_evicted: int = 0
+    num_store_rejected: int = 0
 
 
 @dataclass(slots=True)
@@ -219,7 +235,35 @@ def _tenant_stats(mgr: KVManager) -> dict[str, TenantStats]:
         entry(tenant).store_hits = hits
     for e in mgr.tier.entries.values():
         entry(e.tenant).num_store_blocks += 1
+    for pin in mgr.pins.pins.values():
+        t = entry(pin.tenant)
+        t.num_pin_blocks += 1
+        t.num_soft_pin_blocks += pin.ttl_ms > 0
+    for tenant in [*mgr.fair.last_active, *mgr.tier.rejected, *mgr.tier.evicted_from]:
+        entry(tenant)
+    for tenant, t in out.items():
+        _add_shares(mgr, tenant, t)
     return dict(sorted(out.items()))
+
+
+def _add_shares(mgr: KVManager, tenant: str, t: TenantStats) -> None:
+    """Its holdings against its share, floor and cap, its pin budget and evictions (fair_share.py)."""
+    fair, tier = mgr.fair, mgr.tier
+    q = fair.policy.quota(tenant)
+    t.weight, t.active = q.weight, fair.is_active(tenant)
+    for pool in mgr.pools.values():
+        n = pool.spec.num_pages
+        t.num_pages += pool.usage.get(tenant, 0)
+        t.share_pages += int(fair.share(tenant, n))
+        t.floor_pages += q.floor.of(n)
+        t.cap_pages += q.cap.of(n)
+        t.num_evicted_pages += pool.num_evicted_from.get(tenant, 0)
+        t.num_evictions_caused += pool.num_evicted_by.get(tenant, 0)
+    largest = max(mgr.pools.values(), key=lambda p: p.spec.num_pages, default=None)
+    t.pin_budget_blocks = mgr.pin_budget(tenant, largest) if largest is not None else 0
+    t.store_bytes = tier.usage.get(tenant, 0)
+    t.store_floor_bytes, t.store_cap_bytes = q.store_floor_bytes, q.store_cap_bytes
+    t.num_store_evicted, t.num_store_rejected = tier.evicted_from.get(tenant, 0), tier.rejected.get(tenant, 0)
 
 
 def store_stats(mgr: KVManager) -> StoreStats:

@@ -82,7 +82,8 @@ def _check_tier(mgr: KVManager) -> None:
     pinned = sum(e.num_bytes for e in tier.entries.values() if e.pinned)
     assert tier.pinned_bytes == pinned, f"store index: pinned_bytes {tier.pinned_bytes} != {pinned}"
     unpinned = {h for h, e in tier.entries.items() if not e.pinned}
-    assert set(tier.lru) == unpinned and len(tier.lru) == len(unpinned), "store index: its LRU is not its unpinned entries"
+    assert set(tier.lru) == unpinned and len(tier.lru) == len(unpinned), (
+        "store index: its LRU is not its unpinned entries")
     assert not tier.entries or total <= tier.capacity_bytes, (
         f"store index: {total} bytes recorded over its capacity of {tier.capacity_bytes}")
     assert all(len(h) == 16 for h in tier.entries), "store index: a key that is not a 16-byte block hash"

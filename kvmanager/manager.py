@@ -51,8 +51,8 @@ from kvserve.common.wire.tier import PAGE_VALUE_HEADER_BYTES, StoreLoad, StoreWr
 from kvserve.kvmanager.errors import UnknownRequest, UnknownWorker
 from kvserve.kvmanager.fair_share import FairShare
 from kvserve.kvmanager.hashing import chain_hashes
-from kvserve.kvmanager.placement import Placement, fit, place
 from kvserve.kvmanager.pins import PinTable
+from kvserve.kvmanager.placement import Placement, fit, place
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import Changes, RequestPages, TenantCounters
 from kvserve.kvmanager.step_validate import validate_step
@@ -332,23 +332,20 @@ class KVManager:
         page_size = pool.spec.page_size
         if not req.pins:
             return 0
-        reach = [(p.num_tokens // page_size, p.ttl_s * 1000) for p in req.pins]
+        reach = [((p.num_tokens or req.num_prompt_tokens) // page_size, p.ttl_s * 1000) for p in req.pins]
         end = min(max(n for n, _ in reach), len(req.block_hashes))
-        i = req.num_pinned_blocks
-        if i < end:
-            room = self.pin_budget(req.tenant, pool) - self.pins.num_soft.get(req.tenant, 0)
-            for i in range(i, end):
-                h = req.block_hashes[i]
-                is_new = h not in self.pins
-                if is_new and room <= 0:
-                    break
-                self.pins.add(h, req.tenant, max(ttl for n, ttl in reach if n > i), self.now_ms)
-                if is_new:
-                    room -= 1
-                    self.mark_pinned(h, True)
-            else:
-                i = end
-            req.num_pinned_blocks = i
+        room = self.pin_budget(req.tenant, pool) - self.pins.num_soft.get(req.tenant, 0)
+        while req.num_pinned_blocks < end:
+            i = req.num_pinned_blocks
+            h = req.block_hashes[i]
+            is_new = h not in self.pins
+            if is_new and room <= 0:
+                break  # over budget: the rest of its prefix stays unpinned (its answer says how far it got)
+            self.pins.add(h, req.tenant, max(ttl for n, ttl in reach if n > i), self.now_ms)
+            if is_new:
+                room -= 1
+                self.mark_pinned(h, True)
+            req.num_pinned_blocks += 1
         return req.num_pinned_blocks * page_size
 
     def pin_budget(self, tenant: str, pool: PagePool) -> int:

@@ -138,21 +138,20 @@ class PagePool:
         pages: list[int] = []
         if tenant in lru.by_tenant and fair.over_cap(tenant, usage.get(tenant, 0), num_pages, pool_limits):
             pages += [self._take_cached(tenant, tenant) for _ in range(min(num, lru.count(tenant)))]
-        free = self.free
-        pages += [free.popleft() for _ in range(min(num - len(pages), len(free)))]
+        free, owner = self.free, self.owner
+        taken = [free.popleft() for _ in range(min(num - len(pages), len(free)))]
+        for page_id in taken:
+            owner[page_id] = tenant
+        usage[tenant] = usage.get(tenant, 0) + len(taken)  # counted before any eviction ranks the tenants
+        pages += taken
         if len(pages) < num:
             for victim in fair.victims(lru, usage, num_pages, pool_limits):
                 pages.append(self._take_cached(victim, tenant))
                 if len(pages) == num:
                     break
-        ref_cnt, owner = self.ref_cnt, self.owner
-        fresh = 0
+        ref_cnt = self.ref_cnt
         for page_id in pages:
             ref_cnt[page_id] = 1
-            if owner[page_id] is None:
-                owner[page_id] = tenant
-                fresh += 1
-        usage[tenant] = usage.get(tenant, 0) + fresh
         return pages
 
     def _take_cached(self, victim: str, tenant: str) -> int:

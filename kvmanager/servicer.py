@@ -124,8 +124,10 @@ class KVAdminServicer(kvmanager_pb2_grpc.KVAdminServiceServicer):
 
     @aborts_on_domain_errors
     def Pin(self, request, context):
-        result = self.service.mutate(admin.pin, request.tenant, self._token_ids(request), request.worker_id)
-        return pb.PinResult(num_pinned_blocks=result.num_pinned_blocks, num_pinned_tokens=result.num_pinned_tokens)
+        result = self.service.mutate(admin.pin, request.tenant, self._token_ids(request), request.worker_id,
+                                     request.ttl_s)
+        return pb.PinResult(num_pinned_blocks=result.num_pinned_blocks, num_pinned_tokens=result.num_pinned_tokens,
+                            expires_ms=result.expires_ms, num_over_budget_blocks=result.num_over_budget_blocks)
 
     @aborts_on_domain_errors
     def Unpin(self, request, context):

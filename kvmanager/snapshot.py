@@ -207,7 +207,8 @@ def _request_dict(req: RequestPages) -> dict:
 
 def _decode_request(d: dict) -> RequestPages:
     hashes = bytes.fromhex(d["block_hashes"])
-    return RequestPages(**{**d, "seed": bytes.fromhex(d["seed"]), "pins": tuple(PinPoint(*p) for p in d.get("pins", ())),
+    pins = tuple(PinPoint(*p) for p in d.get("pins", ()))
+    return RequestPages(**{**d, "seed": bytes.fromhex(d["seed"]), "pins": pins,
                            "block_hashes": [hashes[i:i + HASH_BYTES] for i in range(0, len(hashes), HASH_BYTES)],
                            "last_ops": {kind: (step_id, result_from_dict(kind, result))
                                         for kind, (step_id, result) in d["last_ops"].items()}})

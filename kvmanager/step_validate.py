@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING
 from kvserve.common.errors import DomainError, InvalidRequest
 from kvserve.common.pages import HOLE, num_pages_for
 from kvserve.common.tokens import check_token_ids
-from kvserve.common.wire.pages import PageAllocation, PageCommit, PageExtension, PageRelease, StepOps
+from kvserve.common.wire.pages import (
+    MAX_PIN_TTL_S,
+    MAX_PINS,
+    PageAllocation,
+    PageCommit,
+    PageExtension,
+    PageRelease,
+    StepOps,
+)
 from kvserve.kvmanager.errors import StaleStep, UnknownRequest
 from kvserve.kvmanager.state import RequestPages
 
@@ -112,10 +120,22 @@ def _check_allocate(mgr: KVManager, a: PageAllocation, step_id: int) -> None:
     pool = mgr.pool(a.worker_id)
     if a.chunk_tokens < 0:
         raise InvalidRequest(f"{where}: chunk_tokens must be >= 0 (0 = the whole prompt), got {a.chunk_tokens}")
+    _check_pins(where, a)
     if pool.window.slides and a.chunk_tokens:  # a window's pages at a time: the prompt may outgrow the pool
         return
     if num_pages_for(len(a.token_ids), pool.spec.page_size) > pool.spec.num_pages:
         raise InvalidRequest(f"{where}: {len(a.token_ids)} tokens need more pages than pool {a.worker_id!r} has")
+
+
+def _check_pins(where: str, a: PageAllocation) -> None:
+    if len(a.pins) > MAX_PINS:
+        raise InvalidRequest(f"{where}: {len(a.pins)} pins; at most {MAX_PINS} per allocation")
+    for i, p in enumerate(a.pins):
+        if not 0 <= p.num_tokens <= len(a.token_ids):
+            raise InvalidRequest(f"{where}: pins[{i}].num_tokens must be 0 (the whole prompt) to the prompt's "
+                                 f"{len(a.token_ids)} tokens, got {p.num_tokens}")
+        if not 0 < p.ttl_s <= MAX_PIN_TTL_S:
+            raise InvalidRequest(f"{where}: pins[{i}].ttl_s must be 1 to {MAX_PIN_TTL_S} seconds, got {p.ttl_s}")
 
 
 def _check_extend(mgr: KVManager, e: PageExtension, step_id: int, releasing: tuple[int, ...]) -> None:

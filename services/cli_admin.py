@@ -84,7 +84,11 @@ def add_commands(sub) -> None:
     p.add_argument("tenant")
     p.add_argument("--worker", default="", help="only this worker's pool")
     p.add_argument("--include-pinned", action="store_true", help="also unpin and evict pinned blocks")
-    _add_prefix_input(cmd("pin", "pin the cached blocks of a prefix (never evicted until unpinned)"))
+    pin = cmd("pin", "pin the cached blocks of a prefix (kept until unpinned, or --ttl after its last hit)")
+    _add_prefix_input(pin)
+    pin.add_argument("--ttl", type=_duration_s, default=0,
+                     help="a soft pin: lapses this long after its last hit (90s, 5m, 1h, 24h), within the tenant's "
+                          "pin budget; default: an operator's pin, kept until unpinned")
     _add_prefix_input(cmd("unpin", "unpin the blocks of a prefix"))
     cmd("page-table", "a request's pages with ref_cnts and block hashes").add_argument("req_id")
     reset = cmd("reset", "drop every cached block and counter (refused while requests run, unless --force)")
@@ -127,7 +131,24 @@ def _request(args):
     if c == "forget-worker":
         return "ForgetWorker", pb.ForgetWorkerRequest(worker_id=args.worker_id, force=args.force)
     rpc = {"probe": "Probe", "pin": "Pin", "unpin": "Unpin"}[c]
-    return rpc, pb.PrefixRequest(**_prefix_fields(args))
+    ttl = {"ttl_s": args.ttl} if c == "pin" else {}
+    return rpc, pb.PrefixRequest(**_prefix_fields(args), **ttl)
+
+
+def _duration_s(text: str) -> int:
+    """'90s', '5m', '1h', '24h' or plain seconds -> seconds (> 0)."""
+    import argparse
+
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    s = text.strip().lower()
+    scale = units.get(s[-1:], 1)
+    try:
+        value = float(s[:-1] if s[-1:] in units else s) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 300, 5m or 1h)") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"a pin's ttl must be at least 1 second, got {text!r}")
+    return int(value)
 
 
 def _token_file(args) -> Path:
@@ -239,6 +260,12 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def _when(ms: int) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
 def _tenants_table(tenants) -> str:
     if not tenants:
         return "(no tenants)"
@@ -247,6 +274,24 @@ def _tenants_table(tenants) -> str:
                  [[t.tenant, t.num_blocks, t.num_pinned_blocks, t.num_store_blocks, t.num_requests,
                    t.prefix_cache_queries, t.prefix_cache_hits, t.prefix_cache_hits - t.store_hits, t.store_hits,
                    _rate(t.prefix_cache_hits, t.prefix_cache_queries)] for t in tenants])
+
+
+def _limit(n) -> str:
+    return str(n) if n else "-"
+
+
+def _quotas_table(tenants) -> str:
+    """Each tenant's holdings against its share, floor and cap (pools, then the store), pins and evictions."""
+    if not tenants:
+        return "(no tenants)"
+    return table(["TENANT", "WEIGHT", "ACTIVE", "PAGES", "SHARE", "FLOOR", "CAP", "STORE_MB", "STORE_FLOOR_MB",
+                  "STORE_CAP_MB", "PINS", "SOFT_PINS", "PIN_BUDGET", "EVICTED", "CAUSED", "STORE_EVICTED",
+                  "STORE_REJECTED"],
+                 [[t.tenant, f"{t.weight:g}", _yes(t.active), t.num_pages, t.share_pages, _limit(t.floor_pages),
+                   _limit(t.cap_pages), f"{t.store_bytes / 1e6:.1f}", _limit(round(t.store_floor_bytes / 1e6)),
+                   _limit(round(t.store_cap_bytes / 1e6)), t.num_pin_blocks, t.num_soft_pin_blocks,
+                   t.pin_budget_blocks, t.num_evicted_pages, t.num_evictions_caused, t.num_store_evicted,
+                   t.num_store_rejected] for t in tenants])
 
 
 def _tiers_table(r) -> str:
@@ -278,7 +323,8 @@ def _render_stats(r, args) -> str:
     total = (f"prefix cache: {r.prefix_cache_hits} of {r.prefix_cache_queries} query tokens hit "
              f"({_rate(r.prefix_cache_hits, r.prefix_cache_queries)}), {r.num_evicted_blocks} blocks evicted, "
              f"store {'ok' if r.store_ok else 'FAILING'}")
-    return f"pools\n{pools}\n\ntiers\n{_tiers_table(r)}\n\ntenants\n{_tenants_table(r.tenants)}\n\n{total}"
+    return (f"pools\n{pools}\n\ntiers\n{_tiers_table(r)}\n\ntenants\n{_tenants_table(r.tenants)}\n\n"
+            f"tenant quotas\n{_quotas_table(r.tenants)}\n\n{total}")
 
 
 def _render_inspect(r, args) -> str:
@@ -314,13 +360,16 @@ def _render_page_table(r, args) -> str:
 
 RENDER = {
     "stats": _render_stats,
-    "tenants": lambda r, args: _tenants_table(r.tenants),
+    "tenants": lambda r, args: f"{_tenants_table(r.tenants)}\n\n{_quotas_table(r.tenants)}",
     "inspect": _render_inspect,
     "probe": _render_probe,
     "evict": lambda r, args: (f"evicted {r.num_evicted_blocks} blocks of tenant {args.tenant}; kept "
                               f"{r.num_kept_blocks} (held by requests or pinned)"),
     "pin": lambda r, args: (f"pinned {r.num_pinned_blocks} blocks of tenant {args.tenant} "
                             f"({r.num_pinned_tokens} tokens on the best pool)"
+                            + (f", until {_when(r.expires_ms)} unless hit again" if r.expires_ms else "")
+                            + (f"; {r.num_over_budget_blocks} blocks left unpinned: the tenant's pin budget is spent"
+                               if r.num_over_budget_blocks else "")
                             + ("" if r.num_pinned_blocks else "; nothing of this prefix is cached yet: a pin "
                                "applies to cached blocks, so pin it after a request has cached it")),
     "unpin": lambda r, args: f"unpinned {r.num_unpinned_blocks} blocks of tenant {args.tenant}",

@@ -101,6 +101,13 @@ def add_commands(sub) -> None:
                         "values it evicts; the workers read and write it (their own --kv-store-url)")
     k.add_argument("--kv-store-bytes", type=parse_bytes_or_zero, default=_env("kv_store_bytes", "0"),
                    help="bound of the shared KV tier (LRU within it); 0 = off (default). Needs --kv-store-url")
+    k.add_argument("--tenants-file", type=Path, default=_env("tenants_file"),
+                   help="TOML: per tenant a weight, a floor, a cap and a pin budget of each pool and of the shared "
+                        "KV tier (docs: Tenants and quotas). Default: every tenant active in the last 5 minutes "
+                        "has an equal share")
+    k.add_argument("--cache-policy", choices=("fair", "lru"), default=_env("cache_policy", "fair"),
+                   help="eviction: fair = from the tenant furthest over its share (default); lru = one global LRU "
+                        "over all tenants (for comparisons)")
     add_observability_flags(k)
     add_tls_flags(k, "server")
     k.set_defaults(func=run_kvmanager)
@@ -252,6 +259,7 @@ def run_kvmanager(args) -> int:
     from kvserve.kvmanager.reaper import MemberReaper
     from kvserve.kvmanager.server import start_kvmanager_server, tune_gc_for_serving
     from kvserve.kvmanager.service import KVService
+    from kvserve.kvmanager.tenants import load_policy
     from kvserve.services.cli_flags import metrics_note, tls_from_args, tls_note
 
     stop = install_stop_signals()  # first: a SIGTERM during start-up still stops the embedded Redis
@@ -261,6 +269,7 @@ def run_kvmanager(args) -> int:
             if args.kv_store_bytes and not args.kv_store_url:
                 raise ValueError("--kv-store-bytes needs --kv-store-url (the shared KV tier's Redis)")
             tls = tls_from_args(args, server=True)  # first: a bad file leaves nothing started
+            policy = load_policy(args.tenants_file, args.cache_policy)
             tokenizer = _tokenizer(args.model)
             if _uses_data_dir(args):
                 lock_data_dir(data_dir, stack)
@@ -271,7 +280,7 @@ def run_kvmanager(args) -> int:
         except OSError as e:  # e.g. --data-dir names a file
             print(f"kvserve: --data-dir {data_dir}: {e.strerror or e}", file=sys.stderr)
             return 2
-        make_manager = functools.partial(KVManager, store_capacity_bytes=args.kv_store_bytes)
+        make_manager = functools.partial(KVManager, store_capacity_bytes=args.kv_store_bytes, policy=policy)
         service = KVService(make_manager(), store, worker_timeout_s=args.worker_timeout, make_manager=make_manager)
         janitor = _tier_janitor(args, service)
         elected = not args.no_persistence  # with Redis: a standby until it wins the first election

@@ -61,6 +61,10 @@ def add_commands(sub) -> None:
                    default=_env("kv_store_bytes", DEFAULT_KV_STORE_BYTES),
                    help=f"bound of the shared KV tier, which keeps committed KV pages past the pools' evictions, "
                         f"worker restarts and up's own restarts (default {DEFAULT_KV_STORE_BYTES}; 0 = off)")
+    u.add_argument("--tenants-file", type=Path, default=_env("tenants_file"),
+                   help="the kvmanager's per-tenant cache policy (TOML: weights, floors, caps, pin budgets)")
+    u.add_argument("--cache-policy", choices=("fair", "lru"), default=_env("cache_policy", "fair"),
+                   help="eviction across tenants: fair share (default) or one global LRU")
     u.add_argument("--kv-store-url", default=_env("kv_store_url"),
                    help="the shared KV tier's Redis (default: an embedded one under <data dir>/kv-store)")
     size = u.add_mutually_exclusive_group()
@@ -126,6 +130,9 @@ def _kvmanager_argv(args, model_dir: Path) -> list[str]:
         argv += ["--data-dir", str(args.data_dir)]
     if args.redis_url:
         argv += ["--redis-url", args.redis_url]
+    if args.tenants_file:
+        argv += ["--tenants-file", str(args.tenants_file)]
+    argv += ["--cache-policy", args.cache_policy]
     return argv + kv_store_argv(args)
 
 
@@ -247,6 +254,14 @@ def run_up(args) -> int:
     except (ValueError, ModelNotFound) as e:
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
+    if args.tenants_file:  # as the keys: checked before anything starts
+        from kvserve.kvmanager.tenants import TenantsFileError, load_policy
+
+        try:
+            load_policy(args.tenants_file)
+        except TenantsFileError as e:
+            print(f"kvserve: --tenants-file {e}", file=sys.stderr)
+            return 2
     if args.api_keys_file:  # checked before anything starts, not by the gateway a minute later
         from kvserve.services.gateway.auth import load_keys
 

@@ -46,6 +46,10 @@ class OpStatus(enum.Enum):
     STALE_EPOCH = "stale_epoch"
 
 
+MAX_PINS = 8  # per request: Anthropic allows 4 cache_control breakpoints, with prompt_cache_retention room to spare
+MAX_PIN_TTL_S = 7 * 24 * 3600
+
+
 @dataclass(frozen=True, slots=True)
 class PinPoint:
     """A soft pin a request asks for: its full pages up to num_tokens, kept for ttl_s seconds after the pin is

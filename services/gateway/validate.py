@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.request_checks import check_sampling, check_stop, check_text
 from kvserve.common.tokenizer import ChatTemplateError, Tokenizer
-from kvserve.common.wire.pages import PinPoint
+from kvserve.common.wire.pages import MAX_PIN_TTL_S, MAX_PINS, PinPoint
 from kvserve.common.wire.worker import SamplingParams
 from kvserve.services.gateway.request import Request, RequestParams
 
@@ -114,8 +114,6 @@ def validate_request(inp: GenerateInput, tenant: str, tokenizer: Tokenizer, limi
                    pins=_pins(inp.pins, len(prompt_ids)), cache_key=_cache_key(inp.cache_key))
 
 
-MAX_PINS = 8  # Anthropic allows 4 cache_control breakpoints; with prompt_cache_retention, room to spare
-MAX_PIN_TTL_S = 7 * 24 * 3600
 MAX_CACHE_KEY_CHARS = 1024
 
 

@@ -484,7 +484,7 @@ class PoolStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., num_window_released_pages: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
-    __slots__ = ("tenant", "num_blocks", "num_pinned_blocks", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "store_hits", "num_store_blocks")
+    __slots__ = ("tenant", "num_blocks", "num_pinned_blocks", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "store_hits", "num_store_blocks", "weight", "active", "num_pages", "share_pages", "floor_pages", "cap_pages", "store_bytes", "store_floor_bytes", "store_cap_bytes", "num_pin_blocks", "num_soft_pin_blocks", "pin_budget_blocks", "num_evicted_pages", "num_evictions_caused", "num_store_evicted", "num_store_rejected")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -493,6 +493,22 @@ class TenantStats(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     STORE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHARE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CAP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_FLOOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PIN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SOFT_PIN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PIN_BUDGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_CAUSED_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_REJECTED_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     num_blocks: int
     num_pinned_blocks: int
@@ -501,7 +517,23 @@ class TenantStats(_message.Message):
     prefix_cache_hits: int
     store_hits: int
     num_store_blocks: int
-    def __init__(self, tenant: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., store_hits: _Optional[int] = ..., num_store_blocks: _Optional[int] = ...) -> None: ...
+    weight: float
+    active: bool
+    num_pages: int
+    share_pages: int
+    floor_pages: int
+    cap_pages: int
+    store_bytes: int
+    store_floor_bytes: int
+    store_cap_bytes: int
+    num_pin_blocks: int
+    num_soft_pin_blocks: int
+    pin_budget_blocks: int
+    num_evicted_pages: int
+    num_evictions_caused: int
+    num_store_evicted: int
+    num_store_rejected: int
+    def __init__(self, tenant: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., store_hits: _Optional[int] = ..., num_store_blocks: _Optional[int] = ..., weight: _Optional[float] = ..., active: _Optional[bool] = ..., num_pages: _Optional[int] = ..., share_pages: _Optional[int] = ..., floor_pages: _Optional[int] = ..., cap_pages: _Optional[int] = ..., store_bytes: _Optional[int] = ..., store_floor_bytes: _Optional[int] = ..., store_cap_bytes: _Optional[int] = ..., num_pin_blocks: _Optional[int] = ..., num_soft_pin_blocks: _Optional[int] = ..., pin_budget_blocks: _Optional[int] = ..., num_evicted_pages: _Optional[int] = ..., num_evictions_caused: _Optional[int] = ..., num_store_evicted: _Optional[int] = ..., num_store_rejected: _Optional[int] = ...) -> None: ...
 
 class StoreStats(_message.Message):
     __slots__ = ("capacity_bytes", "num_blocks", "num_bytes", "num_hit_pages", "num_added_blocks", "num_evicted_blocks", "num_dropped_missing", "num_loaded_pages", "num_loaded_bytes", "load_s", "num_failed_loads", "num_verify_failures", "num_written_pages", "num_written_bytes", "num_dropped_writes")
