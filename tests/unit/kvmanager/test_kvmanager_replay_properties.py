@@ -35,8 +35,8 @@ from kvserve.kvmanager.call_log import CallLog
 from kvserve.kvmanager.errors import NotLeader, StaleStep, UnknownRequest
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.service import KVService
-from kvserve.kvmanager.tenants import CachePolicy
 from kvserve.kvmanager.snapshot import SWITCHED
+from kvserve.kvmanager.tenants import CachePolicy
 
 REDIS: dict[str, str] = {}
 PREFIXES = (f"replay-{i}" for i in itertools.count())
