@@ -144,7 +144,8 @@ class StoreIndex:
         if pinned:
             self.lru.discard(block_hash, entry.tenant)
             self.pinned_bytes += entry.num_bytes
-        else:
+        else:  # unpinned: used now, in both orders (a snapshot rebuilds the LRU from the entries' order)
+            self.entries.move_to_end(block_hash)
             self.lru.add(block_hash, entry.tenant)
             self.pinned_bytes -= entry.num_bytes
 
