@@ -43,6 +43,27 @@ WORKER_METRICS = ("kvserve:worker_step_seconds", "kvserve:worker_batch_size", "k
 # and named apart so that a sum over every scraped series never counts a load twice.
 REPORTED_TIER_COUNTERS = {field: (name.replace("kvserve:kv_tier_", "kvserve:kv_tier_reported_"), doc)
                           for field, (name, doc) in TIER_COUNTERS.items()}
+TENANT_GAUGES = {  # TenantStats field -> (metric, help): a tenant's holdings against its share and limits
+    "num_pages": ("kvserve:tenant_pages", "Pages a tenant holds over all pools (used, cached, pinned)."),
+    "share_pages": ("kvserve:tenant_share_pages", "A tenant's fair share of the pools now (0 while inactive)."),
+    "floor_pages": ("kvserve:tenant_floor_pages", "A tenant's floor over all pools (0: none)."),
+    "cap_pages": ("kvserve:tenant_cap_pages", "A tenant's cap over all pools (0: none)."),
+    "store_bytes": ("kvserve:tenant_store_bytes", "Bytes of a tenant's entries in the shared KV tier."),
+    "store_floor_bytes": ("kvserve:tenant_store_floor_bytes", "A tenant's floor in the shared KV tier (0: none)."),
+    "store_cap_bytes": ("kvserve:tenant_store_cap_bytes", "A tenant's cap in the shared KV tier (0: none)."),
+    "num_pin_blocks": ("kvserve:tenant_pinned_blocks", "Blocks under a tenant's pins (soft and operator's)."),
+    "num_soft_pin_blocks": ("kvserve:tenant_soft_pinned_blocks", "Blocks under a tenant's soft (TTL) pins."),
+    "pin_budget_blocks": ("kvserve:tenant_pin_budget_blocks", "Blocks a tenant's soft pins may hold."),
+}
+TENANT_COUNTERS = {
+    "num_evicted_pages": ("kvserve:tenant_evicted_pages", "A tenant's cached pages evicted from the pools."),
+    "num_evictions_caused": ("kvserve:tenant_evictions_caused", "Cached pages a tenant's allocations evicted."),
+    "num_store_evicted": ("kvserve:tenant_store_evicted_blocks", "A tenant's entries the shared tier evicted."),
+    "num_store_rejected": ("kvserve:tenant_store_rejected_blocks", "A tenant's values the shared tier could not "
+                           "keep (everything else pinned)."),
+}
+
+
 KVMANAGER_METRICS = (
     "kvserve:kv_cache_usage_perc", "kvserve:prefix_cache_queries_total", "kvserve:prefix_cache_hits_total",
     "kvserve:evicted_blocks_total", "kvserve:kvmanager_rpc_seconds", "kvserve:redis_write_seconds",
@@ -53,6 +74,7 @@ KVMANAGER_METRICS = (
     "kvserve:prefix_cache_tier_hits_total", "kvserve:kv_tier_added_blocks_total",
     "kvserve:kv_tier_evicted_blocks_total", "kvserve:kv_tier_dropped_missing_total",
     *(f"{name}_total" for name, _ in REPORTED_TIER_COUNTERS.values()),
+    *(name for name, _ in TENANT_GAUGES.values()), *(f"{name}_total" for name, _ in TENANT_COUNTERS.values()),
 )
 
 
@@ -175,27 +197,6 @@ class _StateCollector:
         yield from (usage, cached, released, queries, hits, evicted)
         yield from _tier_families(stats)
         yield from _tenant_families(stats.tenants)
-
-
-TENANT_GAUGES = {  # TenantStats field -> (metric, help): a tenant's holdings against its share and limits
-    "num_pages": ("kvserve:tenant_pages", "Pages a tenant holds over all pools (used, cached, pinned)."),
-    "share_pages": ("kvserve:tenant_share_pages", "A tenant's fair share of the pools now (0 while inactive)."),
-    "floor_pages": ("kvserve:tenant_floor_pages", "A tenant's floor over all pools (0: none)."),
-    "cap_pages": ("kvserve:tenant_cap_pages", "A tenant's cap over all pools (0: none)."),
-    "store_bytes": ("kvserve:tenant_store_bytes", "Bytes of a tenant's entries in the shared KV tier."),
-    "store_floor_bytes": ("kvserve:tenant_store_floor_bytes", "A tenant's floor in the shared KV tier (0: none)."),
-    "store_cap_bytes": ("kvserve:tenant_store_cap_bytes", "A tenant's cap in the shared KV tier (0: none)."),
-    "num_pin_blocks": ("kvserve:tenant_pinned_blocks", "Blocks under a tenant's pins (soft and operator's)."),
-    "num_soft_pin_blocks": ("kvserve:tenant_soft_pinned_blocks", "Blocks under a tenant's soft (TTL) pins."),
-    "pin_budget_blocks": ("kvserve:tenant_pin_budget_blocks", "Blocks a tenant's soft pins may hold."),
-}
-TENANT_COUNTERS = {
-    "num_evicted_pages": ("kvserve:tenant_evicted_pages", "A tenant's cached pages evicted from the pools."),
-    "num_evictions_caused": ("kvserve:tenant_evictions_caused", "Cached pages a tenant's allocations evicted."),
-    "num_store_evicted": ("kvserve:tenant_store_evicted_blocks", "A tenant's entries the shared tier evicted."),
-    "num_store_rejected": ("kvserve:tenant_store_rejected_blocks", "A tenant's values the shared tier could not "
-                           "keep (everything else pinned)."),
-}
 
 
 def _tenant_families(tenants):

@@ -20,7 +20,7 @@ from kvserve.common.metrics import (
     KVManagerMetrics,
     WorkerMetrics,
 )
-from kvserve.kvmanager.admin import StoreStats
+from kvserve.kvmanager.admin import StoreStats, TenantStats
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana-dashboard.json"
 METRIC_TOKEN = re.compile(r"kvserve:[a-zA-Z0-9_:]+")
@@ -32,7 +32,7 @@ def _read_stats() -> SimpleNamespace:
     family has samples."""
     pool = SimpleNamespace(worker_id="w0", kv_dtype="int8", num_used_pages=3, num_pages=8, num_cached_pages=2,
                            num_window_released_pages=5, used_bytes=300, cached_bytes=200, pool_bytes=800)
-    tenant = SimpleNamespace(tenant="t0", prefix_cache_queries=10, prefix_cache_hits=4, store_hits=2, num_blocks=3)
+    tenant = TenantStats("t0", 3, 1, 0, 10, 4, store_hits=2)
     store = StoreStats(1000, 2, 200, 2, 3, 1, 0, 2, 200, 0.1, 0, 0, 3, 300, 0)
     return SimpleNamespace(pools=[pool], tenants=[tenant], num_evicted_blocks=1, store=store)
 

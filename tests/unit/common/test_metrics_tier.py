@@ -121,3 +121,34 @@ def test_without_a_store_the_pool_alone_and_the_reported_names_are_not_the_worke
     worker_names = {f"{name}_total" for name, _ in TIER_COUNTERS.values()}
     assert not worker_names & set(KVMANAGER_METRICS)
     assert {f"{name}_total" for name, _ in REPORTED_TIER_COUNTERS.values()} <= set(KVMANAGER_METRICS)
+
+
+def test_each_tenants_pages_shares_pins_and_evictions_are_exported():
+    """The tenant families (fair share): a tenant flooding a small pool shows its pages, its evictions caused and
+    suffered; the other its pins against its budget."""
+    from kvserve.common.wire.pages import PinPoint
+
+    mgr = KVManager()
+    mgr.register_worker(PoolSpec("w0", 1, 8, PS, "fp", "float32", PAGE_BYTES // PS))
+    mgr.set_time(1_000_000)
+    mgr.step(StepOps(next_step_id(mgr), allocations=(
+        PageAllocation("q", "quiet", PROMPT, "w0", pins=(PinPoint(8, 300),)),)))
+    mgr.step(StepOps(next_step_id(mgr), commits=(PageCommit("q", 0, PROMPT[:12], len(PROMPT)),),
+                     frees=(PageFree("q"),)))
+    for i in range(3):
+        flood = tuple(range(1000 * (i + 1), 1000 * (i + 1) + 13))
+        mgr.step(StepOps(next_step_id(mgr), allocations=(PageAllocation(f"n{i}", "noisy", flood, "w0"),)))
+        mgr.step(StepOps(next_step_id(mgr), commits=(PageCommit(f"n{i}", 0, flood[:12], 13),),
+                         frees=(PageFree(f"n{i}"),)))
+    samples = scrape(mgr)
+
+    def value(name: str, tenant: str) -> float:
+        return samples[(name, (("tenant", tenant),))]
+
+    assert value("kvserve:tenant_pinned_blocks", "quiet") == value("kvserve:tenant_soft_pinned_blocks", "quiet") == 2
+    assert value("kvserve:tenant_pin_budget_blocks", "quiet") == 2  # half its share of 4 pages
+    assert value("kvserve:tenant_share_pages", "noisy") == 4 and value("kvserve:tenant_pages", "noisy") == 4
+    assert value("kvserve:tenant_pages", "quiet") == 3  # under its share: the flood took none of its pages
+    assert value("kvserve:tenant_evictions_caused_total", "noisy") == value("kvserve:tenant_evicted_pages_total",
+                                                                              "noisy") > 0
+    assert value("kvserve:tenant_evicted_pages_total", "quiet") == 0
