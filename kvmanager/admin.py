@@ -439,6 +439,9 @@ def pin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str 
     if not 0 <= ttl_s <= MAX_PIN_TTL_S:
         raise InvalidRequest(f"ttl_s must be 0 (an operator's pin) to {MAX_PIN_TTL_S} seconds, got {ttl_s}")
     pools = _pools_in_scope(mgr, worker_id)
+    if ttl_s:  # a soft pin is the tenant using the cache: it counts as active (its share, its default budget)
+        mgr.fair.touch(tenant)
+        mgr.changes.changed = True
     found = {p.spec.worker_id: _prefix_blocks(mgr, p, tenant, token_ids) for p in pools}
     best = max(pools, key=lambda p: len(found[p.spec.worker_id]), default=None)
     hashes = list(dict.fromkeys(b.block_hash for p in pools for b in found[p.spec.worker_id]))

@@ -202,3 +202,12 @@ def test_a_snapshot_keeps_pins_tenants_activity_and_the_time():
     assert (loaded.pins.pins, loaded.now_ms, loaded.fair.last_active) == (mgr.pins.pins, mgr.now_ms,
                                                                           mgr.fair.last_active)
     assert loaded.pools["w0"].usage == mgr.pools["w0"].usage and loaded.tier.pinned_bytes == 3000
+
+
+def test_an_admin_soft_pin_makes_an_idle_tenant_active_so_it_has_a_budget():
+    mgr = manager()
+    run(mgr, "t", prompt(1, 3))
+    mgr.set_time(T0 + 3600 * S)  # idle past the active window: share 0, no default budget
+    assert mgr.pin_budget("t", mgr.pools["w0"]) == 0
+    result = admin.pin(mgr, "t", prompt(1, 3), "", 60)
+    assert (result.num_pinned_blocks, result.num_over_budget_blocks) == (3, 0)
