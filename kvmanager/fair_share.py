@@ -137,35 +137,55 @@ class FairShare:
         cap = limits(self.policy.quota(tenant), capacity)[1]
         return bool(cap) and usage >= cap
 
-    def victims(self, lru: TenantLRU, usage: dict[str, int], capacity: int, limits: Limits) -> Iterator[str]:
-        """Tenants to evict from, one entry each, in order; usage is read again before each (the caller updates
-        it). Stops when ``lru`` is empty."""
+    def victims(self, lru: TenantLRU, usage: dict[str, int], capacity: int, limits: Limits,
+                requester: str = "") -> Iterator[str]:
+        """Tenants to evict from, one entry each, in order, for ``requester`` (whose usage grows by one with each
+        entry taken from another tenant; the caller updates ``usage``). Stops when ``lru`` is empty."""
         if not self.policy.fair:
             while lru.size:
                 yield min(lru.by_tenant, key=lru.head_seq)
             return
-        total_weight = self.active_weight()
+        total_weight, terms = self.active_weight(), {}
         while lru.size:
-            if len(lru.by_tenant) == 1:
-                yield next(iter(lru.by_tenant))
+            by_tenant = lru.by_tenant
+            if len(by_tenant) == 1:
+                yield next(iter(by_tenant))
                 continue
-            yield max(lru.by_tenant, key=lambda t: self._rank(t, lru, usage, capacity, limits, total_weight))
+            ranked = []
+            for tenant, od in by_tenant.items():
+                t = terms.get(tenant)
+                if t is None:  # (floor, cap, share) of a tenant: fixed for the call, only usage moves
+                    floor, cap = limits(self.policy.quota(tenant), capacity)
+                    t = terms[tenant] = (floor, cap, self.share(tenant, capacity, total_weight))
+                ranked.append((_rank(usage.get(tenant, 0), *t, next(iter(od.values()))), tenant))
+            key, victim = max(ranked)
+            run = min(lru.count(victim), self._run(victim, key, ranked, usage, terms, requester))
+            for _ in range(run):
+                yield victim
 
-    def _rank(self, tenant: str, lru: TenantLRU, usage: dict[str, int], capacity: int, limits: Limits,
-              total_weight: float) -> tuple:
-        q = self.policy.quota(tenant)
-        floor, cap = limits(q, capacity)
-        held = usage.get(tenant, 0)
-        share = self.share(tenant, capacity, total_weight)
-        ratio = held / share if share else math.inf
-        if cap and held >= cap:
-            cls = 3
-            ratio = held / cap
-        elif held <= floor:
-            cls = 0
+    @staticmethod
+    def _run(victim: str, key: tuple, ranked: list, usage: dict[str, int], terms: dict, requester: str) -> int:
+        """Entries the victim can give, one after the other, before another tenant could rank first (at least 1):
+        its usage falls by one each, the requester's rises by one each, the others' stay."""
+        if victim == requester:  # its pages go to itself: nobody's usage moves
+            return 1 << 62
+        held, (floor, cap, share) = usage.get(victim, 0), terms[victim]
+        cls = key[0]
+        if cls == 2:
+            run, unit = held - cap + 1, cap  # while still at its cap
         else:
-            cls = 1
-        return cls, ratio, -lru.head_seq(tenant)
+            run, unit = (held - floor if cls == 1 else 1 << 62), share  # while still above its floor
+        for other_key, other in ranked:
+            if other == victim:
+                continue
+            if other == requester:
+                run = min(run, _requester_bound(usage.get(other, 0), terms[other], cls, held, unit))
+            elif other_key[0] == cls and unit:
+                # strictly ahead on the ratio while (held - i) / unit > theirs: ties go back to a full ranking
+                run = min(run, math.ceil(held - other_key[1] * unit)) if other_key[1] < math.inf else 1
+            elif other_key[0] == cls:  # both inactive (share 0): the LRU heads decide, one at a time
+                run = 1
+        return max(1, run)
 
     def pin_budget(self, tenant: str, num_pages: int) -> int:
         """Pages the tenant's soft pins may hold on a pool of ``num_pages``: its pin_budget, else half its floor,
@@ -183,3 +203,24 @@ class FairShare:
         if q.store_floor_bytes:
             return int(DEFAULT_PIN_SHARE * q.store_floor_bytes)
         return int(DEFAULT_PIN_SHARE * self.share(tenant, capacity_bytes))
+
+
+def _rank(held: int, floor: int, cap: int, share: float, head_seq: int) -> tuple:
+    """A tenant's place in the eviction order (largest first): at or over its cap (by how far), then above its
+    floor, by usage over its share (inactive: infinite), then at or under its floor; the older LRU head on ties."""
+    if cap and held >= cap:
+        return 2, held / cap, -head_seq
+    return (1 if held > floor else 0), (held / share if share else math.inf), -head_seq
+
+
+def _requester_bound(held: int, terms: tuple, cls: int, victim_held: int, victim_unit: float) -> int:
+    """Entries taken before the requester (usage rising from ``held``) could outrank the victim."""
+    floor, cap, share = terms
+    run = cap - held if cap else 1 << 62  # it reaches its cap: class 2
+    if cls < 2 and held + run > floor and cls == 0:
+        run = min(run, max(1, floor - held + 1))  # it rises above its floor over a victim at or under its own
+    if victim_unit and share:  # (victim_held - i) / victim_unit > (held + i) / share
+        run = min(run, math.ceil((victim_held * share - held * victim_unit) / (share + victim_unit)))
+    elif not share and cls < 2 and held + 1 > floor:  # the requester inactive (share 0): its ratio is infinite
+        run = 1
+    return max(1, run)

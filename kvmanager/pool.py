@@ -145,7 +145,7 @@ class PagePool:
         usage[tenant] = usage.get(tenant, 0) + len(taken)  # counted before any eviction ranks the tenants
         pages += taken
         if len(pages) < num:
-            for victim in fair.victims(lru, usage, num_pages, pool_limits):
+            for victim in fair.victims(lru, usage, num_pages, pool_limits, tenant):
                 pages.append(self._take_cached(victim, tenant))
                 if len(pages) == num:
                     break

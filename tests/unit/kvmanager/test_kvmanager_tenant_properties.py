@@ -52,8 +52,8 @@ quotas = st.builds(
 class CheckedFairShare(FairShare):
     """FairShare whose every victim is checked against the rule, with the usage it was chosen on."""
 
-    def victims(self, lru, usage, capacity, limits):
-        for victim in super().victims(lru, usage, capacity, limits):
+    def victims(self, lru, usage, capacity, limits, requester=""):
+        for victim in super().victims(lru, usage, capacity, limits, requester):
             self.check_victim(victim, lru, usage, capacity, limits)
             yield victim
 
