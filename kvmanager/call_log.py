@@ -17,6 +17,8 @@ and same calls give the same pages, hits and answers (the restart tests check ex
                        drain     a member's draining flag changed
                        leave     a member left or was declared dead: it and its pool of that epoch are dropped
                        tier      a worker's ReportTier (blocks the store acknowledged, values found missing)
+                       policy    the eviction policy changed (a restart or take-over with another tenants file
+                                 or --cache-policy): the calls after it replay under it
 
 Each record's header also holds the call's time ("now", Unix ms): a replay sets it before applying the call, so
 the soft pins that lapsed before it lapse again at the same point (pins.py).
@@ -66,6 +68,7 @@ from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.membership import MemberTable
 from kvserve.kvmanager.snapshot import Child, GenerationKeys, claim
 from kvserve.kvmanager.state import Changes
+from kvserve.kvmanager.tenants import policy_from_dict, policy_to_dict
 
 log = logging.getLogger(__name__)
 ADMIN_MUTATIONS = {f.__name__: f for f in (admin.evict_tenant, admin.pin, admin.unpin, admin.reset,
@@ -119,6 +122,8 @@ def encode_call(record: tuple) -> bytes:
         body = {"spec": asdict(record[1]), "arg": record[2]}  # release_requests, or the member's address
     elif kind == "admin":
         body = {"fn": record[1], "args": list(record[2])}
+    elif kind == "policy":
+        body = {"policy": policy_to_dict(record[1])}
     elif kind == "tier":
         r: TierReport = record[1]
         body = {"w": r.worker_id, "e": r.epoch, "b": b"".join(b.block_hash for b in r.written).hex(),
@@ -213,6 +218,8 @@ def apply(mgr: KVManager, members: MemberTable, raw: bytes) -> None:
         membership.leave(mgr, members, *d["args"])
     elif kind == "tier":
         mgr.report_tier(_tier_report(d))
+    elif kind == "policy":
+        mgr.set_policy(policy_from_dict(d["policy"]))
     else:
         ADMIN_MUTATIONS[d["fn"]](mgr, *_tuples(d["args"]))
 

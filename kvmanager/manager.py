@@ -71,6 +71,7 @@ class KVManager:
         self.tier = StoreIndex(store_capacity_bytes, self.fair)  # the shared KV tier's index (capacity 0: off)
         self.pins = PinTable()
         self.now_ms = 0  # wall-clock time of the current call (set_time), for pins' TTLs and tenants' activity
+        self.policy_logged = False  # the state (snapshot or log) records the policy its calls ran under
         self.store_writes: list[StoreWriteOrder] = []  # asked for by this call's commits
         self.requests: dict[str, RequestPages] = {}
         self.stale: dict[str, RequestPages] = {}  # requests whose pool epoch was replaced
@@ -193,6 +194,16 @@ class KVManager:
         if lapsed:
             self.changes.changed = True
         return lapsed
+
+    def set_policy(self, policy: CachePolicy) -> bool:
+        """Applies another eviction policy (a restart or take-over configured differently), logged as a call of
+        its own: a replay must evict, and hand out, the same pages as the calls did. Returns whether it changed."""
+        self.policy_logged = True
+        if policy == self.fair.policy:
+            return False
+        self.fair.policy = policy
+        self.changes.changed = True
+        return True
 
     def mark_pinned(self, block_hash: bytes, pinned: bool) -> None:
         """Sets the pin flag of a block in every pool that holds it and in the tier. Unpinned, it counts as used

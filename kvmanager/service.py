@@ -44,8 +44,9 @@ class Store(Protocol):
     def write(self, mgr: KVManager, members: MemberTable, record: tuple, reset: bool = False) -> None:
         """Makes a call durable, atomically: ``record`` is the call itself (("step", StepOps), ("register",
         PoolSpec, release_requests), ("admin", name, args), ("join", PoolSpec, address), ("drain", worker_id,
-        epoch, draining), ("leave", worker_id, epoch) or ("tier", TierReport)); ``reset``: the calls since the
-        last write dropped everything (an admin reset), so the store writes the state whole. Raises on failure."""
+        epoch, draining), ("leave", worker_id, epoch), ("tier", TierReport) or ("policy", CachePolicy)); ``reset``:
+        the calls since the last write dropped everything (an admin reset), so the store writes the state whole.
+        Raises on failure."""
         ...
 
     def load(self, mgr: KVManager, members: MemberTable) -> None:
@@ -110,8 +111,10 @@ class KVService:
         """Loads the state and the members, each with a fresh lease (a new leader must not declare dead the
         workers that could not heartbeat while it took over)."""
         with self.lock:
+            configured = self.manager.fair.policy
             self.store.load(self.manager, self.members)
             self._hand_over_deleted(recovered=True)
+            self._configure(configured)
 
     def take_over(self, manager: KVManager | None = None) -> None:
         """Becomes the leader: a fresh manager (or ``manager``, empty) filled from the store, which claims the
@@ -120,10 +123,20 @@ class KVService:
         manager = self.make_manager() if manager is None else manager
         members = MemberTable(self.members.lease_s, self.members.clock)
         with self.lock:
+            configured = manager.fair.policy
             self.store.load(manager, members)
             self.manager, self.members = manager, members
             self.store_ok, self.leading = True, True
             self._hand_over_deleted(recovered=True)
+            self._configure(configured)
+
+    def _configure(self, policy) -> None:
+        """After a load: the state was made under its stored policy (the log replayed under it); this process's
+        configured one applies from here on, logged as a call so that a later replay switches at this point (and
+        logged once in a state that records none yet: a log's first calls replay under it)."""
+        if not self.manager.policy_logged or self.manager.fair.policy != policy:
+            self.manager.set_policy(policy)
+            self._persist(("policy", policy), force=True)
 
     def step_down(self, why: str) -> None:
         """Stops leading: calls raise NotLeader(why) from now on (a call running now finishes first), and the

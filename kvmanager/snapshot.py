@@ -66,6 +66,7 @@ from kvserve.kvmanager.membership import MemberRecord
 from kvserve.kvmanager.pins import PinTable
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import RequestPages, TenantCounters
+from kvserve.kvmanager.tenants import policy_from_dict, policy_to_dict
 from kvserve.kvmanager.tier import StoreEntry, StoreIndex, TierTotals
 
 CHUNK_BYTES = 1 << 20  # one RPUSH each: small commands keep Redis answering the parent's appends in between
@@ -90,7 +91,8 @@ def encode(mgr: KVManager, members: Iterable[MemberRecord]) -> list[bytes]:
                         for (kind, req_id), (step_id, result) in mgr.recent.items()],
              "members": [list(m) for m in members],
              "tier": _tier_dict(mgr.tier),
-             "now_ms": mgr.now_ms, "active": mgr.fair.last_active, "pins": _pins_dict(mgr.pins)}
+             "now_ms": mgr.now_ms, "active": mgr.fair.last_active, "pins": _pins_dict(mgr.pins),
+             "policy": policy_to_dict(mgr.fair.policy)}
     data = json.dumps(state, separators=(",", ":")).encode()
     return [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
 
@@ -103,6 +105,8 @@ def decode(chunks: list[bytes], mgr: KVManager) -> list[MemberRecord]:
         return []
     d = json.loads(b"".join(chunks))
     mgr.clock = d["clock"]
+    if "policy" in d:  # the policy the state was made under: the log after it replays under it
+        mgr.fair.policy, mgr.policy_logged = policy_from_dict(d["policy"]), True
     mgr.tenants = {t: TenantCounters(q, h) for t, (q, h) in d["tenants"].items()}
     for p in d["pools"]:
         pool = _decode_pool(p)

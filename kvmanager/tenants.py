@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvserve.common.units import byte_size
@@ -82,6 +82,22 @@ class CachePolicy:
 
     def quota(self, tenant: str) -> TenantQuota:
         return self.tenants.get(tenant, self.default)
+
+
+def policy_to_dict(p: CachePolicy) -> dict:
+    """The policy as JSON-ready data: it is state too (snapshot.py, call_log.py), since replaying calls under
+    another policy would evict, and so hand out, other pages than the calls did."""
+    return asdict(p)
+
+
+def policy_from_dict(d: dict) -> CachePolicy:
+    def quota(q: dict) -> TenantQuota:
+        pin = q["pin_budget"]
+        return TenantQuota(q["weight"], Amount(**q["floor"]), Amount(**q["cap"]),
+                           None if pin is None else Amount(**pin), q["store_floor_bytes"], q["store_cap_bytes"])
+
+    return CachePolicy(d["mode"], quota(d["default"]), {t: quota(q) for t, q in d["tenants"].items()},
+                       d["active_window_ms"])
 
 
 def load_policy(path: Path | None, mode: str = "fair") -> CachePolicy:

@@ -211,3 +211,25 @@ def test_an_admin_soft_pin_makes_an_idle_tenant_active_so_it_has_a_budget():
     assert mgr.pin_budget("t", mgr.pools["w0"]) == 0
     result = admin.pin(mgr, "t", prompt(1, 3), "", 60)
     assert (result.num_pinned_blocks, result.num_over_budget_blocks) == (3, 0)
+
+
+def test_a_restart_with_another_policy_replays_under_the_old_one_then_switches(redis_url):
+    """The calls since the last snapshot were made under the old policy: replayed under a new one they would evict
+    other pages and hand a live request pages it was not given. The state keeps its policy; the new one applies
+    from the restart on, logged, so that the next restart switches at the same point."""
+    capped = CachePolicy(tenants={"a": TenantQuota(cap=Amount(pages=4))})
+    svc = KVService(KVManager(policy=capped), CallLog(connect(redis_url)), wall_ms=lambda: T0)
+    svc.load()  # as a kvmanager starts: an empty state, whose log now begins with the policy
+    svc.register_worker(spec())
+    run(svc.manager, "a", prompt(1, 4), step=svc.step)
+    run(svc.manager, "b", prompt(2, 3), step=svc.step)
+    live = svc.step(StepOps(next_step_id(svc.step), allocations=(PageAllocation("x", "a", prompt(3, 6), "w0"),)))
+    table = live.allocations[0].page_table  # a at its cap: its own pages first
+    restarted = KVService(KVManager(), CallLog(connect(redis_url)), wall_ms=lambda: T0)  # the default policy
+    restarted.load()
+    assert restarted.manager.requests["x"].page_table == table
+    assert restarted.manager.fair.policy == CachePolicy()
+    again = KVService(KVManager(), CallLog(connect(redis_url)), wall_ms=lambda: T0)
+    again.load()  # replays under capped, then the logged switch: nothing to switch at its own start
+    assert again.manager.requests["x"].page_table == table and again.manager.fair.policy == CachePolicy()
+    check_invariants(again.manager)
