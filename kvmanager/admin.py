@@ -164,7 +164,7 @@ class EvictResult:
 class PinResult:
     num_pinned_blocks: int
     num_pinned_tokens: int  # on the best pool
-    expires_ms: int = 0  # a soft pin's expiry (Unix ms); 0 for an operator's pin
+    expires_ms: int = 0  # the first of the prefix's soft pins to lapse (Unix ms); 0: none is soft
     num_over_budget_blocks: int = 0  # a soft pin's blocks left unpinned: the tenant's pin budget was spent
 
 
@@ -462,7 +462,13 @@ def pin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str 
             mgr.changes.changed = True
     reached = sum(b.pinned for bs in found.values() for b in bs)
     best_tokens = max((_leading_pinned(found[p.spec.worker_id]) * p.spec.page_size for p in pools), default=0)
-    return PinResult(reached, best_tokens, mgr.now_ms + ttl_s * 1000 if ttl_s else 0, over)
+    return PinResult(reached, best_tokens, _first_expiry(mgr, hashes), over)
+
+
+def _first_expiry(mgr: KVManager, hashes: list[bytes]) -> int:
+    """When the first of these blocks' soft pins lapses unless hit (0: none of them is under a soft pin)."""
+    due = [p.expires_ms for h in hashes if (p := mgr.pins.get(h)) is not None and p.ttl_ms]
+    return min(due, default=0)
 
 
 def _leading_pinned(blocks: list[Block]) -> int:

@@ -367,7 +367,8 @@ RENDER = {
                               f"{r.num_kept_blocks} (held by requests or pinned)"),
     "pin": lambda r, args: (f"pinned {r.num_pinned_blocks} blocks of tenant {args.tenant} "
                             f"({r.num_pinned_tokens} tokens on the best pool)"
-                            + (f", until {_when(r.expires_ms)} unless hit again" if r.expires_ms else "")
+                            + (f", the first until {_when(r.expires_ms)} unless hit again"
+                               if r.expires_ms and r.num_pinned_blocks else "")
                             + (f"; {r.num_over_budget_blocks} blocks left unpinned: the tenant's pin budget is spent"
                                if r.num_over_budget_blocks else "")
                             + ("" if r.num_pinned_blocks else "; nothing of this prefix is cached yet: a pin "

@@ -141,6 +141,8 @@ def test_admin_pins_with_a_ttl_are_budgeted_and_without_one_are_the_operators():
     soft = admin.pin(mgr, "t", prompt(1, 4), "", 90)
     assert (soft.num_pinned_blocks, soft.num_pinned_tokens, soft.num_over_budget_blocks) == (2, 2 * PS, 2)
     assert soft.expires_ms == T0 + 90 * S
+    mgr.set_time(T0 + 10 * S)
+    assert admin.pin(mgr, "t", prompt(1, 4), "", 30).expires_ms == T0 + 100 * S  # its longer TTL, from now
     hard = admin.pin(mgr, "t", prompt(1, 4))
     assert (hard.num_pinned_blocks, hard.expires_ms, hard.num_over_budget_blocks) == (4, 0, 0)
     assert mgr.pins.num_soft == {} and all(p.ttl_ms == 0 for p in mgr.pins.pins.values())
