@@ -6,12 +6,10 @@ the asyncio client."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
-from engine_fakes import InProcessKVManager, PagedRuleWorker
+from engine_fakes import PagedRuleWorker, PinRecordingKV
 
-from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.pages import PinPoint
 from kvserve.services.client import AsyncClient, CachePin, Client, InvalidArgument, build_request
 from kvserve.services.client.types import completion_from_response, delta_from_response
@@ -46,29 +44,6 @@ def test_pinned_tokens_come_back_in_usage():
     wire = gateway_pb2.GenerateResponse.FromString(response.SerializeToString())
     for got in (completion_from_response(wire).usage, delta_from_response(wire).usage):
         assert (got.prompt_tokens, got.cached_tokens, got.completion_tokens, got.pinned_tokens) == (40, 16, 5, 32)
-
-
-class PinRecordingKV(InProcessKVManager):
-    """The in-process kvmanager, its calls serialised (two engine threads call it); ``pins``: req_id -> the pins
-    its allocation carried."""
-
-    def __init__(self):
-        super().__init__()
-        self.lock = threading.Lock()
-        self.pins: dict[str, tuple[PinPoint, ...]] = {}
-
-    def register(self, spec, release_requests=False):
-        with self.lock:
-            return super().register(spec, release_requests)
-
-    def step_pages(self, ops, traceparents=NO_TRACES):
-        with self.lock:
-            self.pins.update((a.req_id, a.pins) for a in ops.allocations)
-            return super().step_pages(ops, traceparents)
-
-    def place(self, tenant, token_ids, num_queued):
-        with self.lock:
-            return super().place(tenant, token_ids, num_queued)
 
 
 @pytest.fixture

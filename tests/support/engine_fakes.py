@@ -13,10 +13,11 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from concurrent.futures import Executor, Future
 
 from kvserve.common.telemetry import NO_TRACES
-from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
+from kvserve.common.wire.pages import PinPoint, PoolSpec, RegisterResult, StepOps, StepResults
 from kvserve.common.wire.tier import StoredBlock, TierReport
 from kvserve.common.wire.worker import RejectedItem, SampledToken, StepBatch, StepOutput, WorkerInfo
 from kvserve.kvmanager.admin import forget_worker
@@ -188,3 +189,26 @@ class StoreRuleWorker(PagedRuleWorker):
         out = super().step(dataclasses.replace(batch, items=items, store_writes=()), traceparents)
         out.unloaded, out.num_loaded_pages, out.load_ms = unloaded, loaded, 0.01 * loaded
         return out
+
+
+class PinRecordingKV(InProcessKVManager):
+    """The in-process kvmanager, its calls serialised (two engine threads call it); ``pins``: req_id -> the
+    pins its allocation carried."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+        self.pins: dict[str, tuple[PinPoint, ...]] = {}
+
+    def register(self, spec, release_requests=False):
+        with self.lock:
+            return super().register(spec, release_requests)
+
+    def step_pages(self, ops, traceparents=NO_TRACES):
+        with self.lock:
+            self.pins.update((a.req_id, a.pins) for a in ops.allocations)
+            return super().step_pages(ops, traceparents)
+
+    def place(self, tenant, token_ids, num_queued):
+        with self.lock:
+            return super().place(tenant, token_ids, num_queued)

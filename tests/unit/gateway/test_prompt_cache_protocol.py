@@ -5,14 +5,11 @@ its allocations carry."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from engine_fakes import InProcessKVManager, PagedRuleWorker
+from engine_fakes import PagedRuleWorker, PinRecordingKV
 from starlette.testclient import TestClient
 
 from kvserve.common.errors import InvalidRequest
-from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.pages import PinPoint
 from kvserve.services.gateway.app import Gateway, GatewayConfig
 from kvserve.services.gateway.auth import ApiKeys
@@ -59,29 +56,6 @@ def test_validation_bounds_the_key_and_cuts_the_pin_to_the_prompt(tokenizer):
     with pytest.raises(InvalidRequest, match="prompt_cache_key") as e:
         validate_request(too_long, "a", tokenizer, limits)
     assert e.value.param == "prompt_cache_key"
-
-
-class PinRecordingKV(InProcessKVManager):
-    """The in-process kvmanager, its calls serialised (two engine threads call it); ``pins``: req_id -> the
-    pins its allocation carried."""
-
-    def __init__(self):
-        super().__init__()
-        self.lock = threading.Lock()
-        self.pins: dict[str, tuple[PinPoint, ...]] = {}
-
-    def register(self, spec, release_requests=False):
-        with self.lock:
-            return super().register(spec, release_requests)
-
-    def step_pages(self, ops, traceparents=NO_TRACES):
-        with self.lock:
-            self.pins.update((a.req_id, a.pins) for a in ops.allocations)
-            return super().step_pages(ops, traceparents)
-
-    def place(self, tenant, token_ids, num_queued):
-        with self.lock:
-            return super().place(tenant, token_ids, num_queued)
 
 
 @pytest.fixture
