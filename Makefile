@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
+.PHONY: install model kernels serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-tenants bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -108,6 +108,12 @@ bench-kv-breakeven: model kernels
 # whole-stack restarts. bench/results/tiered-<date>.json, .md and .png; 20-25 minutes on two cores.
 bench-tiered: model kernels
 	$(PY) bench/bench_tiered.py
+
+# The noisy-neighbour run of fair-share eviction: a quiet tenant's ~1,000-token system prompt while another tenant's
+# unique prompts, 1.5x the pool, pass between its visits; the quiet tenant alone, the global LRU, fair share, and fair
+# share weighted 3:1, interleaved round by round. bench/results/tenants-<date>.json and .md; under 10 minutes.
+bench-tenants: model kernels
+	$(PY) bench/bench_tenants.py
 
 # The gateway's page ops overlapped with compute vs waited for, alternated over 8 rounds.
 bench-overlap: model kernels
