@@ -189,17 +189,31 @@ def test_a_missing_or_unknown_key_is_401_in_anthropics_shape(served, client):
     assert wait_for(lambda: kv_state(service)[:2] == before[:2], "the bearer request's pages freed")
 
 
-def test_cache_control_creates_then_reads_the_pinned_prefix(served, tokenizer):
-    """The first request pins its long system prompt (cache_creation_input_tokens), the second reads it back
-    (cache_read_input_tokens); a tenant of its own, so no earlier test's cache counts."""
+def flood_text(i: int) -> str:
+    """~2,000 tokens no other prompt shares: three of them pass 1.5x the test worker's pool (256 pages of 16)."""
+    return f"Flood {i}. " + " ".join(f"item{i}-{j}" for j in range(480))
+
+
+def test_cache_control_creates_then_reads_the_pinned_prefix_after_a_flood(served, tokenizer):
+    """The first request pins its long system prompt (cache_creation_input_tokens); the same tenant then floods
+    the pool with 1.5x its pages of unique prompts, which evicts an unpinned prefix sent beside it; the pinned one
+    is read back (cache_read_input_tokens). A tenant of its own, so no earlier test's cache counts."""
     http, _ = served
     system = [{"type": "text", "text": LONG_SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    control = "You are the timetable desk of a ferry. " + "The ferry to the island leaves at noon. " * 20
     num_prompt = len(prompt_ids(tokenizer, LONG_SYSTEM, QUESTION))
     assert len(tokenizer.encode(LONG_SYSTEM)) >= 8 * 16  # several pages of the worker's 16-token pages
+    assert sum(len(tokenizer.encode(flood_text(i))) for i in range(3)) >= 1.5 * 256 * 16
     with anthropic.Anthropic(base_url=http.base_url.removesuffix("/v1"), api_key="key-cache", max_retries=0,
                              timeout=120) as c:
         first = c.messages.create(model=MODEL, max_tokens=4, system=system, messages=QUESTION, **GREEDY)
+        c.messages.create(model=MODEL, max_tokens=1, system=control, messages=QUESTION, **GREEDY)
+        for i in range(3):
+            c.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": flood_text(i)}],
+                              **GREEDY)
+        unpinned = c.messages.create(model=MODEL, max_tokens=1, system=control, messages=QUESTION, **GREEDY)
         second = c.messages.create(model=MODEL, max_tokens=4, system=system, messages=QUESTION, **GREEDY)
+    assert unpinned.usage.cache_read_input_tokens == 0  # the flood evicted what no pin held
     assert first.usage.cache_read_input_tokens == 0
     assert first.usage.cache_creation_input_tokens >= 8 * 16
     assert first.usage.cache_creation.ephemeral_1h_input_tokens == first.usage.cache_creation_input_tokens
