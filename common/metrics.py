@@ -56,8 +56,10 @@ TENANT_GAUGES = {  # TenantStats field -> (metric, help): a tenant's holdings ag
     "pin_budget_blocks": ("kvserve:tenant_pin_budget_blocks", "Blocks a tenant's soft pins may hold."),
 }
 TENANT_COUNTERS = {
-    "num_evicted_pages": ("kvserve:tenant_evicted_pages", "A tenant's cached pages evicted from the pools."),
-    "num_evictions_caused": ("kvserve:tenant_evictions_caused", "Cached pages a tenant's allocations evicted."),
+    "num_evicted_pages": ("kvserve:tenant_evicted_pages", "A tenant's cached pages evicted from the pools (those "
+                          "of pools since dropped included)."),
+    "num_evictions_caused": ("kvserve:tenant_evictions_caused", "Cached pages a tenant's allocations evicted (in "
+                             "pools since dropped included)."),
     "num_store_evicted": ("kvserve:tenant_store_evicted_blocks", "A tenant's entries the shared tier evicted."),
     "num_store_rejected": ("kvserve:tenant_store_rejected_blocks", "A tenant's values the shared tier could not "
                            "keep (everything else pinned)."),

@@ -239,7 +239,7 @@ def _tenant_stats(mgr: KVManager) -> dict[str, TenantStats]:
         t = entry(pin.tenant)
         t.num_pin_blocks += 1
         t.num_soft_pin_blocks += pin.ttl_ms > 0
-    for tenant in [*mgr.fair.last_active, *mgr.tier.rejected, *mgr.tier.evicted_from]:
+    for tenant in [*mgr.fair.last_active, *mgr.tier.rejected, *mgr.tier.evicted_from, *mgr.retired_evicted_from]:
         entry(tenant)
     for tenant, t in out.items():
         _add_shares(mgr, tenant, t)
@@ -259,6 +259,8 @@ def _add_shares(mgr: KVManager, tenant: str, t: TenantStats) -> None:
         t.cap_pages += q.cap.of(n)
         t.num_evicted_pages += pool.num_evicted_from.get(tenant, 0)
         t.num_evictions_caused += pool.num_evicted_by.get(tenant, 0)
+    t.num_evicted_pages += mgr.retired_evicted_from.get(tenant, 0)
+    t.num_evictions_caused += mgr.retired_evicted_by.get(tenant, 0)
     largest = max(mgr.pools.values(), key=lambda p: p.spec.num_pages, default=None)
     t.pin_budget_blocks = mgr.pin_budget(tenant, largest) if largest is not None else 0
     t.store_bytes = tier.usage.get(tenant, 0)
@@ -515,6 +517,7 @@ def reset(mgr: KVManager, force: bool = False) -> DropResult:
     mgr.tier.clear()
     mgr.pins.clear()
     mgr.fair.last_active.clear()
+    mgr.retired_evicted_from, mgr.retired_evicted_by = {}, {}
     for worker_id, pool in mgr.pools.items():
         mgr.pools[worker_id] = PagePool(pool.spec)
     mgr.changes.reset = True  # persisted as a snapshot of what is left, not as a log record

@@ -72,6 +72,9 @@ class KVManager:
         self.pins = PinTable()
         self.now_ms = 0  # wall-clock time of the current call (set_time), for pins' TTLs and tenants' activity
         self.policy_logged = False  # the state (snapshot or log) records the policy its calls ran under
+        # Per-tenant evictions of pools since dropped (a new epoch, a forgotten worker): the counters stay monotonic
+        self.retired_evicted_from: dict[str, int] = {}
+        self.retired_evicted_by: dict[str, int] = {}
         self.store_writes: list[StoreWriteOrder] = []  # asked for by this call's commits
         self.requests: dict[str, RequestPages] = {}
         self.stale: dict[str, RequestPages] = {}  # requests whose pool epoch was replaced
@@ -121,6 +124,11 @@ class KVManager:
         return released
 
     def _drop_pool(self, pool: PagePool) -> tuple[str, ...]:
+        for retired, counts in ((self.retired_evicted_from, pool.num_evicted_from),
+                                (self.retired_evicted_by, pool.num_evicted_by)):
+            for tenant, n in counts.items():
+                retired[tenant] = retired.get(tenant, 0) + n
+        pool.num_evicted_from, pool.num_evicted_by = {}, {}  # counted once, even if it is dropped again
         dropped = self.req_ids_on(pool.spec.worker_id)
         for req_id in dropped:
             self.stale[req_id] = self.requests.pop(req_id)

@@ -92,7 +92,8 @@ def encode(mgr: KVManager, members: Iterable[MemberRecord]) -> list[bytes]:
              "members": [list(m) for m in members],
              "tier": _tier_dict(mgr.tier),
              "now_ms": mgr.now_ms, "active": mgr.fair.last_active, "pins": _pins_dict(mgr.pins),
-             "policy": policy_to_dict(mgr.fair.policy)}
+             "policy": policy_to_dict(mgr.fair.policy),
+             "retired_evictions": [mgr.retired_evicted_from, mgr.retired_evicted_by]}
     data = json.dumps(state, separators=(",", ":")).encode()
     return [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
 
@@ -117,6 +118,7 @@ def decode(chunks: list[bytes], mgr: KVManager) -> list[MemberRecord]:
         pool.recount_owners(mgr.requests.values())
     mgr.now_ms = mgr.fair.now_ms = d.get("now_ms", 0)
     mgr.fair.last_active = dict(d.get("active", {}))
+    mgr.retired_evicted_from, mgr.retired_evicted_by = map(dict, d.get("retired_evictions", ({}, {})))
     if "pins" in d:
         _decode_pins(d["pins"], mgr.pins)
     mgr.recent = OrderedDict(((kind, req_id), (step_id, result_from_dict(kind, result)))

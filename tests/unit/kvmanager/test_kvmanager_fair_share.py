@@ -200,3 +200,20 @@ def test_an_unreadable_tenants_file_names_the_file(tmp_path):
     with pytest.raises(TenantsFileError) as e:
         load_policy(path)
     assert str(path) in str(e.value)
+
+
+def test_a_tenants_eviction_counts_survive_its_worker_restarting():
+    """The per-tenant counters are totals: a pool dropped (a new epoch) hands its counts to the manager, which a
+    snapshot keeps."""
+    from kvserve.kvmanager import snapshot as snapshot_format
+
+    mgr = manager()
+    noisy_neighbour(mgr, rounds=2)
+    before = {t.tenant: (t.num_evicted_pages, t.num_evictions_caused) for t in admin.stats(mgr).tenants}
+    assert before["noisy"][0] > 0
+    mgr.register_worker(PoolSpec("w0", 2, NUM_PAGES, PS, "fp", "float32", 64))  # restarted: its pool is new
+    after = {t.tenant: (t.num_evicted_pages, t.num_evictions_caused) for t in admin.stats(mgr).tenants}
+    assert after == before
+    loaded = KVManager()
+    snapshot_format.decode(snapshot_format.encode(mgr, []), loaded)
+    assert {t.tenant: (t.num_evicted_pages, t.num_evictions_caused) for t in admin.stats(loaded).tenants} == before

@@ -159,7 +159,12 @@ class ReplayMachine(KVManagerMachine):
         self.mgr.service.mutate(admin.pin, tenant, tokens, "")
         if data.draw(st.booleans()):
             self.snapshot_now()
+        pools = [self.mgr.pools[w] for w in sorted(self.mgr.pools)]
+        found = dict.fromkeys(b.block_hash for p in pools for b in admin._prefix_blocks(self.mgr, p, tenant, tokens))
         self.mgr.service.mutate(admin.unpin, tenant, tokens, "")
+        for h in reversed(found):  # a pin holds the block in the store too: unpinned, it is used now there as well
+            if h in self.tier.entries:
+                self.tier.entries.move_to_end(h)
         self.last = None  # the last call's retry would see the LRU moved
 
     @rule(tenant=st.sampled_from(props.TENANTS), worker=st.sampled_from(("", "", *props.WORKERS)))
