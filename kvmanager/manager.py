@@ -353,6 +353,8 @@ class KVManager:
             return 0
         reach = [((p.num_tokens or req.num_prompt_tokens) // page_size, p.ttl_s * 1000) for p in req.pins]
         end = min(max(n for n, _ in reach), len(req.block_hashes))
+        if req.num_pinned_blocks >= end:  # most commits of a pinned request: nothing new, no budget to judge
+            return req.num_pinned_blocks * page_size
         room = self.pin_budget(req.tenant, pool) - self.pins.num_soft.get(req.tenant, 0)
         while req.num_pinned_blocks < end:
             i = req.num_pinned_blocks

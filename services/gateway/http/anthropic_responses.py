@@ -25,8 +25,8 @@ from kvserve.common.errors import DomainError
 from kvserve.common.wire.pages import PinPoint
 from kvserve.services.gateway.errors import GatewayBusy
 from kvserve.services.gateway.handle import RequestHandle, Usage
-from kvserve.services.gateway.http.errors import RETRY_AFTER_S, CancelledByServer, status_of
-from kvserve.services.gateway.http.responses import CANCELLED, _HandleResponse, _headers, dumps
+from kvserve.services.gateway.http.errors import RETRY_AFTER_S, status_of
+from kvserve.services.gateway.http.responses import _HandleResponse, _headers, dumps, failure_of
 from kvserve.services.gateway.request import FinishReason
 
 log = logging.getLogger("kvserve.gateway.http")
@@ -128,8 +128,8 @@ class MessageStream(_HandleResponse):
         await body(event("ping", {"type": "ping"}))
         texts, token_ids = [], []
         async for delta in self.handle:
-            if delta.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
-                error = delta.error if delta.finish_reason is FinishReason.ERROR else CancelledByServer(CANCELLED)
+            error = failure_of(delta)
+            if error is not None:
                 await body(event("error", error_body(error)), more=False)
                 return
             texts.append(delta.text)
@@ -159,8 +159,8 @@ class WholeMessage(_HandleResponse):
             texts.append(delta.text)
             token_ids.extend(delta.token_ids)
             last = delta
-        if last.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
-            error = last.error if last.finish_reason is FinishReason.ERROR else CancelledByServer(CANCELLED)
+        error = failure_of(last)
+        if error is not None:
             status, payload, extra = error_status(error), error_body(error), error_headers(error)
         else:
             r, text = self.message, "".join(texts)

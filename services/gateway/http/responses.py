@@ -22,6 +22,16 @@ from kvserve.services.gateway.request import FinishReason
 CANCELLED = "the gateway ended the request before it finished (shutting down); retry it"
 
 
+def failure_of(delta) -> Exception | None:
+    """Why a request's last delta ended it without its output (its error, or the gateway's cancel); None when
+    it finished."""
+    if delta.finish_reason is FinishReason.ERROR:
+        return delta.error
+    if delta.finish_reason is FinishReason.CANCELLED:
+        return CancelledByServer(CANCELLED)
+    return None
+
+
 def dumps(obj) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -76,10 +86,9 @@ class StreamResponse(_HandleResponse):
         if r.chat:
             await body(_event(r.role_chunk(self.include_usage)))
         async for delta in self.handle:
-            if delta.finish_reason is FinishReason.ERROR:
-                await body(_event(error_body(delta.error)))
-            elif delta.finish_reason is FinishReason.CANCELLED:
-                await body(_event(error_body(CancelledByServer(CANCELLED))))
+            error = failure_of(delta)
+            if error is not None:
+                await body(_event(error_body(error)))
             else:
                 await body(_event(r.chunk(delta, self.with_logprobs, self.include_usage)))
                 if delta.finish_reason is not None and self.include_usage:
@@ -96,8 +105,8 @@ class WholeResponse(_HandleResponse):
             texts.append(delta.text)
             sampled.extend(delta.logprobs)
             last = delta
-        if last.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
-            error = last.error if last.finish_reason is FinishReason.ERROR else CancelledByServer(CANCELLED)
+        error = failure_of(last)
+        if error is not None:
             status, payload, extra = status_of(error)[0], error_body(error), headers_of(error)
         else:
             status, extra = 200, {}
