@@ -61,6 +61,7 @@ from kvserve.common.wire.pages import (
     StepOps,
 )
 from kvserve.common.wire.tier import StoredBlock, TierCounters, TierReport
+from kvserve.common.wire.transfer import TransferDone
 from kvserve.kvmanager import admin, membership, snapshot
 from kvserve.kvmanager.fencing import FENCED_CALL, as_fenced, read_fenced_reply, rpush_command
 from kvserve.kvmanager.invariants import check_invariants
@@ -118,6 +119,8 @@ def encode_call(record: tuple) -> bytes:
                 "f": [f.req_id for f in ops.frees]}
         if ops.releases:  # absent from the steps without any: most of them
             body["r"] = [[r.req_id, list(r.page_indices)] for r in ops.releases]
+        if ops.transfers:
+            body["x"] = [[t.req_id, t.ok, t.num_bytes, t.seconds] for t in ops.transfers]
     elif kind in ("register", "join"):
         body = {"spec": asdict(record[1]), "arg": record[2]}  # release_requests, or the member's address
     elif kind == "admin":
@@ -143,7 +146,7 @@ def encode_call(record: tuple) -> bytes:
 def _allocation_tail(a: PageAllocation) -> list:
     """An allocation's fields after its tokens, as far as one is not the default (most allocations: none)."""
     tail = [a.chunk_tokens, a.skip_store, a.load_s_per_page, a.prefill_s_per_token,
-            [[p.num_tokens, p.ttl_s] for p in a.pins]]
+            [[p.num_tokens, p.ttl_s] for p in a.pins], a.pull_peers, a.pull_s_per_page, a.moved_from]
     while tail and not tail[-1]:
         tail.pop()
     return tail
@@ -207,7 +210,8 @@ def apply(mgr: KVManager, members: MemberTable, raw: bytes) -> None:
         mgr.step(StepOps(step_id=d["s"], allocations=allocations,
                          extensions=tuple(PageExtension(r, n) for r, n in d["e"]), commits=commits,
                          frees=tuple(PageFree(r) for r in d["f"]),
-                         releases=tuple(PageRelease(r, tuple(i)) for r, i in d.get("r", ()))))
+                         releases=tuple(PageRelease(r, tuple(i)) for r, i in d.get("r", ())),
+                         transfers=tuple(TransferDone(*t) for t in d.get("x", ()))))
     elif kind == "register":
         mgr.register_worker(PoolSpec(**d["spec"]), d["arg"])
     elif kind == "join":

@@ -2,7 +2,7 @@
 
 Per pool, every page is in exactly one state (see pool.py), and::
 
-    ref_cnt[p]   == number of live requests whose page_table holds p
+    ref_cnt[p]   == number of live requests whose page_table holds p, plus the pulls that hold p as a source
     free list    == the ref-0 pages without a block        (no duplicates)
     evictable    == the ref-0 pages with an unpinned block  (no duplicates, disjoint from the free list)
     index[h]     is block_of[index[h].page_id]               (and every block_of entry is indexed)
@@ -50,7 +50,7 @@ def check_invariants(mgr: KVManager) -> None:
         assert pool is None or pool.spec.epoch != req.epoch, f"stale request {req_id!r} is on a current epoch"
     for worker_id, pool in mgr.pools.items():
         assert pool.spec.worker_id == worker_id, f"pool under {worker_id!r} is {pool.spec.worker_id!r}"
-        _check_pool(pool, by_worker[worker_id])
+        _check_pool(pool, by_worker[worker_id], _held_for_pulls(mgr, pool))
     for tenant, counters in mgr.tenants.items():
         assert 0 <= counters.prefix_cache_hits <= counters.prefix_cache_queries, f"tenant {tenant!r}: {counters}"
     _check_tier(mgr)
@@ -89,10 +89,23 @@ def _check_tier(mgr: KVManager) -> None:
     assert all(len(h) == 16 for h in tier.entries), "store index: a key that is not a 16-byte block hash"
 
 
-def _check_pool(pool: PagePool, live: list[RequestPages]) -> None:
+def _held_for_pulls(mgr: KVManager, pool: PagePool) -> Counter[int]:
+    """The pool's pages held as the source of live requests' pulls (each a cached block: a committed page)."""
+    held: Counter[int] = Counter()
+    for req in mgr.requests.values():
+        hold = req.transfer
+        if hold is not None and hold.worker_id == pool.spec.worker_id:
+            assert hold.epoch == pool.spec.epoch, f"{req.req_id!r} holds pages of a dropped epoch of {hold.worker_id}"
+            assert all(pool.block_of[p] is not None for p in hold.page_ids), f"{req.req_id!r} holds an uncached page"
+            held.update(hold.page_ids)
+    assert mgr.num_holds == sum(1 for r in mgr.requests.values() if r.transfer is not None), "num_holds miscounted"
+    return held
+
+
+def _check_pool(pool: PagePool, live: list[RequestPages], held: Counter[int]) -> None:
     w, n = pool.spec.worker_id, pool.spec.num_pages
     assert len(pool.ref_cnt) == len(pool.block_of) == n, f"{w}: ref_cnt/block_of sized for {n} pages"
-    holders: Counter[int] = Counter()
+    holders: Counter[int] = Counter(held)
     for req in live:
         pages = [p for p in req.page_table if p != HOLE]
         assert len(set(pages)) == len(pages), f"{w}: {req.req_id!r} holds a page twice"

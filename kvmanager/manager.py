@@ -6,6 +6,12 @@ serve the same step. A request freed in a call may also commit its last full pag
 before the frees. A page committed in a call and released by its window in it is indexed first, so it joins the
 LRU still cached. Out of pages is a result (OUT_OF_PAGES with num_pages_short), never an exception.
 
+Pages that move between workers (transfers.py): past its pool's hit, an allocation takes a run of blocks another
+compatible pool holds (peer hits: fresh pages its worker pulls, listed in peer_loads), holding the source pages
+until the gateway reports the pull (StepOps.transfers), the request commits or is freed, or the lease passes. An
+allocation with moved_from takes over a request whose prefill ran on another worker: its pages there are its peer
+hits, and that incarnation is freed in the same op.
+
 The shared KV tier (tier.py): an allocation takes, past its pool hits, the blocks the store holds (store
 hits: fresh pages the worker fills before the first chunk, named in store_loads); a commit asks the committing
 worker to write its new blocks the store lacks (StepResults.store_writes); a worker's ReportTier records what
@@ -48,6 +54,7 @@ from kvserve.common.wire.pages import (
     StoreWriteOrder,
 )
 from kvserve.common.wire.tier import PAGE_VALUE_HEADER_BYTES, StoreLoad, StoreWrite, TierReport
+from kvserve.common.wire.transfer import DEFAULT_LEASE_MS, PeerLoad, TransferDone
 from kvserve.kvmanager.errors import UnknownRequest, UnknownWorker
 from kvserve.kvmanager.fair_share import FairShare
 from kvserve.kvmanager.hashing import chain_hashes
@@ -58,6 +65,7 @@ from kvserve.kvmanager.state import Changes, RequestPages, TenantCounters
 from kvserve.kvmanager.step_validate import validate_step
 from kvserve.kvmanager.tenants import CachePolicy
 from kvserve.kvmanager.tier import StoreIndex
+from kvserve.kvmanager.transfers import TransferHold, TransferTotals
 
 RECENT_RESULTS = 1 << 16
 
@@ -65,8 +73,11 @@ RECENT_RESULTS = 1 << 16
 class KVManager:
     """In-memory owner of every page. Not thread-safe: the servicer serialises calls."""
 
-    def __init__(self, load_penalty_pages: int = 4, store_capacity_bytes: int = 0, policy: CachePolicy | None = None):
+    def __init__(self, load_penalty_pages: int = 4, store_capacity_bytes: int = 0, policy: CachePolicy | None = None,
+                 lease_ms: int = DEFAULT_LEASE_MS):
         self.pools: dict[str, PagePool] = {}
+        self.lease_ms = lease_ms  # how long a pull's source pages are held at most
+        self.transfers = TransferTotals()
         self.fair = FairShare(policy)  # who gives up pages and tier entries (fair share, or the global LRU)
         self.tier = StoreIndex(store_capacity_bytes, self.fair)  # the shared KV tier's index (capacity 0: off)
         self.pins = PinTable()
@@ -76,6 +87,7 @@ class KVManager:
         self.retired_evicted_from: dict[str, int] = {}
         self.retired_evicted_by: dict[str, int] = {}
         self.store_writes: list[StoreWriteOrder] = []  # asked for by this call's commits
+        self.num_holds = 0  # live requests holding a pull's source pages (TransferHold)
         self.requests: dict[str, RequestPages] = {}
         self.stale: dict[str, RequestPages] = {}  # requests whose pool epoch was replaced
         self.tenants: dict[str, TenantCounters] = {}
@@ -129,9 +141,15 @@ class KVManager:
             for tenant, n in counts.items():
                 retired[tenant] = retired.get(tenant, 0) + n
         pool.num_evicted_from, pool.num_evicted_by = {}, {}  # counted once, even if it is dropped again
-        dropped = self.req_ids_on(pool.spec.worker_id)
+        worker_id = pool.spec.worker_id
+        for req in self.requests.values():  # pulls from it: its pages are gone, the pulls fail and recompute
+            if req.transfer is not None and req.transfer.worker_id == worker_id:
+                req.transfer = None
+                self.num_holds -= 1
+        dropped = self.req_ids_on(worker_id)
         for req_id in dropped:
-            self.stale[req_id] = self.requests.pop(req_id)
+            req = self.stale[req_id] = self.requests.pop(req_id)
+            self._end_transfer(req)  # its pull's source pages go back to their pool
         self.changes.changed = True
         return dropped
 
@@ -170,6 +188,8 @@ class KVManager:
         """step() without its validation, for ops that check() just accepted on this same state."""
         out = StepResults()
         sid = ops.step_id
+        for t in ops.transfers:
+            self._transfer_done(t)
         freeing = {f.req_id for f in ops.frees} if ops.frees and ops.commits else ()
         final = {c.req_id: self._replay_or(sid, "commit", c.req_id, self._commit, c)
                  for c in ops.commits if c.req_id in freeing}
@@ -201,6 +221,8 @@ class KVManager:
             self.mark_pinned(h, False)
         if lapsed:
             self.changes.changed = True
+        if self.num_holds:
+            self._expire_holds()
         return lapsed
 
     def set_policy(self, policy: CachePolicy) -> bool:
@@ -255,48 +277,103 @@ class KVManager:
     # -- ops ------------------------------------------------------------------------------------------
     def _allocate(self, op: PageAllocation) -> PageAllocationResult:
         pool = self.pools[op.worker_id]
-        chosen = fit(pool, op, self.tier)
+        chosen = fit(pool, op, self.tier, self.pools)
         if chosen.num_pages_short:
             return PageAllocationResult(op.req_id, OpStatus.OUT_OF_PAGES, num_pages_short=chosen.num_pages_short)
-        hits, stored, seed, spec = chosen.hits, chosen.stored, pool.seed_for(op.tenant), pool.spec
+        hits, seed, spec = chosen.hits, pool.seed_for(op.tenant), pool.spec
+        own, pulled, stored = hits.pool, hits.pulled, hits.stored
         self.stale.pop(op.req_id, None)  # a re-queued request may reuse the id of its dropped incarnation
         # a sliding window's pool: the hits its first chunk does not read stay holes
-        table = [HOLE] * (len(hits) + len(stored))
-        pool_held = [i for i in chosen.held if i < len(hits)]
+        table = [HOLE] * hits.num
+        pool_held = [i for i in chosen.held if i < len(own)]
         for i in pool_held:
-            table[i] = hits[i].page_id
-        pool.acquire([hits[i].page_id for i in pool_held])
-        self._touch(hits)
+            table[i] = own[i].page_id
+        pool.acquire([own[i].page_id for i in pool_held])
+        self._touch(own)
         self.fair.touch(op.tenant)
         fresh = pool.allocate(chosen.num_fresh, op.tenant, self.fair)
-        filled = [i for i in chosen.held if i >= len(hits)]  # store hits it reads: fresh pages, loaded
+        filled = [i for i in chosen.held if i >= len(own)]  # peer and store hits it reads: fresh pages, filled
         for i, page_id in zip(filled, fresh, strict=False):
             table[i] = page_id
         table += fresh[len(filled):]
-        loads = [StoreLoad(table[i], stored[i - len(hits)], seed) for i in filled]
+        first_stored = len(own) + len(pulled)
+        peer = [PeerLoad(table[i], pulled[i - len(own)].page_id, pulled[i - len(own)].block_hash, seed)
+                for i in filled if i < first_stored]
+        loads = [StoreLoad(table[i], stored[i - first_stored], seed) for i in filled if i >= first_stored]
         page_size = spec.page_size
-        num_committed, num_cached = len(hits) * page_size, (len(hits) + len(stored)) * page_size
+        num_committed, num_cached = len(own) * page_size, hits.num * page_size
+        moving = self.requests.get(op.req_id) if op.moved_from else None
         req = RequestPages(op.req_id, op.tenant, spec.worker_id, spec.epoch, table, seed,
-                           [b.block_hash for b in hits], len(op.token_ids), num_committed, op.skip_prefix_cache,
+                           [b.block_hash for b in own], len(op.token_ids), num_committed, op.skip_prefix_cache,
                            pins=op.pins)
+        if peer:
+            req.transfer = self._hold(hits.source, [pulled[i - len(own)] for i in filled if i < first_stored])
+        if moving is not None:  # its prefill's incarnation: its pages are held for the pull now
+            self._free(PageFree(op.req_id))
+            self.transfers.num_moved += 1
         self.requests[op.req_id] = req
         if self.pins:  # a hit refreshes the pins of what it hit
-            for h in req.block_hashes:
-                self.pins.refresh(h, self.now_ms)
-            for h in stored:
+            for h in [*req.block_hashes, *(b.block_hash for b in pulled), *stored]:
                 self.pins.refresh(h, self.now_ms)
         pool.num_requests += 1
         counters = self.tenants.setdefault(op.tenant, TenantCounters())
-        if not op.skip_prefix_cache:
+        if not op.skip_prefix_cache and moving is None:  # a moved request's prompt was counted on its first pool
             counters.prefix_cache_queries += len(op.token_ids)
             counters.prefix_cache_hits += num_cached
         if stored:
             self.tier.touch(stored)
             self.tier.count_hits(op.tenant, len(stored), page_size)
         self.changes.changed = True
-        return PageAllocationResult(op.req_id, OpStatus.OK, spec.worker_id, spec.epoch, list(table), num_cached,
-                                    store_loads=loads, num_committed_tokens=num_committed,
-                                    num_pinned_tokens=self._take_pins(req, pool))
+        result = PageAllocationResult(op.req_id, OpStatus.OK, spec.worker_id, spec.epoch, list(table), num_cached,
+                                      store_loads=loads, num_committed_tokens=num_committed,
+                                      num_pinned_tokens=self._take_pins(req, pool))
+        if req.transfer is not None:
+            result.peer_loads, result.peer_worker_id = peer, req.transfer.worker_id
+            result.peer_epoch, result.lease_expires_ms = req.transfer.epoch, req.transfer.expires_ms
+        return result
+
+    # -- transfers ----------------------------------------------------------------------------------------
+    def _hold(self, source: PagePool, blocks: list) -> TransferHold:
+        """Holds a pull's source pages (one more ref_cnt each) until it ends or the lease passes."""
+        page_ids = [b.page_id for b in blocks]
+        source.acquire(page_ids)
+        self._touch(blocks)
+        self.num_holds += 1
+        self.transfers.num_pulls += 1
+        self.transfers.num_pages += len(page_ids)
+        return TransferHold(source.spec.worker_id, source.spec.epoch, page_ids, self.now_ms + self.lease_ms)
+
+    def _end_transfer(self, req: RequestPages) -> bool:
+        """Releases the request's hold on its pull's source pages, if it has one. Returns whether it had."""
+        hold, req.transfer = req.transfer, None
+        if hold is None:
+            return False
+        self.num_holds -= 1
+        source = self.pools.get(hold.worker_id)
+        if source is not None and source.spec.epoch == hold.epoch:
+            self._touch(source.release(hold.page_ids))
+        self.changes.changed = True
+        return True
+
+    def _transfer_done(self, t: TransferDone) -> None:
+        """The gateway's report of a pull: its hold ends; counted once (a retried call finds no hold)."""
+        req = self.requests.get(t.req_id)
+        if req is None or req.transfer is None:
+            return
+        self._end_transfer(req)
+        totals = self.transfers
+        if t.ok:
+            totals.num_ok += 1
+        else:
+            totals.num_failed += 1
+        totals.num_bytes += t.num_bytes
+        totals.seconds += t.seconds
+
+    def _expire_holds(self) -> None:
+        for req in self.requests.values():
+            if req.transfer is not None and req.transfer.expires_ms <= self.now_ms:
+                self._end_transfer(req)
+                self.transfers.num_expired += 1
 
     def _extend(self, op: PageExtension) -> PageExtensionResult:
         if op.req_id in self.stale:
@@ -318,6 +395,8 @@ class KVManager:
         if op.req_id in self.stale:
             return PageCommitResult(op.req_id, OpStatus.STALE_EPOCH)
         req = self.requests[op.req_id]
+        if req.transfer is not None:  # a commit follows a pull that succeeded
+            self._end_transfer(req)
         pool = self.pools[req.worker_id]
         page_size = pool.spec.page_size
         if not req.skip_prefix_cache:
@@ -404,6 +483,7 @@ class KVManager:
         req = self.requests.pop(op.req_id, None)
         if req is None:
             return PageFreeResult(op.req_id, OpStatus.OK)  # freeing twice is harmless
+        self._end_transfer(req)
         pool = self.pools[req.worker_id]
         # Tail first: the chain's end is evicted first. Blocks joining the LRU get their place in it stamped.
         pages = reversed(req.page_table)
@@ -440,14 +520,17 @@ class KVManager:
 
     # -- placement ------------------------------------------------------------------------------------
     def place(self, tenant: str, token_ids: tuple[int, ...], num_queued: dict[str, int],
-              exclude: frozenset[str] = frozenset()) -> Placement:
+              exclude: frozenset[str] = frozenset(), only: tuple[str, ...] = (),
+              pull_peers: bool = False) -> Placement:
         """Where a new request should be queued (placement.py's rule), with the caller's queued requests counted
-        as load, over the pools but those of ``exclude`` (draining workers). No side effect. Raises
-        InvalidRequest, UnknownWorker."""
-        pools = {w: p for w, p in self.pools.items() if w not in exclude} if exclude else self.pools
+        as load, over the pools of ``only`` (all when empty) but those of ``exclude`` (draining workers); every
+        pool is a peer to pull from with ``pull_peers``. No side effect. Raises InvalidRequest, UnknownWorker."""
+        pools = {w: p for w, p in self.pools.items() if w not in exclude and (not only or w in only)}
         if self.pools and not pools:
-            raise UnknownWorker("every registered worker is draining: nowhere to place a new request")
-        return place(pools, tenant, token_ids, num_queued, self.load_penalty_pages, self.tier)
+            what = "worker of those asked for" if only else "registered worker"
+            raise UnknownWorker(f"every {what} is draining or gone: nowhere to place a new request")
+        return place(pools, tenant, token_ids, num_queued, self.load_penalty_pages, self.tier,
+                     self.pools if pull_peers else None)
 
 
 MAX_POOL_PAGES = 1 << 24  # ~0.9 GB of bookkeeping here; an H200 of SmolLM2 K/V holds ~0.4M pages of 16 tokens

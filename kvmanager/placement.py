@@ -2,12 +2,15 @@
 
 One rule, in ``place``: over every registered pool, the highest
 
-    score = hit_pages + store_hit_pages / 2 - load_penalty_pages * (requests on the pool + requests queued for it)
+    score = hit_pages + (peer_hit_pages + store_hit_pages) / 2
+            - load_penalty_pages * (requests on the pool + requests queued for it)
 
 then the most available (free + evictable) pages, then the smallest worker_id. With the default penalty of 4
 pages, a pool already running k more requests than another wins only with a hit at least 4k pages longer.
-A store hit (pages of the shared KV tier past the pool's hit, which any worker with a store can load) counts
-half a pool hit: cheap for any worker, but not free like a page the pool holds.
+A peer hit (pages past the pool's hit that another compatible worker's pool holds, which this worker can pull)
+and a store hit (pages of the shared KV tier past those, which any worker with a store can load) count half a
+pool hit: cheap to move, but not free like a page the pool holds. So a busy worker's prefix goes to an idle
+worker that pulls it, once the busy one's queue outweighs half the prefix.
 The gateway asks Place when a request arrives and queues it on that worker; its allocation then names the
 worker (``fit`` only looks at that pool), so the ranking runs in one place.
 """
@@ -33,24 +36,69 @@ def cacheable_prefix(token_ids: tuple[int, ...], page_size: int) -> tuple[int, .
     return token_ids[: (len(token_ids) - 1) // page_size * page_size]
 
 
-def tiered_hits(pool: PagePool, tier: StoreIndex | None, tenant: str,
-                token_ids: tuple[int, ...]) -> tuple[list[Block], list[bytes]]:
-    """The longest prefix of the prompt's cacheable pages found in the pool, then, past it, the longest run of
-    blocks the shared KV tier holds (``tier`` None, or the pool without a store: none)."""
+@dataclass(slots=True)
+class Hits:
+    """What of a prompt's cacheable pages a pool can serve without computing them, in chain order: its own
+    blocks (``pool``), then a run held by another compatible pool (``pulled``, from ``source``: peer hits), then
+    a run the shared KV tier holds (``stored``)."""
+
+    pool: list[Block] = field(default_factory=list)
+    pulled: list[Block] = field(default_factory=list)
+    source: PagePool | None = None
+    stored: list[bytes] = field(default_factory=list)
+
+    @property
+    def num(self) -> int:
+        return len(self.pool) + len(self.pulled) + len(self.stored)
+
+
+def tiered_hits(pool: PagePool, tier: StoreIndex | None, tenant: str, token_ids: tuple[int, ...],
+                peers: Mapping[str, PagePool] | None = None, prefer: str = "") -> Hits:
+    """The longest prefix of the prompt's cacheable pages found in the pool; past it, the longest run another
+    pool of ``peers`` with the same hash chains holds (ties: ``prefer``, then the pool with fewer requests, then
+    the smallest worker_id); past that, the longest run of blocks the shared KV tier holds (``tier`` None, or the
+    pool without a store: none)."""
     page_size = pool.spec.page_size
-    hashes = iter_chain_hashes(pool.seed_for(tenant), cacheable_prefix(token_ids, page_size), page_size)
-    hits, index = [], pool.index
-    stored: list[bytes] = []
-    use_store = tier is not None and tier.enabled and pool.spec.kv_store
+    seed = pool.seed_for(tenant)
+    hashes = iter_chain_hashes(seed, cacheable_prefix(token_ids, page_size), page_size)
+    out, index = Hits(), pool.index
+    rest: list[bytes] = []
     for h in hashes:
         block = index.get(h)
-        if block is not None and not stored:
-            hits.append(block)
-        elif use_store and h in tier:
-            stored.append(h)
-        else:
+        if block is None:
+            rest = [h, *hashes]
             break
-    return hits, stored
+        out.pool.append(block)
+    if not rest:
+        return out
+    if peers:
+        out.source, out.pulled = _peer_run(pool, peers, tenant, seed, rest, prefer)
+        rest = rest[len(out.pulled):]
+    if tier is not None and tier.enabled and pool.spec.kv_store:
+        for h in rest:
+            if h not in tier:
+                break
+            out.stored.append(h)
+    return out
+
+
+def _peer_run(pool: PagePool, peers: Mapping[str, PagePool], tenant: str, seed: bytes, hashes: list[bytes],
+              prefer: str) -> tuple[PagePool | None, list[Block]]:
+    best, best_key, best_run = None, None, []
+    for worker_id in sorted(peers):
+        q = peers[worker_id]
+        if q is pool or q.seed_for(tenant) != seed:
+            continue
+        run, index = [], q.index
+        for h in hashes:
+            block = index.get(h)
+            if block is None:
+                break
+            run.append(block)
+        key = (len(run), worker_id == prefer, -q.num_requests)
+        if run and (best_key is None or key > best_key):
+            best, best_key, best_run = q, key, run
+    return best, best_run
 
 
 def worth_loading(op: PageAllocation, page_size: int) -> bool:
@@ -64,18 +112,27 @@ def worth_loading(op: PageAllocation, page_size: int) -> bool:
     return op.load_s_per_page < page_size * op.prefill_s_per_token
 
 
+def worth_pulling(op: PageAllocation, page_size: int) -> bool:
+    """Whether pulling a page from another worker beats recomputing its tokens, by the worker's measured costs
+    in the op (unmeasured: pull, and so measure it). A request whose prefill ran elsewhere (moved_from) always
+    pulls: its pages exist only to be pulled."""
+    if not op.pull_peers:
+        return False
+    if op.moved_from or op.pull_s_per_page <= 0 or op.prefill_s_per_token <= 0:
+        return True
+    return op.pull_s_per_page < page_size * op.prefill_s_per_token
+
+
 @dataclass(slots=True)
 class Fit:
-    """An allocation on its pool: the blocks it hits in the pool, then the block hashes it takes from the
-    store (``held``: the indices, over both, of the hits whose pages it holds: a pool hit's page, or a fresh
-    page filled from the store), the fresh pages it needs (store fills included), or how many pages it is
-    short (then it fits not now)."""
+    """An allocation on its pool: its hits (``held``: the indices, over all of them in chain order, of the hits
+    whose pages it holds: a pool hit's page, or a fresh page filled from a peer or the store), the fresh pages
+    it needs (fills included), or how many pages it is short (then it fits not now)."""
 
-    hits: list[Block] = field(default_factory=list)
+    hits: Hits = field(default_factory=Hits)
     held: list[int] = field(default_factory=list)
     num_fresh: int = 0
     num_pages_short: int = 0
-    stored: list[bytes] = field(default_factory=list)
 
 
 def allocation_plan(pool: PagePool, num_hits: int, op: PageAllocation) -> tuple[list[int], int]:
@@ -91,16 +148,20 @@ def allocation_plan(pool: PagePool, num_hits: int, op: PageAllocation) -> tuple[
     return [i for i in range(num_hits) if i in read], num_pages_for(cover, page_size) - num_hits
 
 
-def fit(pool: PagePool, op: PageAllocation, tier: StoreIndex | None = None) -> Fit:
+def fit(pool: PagePool, op: PageAllocation, tier: StoreIndex | None = None,
+        peers: Mapping[str, PagePool] | None = None) -> Fit:
     if op.skip_prefix_cache:
-        hits, stored = [], []
+        hits = Hits()
     else:
-        tier = tier if tier is not None and worth_loading(op, pool.spec.page_size) else None
-        hits, stored = tiered_hits(pool, tier, op.tenant, op.token_ids)
-    held, need = allocation_plan(pool, len(hits) + len(stored), op)
-    need += sum(1 for i in held if i >= len(hits))  # a store hit it reads takes a fresh page to fill
-    available = pool.available([hits[i].page_id for i in held if i < len(hits)])
-    return Fit(hits, held, need, stored=stored) if available >= need else Fit(num_pages_short=need - available)
+        page_size = pool.spec.page_size
+        tier = tier if tier is not None and worth_loading(op, page_size) else None
+        peers = peers if peers is not None and worth_pulling(op, page_size) else None
+        hits = tiered_hits(pool, tier, op.tenant, op.token_ids, peers, op.moved_from)
+    own = len(hits.pool)
+    held, need = allocation_plan(pool, hits.num, op)
+    need += sum(1 for i in held if i >= own)  # a peer or store hit it reads takes a fresh page to fill
+    available = pool.available([hits.pool[i].page_id for i in held if i < own])
+    return Fit(hits, held, need) if available >= need else Fit(num_pages_short=need - available)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +171,8 @@ class Placement:
 
 
 def place(pools: Mapping[str, PagePool], tenant: str, token_ids: tuple[int, ...], num_queued: Mapping[str, int],
-          load_penalty_pages: int, tier: StoreIndex | None = None) -> Placement:
+          load_penalty_pages: int, tier: StoreIndex | None = None,
+          peers: Mapping[str, PagePool] | None = None) -> Placement:
     """Where a new request should be queued now: the rule above over every pool, with the caller's queued
     requests counted as load and no fit required (it is allocated later, when pages are free). No side effect.
 
@@ -127,9 +189,11 @@ def place(pools: Mapping[str, PagePool], tenant: str, token_ids: tuple[int, ...]
     best, best_key = None, None
     for worker_id in sorted(pools):
         pool = pools[worker_id]
-        hits, stored = tiered_hits(pool, tier, tenant, token_ids)
+        hits = tiered_hits(pool, tier, tenant, token_ids, peers)
         load = pool.num_requests + num_queued.get(worker_id, 0)
-        key = (len(hits) + len(stored) / 2 - load_penalty_pages * load, pool.available([b.page_id for b in hits]))
+        elsewhere = len(hits.pulled) + len(hits.stored)
+        key = (len(hits.pool) + elsewhere / 2 - load_penalty_pages * load,
+               pool.available([b.page_id for b in hits.pool]))
         if best_key is None or key > best_key:
-            best, best_key = Placement(worker_id, (len(hits) + len(stored)) * pool.spec.page_size), key
+            best, best_key = Placement(worker_id, hits.num * pool.spec.page_size), key
     return best

@@ -212,11 +212,13 @@ class KVService:
             self._check_leading()
             return fn(self.manager, *args)
 
-    def place(self, tenant: str, token_ids: tuple[int, ...], num_queued: dict[str, int]) -> Placement:
-        """KVManager.place over the pools of the workers that are not draining. Raises as it does."""
+    def place(self, tenant: str, token_ids: tuple[int, ...], num_queued: dict[str, int],
+              only: tuple[str, ...] = (), pull_peers: bool = False) -> Placement:
+        """KVManager.place over the pools of the workers that are not draining (of ``only``, when given). Raises
+        as it does."""
         with self.lock:
             draining = frozenset(m.worker_id for m in self.members.sorted() if m.draining)
-            return self.manager.place(tenant, token_ids, num_queued, draining)
+            return self.manager.place(tenant, token_ids, num_queued, draining, only, pull_peers)
 
     def _persist(self, record: tuple, force: bool = False) -> None:
         """Writes the call if it changed state; ``force``: also when it did not (a record sent early awaits its

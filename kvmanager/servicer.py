@@ -53,7 +53,8 @@ class KVManagerServicer(kvmanager_pb2_grpc.KVManagerServiceServicer):
     @aborts_on_domain_errors
     def Place(self, request, context):
         token_ids = page_cv.unpack_token_ids("place", request.packed_token_ids)
-        result = self.service.place(request.tenant, token_ids, dict(request.num_queued))
+        result = self.service.place(request.tenant, token_ids, dict(request.num_queued), tuple(request.worker_ids),
+                                    request.pull_peers)
         return pb.Placement(worker_id=result.worker_id, num_cached_tokens=result.num_cached_tokens)
 
     # -- membership ---------------------------------------------------------------------------------------

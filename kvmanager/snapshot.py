@@ -58,6 +58,7 @@ from kvserve.common.wire.pages import (
     PoolSpec,
 )
 from kvserve.common.wire.tier import StoreLoad, TierCounters
+from kvserve.common.wire.transfer import PeerLoad
 from kvserve.kvmanager.errors import Fenced, StateLayoutError
 from kvserve.kvmanager.fencing import fenced_pipeline
 from kvserve.kvmanager.invariants import check_invariants
@@ -68,6 +69,7 @@ from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import RequestPages, TenantCounters
 from kvserve.kvmanager.tenants import policy_from_dict, policy_to_dict
 from kvserve.kvmanager.tier import StoreEntry, StoreIndex, TierTotals
+from kvserve.kvmanager.transfers import TransferHold, TransferTotals
 
 CHUNK_BYTES = 1 << 20  # one RPUSH each: small commands keep Redis answering the parent's appends in between
 BATCH = 1000  # keys per SCAN step and per UNLINK
@@ -93,7 +95,8 @@ def encode(mgr: KVManager, members: Iterable[MemberRecord]) -> list[bytes]:
              "tier": _tier_dict(mgr.tier),
              "now_ms": mgr.now_ms, "active": mgr.fair.last_active, "pins": _pins_dict(mgr.pins),
              "policy": policy_to_dict(mgr.fair.policy),
-             "retired_evictions": [mgr.retired_evicted_from, mgr.retired_evicted_by]}
+             "retired_evictions": [mgr.retired_evicted_from, mgr.retired_evicted_by],
+             "transfers": asdict(mgr.transfers)}
     data = json.dumps(state, separators=(",", ":")).encode()
     return [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
 
@@ -114,6 +117,8 @@ def decode(chunks: list[bytes], mgr: KVManager) -> list[MemberRecord]:
         mgr.pools[pool.spec.worker_id] = pool
     mgr.requests = {r["req_id"]: _decode_request(r) for r in d["requests"]}
     mgr.stale = {r["req_id"]: _decode_request(r) for r in d["stale"]}
+    mgr.num_holds = sum(1 for r in mgr.requests.values() if r.transfer is not None)
+    mgr.transfers = TransferTotals(**d.get("transfers", {}))
     for pool in mgr.pools.values():
         pool.recount_owners(mgr.requests.values())
     mgr.now_ms = mgr.fair.now_ms = d.get("now_ms", 0)
@@ -208,13 +213,16 @@ def _request_dict(req: RequestPages) -> dict:
     d["seed"], d["block_hashes"] = req.seed.hex(), b"".join(req.block_hashes).hex()
     d["pins"] = [[p.num_tokens, p.ttl_s] for p in req.pins]
     d["last_ops"] = {kind: [step_id, result_dict(result)] for kind, (step_id, result) in req.last_ops.items()}
+    d["transfer"] = asdict(req.transfer) if req.transfer is not None else None
     return d
 
 
 def _decode_request(d: dict) -> RequestPages:
     hashes = bytes.fromhex(d["block_hashes"])
     pins = tuple(PinPoint(*p) for p in d.get("pins", ()))
+    hold = d.get("transfer")
     return RequestPages(**{**d, "seed": bytes.fromhex(d["seed"]), "pins": pins,
+                           "transfer": TransferHold(**hold) if hold else None,
                            "block_hashes": [hashes[i:i + HASH_BYTES] for i in range(0, len(hashes), HASH_BYTES)],
                            "last_ops": {kind: (step_id, result_from_dict(kind, result))
                                         for kind, (step_id, result) in d["last_ops"].items()}})
@@ -226,6 +234,9 @@ def result_dict(result) -> dict:
     out["status"] = result.status.value
     if "store_loads" in out:
         out["store_loads"] = [[x.page_id, x.block_hash.hex(), x.namespace.hex()] for x in out["store_loads"]]
+    if "peer_loads" in out:
+        out["peer_loads"] = [[x.page_id, x.src_page_id, x.block_hash.hex(), x.namespace.hex()]
+                             for x in out["peer_loads"]]
     return out
 
 
@@ -233,6 +244,8 @@ def result_from_dict(kind: str, d: dict):
     d = {**d, "status": OpStatus(d["status"])}
     if "store_loads" in d:
         d["store_loads"] = [StoreLoad(p, bytes.fromhex(h), bytes.fromhex(n)) for p, h, n in d["store_loads"]]
+    if "peer_loads" in d:
+        d["peer_loads"] = [PeerLoad(p, q, bytes.fromhex(h), bytes.fromhex(n)) for p, q, h, n in d["peer_loads"]]
     return RESULT_TYPES[kind](**d)
 
 

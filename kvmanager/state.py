@@ -21,6 +21,7 @@ class RequestPages:
     skip_prefix_cache: bool = False
     pins: tuple = ()  # the PinPoints it asked for
     num_pinned_blocks: int = 0  # leading blocks of its chain its pins took or refreshed
+    transfer: object | None = None  # a TransferHold (transfers.py): the source pages its pull reads, held
     # op kind ("allocate", "extend", "commit", "release") -> (step_id, result): replayed for a retried call
     last_ops: dict[str, tuple[int, object]] = field(default_factory=dict)
 

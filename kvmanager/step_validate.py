@@ -108,13 +108,25 @@ def _check_allocate(mgr: KVManager, a: PageAllocation, step_id: int) -> None:
     if not a.tenant:
         raise InvalidRequest(f"{where}: tenant must not be empty")
     check_token_ids(where, a.token_ids)
+    live = mgr.requests.get(a.req_id)
+    if a.moved_from and live is not None and live.worker_id == a.moved_from != a.worker_id:
+        return _check_moved(mgr, a, where)  # its prefill's incarnation, under another caller's step_ids
     _check_not_stale(mgr, a.req_id, "allocate", step_id)
     freed = mgr.recent.get(("free", a.req_id))
     if freed is not None and step_id < freed[0]:  # a late attempt of a call the caller gave up on
         raise StaleStep(f"request {a.req_id!r}: step_id {step_id} is older than step {freed[0]}, which freed it")
-    live = mgr.requests.get(a.req_id)
     if live is not None and not live.is_replay("allocate", step_id):
         raise InvalidRequest(f"{where}: req_id is already live")
+    _check_placed(mgr, a, where)
+
+
+def _check_moved(mgr: KVManager, a: PageAllocation, where: str) -> None:
+    if mgr.requests[a.req_id].tenant != a.tenant:
+        raise InvalidRequest(f"{where}: moved_from {a.moved_from!r} holds this req_id for another tenant")
+    _check_placed(mgr, a, where)
+
+
+def _check_placed(mgr: KVManager, a: PageAllocation, where: str) -> None:
     if not a.worker_id:
         raise InvalidRequest(f"{where}: worker_id must name the worker to allocate on (Place chooses it)")
     pool = mgr.pool(a.worker_id)

@@ -11,6 +11,7 @@ from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.tokens import le_uint32, unpack_uint32
 from kvserve.common.wire import pages as wire
 from kvserve.common.wire.tier import StoreLoad, StoreWrite
+from kvserve.common.wire.transfer import PeerLoad, TransferDone
 from kvserve.v1 import kvmanager_pb2 as pb
 
 OP_STATUS = {
@@ -25,7 +26,8 @@ OK = pb.PAGE_OP_STATUS_OK
 # -- the kvmanager's side: requests in, answers out -----------------------------------------------------------
 def spec_from_proto(r: pb.PoolSpec) -> wire.PoolSpec:
     return wire.PoolSpec(r.worker_id, r.epoch, r.num_pages, r.page_size, r.model_fingerprint, r.kv_dtype,
-                         r.bytes_per_token, r.kv_scales, r.sliding_window, r.attention_sinks, r.kv_store)
+                         r.bytes_per_token, r.kv_scales, r.sliding_window, r.attention_sinks, r.kv_store,
+                         r.role or "both")
 
 
 def register_to_proto(r: wire.RegisterResult) -> pb.RegisterResult:
@@ -45,7 +47,8 @@ def _allocation(a: pb.PageAllocation) -> wire.PageAllocation:
     token_ids = unpack_token_ids(f"allocation {a.req_id!r}", a.packed_token_ids)
     return wire.PageAllocation(a.req_id, a.tenant, token_ids, a.worker_id, a.skip_prefix_cache, a.chunk_tokens,
                                a.skip_store, a.load_s_per_page, a.prefill_s_per_token,
-                               tuple(wire.PinPoint(p.num_tokens, p.ttl_s) for p in a.pins))
+                               tuple(wire.PinPoint(p.num_tokens, p.ttl_s) for p in a.pins), a.pull_peers,
+                               a.pull_s_per_page, a.moved_from)
 
 
 def _commit(c: pb.PageCommit) -> wire.PageCommit:
@@ -58,7 +61,16 @@ def step_from_proto(r: pb.StepOps) -> wire.StepOps:
                         extensions=tuple(wire.PageExtension(e.req_id, e.num_tokens) for e in r.extensions),
                         commits=tuple(map(_commit, r.commits)),
                         frees=tuple(wire.PageFree(f.req_id) for f in r.frees),
-                        releases=tuple(wire.PageRelease(x.req_id, tuple(x.page_indices)) for x in r.releases))
+                        releases=tuple(wire.PageRelease(x.req_id, tuple(x.page_indices)) for x in r.releases),
+                        transfers=tuple(TransferDone(t.req_id, t.ok, t.num_bytes, t.seconds) for t in r.transfers))
+
+
+def peer_load_to_proto(add, p: PeerLoad) -> None:
+    add(page_id=p.page_id, src_page_id=p.src_page_id, block_hash=p.block_hash, namespace=p.namespace)
+
+
+def peer_loads_from_proto(loads) -> list[PeerLoad]:
+    return [PeerLoad(x.page_id, x.src_page_id, x.block_hash, x.namespace) for x in loads]
 
 
 # The answers are added in place (``repeated.add``), not built and then copied into the response, and an
@@ -69,6 +81,10 @@ def _add_allocation(add, a: wire.PageAllocationResult) -> None:
               num_committed_tokens=a.num_committed_tokens, num_pinned_tokens=a.num_pinned_tokens)
     for load in a.store_loads:
         msg.store_loads.add(page_id=load.page_id, block_hash=load.block_hash, namespace=load.namespace)
+    if a.peer_loads:
+        for load in a.peer_loads:
+            peer_load_to_proto(msg.peer_loads.add, load)
+        msg.peer_worker_id, msg.peer_epoch, msg.lease_expires_ms = a.peer_worker_id, a.peer_epoch, a.lease_expires_ms
 
 
 def _add_extension(add, e: wire.PageExtensionResult) -> None:
@@ -136,25 +152,30 @@ def step_to_request_proto(ops: wire.StepOps, traceparents: Mapping[str, str] = N
                                        skip_store=a.skip_store, load_s_per_page=a.load_s_per_page,
                                        prefill_s_per_token=a.prefill_s_per_token,
                                        pins=[pb.PinPoint(num_tokens=p.num_tokens, ttl_s=p.ttl_s) for p in a.pins],
-                                       **tp(a))
+                                       pull_peers=a.pull_peers, pull_s_per_page=a.pull_s_per_page,
+                                       moved_from=a.moved_from, **tp(a))
                      for a in ops.allocations],
         extensions=[pb.PageExtension(**as_kwargs(e), **tp(e)) for e in ops.extensions],
         commits=[pb.PageCommit(req_id=c.req_id, start_pos=c.start_pos, packed_token_ids=le_uint32(c.token_ids),
                                num_computed_tokens=c.num_computed_tokens, **tp(c)) for c in ops.commits],
         frees=[pb.PageFree(**as_kwargs(f), **tp(f)) for f in ops.frees],
         releases=[pb.PageRelease(**as_kwargs(r), **tp(r)) for r in ops.releases],
+        transfers=[pb.TransferDone(**as_kwargs(t)) for t in ops.transfers],
     )
 
 
-def place_to_proto(tenant: str, token_ids, num_queued: dict[str, int]) -> pb.PlaceRequest:
-    return pb.PlaceRequest(tenant=tenant, packed_token_ids=le_uint32(token_ids), num_queued=num_queued)
+def place_to_proto(tenant: str, token_ids, num_queued: dict[str, int],
+                   worker_ids: tuple[str, ...] = ()) -> pb.PlaceRequest:
+    return pb.PlaceRequest(tenant=tenant, packed_token_ids=le_uint32(token_ids), num_queued=num_queued,
+                           worker_ids=worker_ids)
 
 
 def _allocation_result(a: pb.PageAllocationResult) -> wire.PageAllocationResult:
     return wire.PageAllocationResult(a.req_id, STATUS_OF[a.status], a.worker_id, a.epoch, list(a.page_table),
                                      a.num_cached_tokens, a.num_pages_short,
                                      [StoreLoad(x.page_id, x.block_hash, x.namespace) for x in a.store_loads],
-                                     a.num_committed_tokens, a.num_pinned_tokens)
+                                     a.num_committed_tokens, a.num_pinned_tokens, peer_loads_from_proto(a.peer_loads),
+                                     a.peer_worker_id, a.peer_epoch, a.lease_expires_ms)
 
 
 def _extension_result(e: pb.PageExtensionResult) -> wire.PageExtensionResult:

@@ -78,4 +78,5 @@ def info_to_proto(info: WorkerInfo) -> worker_pb2.WorkerInfo:
 def info_from_proto(r: worker_pb2.WorkerInfo) -> WorkerInfo:
     fields = {k: getattr(r, k) for k in WorkerInfo.__slots__}
     fields["eos_token_ids"] = tuple(r.eos_token_ids)
+    fields["role"] = r.role or "both"
     return WorkerInfo(**fields)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvserve.common.attention_window import AttentionWindow
 from kvserve.common.wire.tier import StoreLoad, StoreWrite
+from kvserve.common.wire.transfer import PeerLoad, TransferDone
 from kvserve.common.wire.worker import WorkerInfo
 
 
@@ -26,13 +27,14 @@ class PoolSpec:
     sliding_window: int = 0  # tokens of the attention window; 0 = none. Pages older than it may be released
     attention_sinks: int = 0  # leading tokens never released (their pages stay with the request); 0 = none
     kv_store: bool = False  # the worker reads and writes the shared KV tier
+    role: str = "both"  # "prefill", "decode" or "both" (common/wire/transfer.py): what the gateway sends it
 
     @classmethod
     def of(cls, info: WorkerInfo) -> PoolSpec:
         """The pool a worker's Info describes, as the kvmanager registers it."""
         return cls(info.worker_id, info.epoch, info.num_pages, info.page_size, info.model_fingerprint,
                    info.kv_dtype, info.bytes_per_token, info.kv_scales, info.sliding_window, info.attention_sinks,
-                   info.kv_store)
+                   info.kv_store, info.role)
 
     def attention_window(self) -> AttentionWindow:
         """The policy of which positions this pool's requests keep and which pages they may release. Raises
@@ -74,6 +76,11 @@ class PageAllocation:
     load_s_per_page: float = 0.0
     prefill_s_per_token: float = 0.0
     pins: tuple[PinPoint, ...] = ()  # taken as its pages are cached (hit now, or committed later)
+    pull_peers: bool = False  # the worker can pull pages from other workers: serve peer hits
+    pull_s_per_page: float = 0.0  # the worker's measured seconds to pull a page from a peer (0: not measured)
+    # The request's pages live on this worker's pool (its prefill ran there): the allocation takes them as
+    # peer hits, held for the pull, then frees that incarnation. "" = a new request.
+    moved_from: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +123,7 @@ class StepOps:
     commits: tuple[PageCommit, ...] = ()
     frees: tuple[PageFree, ...] = ()
     releases: tuple[PageRelease, ...] = ()
+    transfers: tuple[TransferDone, ...] = ()  # pulls that ended: their sources' holds are released
 
 
 @dataclass(slots=True)
@@ -139,6 +147,12 @@ class PageAllocationResult(PageOpResult):
     store_loads: list[StoreLoad] = field(default_factory=list)
     num_committed_tokens: int = 0
     num_pinned_tokens: int = 0  # leading prompt tokens under a pin this request took or refreshed
+    # Peer hits: pages the worker pulls from another worker's pool (held there until the gateway reports the
+    # pull, or until lease_expires_ms) before the first chunk; counted like store_loads.
+    peer_loads: list[PeerLoad] = field(default_factory=list)
+    peer_worker_id: str = ""
+    peer_epoch: int = 0
+    lease_expires_ms: int = 0
 
 
 @dataclass(slots=True)

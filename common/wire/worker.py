@@ -104,6 +104,7 @@ class WorkerInfo:
     sliding_window: int = 0  # tokens of K/V attention reads back (the window); 0 = the whole sequence
     attention_sinks: int = 0  # leading tokens kept beside the window (StreamingLLM); 0 = none
     kv_store: bool = False  # it reads and writes the shared KV tier (--kv-store-url)
+    role: str = "both"  # "prefill", "decode" or "both": the work the gateway sends it (--role)
 
     def attention_window(self) -> AttentionWindow:
         """The policy of which positions this worker's requests keep. Raises InvalidRequest for bad settings."""

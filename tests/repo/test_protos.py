@@ -20,7 +20,7 @@ S = descriptor_pb2.ServiceDescriptorProto
 
 # service -> (module, RPC names): the surface later issues build on.
 SERVICES = {
-    "WorkerService": ("worker", {"Step", "Info"}),
+    "WorkerService": ("worker", {"Step", "Info", "PullPages", "ReadPages"}),
     "KVManagerService": ("kvmanager", {"RegisterWorker", "StepPages", "Place", "JoinWorker", "Heartbeat",
                                        "LeaveWorker", "ListWorkers", "ReportTier"}),
     "KVAdminService": (

@@ -21,7 +21,7 @@ PAGE_OP_STATUS_STALE_EPOCH: PageOpStatus
 PAGE_OP_STATUS_UNKNOWN_REQUEST: PageOpStatus
 
 class PoolSpec(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests", "kv_scales", "sliding_window", "attention_sinks", "kv_store")
+    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests", "kv_scales", "sliding_window", "attention_sinks", "kv_store", "role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class PoolSpec(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     num_pages: int
@@ -46,7 +47,8 @@ class PoolSpec(_message.Message):
     sliding_window: int
     attention_sinks: int
     kv_store: bool
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., kv_store: _Optional[bool] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., kv_store: _Optional[bool] = ..., role: _Optional[str] = ...) -> None: ...
 
 class RegisterResult(_message.Message):
     __slots__ = ("ok", "previous_epoch", "dropped_req_ids", "released_req_ids")
@@ -135,7 +137,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ...) -> None: ...
 
 class PageAllocation(_message.Message):
-    __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent", "chunk_tokens", "skip_store", "load_s_per_page", "prefill_s_per_token", "pins")
+    __slots__ = ("req_id", "tenant", "worker_id", "packed_token_ids", "skip_prefix_cache", "traceparent", "chunk_tokens", "skip_store", "load_s_per_page", "prefill_s_per_token", "pins", "pull_peers", "pull_s_per_page", "moved_from")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +149,9 @@ class PageAllocation(_message.Message):
     LOAD_S_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
+    PULL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    PULL_S_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FROM_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     tenant: str
     worker_id: str
@@ -158,7 +163,22 @@ class PageAllocation(_message.Message):
     load_s_per_page: float
     prefill_s_per_token: float
     pins: _containers.RepeatedCompositeFieldContainer[PinPoint]
-    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., skip_store: _Optional[bool] = ..., load_s_per_page: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., pins: _Optional[_Iterable[_Union[PinPoint, _Mapping]]] = ...) -> None: ...
+    pull_peers: bool
+    pull_s_per_page: float
+    moved_from: str
+    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., skip_prefix_cache: _Optional[bool] = ..., traceparent: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., skip_store: _Optional[bool] = ..., load_s_per_page: _Optional[float] = ..., prefill_s_per_token: _Optional[float] = ..., pins: _Optional[_Iterable[_Union[PinPoint, _Mapping]]] = ..., pull_peers: _Optional[bool] = ..., pull_s_per_page: _Optional[float] = ..., moved_from: _Optional[str] = ...) -> None: ...
+
+class PeerLoad(_message.Message):
+    __slots__ = ("page_id", "src_page_id", "block_hash", "namespace")
+    PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_PAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    page_id: int
+    src_page_id: int
+    block_hash: bytes
+    namespace: bytes
+    def __init__(self, page_id: _Optional[int] = ..., src_page_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., namespace: _Optional[bytes] = ...) -> None: ...
 
 class PinPoint(_message.Message):
     __slots__ = ("num_tokens", "ttl_s")
@@ -191,7 +211,7 @@ class StoreWrite(_message.Message):
     def __init__(self, page_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PageAllocationResult(_message.Message):
-    __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short", "store_loads", "num_committed_tokens", "num_pinned_tokens")
+    __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short", "store_loads", "num_committed_tokens", "num_pinned_tokens", "peer_loads", "peer_worker_id", "peer_epoch", "lease_expires_ms")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +222,10 @@ class PageAllocationResult(_message.Message):
     STORE_LOADS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PEER_LOADS_FIELD_NUMBER: _ClassVar[int]
+    PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     status: PageOpStatus
     worker_id: str
@@ -212,7 +236,11 @@ class PageAllocationResult(_message.Message):
     store_loads: _containers.RepeatedCompositeFieldContainer[StoreLoad]
     num_committed_tokens: int
     num_pinned_tokens: int
-    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_pages_short: _Optional[int] = ..., store_loads: _Optional[_Iterable[_Union[StoreLoad, _Mapping]]] = ..., num_committed_tokens: _Optional[int] = ..., num_pinned_tokens: _Optional[int] = ...) -> None: ...
+    peer_loads: _containers.RepeatedCompositeFieldContainer[PeerLoad]
+    peer_worker_id: str
+    peer_epoch: int
+    lease_expires_ms: int
+    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_pages_short: _Optional[int] = ..., store_loads: _Optional[_Iterable[_Union[StoreLoad, _Mapping]]] = ..., num_committed_tokens: _Optional[int] = ..., num_pinned_tokens: _Optional[int] = ..., peer_loads: _Optional[_Iterable[_Union[PeerLoad, _Mapping]]] = ..., peer_worker_id: _Optional[str] = ..., peer_epoch: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ...) -> None: ...
 
 class PageExtension(_message.Message):
     __slots__ = ("req_id", "num_tokens", "traceparent")
@@ -301,20 +329,34 @@ class PageReleaseResult(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., num_released: _Optional[int] = ...) -> None: ...
 
 class StepOps(_message.Message):
-    __slots__ = ("step_id", "allocations", "extensions", "commits", "frees", "releases")
+    __slots__ = ("step_id", "allocations", "extensions", "commits", "frees", "releases", "transfers")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     EXTENSIONS_FIELD_NUMBER: _ClassVar[int]
     COMMITS_FIELD_NUMBER: _ClassVar[int]
     FREES_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     allocations: _containers.RepeatedCompositeFieldContainer[PageAllocation]
     extensions: _containers.RepeatedCompositeFieldContainer[PageExtension]
     commits: _containers.RepeatedCompositeFieldContainer[PageCommit]
     frees: _containers.RepeatedCompositeFieldContainer[PageFree]
     releases: _containers.RepeatedCompositeFieldContainer[PageRelease]
-    def __init__(self, step_id: _Optional[int] = ..., allocations: _Optional[_Iterable[_Union[PageAllocation, _Mapping]]] = ..., extensions: _Optional[_Iterable[_Union[PageExtension, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[PageCommit, _Mapping]]] = ..., frees: _Optional[_Iterable[_Union[PageFree, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[PageRelease, _Mapping]]] = ...) -> None: ...
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferDone]
+    def __init__(self, step_id: _Optional[int] = ..., allocations: _Optional[_Iterable[_Union[PageAllocation, _Mapping]]] = ..., extensions: _Optional[_Iterable[_Union[PageExtension, _Mapping]]] = ..., commits: _Optional[_Iterable[_Union[PageCommit, _Mapping]]] = ..., frees: _Optional[_Iterable[_Union[PageFree, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[PageRelease, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferDone, _Mapping]]] = ...) -> None: ...
+
+class TransferDone(_message.Message):
+    __slots__ = ("req_id", "ok", "num_bytes", "seconds")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    ok: bool
+    num_bytes: int
+    seconds: float
+    def __init__(self, req_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PoolSummary(_message.Message):
     __slots__ = ("worker_id", "epoch", "num_free_pages", "num_evictable_pages")
@@ -409,7 +451,7 @@ class TierReportResult(_message.Message):
     def __init__(self, num_added: _Optional[int] = ..., num_evicted: _Optional[int] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("tenant", "packed_token_ids", "num_queued")
+    __slots__ = ("tenant", "packed_token_ids", "num_queued", "worker_ids", "pull_peers")
     class NumQueuedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -420,10 +462,14 @@ class PlaceRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    PULL_PEERS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     packed_token_ids: bytes
     num_queued: _containers.ScalarMap[str, int]
-    def __init__(self, tenant: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., num_queued: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    pull_peers: bool
+    def __init__(self, tenant: _Optional[str] = ..., packed_token_ids: _Optional[bytes] = ..., num_queued: _Optional[_Mapping[str, int]] = ..., worker_ids: _Optional[_Iterable[str]] = ..., pull_peers: _Optional[bool] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("worker_id", "num_cached_tokens")

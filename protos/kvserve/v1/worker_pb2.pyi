@@ -83,7 +83,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "epoch", "model_name", "model_fingerprint", "page_size", "num_pages", "kv_dtype", "bytes_per_token", "pool_bytes", "num_layers", "num_kv_heads", "num_heads", "head_dim", "vocab_size", "max_model_len", "eos_token_ids", "device", "attention_backend", "kv_scales", "sliding_window", "attention_sinks", "kv_store")
+    __slots__ = ("worker_id", "epoch", "model_name", "model_fingerprint", "page_size", "num_pages", "kv_dtype", "bytes_per_token", "pool_bytes", "num_layers", "num_kv_heads", "num_heads", "head_dim", "vocab_size", "max_model_len", "eos_token_ids", "device", "attention_backend", "kv_scales", "sliding_window", "attention_sinks", "kv_store", "role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class WorkerInfo(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     model_name: str
@@ -128,4 +129,53 @@ class WorkerInfo(_message.Message):
     sliding_window: int
     attention_sinks: int
     kv_store: bool
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., kv_store: _Optional[bool] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., kv_store: _Optional[bool] = ..., role: _Optional[str] = ...) -> None: ...
+
+class PullOrder(_message.Message):
+    __slots__ = ("req_id", "epoch", "source_worker_id", "source_epoch", "source_address", "lease_expires_ms", "loads", "traceparent")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    epoch: int
+    source_worker_id: str
+    source_epoch: int
+    source_address: str
+    lease_expires_ms: int
+    loads: _containers.RepeatedCompositeFieldContainer[_kvmanager_pb2.PeerLoad]
+    traceparent: str
+    def __init__(self, req_id: _Optional[str] = ..., epoch: _Optional[int] = ..., source_worker_id: _Optional[str] = ..., source_epoch: _Optional[int] = ..., source_address: _Optional[str] = ..., lease_expires_ms: _Optional[int] = ..., loads: _Optional[_Iterable[_Union[_kvmanager_pb2.PeerLoad, _Mapping]]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class PullResult(_message.Message):
+    __slots__ = ("num_pages", "num_bytes", "seconds", "error")
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    num_pages: int
+    num_bytes: int
+    seconds: float
+    error: str
+    def __init__(self, num_pages: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReadOrder(_message.Message):
+    __slots__ = ("epoch", "lease_expires_ms", "pages")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    lease_expires_ms: int
+    pages: _containers.RepeatedCompositeFieldContainer[_kvmanager_pb2.PeerLoad]
+    def __init__(self, epoch: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., pages: _Optional[_Iterable[_Union[_kvmanager_pb2.PeerLoad, _Mapping]]] = ...) -> None: ...
+
+class PageFrame(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, values: _Optional[_Iterable[bytes]] = ...) -> None: ...

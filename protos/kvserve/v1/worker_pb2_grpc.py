@@ -46,6 +46,16 @@ class WorkerServiceStub:
                 request_serializer=kvserve_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.PullPages = channel.unary_unary(
+                '/kvserve.v1.WorkerService/PullPages',
+                request_serializer=kvserve_dot_v1_dot_worker__pb2.PullOrder.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_worker__pb2.PullResult.FromString,
+                _registered_method=True)
+        self.ReadPages = channel.unary_stream(
+                '/kvserve.v1.WorkerService/ReadPages',
+                request_serializer=kvserve_dot_v1_dot_worker__pb2.ReadOrder.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_worker__pb2.PageFrame.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -73,6 +83,25 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullPages(self, request, context):
+        """Pulls a request's pages from another worker (ReadPages on it) into this worker's pool, each page value
+        verified (namespace, block hash, layout, checksum) before the pull succeeds. Runs beside Step: the pages are
+        the request's alone until the gateway schedules it. A failed pull is an answer (error set), not a status:
+        the request recomputes. INVALID_ARGUMENT for a malformed order; FAILED_PRECONDITION for another epoch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadPages(self, request, context):
+        """Streams committed pages of this worker's pool to a worker pulling them, as self-checking page values in
+        frames of about 1 MiB. FAILED_PRECONDITION when `epoch` names another incarnation or the lease is (nearly)
+        over: the pages may have been reused, and are never sent then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -85,6 +114,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=kvserve_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'PullPages': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullPages,
+                    request_deserializer=kvserve_dot_v1_dot_worker__pb2.PullOrder.FromString,
+                    response_serializer=kvserve_dot_v1_dot_worker__pb2.PullResult.SerializeToString,
+            ),
+            'ReadPages': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadPages,
+                    request_deserializer=kvserve_dot_v1_dot_worker__pb2.ReadOrder.FromString,
+                    response_serializer=kvserve_dot_v1_dot_worker__pb2.PageFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -143,6 +182,60 @@ class WorkerService:
             '/kvserve.v1.WorkerService/Info',
             kvserve_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
             kvserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.WorkerService/PullPages',
+            kvserve_dot_v1_dot_worker__pb2.PullOrder.SerializeToString,
+            kvserve_dot_v1_dot_worker__pb2.PullResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvserve.v1.WorkerService/ReadPages',
+            kvserve_dot_v1_dot_worker__pb2.ReadOrder.SerializeToString,
+            kvserve_dot_v1_dot_worker__pb2.PageFrame.FromString,
             options,
             channel_credentials,
             insecure,
