@@ -4,7 +4,8 @@
                                                                          the previous printed its ready line;
                                                                          stopped in reverse
 
-The KV store is the shared KV tier's Redis (cli_up_store.py).
+The KV store is the shared KV tier's Redis (cli_up_store.py). The workers are of role both (--workers), or
+prefill and decode workers (--prefill-workers, --decode-workers: cli_up_workers.py).
 
 Each service is a child process in its own process group (so a terminal's Ctrl-C reaches ``up`` alone and the
 stop order holds: the gateway drains and frees its pages while the kvmanager still runs), and dies with ``up``
@@ -16,6 +17,7 @@ exits is started again instead.
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import re
 import subprocess
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.services.cli_up_store import DEFAULT_KV_STORE_BYTES, kv_store_argv, open_kv_store
+from kvserve.services.cli_up_workers import WorkerSpec, add_worker_flags, worker_specs
 
 READY = re.compile(r"kvserve \S+(?: \S+)? ready on (?P<host>[^\s:]+):(?P<port>\d+)")
 READY_TIMEOUT_S = 180.0
@@ -47,7 +50,7 @@ def add_commands(sub) -> None:
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port (0 = a free port)")
     u.add_argument("--kvmanager-port", type=int, default=DEFAULT_KVMANAGER_PORT, help="0 = a free port")
-    u.add_argument("--workers", type=positive_int, default=1, help="number of worker processes")
+    add_worker_flags(u)
     u.add_argument("--kvmanager-replicas", type=positive_int, default=_env("kvmanager_replicas", "1"),
                    help="kvmanager processes: one leads, the others stand by to take over (default 1). With more "
                         "than 1, up runs the Redis they share (unless --redis-url) and their ports are "
@@ -74,7 +77,8 @@ def add_commands(sub) -> None:
     add_kv_format_flags(u, "auto", "token_head")
     add_window_flags(u, "0", "0")
     add_gateway_flags(u)
-    u.set_defaults(func=run_up)
+    # The worker counts are checked together, as argparse checks one flag: usage and exit code 2.
+    u.set_defaults(func=functools.partial(run_up, usage_error=u.error))
 
 
 @dataclass
@@ -136,10 +140,13 @@ def _kvmanager_argv(args, model_dir: Path) -> list[str]:
     return argv + kv_store_argv(args)
 
 
-def _worker_argv(args, i: int, kvmanager: str) -> list[str]:
-    argv = ["worker", "--host", args.host, "--port", "0", "--worker-id", f"worker-{i}", "--kvmanager", kvmanager,
-            "--page-size", str(args.page_size), "--kv-cache-dtype", args.kv_cache_dtype, "--kv-scales",
-            args.kv_scales, "--sliding-window", str(args.sliding_window), "--attention-sinks",
+def _worker_argv(args, spec: WorkerSpec, kvmanager: str) -> list[str]:
+    """Every worker's argv but its id and role: the same model, pool and KV format, as pools that hand pages to
+    each other must have. The role is given even when it is both, so a KVSERVE_WORKER_ROLE in up's environment
+    cannot change it."""
+    argv = ["worker", "--host", args.host, "--port", "0", "--worker-id", spec.worker_id, "--role", spec.role,
+            "--kvmanager", kvmanager, "--page-size", str(args.page_size), "--kv-cache-dtype", args.kv_cache_dtype,
+            "--kv-scales", args.kv_scales, "--sliding-window", str(args.sliding_window), "--attention-sinks",
             str(args.attention_sinks)]
     argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)] if args.kv_cache_bytes else []
     argv += ["--num-pages", str(args.num_pages)] if args.num_pages else []
@@ -217,8 +224,8 @@ def _start_stack(args, children: list[Child], stack: contextlib.ExitStack) -> tu
         raise RuntimeError(f"the KV store did not start: {e}") from e
     restart = _start_kvmanagers(args, children, stack)
     kvmanager = ",".join(child.address for child in children)
-    for i in range(args.workers):
-        children.append(start_child(f"worker-{i}", _worker_argv(args, i, kvmanager)))
+    for spec in worker_specs(args):
+        children.append(start_child(spec.worker_id, _worker_argv(args, spec, kvmanager)))
     children.append(start_child("gateway", _gateway_argv(args, kvmanager)))
     return kvmanager, restart
 
@@ -241,12 +248,20 @@ def _admin_hint(args, kvmanager_address: str) -> str:
     return f"kvserve admin stats{flags}"
 
 
-def run_up(args) -> int:
+def run_up(args, usage_error=None) -> int:
+    """``usage_error(message)``: the parser's error (prints the usage, exits 2); None: print and return 2."""
     from kvserve.common.grpc_server import install_stop_signals
     from kvserve.services.cli_kvmanager import ADMIN_TOKEN_FILE, default_data_dir
     from kvserve.services.model_store import ModelNotFound
     from kvserve.worker.kv_pool import check_kv_format
 
+    try:
+        worker_specs(args)
+    except ValueError as e:
+        if usage_error is not None:
+            usage_error(str(e))
+        print(f"kvserve up: error: {e}", file=sys.stderr)
+        return 2
     try:  # checked before anything starts, not by each worker a minute later
         check_kv_format(args.kv_cache_dtype, args.kv_scales)
         if args.sliding_window or args.attention_sinks:

@@ -1,0 +1,116 @@
+"""`kvserve up --prefill-workers N --decode-workers M`: which workers `up` starts, with which ids, roles and
+flags, read from the argv it would hand each child (start_child is replaced, nothing runs); counts that leave a
+role nothing can hand work to are refused before anything starts."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from kvserve.services import cli_up
+from kvserve.services.cli import build_parser, main
+from kvserve.services.cli_up_workers import WorkerSpec, worker_specs
+
+KVMANAGER = "127.0.0.1:50051"
+
+
+def up_args(*flags: str):
+    return build_parser().parse_args(["up", *flags])
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, (flag, argv)
+    return argv[argv.index(flag) + 1]
+
+
+def without(argv: list[str], *flags: str) -> list[str]:
+    """argv less each of ``flags`` and its value."""
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in flags:
+            skip = True
+        else:
+            out.append(word)
+    return out
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every child `up` would start, in order; the KV store and the kvmanager are stand-ins."""
+    calls: list[tuple[str, list[str]]] = []
+
+    def start_child(name, argv, env=None):
+        calls.append((name, argv))
+        return cli_up.Child(name, proc=None, address=f"127.0.0.1:{len(calls)}")
+
+    def start_kvmanagers(args, children, stack):
+        children.append(cli_up.Child("kvmanager", proc=None, address=KVMANAGER))
+        return {}
+
+    monkeypatch.setattr(cli_up, "open_kv_store", lambda args, stack: None)
+    monkeypatch.setattr(cli_up, "_start_kvmanagers", start_kvmanagers)
+    monkeypatch.setattr(cli_up, "start_child", start_child)
+    return calls
+
+
+def start(*flags: str) -> None:
+    with contextlib.ExitStack() as stack:
+        cli_up._start_stack(up_args(*flags), [], stack)
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ((), [("worker-0", "both")]),
+    (("--workers", "2"), [("worker-0", "both"), ("worker-1", "both")]),
+    (("--prefill-workers", "1", "--decode-workers", "2"),
+     [("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")]),
+    (("--decode-workers", "1", "--prefill-workers", "2", "--workers", "1"),
+     [("worker-0", "both"), ("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")]),
+    (("--workers", "1", "--decode-workers", "1"), [("worker-0", "both"), ("decode-0", "decode")]),
+    (("--prefill-workers", "0", "--decode-workers", "0"), [("worker-0", "both")]),
+])
+def test_the_role_counts_replace_workers_unless_it_is_given_too(flags, expected) -> None:
+    assert worker_specs(up_args(*flags)) == [WorkerSpec(worker_id, role) for worker_id, role in expected]
+
+
+def test_each_worker_gets_its_id_and_role_and_every_other_flag_alike(started) -> None:
+    start("--prefill-workers", "2", "--decode-workers", "1", "--model", "/models/m", "--page-size", "32",
+          "--kv-cache-dtype", "int8", "--kv-scales", "tensor", "--num-pages", "64", "--sliding-window", "64",
+          "--kv-store-url", "redis://127.0.0.1:6390/0")
+    assert [name for name, _ in started] == ["prefill-0", "prefill-1", "decode-0", "gateway"]
+    workers = started[:-1]
+    assert [(flag_value(argv, "--worker-id"), flag_value(argv, "--role")) for _, argv in workers] == [
+        ("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")]
+    rest = [without(argv, "--worker-id", "--role") for _, argv in workers]
+    assert rest[0] == rest[1] == rest[2]  # one model, pool and KV format: the kvmanager refuses a mismatch
+    for flag, value in (("--model", "/models/m"), ("--page-size", "32"), ("--kv-cache-dtype", "int8"),
+                        ("--kv-scales", "tensor"), ("--num-pages", "64"), ("--sliding-window", "64"),
+                        ("--kvmanager", KVMANAGER), ("--kv-store-url", "redis://127.0.0.1:6390/0")):
+        assert flag_value(rest[0], flag) == value, flag
+
+
+def test_a_worker_of_role_both_is_told_so(started) -> None:
+    """Explicitly: a KVSERVE_WORKER_ROLE in up's environment, which the children inherit, must not change it."""
+    start()
+    ((name, argv), _gateway) = started
+    assert (name, flag_value(argv, "--worker-id"), flag_value(argv, "--role")) == ("worker-0", "worker-0", "both")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--prefill-workers", "2"), "--prefill-workers 2 needs --decode-workers"),
+    (("--prefill-workers", "1", "--workers", "2"), "--prefill-workers 1 needs --decode-workers"),
+    (("--decode-workers", "3"), "--decode-workers 3 needs --prefill-workers (or --workers)"),
+    (("--prefill-workers", "-1", "--decode-workers", "1"), "argument --prefill-workers: must be 0 or more, got -1"),
+    (("--decode-workers", "-2"), "argument --decode-workers: must be 0 or more, got -2"),
+    (("--workers", "0"), "argument --workers: must be positive, got 0"),
+])
+def test_counts_that_cannot_serve_are_usage_errors_before_anything_starts(started, capsys, flags, message) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["up", *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvserve up")
+    assert f"kvserve up: error: {message}" in err
+    assert started == []
