@@ -54,8 +54,8 @@ ADMIN = "admin pod"
 BENCH_CITATION = re.compile(r"bench/results/[\w.-]+\.md")
 
 
-def _policies() -> list[dict]:
-    return of_kind("NetworkPolicy")
+def _policies(docs: list[dict] | None = None) -> list[dict]:
+    return of_kind("NetworkPolicy", docs)
 
 
 def _pod_ports(workload_doc: dict) -> dict[str | int, int]:
@@ -69,32 +69,33 @@ def _pod_ports(workload_doc: dict) -> dict[str | int, int]:
     return found
 
 
-def _selected(selector: dict) -> list[dict]:
+def _selected(selector: dict, docs: list[dict] | None = None) -> list[dict]:
     assert set(selector) <= {"matchLabels"}, f"only matchLabels are used here: {selector}"
-    return selected_workloads(selector.get("matchLabels", {}))
+    return selected_workloads(selector.get("matchLabels", {}), docs)
 
 
-def _peer_sources(peer: dict) -> set[str]:
+def _peer_sources(peer: dict, docs: list[dict] | None = None) -> set[str]:
     """Who an in-namespace `from` peer admits, as workload names (or ADMIN)."""
     assert set(peer) == {"podSelector"}, f"an in-namespace peer is a podSelector alone: {peer}"
     labels = peer["podSelector"].get("matchLabels", {})
     if labels in ON_DEMAND_PEERS:
         return {ADMIN}
-    return {w["metadata"]["name"] for w in _selected(peer["podSelector"])}
+    return {w["metadata"]["name"] for w in _selected(peer["podSelector"], docs)}
 
 
-def admitted() -> set[tuple[str, str, int]]:
-    """Every (source, destination workload, container port) the policies admit from inside the namespace or
-    from anywhere (source ANYONE); the monitoring peer is checked on its own."""
+def admitted(docs: list[dict] | None = None) -> set[tuple[str, str, int]]:
+    """Every (source, destination workload, container port) the policies of ``docs`` (default: the base's
+    resources; or a rendering) admit from inside the namespace or from anywhere (source ANYONE); the monitoring
+    peer is checked on its own."""
     allowed: set[tuple[str, str, int]] = set()
-    for policy in _policies():
-        for dest in _selected(policy["spec"]["podSelector"]):
+    for policy in _policies(docs):
+        for dest in _selected(policy["spec"]["podSelector"], docs):
             ports = _pod_ports(dest)
             for rule in policy["spec"].get("ingress", []):
                 peers = [p for p in rule.get("from", []) if p != MONITORING_PEER]
                 if rule.get("from") and not peers:
                     continue
-                sources = set().union(*map(_peer_sources, peers)) if peers else {ANYONE}
+                sources = set().union(*(_peer_sources(p, docs) for p in peers)) if peers else {ANYONE}
                 for port in rule["ports"]:
                     allowed |= {(s, dest["metadata"]["name"], ports[port["port"]]) for s in sources}
     return allowed
@@ -145,14 +146,15 @@ def test_every_pod_has_its_own_policy_and_prometheus_reaches_every_metrics_port(
 
 
 def test_the_policies_admit_exactly_the_connections_the_services_make() -> None:
-    """Clients reach only the gateway; only the gateway reaches the workers; the gateway, the workers
-    (membership), the kvmanager pods (`kubectl exec ... kvserve admin`) and the admin pod, all of this namespace,
-    reach the kvmanager; only the kvmanager and the Redis pods themselves (replication, Sentinel) reach Redis;
-    only the kvmanager (deletions) and the workers (pages) reach the KV store."""
+    """Clients reach only the gateway; only the gateway (steps) and the workers themselves (page pulls:
+    ReadPages) reach the workers' gRPC port; the gateway, the workers (membership), the kvmanager pods
+    (`kubectl exec ... kvserve admin`) and the admin pod, all of this namespace, reach the kvmanager; only the
+    kvmanager and the Redis pods themselves (replication, Sentinel) reach Redis; only the kvmanager (deletions)
+    and the workers (pages) reach the KV store."""
     gw, wk, km, rd, ks = "kvserve-gateway", "kvserve-worker", "kvserve-kvmanager", "kvserve-redis", "kvserve-kv-store"
     assert admitted() == {
         (ANYONE, gw, 50050), (ANYONE, gw, 8000),
-        (gw, wk, 50061),
+        (gw, wk, 50061), (wk, wk, 50061),
         (gw, km, 50051), (wk, km, 50051), (km, km, 50051), (ADMIN, km, 50051),
         (km, rd, 6379), (km, rd, 26379), (rd, rd, 6379), (rd, rd, 26379),
         (km, ks, 6379), (wk, ks, 6379),

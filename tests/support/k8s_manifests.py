@@ -14,6 +14,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 K8S_DIR = ROOT / "k8s"
 AUTOSCALING_DIR = K8S_DIR / "autoscaling"
+DISAGGREGATED_DIR = K8S_DIR / "disaggregated"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 # The CLI module that defines each service subcommand's flags; services/cli_flags.py adds the shared ones.
@@ -53,8 +54,9 @@ def one(kind: str, name: str, docs: list[dict] | None = None) -> dict:
     return found[0]
 
 
-def workloads() -> list[dict]:
-    return [doc for doc in resources() if doc["kind"] in WORKLOAD_KINDS]
+def workloads(docs: list[dict] | None = None) -> list[dict]:
+    """The Deployments and StatefulSets of ``docs`` (default: the base's resources)."""
+    return [doc for doc in (resources() if docs is None else docs) if doc["kind"] in WORKLOAD_KINDS]
 
 
 def workload(name: str) -> dict:
@@ -68,9 +70,10 @@ def pod_labels(workload_doc: dict) -> dict:
     return workload_doc["spec"]["template"]["metadata"]["labels"]
 
 
-def selected_workloads(selector: dict) -> list[dict]:
-    """The workloads whose pods carry every label of ``selector`` (a Service's or a matchLabels)."""
-    return [w for w in workloads() if selector.items() <= pod_labels(w).items()]
+def selected_workloads(selector: dict, docs: list[dict] | None = None) -> list[dict]:
+    """The workloads (of ``docs``, default the base's) whose pods carry every label of ``selector`` (a Service's
+    or a matchLabels)."""
+    return [w for w in workloads(docs) if selector.items() <= pod_labels(w).items()]
 
 
 def all_containers(workload_doc: dict) -> list[dict]:
@@ -148,15 +151,15 @@ def copy_of_k8s(tmp_path: Path) -> Path:
     return Path(shutil.copytree(K8S_DIR, tmp_path / "k8s"))
 
 
-def kustomize_with_component(tmp_path: Path, component: str) -> list[dict]:
-    """The base with the Component k8s/<component>, as an overlay of one's own would apply it (kustomize refuses
-    paths that leave the overlay's root by an absolute path, so a copy of the base and the overlay sit side by
-    side)."""
+def kustomize_with_component(tmp_path: Path, component: str, *more: str) -> list[dict]:
+    """The base with the Component k8s/<component> (and the ``more`` after it, in that order), as an overlay of
+    one's own would apply it (kustomize refuses paths that leave the overlay's root by an absolute path, so a
+    copy of the base and the overlay sit side by side)."""
     copy_of_k8s(tmp_path)
     overlay = tmp_path / "overlay"
     overlay.mkdir()
     (overlay / "kustomization.yaml").write_text(yaml.safe_dump(
-        {"resources": ["../k8s"], "components": [f"../k8s/{component}"]}))
+        {"resources": ["../k8s"], "components": [f"../k8s/{name}" for name in (component, *more)]}))
     return kubectl_kustomize(overlay)
 
 
