@@ -15,7 +15,7 @@ from k8s_manifests import K8S_DIR, kubectl_kustomize, kustomize_with_component, 
 # The oldest Kubernetes the manifests are written for (README, "Kubernetes"; gRPC probes are GA since 1.27), and
 # the newest whose schema kubernetes-validate ships, so that a field removed since is caught too.
 KUBERNETES_VERSIONS = ("1.31.0", kubernetes_validate.latest_version())
-COMPONENTS = ("autoscaling", "tls")
+COMPONENTS = ("autoscaling", "tls", "disaggregated")
 # Kinds outside Kubernetes' own schema, each with why it is not validated here.
 NOT_IN_THE_SCHEMA = {
     # cert-manager's CRDs (k8s/tls/certificate.yaml, an example applied by hand where cert-manager runs);
