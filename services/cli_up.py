@@ -142,7 +142,7 @@ def _kvmanager_argv(args, model_dir: Path) -> list[str]:
 
 def _worker_argv(args, spec: WorkerSpec, kvmanager: str) -> list[str]:
     """Every worker's argv but its id and role: the same model, pool and KV format, as pools that hand pages to
-    each other must have. The role is given even when it is both, so a KVSERVE_WORKER_ROLE in up's environment
+    each other must have. The role is given even when it is both, so a KVSERVE_ROLE in up's environment
     cannot change it."""
     argv = ["worker", "--host", args.host, "--port", "0", "--worker-id", spec.worker_id, "--role", spec.role,
             "--kvmanager", kvmanager, "--page-size", str(args.page_size), "--kv-cache-dtype", args.kv_cache_dtype,

@@ -32,7 +32,7 @@ from kvserve.services.cli import build_parser
 
 ROLES = ("prefill", "decode")
 ROLE_LABEL = "kvserve.io/worker-role"
-ROLE_ENV = "KVSERVE_WORKER_ROLE"
+ROLE_ENV = "KVSERVE_ROLE"
 BASE_WORKER = "kvserve-worker"
 ROLE_WORKERS = {role: f"kvserve-worker-{role}" for role in ROLES}
 WORKER_PORT = 50061
@@ -50,7 +50,7 @@ def base() -> list[dict]:
 
 
 def _without_role(template: dict) -> dict:
-    """A role pod's template less what its role adds: the role label and KVSERVE_WORKER_ROLE."""
+    """A role pod's template less what its role adds: the role label and KVSERVE_ROLE."""
     template = copy.deepcopy(template)
     del template["metadata"]["labels"][ROLE_LABEL]
     c = container({"spec": {"template": template}}, "worker")
@@ -133,11 +133,14 @@ def test_workers_reach_each_other_on_the_grpc_port_alone(rendered: list[dict]) -
 
 
 def test_the_role_variable_is_the_worker_role_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVSERVE_WORKER_ROLE is the env default of `kvserve worker --role` (services/cli_worker.py), and setting
-    it parses as the flag does."""
+    """KVSERVE_ROLE is the env default of `kvserve worker --role` (services/cli_worker.py; KVSERVE_<FLAG>, as for
+    every variable of the manifests), and setting it parses as the flag does: a name the worker did not read
+    would leave every pod of role both."""
+    assert ROLE_ENV == "KVSERVE_" + "--role".removeprefix("--").replace("-", "_").upper()
     assert ROLE_ENV in cli_env_names("worker")
     for name in [n for n in os.environ if n.startswith("KVSERVE_")]:
         monkeypatch.delenv(name)
+    assert build_parser().parse_args(["worker"]).role == "both"
     for role in ROLES:
         by_flag = build_parser().parse_args(["worker", "--role", role]).role
         monkeypatch.setenv(ROLE_ENV, role)

@@ -92,7 +92,7 @@ def test_each_worker_gets_its_id_and_role_and_every_other_flag_alike(started) ->
 
 
 def test_a_worker_of_role_both_is_told_so(started) -> None:
-    """Explicitly: a KVSERVE_WORKER_ROLE in up's environment, which the children inherit, must not change it."""
+    """Explicitly: a KVSERVE_ROLE in up's environment, which the children inherit, must not change it."""
     start()
     ((name, argv), _gateway) = started
     assert (name, flag_value(argv, "--worker-id"), flag_value(argv, "--role")) == ("worker-0", "worker-0", "both")
