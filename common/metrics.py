@@ -38,7 +38,9 @@ TIER_COUNTERS = {
                            "or no kvmanager to report them to."),
 }
 WORKER_METRICS = ("kvserve:worker_step_seconds", "kvserve:worker_batch_size", "kvserve:worker_batch_tokens",
-                  *(f"{name}_total" for name, _ in TIER_COUNTERS.values()))
+                  *(f"{name}_total" for name, _ in TIER_COUNTERS.values()),
+                  "kvserve:worker_pulls_total", "kvserve:worker_pulled_bytes_total", "kvserve:worker_pull_seconds",
+                  "kvserve:worker_served_bytes_total")
 # The same counters on the kvmanager, summed over the workers' reports (ReportTier): kept across worker restarts,
 # and named apart so that a sum over every scraped series never counts a load twice.
 REPORTED_TIER_COUNTERS = {field: (name.replace("kvserve:kv_tier_", "kvserve:kv_tier_reported_"), doc)
@@ -64,6 +66,18 @@ TENANT_COUNTERS = {
     "num_store_rejected": ("kvserve:tenant_store_rejected_blocks", "A tenant's values the shared tier could not "
                            "keep (everything else pinned)."),
 }
+# Pulls of pages between workers as the kvmanager ordered them (admin.TransferStats field -> (metric, help)); how
+# each ended is kvserve:transfer_pulls_total{result}.
+TRANSFER_COUNTERS = {
+    "num_pulls": ("kvserve:transfer_orders", "Pulls the kvmanager ordered: allocations whose peer hits a worker "
+                  "pulls from another's pool."),
+    "num_pages": ("kvserve:transfer_pages", "Pages those pulls were to move."),
+    "num_bytes": ("kvserve:transfer_bytes", "Bytes the reported pulls received."),
+    "seconds": ("kvserve:transfer_seconds", "Wall time of the reported pulls (MB/s = bytes / seconds / 1e6)."),
+    "num_moved": ("kvserve:transfer_moved_requests", "Requests whose prefill ran on a prefill worker, taken over "
+                  "by their decode worker."),
+}
+TRANSFER_RESULTS = {"ok": "num_ok", "failed": "num_failed", "expired": "num_expired"}  # result label -> field
 
 
 KVMANAGER_METRICS = (
@@ -77,6 +91,8 @@ KVMANAGER_METRICS = (
     "kvserve:kv_tier_evicted_blocks_total", "kvserve:kv_tier_dropped_missing_total",
     *(f"{name}_total" for name, _ in REPORTED_TIER_COUNTERS.values()),
     *(name for name, _ in TENANT_GAUGES.values()), *(f"{name}_total" for name, _ in TENANT_COUNTERS.values()),
+    "kvserve:transfer_pulls_total", "kvserve:transfer_holds",
+    *(f"{name}_total" for name, _ in TRANSFER_COUNTERS.values()),
 )
 
 
@@ -115,11 +131,18 @@ class GatewayMetrics:
         self.http_latency = Histogram("kvserve:http_request_duration_seconds",
                                       "HTTP request to its last byte (a stream: to data: [DONE]).", ["endpoint"],
                                       buckets=LATENCY_BUCKETS_S, registry=r)
+        self.pulls = Counter("kvserve:page_pulls", "Pulls of a request's pages from another worker, by result "
+                             "(ok, or failed: the request recomputes them).", ["result"], registry=r)
+        self.pull_bytes = Counter("kvserve:page_pull_bytes", "KV bytes pulled between workers.", registry=r)
+        self.pull_seconds = Histogram("kvserve:page_pull_seconds", "Wall time of one pull, order to last page "
+                                      "verified.", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.handoffs = Counter("kvserve:prefill_handoffs", "Requests whose prefill ran on a prefill worker and "
+                                "moved to a decode worker.", registry=r)
 
 
 class WorkerMetrics:
-    """Step latencies and sizes; and the shared KV tier's counters, read from ``tier_stats`` (KVTier.stats) at
-    scrape time (zeros without a tier), labelled ``tier="store"``."""
+    """Step latencies and sizes; the shared KV tier's counters, read from ``tier_stats`` (KVTier.stats) at
+    scrape time (zeros without a tier), labelled ``tier="store"``; and page transfers between workers."""
 
     def __init__(self, tier_stats: Callable[[], object] | None = None) -> None:
         r = self.registry = CollectorRegistry()
@@ -130,6 +153,17 @@ class WorkerMetrics:
         self.batch_tokens = Histogram("kvserve:worker_batch_tokens", "Tokens computed per step.",
                                       buckets=BATCH_BUCKETS, registry=r)
         r.register(_TierCollector(tier_stats))
+        # Pages pulled from other workers (PullPages) and served to them (ReadPages): worker/transfer.py.
+        self.pulls = Counter("kvserve:worker_pulls", "Pulls of a request's pages from another worker, by result "
+                             "(ok: every page verified; failed: the request recomputes).", ["result"], registry=r)
+        for result in ("ok", "failed"):
+            self.pulls.labels(result)
+        self.pulled_bytes = Counter("kvserve:worker_pulled_bytes", "Bytes of the page values pulled and verified.",
+                                    registry=r)
+        self.pull_seconds = Histogram("kvserve:worker_pull_seconds", "Wall time of one pull, failed ones included.",
+                                      buckets=LATENCY_BUCKETS_S, registry=r)
+        self.served_bytes = Counter("kvserve:worker_served_bytes", "Bytes of the page values sent to pulling "
+                                    "workers.", registry=r)
 
 
 class _TierCollector:
@@ -199,6 +233,23 @@ class _StateCollector:
         yield from (usage, cached, released, queries, hits, evicted)
         yield from _tier_families(stats)
         yield from _tenant_families(stats.tenants)
+        yield from _transfer_families(stats.transfers)
+
+
+def _transfer_families(transfers):
+    """Pulls between workers (admin.TransferStats; None: no sample)."""
+    pulls = CounterMetricFamily("kvserve:transfer_pulls", "Pulls the kvmanager ordered, by how they ended: ok "
+                                "(every page verified), failed (the request recomputed them), expired (its lease "
+                                "passed unreported).", labels=["result"])
+    holds = GaugeMetricFamily("kvserve:transfer_holds", "Pulls holding their source pages now.")
+    counters = [CounterMetricFamily(name, doc) for name, doc in TRANSFER_COUNTERS.values()]
+    if transfers is not None:
+        for result, field in TRANSFER_RESULTS.items():
+            pulls.add_metric([result], getattr(transfers, field))
+        holds.add_metric([], transfers.num_holds)
+        for family, field in zip(counters, TRANSFER_COUNTERS, strict=True):
+            family.add_metric([], getattr(transfers, field))
+    yield from (pulls, holds, *counters)
 
 
 def _tenant_families(tenants):

@@ -54,7 +54,7 @@ from kvserve.common.wire.pages import (
     StoreWriteOrder,
 )
 from kvserve.common.wire.tier import PAGE_VALUE_HEADER_BYTES, StoreLoad, StoreWrite, TierReport
-from kvserve.common.wire.transfer import DEFAULT_LEASE_MS, PeerLoad, TransferDone
+from kvserve.common.wire.transfer import DEFAULT_LEASE_MS, ROLES, PeerLoad, TransferDone
 from kvserve.kvmanager.errors import UnknownRequest, UnknownWorker
 from kvserve.kvmanager.fair_share import FairShare
 from kvserve.kvmanager.hashing import chain_hashes
@@ -108,6 +108,7 @@ class KVManager:
         Raises InvalidRequest (bad sizes), StaleEpoch (older epoch, or a changed pool under the same epoch).
         """
         _check_spec(spec)
+        _check_roles(self.pools, spec)
         old = self.pools.get(spec.worker_id)
         if old is not None:
             if spec.epoch < old.spec.epoch:
@@ -249,6 +250,8 @@ class KVManager:
     def _replay_or(self, step_id: int, kind: str, req_id: str, apply, op):
         """The answer remembered for this (kind, req_id) from the call with this step_id, else apply(op)."""
         req = self.requests.get(req_id) or self.stale.get(req_id)
+        if kind == "allocate" and req is not None and req.worker_id == op.moved_from != op.worker_id:
+            return self._move(step_id, op)
         if req is not None and req.is_replay(kind, step_id):
             return req.last_ops[kind][1]
         remembered = self.recent.get((kind, req_id))
@@ -260,6 +263,20 @@ class KVManager:
             req.last_ops[kind] = (step_id, result)
         else:
             self._remember(kind, req_id, step_id, result)
+        return result
+
+    def _move(self, step_id: int, op: PageAllocation) -> PageAllocationResult:
+        """An allocation taking over the incarnation its prefill left on op.moved_from (live or stale). That
+        incarnation's answers are another caller's, under its step_ids: none is replayed nor overwritten here.
+        An answer that leaves it in place (not OK) is remembered apart, for a retry of this call."""
+        remembered = self.recent.get(("move", op.req_id))
+        if remembered is not None and remembered[0] == step_id:
+            return remembered[1]
+        result = self._allocate(op)
+        if result.status == OpStatus.OK:
+            self.requests[op.req_id].last_ops["allocate"] = (step_id, result)
+        else:
+            self._remember("move", op.req_id, step_id, result)
         return result
 
     def _remember(self, kind: str, req_id: str, step_id: int, result) -> None:
@@ -277,6 +294,11 @@ class KVManager:
     # -- ops ------------------------------------------------------------------------------------------
     def _allocate(self, op: PageAllocation) -> PageAllocationResult:
         pool = self.pools[op.worker_id]
+        moving = self.requests.get(op.req_id) if op.moved_from else None
+        moved = moving is not None  # its prompt was counted where it prefilled
+        if moved and moving.worker_id == op.worker_id:  # it decodes where it prefilled: its pages are pool hits
+            self._free(PageFree(op.req_id))
+            moving = None
         chosen = fit(pool, op, self.tier, self.pools)
         if chosen.num_pages_short:
             return PageAllocationResult(op.req_id, OpStatus.OUT_OF_PAGES, num_pages_short=chosen.num_pages_short)
@@ -302,7 +324,6 @@ class KVManager:
         loads = [StoreLoad(table[i], stored[i - first_stored], seed) for i in filled if i >= first_stored]
         page_size = spec.page_size
         num_committed, num_cached = len(own) * page_size, hits.num * page_size
-        moving = self.requests.get(op.req_id) if op.moved_from else None
         req = RequestPages(op.req_id, op.tenant, spec.worker_id, spec.epoch, table, seed,
                            [b.block_hash for b in own], len(op.token_ids), num_committed, op.skip_prefix_cache,
                            pins=op.pins)
@@ -310,6 +331,7 @@ class KVManager:
             req.transfer = self._hold(hits.source, [pulled[i - len(own)] for i in filled if i < first_stored])
         if moving is not None:  # its prefill's incarnation: its pages are held for the pull now
             self._free(PageFree(op.req_id))
+        if moved:
             self.transfers.num_moved += 1
         self.requests[op.req_id] = req
         if self.pins:  # a hit refreshes the pins of what it hit
@@ -317,7 +339,7 @@ class KVManager:
                 self.pins.refresh(h, self.now_ms)
         pool.num_requests += 1
         counters = self.tenants.setdefault(op.tenant, TenantCounters())
-        if not op.skip_prefix_cache and moving is None:  # a moved request's prompt was counted on its first pool
+        if not op.skip_prefix_cache and not moved:
             counters.prefix_cache_queries += len(op.token_ids)
             counters.prefix_cache_hits += num_cached
         if stored:
@@ -552,4 +574,29 @@ def _check_spec(spec: PoolSpec) -> None:
     if not spec.model_fingerprint or not spec.kv_dtype:
         raise InvalidRequest("model_fingerprint and kv_dtype must not be empty")
     spec.attention_window()  # raises InvalidRequest for bad window or sinks settings
+    if spec.role not in ROLES:
+        raise InvalidRequest(f"worker {spec.worker_id!r}: role {spec.role!r} is not one of {', '.join(ROLES)}")
+
+
+# What a prefill worker and a decode worker must share: the decode worker reads the pages the prefill wrote.
+SHARED_BY_ROLES = ("model_fingerprint", "kv_dtype", "kv_scales", "page_size", "sliding_window", "attention_sinks",
+                   "bytes_per_token")
+
+
+def _check_roles(pools: dict[str, PagePool], spec: PoolSpec) -> None:
+    """A prefill or decode worker's pool must be of the same format as every other prefill or decode worker's
+    (a "both" worker is not constrained: its requests' pages never move). Raises InvalidRequest naming both
+    workers and what differs."""
+    if spec.role == "both":
+        return
+    for worker_id in sorted(pools):
+        other = pools[worker_id].spec
+        if worker_id == spec.worker_id or other.role == "both":
+            continue
+        differ = [f"{name} {getattr(spec, name)!r} on {spec.worker_id!r}, {getattr(other, name)!r} on {worker_id!r}"
+                  for name in SHARED_BY_ROLES if getattr(spec, name) != getattr(other, name)]
+        if differ:
+            raise InvalidRequest(f"prefill and decode workers must share {', '.join(SHARED_BY_ROLES)}: worker "
+                                 f"{spec.worker_id!r} ({spec.role}) is not compatible with the registered worker "
+                                 f"{worker_id!r} ({other.role}): {'; '.join(differ)}")
 

@@ -109,8 +109,15 @@ def _check_allocate(mgr: KVManager, a: PageAllocation, step_id: int) -> None:
         raise InvalidRequest(f"{where}: tenant must not be empty")
     check_token_ids(where, a.token_ids)
     live = mgr.requests.get(a.req_id)
-    if a.moved_from and live is not None and live.worker_id == a.moved_from != a.worker_id:
-        return _check_moved(mgr, a, where)  # its prefill's incarnation, under another caller's step_ids
+    if a.moved_from:
+        record = live or mgr.stale.get(a.req_id)
+        if record is not None and record.worker_id not in (a.moved_from, a.worker_id):
+            raise InvalidRequest(f"{where}: moved_from {a.moved_from!r}, but the request is on worker "
+                                 f"{record.worker_id!r}")
+        if live is not None and live.worker_id == a.moved_from:
+            return _check_moved(mgr, a, where, live)  # its prefill's incarnation, under another caller's step_ids
+        if live is None and record is not None and record.worker_id == a.moved_from != a.worker_id:
+            return _check_moved(mgr, a, where, record)  # dropped with its prefill's pool: it recomputes
     _check_not_stale(mgr, a.req_id, "allocate", step_id)
     freed = mgr.recent.get(("free", a.req_id))
     if freed is not None and step_id < freed[0]:  # a late attempt of a call the caller gave up on
@@ -120,8 +127,8 @@ def _check_allocate(mgr: KVManager, a: PageAllocation, step_id: int) -> None:
     _check_placed(mgr, a, where)
 
 
-def _check_moved(mgr: KVManager, a: PageAllocation, where: str) -> None:
-    if mgr.requests[a.req_id].tenant != a.tenant:
+def _check_moved(mgr: KVManager, a: PageAllocation, where: str, prefill: RequestPages) -> None:
+    if prefill.tenant != a.tenant:
         raise InvalidRequest(f"{where}: moved_from {a.moved_from!r} holds this req_id for another tenant")
     _check_placed(mgr, a, where)
 

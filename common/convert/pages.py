@@ -165,9 +165,9 @@ def step_to_request_proto(ops: wire.StepOps, traceparents: Mapping[str, str] = N
 
 
 def place_to_proto(tenant: str, token_ids, num_queued: dict[str, int],
-                   worker_ids: tuple[str, ...] = ()) -> pb.PlaceRequest:
+                   worker_ids: tuple[str, ...] = (), pull_peers: bool = False) -> pb.PlaceRequest:
     return pb.PlaceRequest(tenant=tenant, packed_token_ids=le_uint32(token_ids), num_queued=num_queued,
-                           worker_ids=worker_ids)
+                           worker_ids=worker_ids, pull_peers=pull_peers)
 
 
 def _allocation_result(a: pb.PageAllocationResult) -> wire.PageAllocationResult:

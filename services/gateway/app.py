@@ -23,6 +23,7 @@ from kvserve.services.gateway.affinity import Affinity
 from kvserve.services.gateway.auth import ApiKeys
 from kvserve.services.gateway.backends import KVManagerBackend, WorkerBackend
 from kvserve.services.gateway.core import incompatible_change
+from kvserve.services.gateway.disagg import DEFAULT_MAX_LOCAL_PREFILL, Roles, choose, route
 from kvserve.services.gateway.engine import EngineLoop, Transfer
 from kvserve.services.gateway.errors import (
     BackendFailure,
@@ -56,6 +57,9 @@ class GatewayConfig:
     long_prefill_token_threshold: int = 0  # SchedulerConfig's: a prefill chunk's cap in steps that also decode
     overlap_page_ops: bool = True  # a call that only commits and tops up headroom runs while the worker computes
     reserve_ahead: bool = True  # with it: frees and admissions for the next step ride along too (scheduler.py)
+    pull_peers: bool = True  # a prefix in another worker's pool is pulled instead of recomputed (when cheaper)
+    # With prefill workers live: a prompt with more uncached tokens than this prefills on one (disagg.py)
+    max_local_prefill: int = DEFAULT_MAX_LOCAL_PREFILL
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
     max_queued_requests: int = 1024  # waiting for pages, over all workers; one more is refused (GatewayBusy)
@@ -126,8 +130,8 @@ class Gateway:
                             prefix_caching=self.cfg.prefix_caching,
                             long_prefill_token_threshold=self.cfg.long_prefill_token_threshold,
                             overlap_page_ops=self.cfg.overlap_page_ops, reserve_ahead=self.cfg.reserve_ahead,
-                            observer=self.observe)
-        engine.on_lost, engine.hand_over = self._lost, self._hand_over
+                            observer=self.observe, pull_peers=self.cfg.pull_peers, address_of=self._address_of)
+        engine.on_lost, engine.hand_over, engine.hand_off = self._lost, self._hand_over, self._hand_off
         return engine
 
     def add_engine(self, engine: EngineLoop) -> None:
@@ -215,6 +219,26 @@ class Gateway:
         if self._parked:
             log.warning("no live worker: %d requests wait for one to join", len(self._parked))
 
+    def _address_of(self, worker_id: str) -> str:
+        """Where a live worker is dialled ("" when it is not served here): the source of a pull."""
+        with self._lock:
+            engine = self._engines.get(worker_id)
+        return engine.worker.address if engine is not None else ""
+
+    def _hand_off(self, engine: EngineLoop, transfers: list[Transfer]) -> None:
+        """Requests whose prefill is done on ``engine`` (a prefill worker) go to the decode worker placement
+        picks, counting the pages it would pull; with none live, back to ``engine``, which decodes them (its
+        own pages are then pool hits)."""
+        for t in transfers:
+            with self._lock:
+                live = [e for e in self._engines.values() if e.placeable]
+                num_queued = {e.info.worker_id: e.num_queued for e in live}
+            decoders = Roles.of(live).decode
+            decoders = [e for e in decoders if e.info.role != "prefill"] or [engine]
+            target, _ = choose(self.kv, t.handle.req, decoders, num_queued, self.cfg.pull_peers) \
+                if len(decoders) > 1 else (decoders[0], 0)
+            target.adopt([t])
+
     def _placeable(self, exclude: EngineLoop | None = None) -> EngineLoop | None:
         """The least queued engine that takes new requests (under _lock); None when there is none."""
         live = [e for e in self._engines.values() if e.placeable and e is not exclude]
@@ -265,14 +289,18 @@ class Gateway:
         requests this gateway has queued on each, by worker_id). A request with a cache_key goes to the worker
         its tenant's key was placed on while that one has room (affinity.py), without asking the kvmanager;
         otherwise it is placed by ``_place_by_cache`` and, with a key, the worker is remembered for it."""
-        by_id = {e.info.worker_id: e for e in engines}
+        roles = Roles.of(engines)
+        by_id = {e.info.worker_id: e for e in roles.decode}
+        engine = None
         if req.cache_key:
             worker_id = self.affinity.worker_for(req.tenant, req.cache_key, num_queued)
-            if worker_id is not None:
-                return by_id[worker_id]
-        engine = self._place_by_cache(req, num_queued, by_id)
-        if req.cache_key:
-            self.affinity.remember(req.tenant, req.cache_key, engine.info.worker_id)
+            engine = by_id.get(worker_id) if worker_id is not None else None
+        if engine is None:
+            engine = self._place_by_cache(req, {w: num_queued[w] for w in by_id}, by_id)
+            if req.cache_key:
+                self.affinity.remember(req.tenant, req.cache_key, engine.info.worker_id)
+        if roles.prefill:  # disaggregated: a long uncached prompt prefills on a prefill worker first
+            engine = route(self.kv, req, roles, num_queued, engine, self.cfg.max_local_prefill, self.cfg.pull_peers)
         return engine
 
     def _place_by_cache(self, req: Request, num_queued: dict[str, int], by_id: dict[str, EngineLoop]) -> EngineLoop:

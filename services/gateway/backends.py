@@ -14,6 +14,7 @@ from typing import Protocol
 from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.membership import WorkerMember
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
+from kvserve.common.wire.transfer import PullOrder, PullResult
 from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
 
 
@@ -29,6 +30,12 @@ class KVManagerBackend(Protocol):
 
     def place(self, tenant: str, token_ids: Sequence[int], num_queued: dict[str, int]) -> str:
         """The worker_id cache-aware placement chooses for a new request; one try, no waiting (a hint)."""
+        ...
+
+    def place_among(self, tenant: str, token_ids: Sequence[int], num_queued: dict[str, int],
+                    worker_ids: Sequence[str], pull_peers: bool) -> tuple[str, int]:
+        """As place, among ``worker_ids`` only, counting peer hits with ``pull_peers``: (worker_id, leading
+        prompt tokens cached for it there, peer and store hits included)."""
         ...
 
     def list_workers(self) -> list[WorkerMember]:
@@ -59,6 +66,11 @@ class WorkerBackend(Protocol):
     def step(self, batch: StepBatch, traceparents: Mapping[str, str] = NO_TRACES) -> StepOutput:
         """One step, sent again while the worker is briefly away. Raises WorkerRestarted when it answers as a new
         incarnation."""
+        ...
+
+    def pull(self, order: PullOrder) -> PullResult:
+        """Has the worker pull a request's pages from another worker (PullPages). A failed pull is a result with
+        its error, never an exception (the request recomputes)."""
         ...
 
     def interrupt(self) -> None:

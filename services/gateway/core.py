@@ -7,6 +7,11 @@ bottom (``step``):
     output = worker.step(batch)                 3. compute
     scheduler.update(batch, output, stopped)    4. update: tokens and finishes, returned as the step's events
 
+Transfers (disaggregated serving, cache-aware pulls): an admission whose answer lists peer_loads holds its pages
+but does not compute until its worker has pulled them from the other worker (PullPages, run on ``pull_executor``
+beside the steps); each step first collects the pulls that ended (on_pull_done wakes the engine loop). A request
+on a prefill worker (prefill_until) leaves once its prefill is committed (take_prefilled), for a decode worker.
+
 The shared KV tier: the blocks an answer asks to be written (StepResults.store_writes) go with the worker's
 next step, which copies them before it computes; with nothing to compute, a step carries them alone. Requests
 whose pages the worker could not load from the store are recomputed (Scheduler.unloaded).
@@ -25,12 +30,14 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Executor
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 from kvserve.common.tokenizer import Tokenizer
 from kvserve.common.wire.pages import PoolSpec, StepResults
 from kvserve.common.wire.tier import StoreWrite
+from kvserve.common.wire.transfer import PullOrder, PullResult, TransferDone
 from kvserve.common.wire.worker import SampledToken, StepBatch, StepOutput, WorkerInfo
 from kvserve.services.gateway.backends import KVManagerBackend, WorkerBackend
 from kvserve.services.gateway.errors import (
@@ -90,22 +97,31 @@ class Moved:
 
 
 def scheduler_config(info: WorkerInfo, *, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool = True,
-                     long_prefill_token_threshold: int = 0, reserve_ahead: bool = False) -> SchedulerConfig:
-    """The scheduler of a worker as it describes itself; ``reserve_ahead`` only with an executor to overlap."""
+                     long_prefill_token_threshold: int = 0, reserve_ahead: bool = False,
+                     pull_peers: bool = False) -> SchedulerConfig:
+    """The scheduler of a worker as it describes itself; ``reserve_ahead`` only with an executor to overlap,
+    ``pull_peers`` only with a pull executor."""
     return SchedulerConfig(info.worker_id, info.page_size, info.num_pages, info.max_model_len, info.eos_token_ids,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            prefix_caching=prefix_caching, long_prefill_token_threshold=long_prefill_token_threshold,
-                           window=info.attention_window(), reserve_ahead=reserve_ahead)
+                           window=info.attention_window(), reserve_ahead=reserve_ahead, pull_peers=pull_peers)
 
 
 class EngineCore:
     def __init__(self, worker: WorkerBackend, info: WorkerInfo, kv: KVManagerBackend, cfg: SchedulerConfig, *,
                  tokenizer: Tokenizer | None = None, executor: Executor | None = None,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, pull_executor: Executor | None = None,
+                 address_of: Callable[[str], str] | None = None, on_pull_done: Callable[[], None] | None = None):
         """``info``: the worker's, its pool registered with ``kv``. ``tokenizer``: text events and stop strings
-        (None: token ids only). ``executor``: runs the calls that overlap compute (None: none overlaps)."""
+        (None: token ids only). ``executor``: runs the calls that overlap compute (None: none overlaps).
+        ``pull_executor``: runs the worker's pulls (with cfg.pull_peers); ``address_of(worker_id)``: where a
+        source worker is dialled ("" when unknown: the pull fails, the request recomputes); ``on_pull_done``:
+        called from the pull's thread when one ends (the engine loop wakes)."""
         self.worker, self.info, self.kv, self.tokenizer = worker, info, kv, tokenizer
         self.executor = executor
+        self.pull_executor, self.address_of = pull_executor, address_of or (lambda worker_id: "")
+        self.on_pull_done = on_pull_done
+        self.pulls: dict[str, tuple[Request, int, Future]] = {}  # req_id -> (request, its pull_seq, the pull)
         self.scheduler = Scheduler(cfg)
         self.observe = observer or Observer()
         self.live: dict[str, Request] = {}  # added and not ended, in the order they came
@@ -123,6 +139,7 @@ class EngineCore:
         Raises BackendFailure when the step failed for the worker or the kvmanager (the caller decides: fail
         what runs, or hand it over)."""
         t0 = time.perf_counter()
+        self._collect_pulls()
         out = self.scheduler.schedule()
         overlap = self.executor is not None and out.can_overlap
         try:
@@ -147,6 +164,7 @@ class EngineCore:
             self._deliver_freed(f.req_id for f in out.ops.frees)
         batch = self.scheduler.assign(out, results)
         self._observe_assign(out)
+        self._start_pulls()
         for req in batch.failed:
             self._ended(self.live.pop(req.req_id))
         computing = bool(batch.chunks)
@@ -170,6 +188,7 @@ class EngineCore:
             self.scheduler.apply_late(out, results)  # its writes go with the next step: this one computed
         self._deliver_freed(f.req_id for f in out.ops.frees)
         self._observe_assign(out)
+        self._start_pulls()
         return batch, computing, output, kv_wait_s
 
     def _answer(self, out: SchedulerOutput, get) -> StepResults:
@@ -361,7 +380,56 @@ class EngineCore:
         self._end(req_id, self.scheduler.cancel)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.pending_writes)
+        """Something to step: a pull in flight is not, until it ends (then on_pull_done wakes the loop)."""
+        return (self.scheduler.has_work() or bool(self.pending_writes)
+                or any(f.done() for _, _, f in self.pulls.values()))
+
+    # -- pulls ------------------------------------------------------------------------------------------
+    def _start_pulls(self) -> None:
+        """Starts the pulls of the requests just allocated with peer_loads (their pages are theirs alone)."""
+        started, self.scheduler.pulls = self.scheduler.pulls, []
+        for req in started:
+            worker_id, epoch, lease_ms = req.peer_source
+            order = PullOrder(req.req_id, self.info.epoch, worker_id, epoch, self.address_of(worker_id), lease_ms,
+                              tuple(req.peer_loads), self.traceparents.get(req.req_id, ""))
+            future = self.pull_executor.submit(self._pull, order) if self.pull_executor is not None else None
+            if future is None:  # no executor: pulled in line (kvserve generate --local, tests)
+                future = Future()
+                future.set_result(self._pull(order))
+            self.pulls[req.req_id] = (req, req.pull_seq, future)
+            if self.on_pull_done is not None:
+                future.add_done_callback(lambda _f: self.on_pull_done())
+
+    def _pull(self, order: PullOrder) -> PullResult:
+        if not order.source_address:
+            return PullResult(error=f"no address is known for worker {order.source_worker_id}")
+        try:
+            return self.worker.pull(order)
+        except Exception as e:  # a failed pull is a recompute, whatever failed
+            return PullResult(error=f"{type(e).__name__}: {e}")
+
+    def _collect_pulls(self) -> None:
+        """The pulls that ended: their requests compute from this step on, or recompute (scheduler.pulled)."""
+        for req_id in [r for r, (_, _, f) in self.pulls.items() if f.done()]:
+            req, seq, future = self.pulls.pop(req_id)
+            result: PullResult = future.result()
+            if result.ok:
+                self.scheduler.tier.pulled(result.num_pages, result.seconds)
+            else:
+                log.warning("engine %s: request %s could not pull its pages (%s); it recomputes them",
+                            self.info.worker_id, req_id, result.error)
+            self.observe.pulled(req, self.info.worker_id, result)
+            self.scheduler.pulled(req, seq, TransferDone(req_id, result.ok, result.num_bytes, result.seconds))
+
+    def take_prefilled(self) -> list[Moved]:
+        """The requests whose prefill is done here (a prefill worker): they leave for a decode worker, still
+        holding their pages here until its allocation takes them over."""
+        moved = []
+        for req in self.scheduler.take_prefilled():
+            self.live.pop(req.req_id)
+            req.reset_for_decode(self.info.worker_id)
+            moved.append(Moved(req, self.texts.pop(req.req_id, None), self.traceparents.pop(req.req_id, "")))
+        return moved
 
     def flush(self) -> StepEvents:
         """The events since the last step or flush (ends between steps: cancels, failures, hand-overs)."""
@@ -404,6 +472,7 @@ class EngineCore:
         self._deliver_freed(list(self.finishing))
         self.scheduler.reset()  # what it held lived on the dropped pool
         self.pending_writes = ()
+        self.pulls = {}  # into the dropped pool: what they pulled is gone with it
         return moved
 
     def _move(self, req_id: str) -> Moved:

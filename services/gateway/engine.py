@@ -72,16 +72,20 @@ class EngineLoop:
     def __init__(self, worker: WorkerBackend, info: WorkerInfo, kv: KVManagerBackend, tokenizer: Tokenizer, *,
                  max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
                  long_prefill_token_threshold: int = 0, overlap_page_ops: bool = True, reserve_ahead: bool = True,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, pull_peers: bool = False,
+                 address_of: Callable[[str], str] | None = None):
         self.worker, self.kv = worker, kv
         overlap = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{info.worker_id}") if overlap_page_ops else None
         self._kv_thread = overlap  # the calls that overlap compute run on this thread
+        # pulls wait on the worker (it moves the bytes): a few at once, beside the steps
+        self._pull_threads = ThreadPoolExecutor(4, thread_name_prefix=f"pull-{info.worker_id}") if pull_peers else None
         self.observe = observer or Observer()
         cfg = scheduler_config(info, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                prefix_caching=prefix_caching, long_prefill_token_threshold=long_prefill_token_threshold,
-                               reserve_ahead=overlap_page_ops and reserve_ahead)
+                               reserve_ahead=overlap_page_ops and reserve_ahead, pull_peers=pull_peers)
         self.core = EngineCore(worker, info, kv, cfg, tokenizer=tokenizer, executor=self._kv_thread,
-                               observer=self.observe)
+                               observer=self.observe, pull_executor=self._pull_threads, address_of=address_of,
+                               on_pull_done=self._wake)
         self.stats = EngineStats()
         self.handles: dict[str, RequestHandle] = {}  # loop thread only: every request whose end is not delivered
         self._cv = threading.Condition()
@@ -92,6 +96,9 @@ class EngineLoop:
         # engine then retires), hand_over(engine, transfers) takes its requests to live workers.
         self.on_lost: Callable[[EngineLoop, BackendFailure], bool] | None = None
         self.hand_over: Callable[[EngineLoop, list[Transfer]], None] | None = None
+        # Set by the gateway when prefill workers serve: hand_off(engine, transfers) takes requests whose prefill
+        # is done here (a prefill worker) to decode workers.
+        self.hand_off: Callable[[EngineLoop, list[Transfer]], None] | None = None
         self.retiring = False  # the worker is gone: hand everything over and end (set under _cv)
         self.draining = False  # the worker drains: no new request; its queued ones go elsewhere (under _cv)
         self._adopted: list[Transfer] = []
@@ -150,6 +157,11 @@ class EngineLoop:
             self._cv.notify()
         self.worker.interrupt()
 
+    def _wake(self) -> None:
+        """A pull ended (any thread): the loop collects it."""
+        with self._cv:
+            self._cv.notify()
+
     def drain(self) -> None:
         """The worker drains: new requests go elsewhere, the queued ones are handed over, the running ones finish
         here. Any thread."""
@@ -169,6 +181,8 @@ class EngineLoop:
         self.thread.join()
         if self._kv_thread is not None:
             self._kv_thread.shutdown()  # idle: every step waits for its own call
+        if self._pull_threads is not None:
+            self._pull_threads.shutdown(wait=False, cancel_futures=True)
 
     @property
     def num_queued(self) -> int:
@@ -196,6 +210,7 @@ class EngineLoop:
                 log.exception("engine %s: a step raised", self.info.worker_id)
                 self.core.fail_all(Internal(f"internal error in the gateway: {type(e).__name__}: {e}"))
             self._deliver(self.core.flush())
+            self._hand_off_prefilled()
             with self._cv:
                 if not self.handles and not self._inbox and not self._adopted:
                     self.idle.set()
@@ -254,6 +269,16 @@ class EngineLoop:
             self.observe.step(self.info.worker_id, events.step_s, self.stats.kv_wait_share,
                               self.core.scheduler.num_running, self.core.scheduler.num_waiting)
 
+    def _hand_off_prefilled(self) -> None:
+        """Requests whose prefill is done here go to a decode worker (the gateway's hand_off)."""
+        moved = self.core.take_prefilled()
+        if not moved:
+            return
+        transfers = self._transfers(moved)
+        for t in transfers:
+            self.observe.handed_off(t.handle.req, self.info.worker_id)
+        self.hand_off(self, transfers)
+
     def _gone(self, error: BackendFailure) -> bool:
         """Whether a failed step means the worker is gone: retired by the gateway meanwhile, or (``on_lost``'s
         answer) steps that failed for the worker timeout, or a kvmanager that no longer has its pool."""
@@ -288,6 +313,8 @@ class EngineLoop:
         self.worker.close()
         if self._kv_thread is not None:
             self._kv_thread.shutdown(wait=False)
+        if self._pull_threads is not None:
+            self._pull_threads.shutdown(wait=False, cancel_futures=True)
 
     def _abandon_frees(self) -> None:
         """Stopping, and a kvmanager call failed: the frees would be retried forever, so the loop lets them go.

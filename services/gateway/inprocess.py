@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from kvserve.common.errors import StaleEpoch
 from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
+from kvserve.common.wire.transfer import PullOrder, PullResult
 from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
 from kvserve.kvmanager.manager import KVManager
 from kvserve.services.gateway.errors import WorkerRestarted
@@ -28,6 +29,11 @@ class InProcessKVManager:
 
     def place(self, tenant: str, token_ids: Sequence[int], num_queued: dict[str, int]) -> str:
         return self.mgr.place(tenant, tuple(token_ids), num_queued).worker_id
+
+    def place_among(self, tenant: str, token_ids: Sequence[int], num_queued: dict[str, int],
+                    worker_ids: Sequence[str], pull_peers: bool) -> tuple[str, int]:
+        placed = self.mgr.place(tenant, tuple(token_ids), num_queued, only=tuple(worker_ids), pull_peers=pull_peers)
+        return placed.worker_id, placed.num_cached_tokens
 
     def interrupt(self) -> None:
         pass
@@ -53,6 +59,10 @@ class InProcessWorker:
             return self.runner.step(batch)
         except StaleEpoch as e:
             raise WorkerRestarted(str(e)) from e
+
+    def pull(self, order: PullOrder) -> PullResult:
+        """An in-process worker has no peers to pull from: the request recomputes."""
+        return PullResult(error="an in-process worker does not pull pages from other workers")
 
     def interrupt(self) -> None:
         pass

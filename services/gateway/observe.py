@@ -70,6 +70,25 @@ class Observer:
             span.end()
             req.span = None
 
+    def pulled(self, req: Request, worker_id: str, result) -> None:
+        """A pull of its pages ended (a PullResult): an event on its span, and the transfer metrics."""
+        if req.span is not None:
+            req.span.add_event("pulled", {"kvserve.worker_id": worker_id, "kvserve.num_pages": result.num_pages,
+                                          "kvserve.num_bytes": result.num_bytes, "kvserve.pull_s": result.seconds,
+                                          "kvserve.error": result.error})
+        if self.metrics:
+            m = self.metrics
+            m.pulls.labels("ok" if result.ok else "failed").inc()
+            m.pull_bytes.inc(result.num_bytes)
+            m.pull_seconds.observe(result.seconds)
+
+    def handed_off(self, req: Request, prefill_worker_id: str) -> None:
+        """Its prefill is done on a prefill worker: it goes to a decode worker."""
+        if req.span is not None:
+            req.span.add_event("prefilled", {"kvserve.worker_id": prefill_worker_id})
+        if self.metrics:
+            self.metrics.handoffs.inc()
+
     def step(self, worker_id: str, step_s: float, kv_wait_share: float, num_running: int,
              num_waiting: int) -> None:
         if self.metrics:

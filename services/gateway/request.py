@@ -62,6 +62,18 @@ class Request:
     # count as computed, not committed, so nothing of them is committed before the load is known to have worked.
     store_loads: tuple = ()
     skip_store: bool = False  # a load from the store failed for it: its next admissions take pool hits only
+    # Pages its first chunk needs from another worker's pool (an allocation's peer_loads), with where they are:
+    # while ``pulling``, its worker pulls them and it is not scheduled; committed like store_loads.
+    peer_loads: tuple = ()
+    peer_source: tuple = ()  # (worker_id, epoch, lease_expires_ms) of the pages it pulls
+    pulling: bool = False
+    pull_seq: int = 0  # which of its pulls is the current one (a pull of an earlier incarnation is ignored)
+    skip_peers: bool = False  # a pull failed for it: its next admissions take no peer hits
+    # Disaggregated serving: on a prefill worker it computes only its first ``prefill_until`` tokens (whole
+    # pages), samples nothing, and once they are committed moves to a decode worker, which pulls them;
+    # ``moved_from`` names the prefill worker until its decode worker allocated it. 0 / "": neither.
+    prefill_until: int = 0
+    moved_from: str = ""
     pins: tuple[PinPoint, ...] = ()  # soft pins of its prompt's prefixes it asks the kvmanager for
     num_pinned_tokens: int = 0  # leading prompt tokens under a pin it took or refreshed (the kvmanager's answer)
     cache_key: str = ""  # placement affinity within the tenant (OpenAI's prompt_cache_key); "" = none
@@ -98,8 +110,14 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         """Known tokens not fed to the model yet: the prompt (or what is left of it, chunk by chunk), all
-        tokens of a preempted request on readmission, or 1 (the last sampled token) when decoding."""
-        return self.num_tokens - self.num_computed_tokens
+        tokens of a preempted request on readmission, or 1 (the last sampled token) when decoding; on a prefill
+        worker, what is left of its first prefill_until tokens."""
+        return (self.prefill_until or self.num_tokens) - self.num_computed_tokens
+
+    @property
+    def prefilled(self) -> bool:
+        """On a prefill worker: its pages are computed and committed, ready for its decode worker to pull."""
+        return 0 < self.prefill_until <= self.num_committed_tokens
 
     def reset_for_recompute(self) -> None:
         """Preempted: forget the pages; everything known so far is a prompt to recompute on readmission."""
@@ -109,5 +127,13 @@ class Request:
         self.num_computed_tokens = 0
         self.num_committed_tokens = 0
         self.admitted_ahead = False
-        self.store_loads = ()
+        self.store_loads = self.peer_loads = self.peer_source = ()
+        self.pulling = False
         self.num_preemptions += 1
+
+    def reset_for_decode(self, prefill_worker_id: str) -> None:
+        """Its prefill is done on ``prefill_worker_id``: it waits for a decode worker, which allocates it with
+        moved_from (taking its pages there as peer hits) and computes from there. Not a preemption."""
+        self.reset_for_recompute()
+        self.num_preemptions -= 1
+        self.prefill_until, self.moved_from = 0, prefill_worker_id

@@ -60,6 +60,7 @@ from kvserve.common.wire.pages import (
     StepOps,
     StepResults,
 )
+from kvserve.common.wire.transfer import TransferDone
 from kvserve.common.wire.worker import SampledToken, StepBatch, StepItem
 from kvserve.services.gateway.errors import OutOfCapacity
 from kvserve.services.gateway.request import FinishReason, Request, RequestStatus
@@ -89,6 +90,9 @@ class SchedulerConfig:
     # turns it on when it overlaps page ops with compute; a caller that answers every call before computing
     # (assign with the answer, no apply_late) leaves it off.
     reserve_ahead: bool = False
+    # Pages of a prefix another worker's pool holds may be pulled instead of recomputed (the engine pulls them
+    # before the request's first chunk; the kvmanager decides per request from the measured costs).
+    pull_peers: bool = False
 
 
 @dataclass(slots=True)
@@ -147,6 +151,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.preempted: list[Request] = []  # by the last assign(), for the engine's metrics and spans
         self.tier = TierRates()  # the worker's measured load and prefill costs (the engine core updates them)
+        self.pulls: list[Request] = []  # allocated with peer_loads by the last assign: the core starts their pulls
+        self.transfers: list[TransferDone] = []  # pulls that ended, for the next call (their sources' holds)
 
     # -- requests in and out ----------------------------------------------------------------------------
     def add(self, req: Request, first: bool = False) -> None:
@@ -177,7 +183,8 @@ class Scheduler:
             return req.req_id in self.pending_frees
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self._queue_free(req, commit=reason is not FinishReason.ERROR)
+            if not req.pulling:  # a pull still writes into its pages: they are freed once it ends (pulled)
+                self._queue_free(req, commit=reason is not FinishReason.ERROR)
         elif req in self.waiting:
             self.waiting.remove(req)
         else:  # between schedule() and assign(): its allocation may have been applied
@@ -206,6 +213,7 @@ class Scheduler:
         they only make a cache entry, and the kvmanager may have applied them)."""
         if out.ops is not None:
             self.pending_frees.extend(f.req_id for f in out.ops.frees)
+            self.transfers.extend(out.ops.transfers)
 
     def drop_final_commits(self) -> None:
         """Forgets the commits queued with pending frees (after a page-ops call whose answer was lost: it may
@@ -246,7 +254,36 @@ class Scheduler:
             self.preempt(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pending_frees)
+        """Anything to schedule: a request pulling its pages is not, until its pull ends."""
+        return bool(self.waiting or self.pending_frees or self.transfers
+                    or any(not r.pulling and not r.prefilled for r in self.running))
+
+    # -- pulls and hand-offs (disaggregated serving) ----------------------------------------------------
+    def pulled(self, req: Request, pull_seq: int, done: TransferDone) -> None:
+        """Its pull number ``pull_seq`` ended (``done``): on success it computes from the next step; on failure it
+        frees its pages and queues first, to be admitted again without peer hits. Reported with the next call.
+        A pull of an earlier incarnation (its worker restarted meanwhile: its pages went with the old pool, and
+        their hold with their free) changes nothing and is not reported: it could end a newer pull's hold."""
+        if not req.pulling or req.pull_seq != pull_seq:
+            return
+        self.transfers.append(done)
+        req.pulling = False
+        if req.status is RequestStatus.FINISHED:  # cancelled while it pulled: its pages can go back now
+            self.pending_frees.append(req.req_id)
+            return
+        if not done.ok:
+            req.skip_peers = True
+            self.preempt(req)
+            self.num_preemptions -= 1  # a recompute, not a preemption for pages
+
+    def take_prefilled(self) -> list[Request]:
+        """The requests whose prefill is done and committed here (a prefill worker): they leave this scheduler
+        holding their pages, which their decode worker's allocation takes over (moved_from) and frees."""
+        done = [r for r in self.running if r.prefilled]
+        for req in done:
+            self.running.remove(req)
+            del self.requests[req.req_id]
+        return done
 
     @property
     def num_running(self) -> int:
@@ -287,7 +324,8 @@ class Scheduler:
         steps is the only suspect in its second failed step, and fails there, while the requests it shared the
         first one with are cleared one by one, and the rest runs on."""
         suspect = next((r for r in self.running if r.num_failed_steps), None)
-        computing = [r for r in self.running if not r.num_failed_steps or r is suspect]
+        computing = [r for r in self.running if (not r.num_failed_steps or r is suspect) and not r.pulling
+                     and r.num_uncomputed_tokens > 0]
         return self._schedule(computing, suspect is not None)
 
     def _schedule(self, computing: list[Request], suspect_computing: bool) -> SchedulerOutput:
@@ -313,7 +351,8 @@ class Scheduler:
         spare = self.num_available_pages - pages_needed + sum(len(r.page_indices) for r in releases)
         admitted = self._admit(budget, spare, freeing, cap, suspect_computing)
         prompt_commits = any(c.start_pos < len(self.requests[c.req_id].prompt_token_ids) for c in commits)
-        if not (frees or admitted or extensions or prompt_commits or releases):
+        transfers, self.transfers = tuple(self.transfers), []
+        if not (frees or admitted or extensions or prompt_commits or releases or transfers):
             return SchedulerOutput(None, running, admitted)
         spare -= sum(self._pages_needed(c.req, c.num_tokens) for c in admitted)
         extensions, headroom_only = self._with_headroom(running, extensions, spare)
@@ -323,10 +362,12 @@ class Scheduler:
                                            skip_prefix_cache=not self.cfg.prefix_caching, chunk_tokens=chunk(c),
                                            skip_store=skip_store or c.req.skip_store,
                                            load_s_per_page=tier.load_s_per_page,
-                                           prefill_s_per_token=tier.prefill_s_per_token, pins=c.req.pins)
+                                           prefill_s_per_token=tier.prefill_s_per_token, pins=c.req.pins,
+                                           pull_peers=self.cfg.pull_peers and not c.req.skip_peers,
+                                           pull_s_per_page=tier.pull_s_per_page, moved_from=c.req.moved_from)
                             for c in admitted)
         ops = StepOps(next(self._step_ids), allocations, tuple(extensions), tuple(final_commits + commits), frees,
-                      releases)
+                      releases, transfers)
         ahead = self.cfg.reserve_ahead and bool(running) and all(e.req_id in headroom_only for e in extensions)
         return SchedulerOutput(ops, running, admitted, headroom_only, ahead)
 
@@ -357,7 +398,8 @@ class Scheduler:
         for chunk in running:
             req = chunk.req
             end = chunk.start_pos + chunk.num_tokens
-            last = min(len(req.prompt_token_ids) + req.params.max_tokens - 1, self.cfg.max_model_len,
+            last = min(req.prefill_until or len(req.prompt_token_ids) + req.params.max_tokens - 1,
+                       self.cfg.max_model_len,
                        # the kvmanager refuses a call extending past its pool (a window's holes hold no page)
                        self.cfg.window.max_request_tokens(self.cfg.max_model_len, self.cfg.num_pages * page_size))
             target = max(end, min(end + page_size, last))
@@ -383,7 +425,7 @@ class Scheduler:
     def _commit_for(self, req: Request) -> PageCommit | None:
         """The request's pages that became full since its last commit, if prefix caching is on (none while its
         pages from the store are not loaded yet: they are committed once its first chunk computed)."""
-        if not self.cfg.prefix_caching or req.store_loads:
+        if not self.cfg.prefix_caching or req.store_loads or req.peer_loads:
             return None
         full = req.num_computed_tokens // self.cfg.page_size * self.cfg.page_size
         if full <= req.num_committed_tokens:
@@ -474,8 +516,8 @@ class Scheduler:
                 self.preempt(req)
             elif e.req_id in headroom_only:
                 continue
-            else:
-                victim = self.running[-1]
+            else:  # the newest that computes: a pull writes into its pages, a prefilled one leaves this step
+                victim = next(r for r in reversed(self.running) if not (r.pulling or r.prefilled))
                 self.preempt(victim)
                 if victim is not req:
                     skipped.add(req.req_id)
@@ -494,8 +536,14 @@ class Scheduler:
             req.num_computed_tokens, req.num_committed_tokens = a.num_cached_tokens, a.num_committed_tokens
             req.store_loads = tuple(a.store_loads)
             req.num_pinned_tokens = max(req.num_pinned_tokens, a.num_pinned_tokens)
+            req.moved_from = ""  # its pages on the prefill worker are this allocation's peer hits now
             self.running.append(req)
-            if batch is None:
+            if a.peer_loads:  # its worker pulls them first; its first chunk computes once they are in
+                req.peer_loads, req.pulling, req.admitted_ahead = tuple(a.peer_loads), True, True
+                req.pull_seq += 1
+                req.peer_source = (a.peer_worker_id, a.peer_epoch, a.lease_expires_ms)
+                self.pulls.append(req)
+            elif batch is None:
                 req.admitted_ahead = True
             else:
                 batch.chunks.append(Chunk(req, min(chunk.num_tokens, req.num_uncomputed_tokens),
@@ -545,7 +593,7 @@ class Scheduler:
         for c in batch.chunks:
             c.req.num_computed_tokens = c.start_pos + c.num_tokens
             c.req.admitted_ahead = False
-            c.req.store_loads = ()  # loaded: its pages are committed from the next step on
+            c.req.store_loads = c.req.peer_loads = ()  # loaded: its pages are committed from the next step on
             c.req.num_failed_steps = 0
             if c.admitted and c.req.num_cached_tokens is None:
                 c.req.num_cached_tokens = c.start_pos

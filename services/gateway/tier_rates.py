@@ -19,6 +19,7 @@ MIN_PREFILL_SHARE = 0.9  # ... and they were nearly all its tokens (decode token
 @dataclass(slots=True)
 class TierRates:
     load_s_per_page: float = 0.0
+    pull_s_per_page: float = 0.0  # from another worker's pool (transfers)
     prefill_s_per_token: float = 0.0
     skip_until: float = 0.0
     clock: object = field(default=time.monotonic, repr=False)
@@ -26,6 +27,10 @@ class TierRates:
     def loaded(self, num_pages: int, load_ms: float) -> None:
         if num_pages > 0:
             self.load_s_per_page = _average(self.load_s_per_page, load_ms / 1000 / num_pages)
+
+    def pulled(self, num_pages: int, seconds: float) -> None:
+        if num_pages > 0:
+            self.pull_s_per_page = _average(self.pull_s_per_page, seconds / num_pages)
 
     def computed(self, num_prefill_tokens: int, num_tokens: int, compute_ms: float) -> None:
         """A step's forward pass (its loads left out): prefill tokens among its tokens."""

@@ -15,12 +15,14 @@ import grpc
 from kvserve.common.channels import kvmanager_channel
 from kvserve.common.convert import membership as member_convert
 from kvserve.common.convert import pages as kv_convert
+from kvserve.common.convert import transfer as transfer_convert
 from kvserve.common.convert import worker as worker_convert
 from kvserve.common.grpc_server import CHANNEL_OPTIONS, REQ_ID_METADATA
 from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.tls import Tls, open_channel
 from kvserve.common.wire.membership import WorkerMember
 from kvserve.common.wire.pages import PoolSpec, RegisterResult, StepOps, StepResults
+from kvserve.common.wire.transfer import PullOrder, PullResult
 from kvserve.common.wire.worker import StepBatch, StepOutput, WorkerInfo
 from kvserve.services.gateway.errors import (
     KVManagerFailed,
@@ -117,6 +119,17 @@ class KVManagerClient(_ServiceClient):
         except grpc.RpcError as e:
             raise self._failure("placement", e) from e
         return reply.worker_id
+
+    def place_among(self, tenant: str, token_ids: list[int], num_queued: dict[str, int], worker_ids,
+                    pull_peers: bool) -> tuple[str, int]:
+        """As place, among ``worker_ids``, counting peer hits with ``pull_peers``: (worker_id, cached tokens)."""
+        try:
+            reply = self.stub.Place(kv_convert.place_to_proto(tenant, token_ids, num_queued, tuple(worker_ids),
+                                                              pull_peers),
+                                    timeout=self.place_timeout_s, wait_for_ready=False)
+        except grpc.RpcError as e:
+            raise self._failure("placement", e) from e
+        return reply.worker_id, reply.num_cached_tokens
 
     def list_workers(self) -> list[WorkerMember]:
         """The kvmanager's live members (ListWorkers), by worker_id. One try within LIST_WORKERS_TIMEOUT_S, no
@@ -220,6 +233,18 @@ class WorkerClient(_ServiceClient):
                 raise WorkerUnavailable(f"worker {self.address} step failed: {_reason(e)}") from e
             raise WorkerRejected(f"worker {self.address} refused the step: {_reason(e)}") from e
         return worker_convert.output_from_proto(reply)
+
+    def pull(self, order: PullOrder) -> PullResult:
+        """PullPages: the worker pulls a request's pages from another worker, within the order's lease. A pull the
+        worker could not make, or that did not answer in time, is a result with its error (never raised): the
+        request recomputes."""
+        timeout_s = max(1.0, (order.lease_expires_ms - time.time() * 1000) / 1000)
+        try:
+            reply = self.stub.PullPages(transfer_convert.pull_order_to_proto(order), timeout=timeout_s,
+                                        wait_for_ready=False)
+        except grpc.RpcError as e:
+            return PullResult(error=f"worker {self.address} did not pull: {_reason(e)}")
+        return transfer_convert.pull_result_from_proto(reply)
 
     def _step_once(self, request: worker_pb2.StepBatch) -> worker_pb2.StepOutput:
         """One try of a Step, which ends CANCELLED once interrupt() is called: a try
