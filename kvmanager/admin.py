@@ -8,7 +8,7 @@ change something, so that the service logs the call (one that changed nothing is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from kvserve.common.errors import InvalidRequest, StaleEpoch
 from kvserve.common.pages import HOLE
@@ -20,6 +20,7 @@ from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import TenantCounters
 from kvserve.kvmanager.step_validate import check_tenant
+from kvserve.kvmanager.transfers import TransferTotals
 
 DEFAULT_MAX_BLOCKS = 100
 DEFAULT_MAX_PREFIXES = 10
@@ -46,6 +47,7 @@ class PoolStats:
     sliding_window: int  # 0 = none
     attention_sinks: int
     num_window_released_pages: int  # pages released by requests' windows since registration (cumulative)
+    role: str = "both"  # what the gateway sends the worker: "both", "prefill" or "decode"
 
 
 @dataclass(slots=True)
@@ -102,6 +104,25 @@ class StoreStats:
 
 
 @dataclass(slots=True)
+class TransferStats:
+    """Pulls of pages between workers' pools (transfers.py's TransferTotals), and the holds live now."""
+
+    num_pulls: int = 0
+    num_pages: int = 0
+    num_ok: int = 0
+    num_failed: int = 0
+    num_expired: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    num_moved: int = 0
+    num_holds: int = 0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.num_bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
 class ClusterStats:
     pools: list[PoolStats]
     tenants: list[TenantStats]
@@ -109,6 +130,7 @@ class ClusterStats:
     prefix_cache_hits: int
     num_evicted_blocks: int
     store: StoreStats | None = None
+    transfers: TransferStats | None = None
 
 
 @dataclass(slots=True)
@@ -210,7 +232,7 @@ def _pool_stats(pool: PagePool) -> PoolStats:
     return PoolStats(s.worker_id, s.epoch, s.model_fingerprint, s.kv_dtype, s.page_size, s.num_pages,
                      pool.num_used, num_cached, pool.num_free, sum(b.pinned for b in pool.index.values()),
                      pool.num_requests, page_bytes * s.num_pages, page_bytes * pool.num_used, page_bytes * num_cached,
-                     s.kv_scales, s.sliding_window, s.attention_sinks, pool.num_window_released)
+                     s.kv_scales, s.sliding_window, s.attention_sinks, pool.num_window_released, s.role)
 
 
 def _tenant_stats(mgr: KVManager) -> dict[str, TenantStats]:
@@ -276,13 +298,18 @@ def store_stats(mgr: KVManager) -> StoreStats:
                       w.num_verify_failures, w.num_written_pages, w.num_written_bytes, w.num_dropped_writes)
 
 
+def transfer_stats(mgr: KVManager) -> TransferStats:
+    return TransferStats(**asdict(mgr.transfers), num_holds=mgr.num_holds)
+
+
 def stats(mgr: KVManager) -> ClusterStats:
     """Per pool (sorted by worker_id) and per tenant (sorted) counters, and their totals."""
     tenants = list(_tenant_stats(mgr).values())
     return ClusterStats(pools=[_pool_stats(mgr.pools[w]) for w in sorted(mgr.pools)], tenants=tenants,
                  prefix_cache_queries=sum(t.prefix_cache_queries for t in tenants),
                  prefix_cache_hits=sum(t.prefix_cache_hits for t in tenants),
-                 num_evicted_blocks=sum(p.num_evicted for p in mgr.pools.values()), store=store_stats(mgr))
+                 num_evicted_blocks=sum(p.num_evicted for p in mgr.pools.values()), store=store_stats(mgr),
+                 transfers=transfer_stats(mgr))
 
 
 def list_tenants(mgr: KVManager) -> list[TenantStats]:
@@ -518,6 +545,7 @@ def reset(mgr: KVManager, force: bool = False) -> DropResult:
     mgr.pins.clear()
     mgr.fair.last_active.clear()
     mgr.retired_evicted_from, mgr.retired_evicted_by = {}, {}
+    mgr.transfers, mgr.num_holds = TransferTotals(), 0  # the holds went with their requests
     for worker_id, pool in mgr.pools.items():
         mgr.pools[worker_id] = PagePool(pool.spec)
     mgr.changes.reset = True  # persisted as a snapshot of what is left, not as a log record

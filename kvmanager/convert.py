@@ -41,7 +41,8 @@ def stats_to_proto(s: admin.ClusterStats, store_ok: bool) -> pb.ClusterStats:
                            tenants=[tenant_to_proto(t) for t in s.tenants],
                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
                            num_evicted_blocks=s.num_evicted_blocks, store_ok=store_ok,
-                           kv_store=to_message(s.store, pb.StoreStats) if s.store is not None else None)
+                           kv_store=to_message(s.store, pb.StoreStats) if s.store is not None else None,
+                           transfers=to_message(s.transfers, pb.TransferStats) if s.transfers is not None else None)
 
 
 def inspect_to_proto(r: admin.TenantReport) -> pb.TenantReport:

@@ -311,11 +311,20 @@ def _tiers_table(r) -> str:
                   "WRITTEN_PAGES", "DROPPED_WRITES", "VERIFY_FAILURES"], rows)
 
 
+def _transfers_table(r) -> str:
+    """Pulls of pages between workers' pools: how they ended, what they moved, and the holds live now."""
+    x = r.transfers
+    mb_s = f"{x.num_bytes / x.seconds / 1e6:.1f}" if x.seconds else "-"
+    return table(["PULLS", "OK", "FAILED", "EXPIRED", "MOVED", "PAGES", "MB", "MB/S", "HOLDS"],
+                 [[x.num_pulls, x.num_ok, x.num_failed, x.num_expired, x.num_moved, x.num_pages,
+                   f"{x.num_bytes / 1e6:.1f}", mb_s, x.num_holds]])
+
+
 def _render_stats(r, args) -> str:
-    pools = table(["WORKER", "EPOCH", "KV_DTYPE", "KV_SCALES", "PAGE_SIZE", "PAGES", "USED", "CACHED", "FREE",
-                   "PINNED", "REQUESTS", "POOL_BYTES", "USED_BYTES", "CACHED_BYTES", "WINDOW", "SINKS",
+    pools = table(["WORKER", "EPOCH", "ROLE", "KV_DTYPE", "KV_SCALES", "PAGE_SIZE", "PAGES", "USED", "CACHED",
+                   "FREE", "PINNED", "REQUESTS", "POOL_BYTES", "USED_BYTES", "CACHED_BYTES", "WINDOW", "SINKS",
                    "WINDOW_RELEASED"],
-                  [[p.worker_id, p.epoch, p.kv_dtype, p.kv_scales or "-", p.page_size, p.num_pages,
+                  [[p.worker_id, p.epoch, p.role or "both", p.kv_dtype, p.kv_scales or "-", p.page_size, p.num_pages,
                     p.num_used_pages, p.num_cached_pages, p.num_free_pages, p.num_pinned_pages, p.num_requests,
                     p.pool_bytes, p.used_bytes, p.cached_bytes, p.sliding_window or "-", p.attention_sinks or "-",
                     p.num_window_released_pages] for p in r.pools]
@@ -323,7 +332,8 @@ def _render_stats(r, args) -> str:
     total = (f"prefix cache: {r.prefix_cache_hits} of {r.prefix_cache_queries} query tokens hit "
              f"({_rate(r.prefix_cache_hits, r.prefix_cache_queries)}), {r.num_evicted_blocks} blocks evicted, "
              f"store {'ok' if r.store_ok else 'FAILING'}")
-    return (f"pools\n{pools}\n\ntiers\n{_tiers_table(r)}\n\ntenants\n{_tenants_table(r.tenants)}\n\n"
+    return (f"pools\n{pools}\n\ntiers\n{_tiers_table(r)}\n\ntransfers\n{_transfers_table(r)}\n\n"
+            f"tenants\n{_tenants_table(r.tenants)}\n\n"
             f"tenant quotas\n{_quotas_table(r.tenants)}\n\n{total}")
 
 

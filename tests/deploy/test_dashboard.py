@@ -20,7 +20,7 @@ from kvserve.common.metrics import (
     KVManagerMetrics,
     WorkerMetrics,
 )
-from kvserve.kvmanager.admin import StoreStats, TenantStats
+from kvserve.kvmanager.admin import StoreStats, TenantStats, TransferStats
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana-dashboard.json"
 METRIC_TOKEN = re.compile(r"kvserve:[a-zA-Z0-9_:]+")
@@ -34,7 +34,8 @@ def _read_stats() -> SimpleNamespace:
                            num_window_released_pages=5, used_bytes=300, cached_bytes=200, pool_bytes=800)
     tenant = TenantStats("t0", 3, 1, 0, 10, 4, store_hits=2)
     store = StoreStats(1000, 2, 200, 2, 3, 1, 0, 2, 200, 0.1, 0, 0, 3, 300, 0)
-    return SimpleNamespace(pools=[pool], tenants=[tenant], num_evicted_blocks=1, store=store)
+    transfers = TransferStats(3, 12, 1, 1, 1, 4096, 0.5, 1, 0)
+    return SimpleNamespace(pools=[pool], tenants=[tenant], num_evicted_blocks=1, store=store, transfers=transfers)
 
 
 def _call_log() -> SimpleNamespace:

@@ -38,11 +38,11 @@ def test_kvmanager_serves_admin_commands_then_exits_cleanly(tmp_path):
         out = run_cli(tmp_path, "admin", "stats", *admin)
         assert out.returncode == 0, out.stderr
         rows = [line.split() for line in out.stdout.splitlines()]
-        assert rows[1][:11] == ["WORKER", "EPOCH", "KV_DTYPE", "KV_SCALES", "PAGE_SIZE", "PAGES", "USED", "CACHED",
-                                "FREE", "PINNED", "REQUESTS"]
-        assert rows[1][14:] == ["WINDOW", "SINKS", "WINDOW_RELEASED"]
-        assert rows[2] == ["w0", "1", "float32", "-", "4", "8", "2", "3", "3", "0", "1", "3200", "800", "1200", "-",
-                           "-", "0"]
+        assert rows[1][:12] == ["WORKER", "EPOCH", "ROLE", "KV_DTYPE", "KV_SCALES", "PAGE_SIZE", "PAGES", "USED",
+                                "CACHED", "FREE", "PINNED", "REQUESTS"]
+        assert rows[1][15:] == ["WINDOW", "SINKS", "WINDOW_RELEASED"]
+        assert rows[2] == ["w0", "1", "both", "float32", "-", "4", "8", "2", "3", "3", "0", "1", "3200", "800", "1200",
+                           "-", "-", "0"]
         assert "prefix cache: 0 of 18 query tokens hit (0.0%), 0 blocks evicted, store ok" in out.stdout
 
         out = run_cli(tmp_path, "admin", "probe", "A", "--tokens", ",".join(map(str, P1 + [7])), *admin)

@@ -490,7 +490,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("worker_id", "epoch", "model_fingerprint", "kv_dtype", "page_size", "num_pages", "num_used_pages", "num_cached_pages", "num_free_pages", "num_pinned_pages", "num_requests", "pool_bytes", "used_bytes", "cached_bytes", "kv_scales", "sliding_window", "attention_sinks", "num_window_released_pages")
+    __slots__ = ("worker_id", "epoch", "model_fingerprint", "kv_dtype", "page_size", "num_pages", "num_used_pages", "num_cached_pages", "num_free_pages", "num_pinned_pages", "num_requests", "pool_bytes", "used_bytes", "cached_bytes", "kv_scales", "sliding_window", "attention_sinks", "num_window_released_pages", "role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -509,6 +509,7 @@ class PoolStats(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
     NUM_WINDOW_RELEASED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     model_fingerprint: str
@@ -527,7 +528,8 @@ class PoolStats(_message.Message):
     sliding_window: int
     attention_sinks: int
     num_window_released_pages: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., num_window_released_pages: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., num_window_released_pages: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "num_blocks", "num_pinned_blocks", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "store_hits", "num_store_blocks", "weight", "active", "num_pages", "share_pages", "floor_pages", "cap_pages", "store_bytes", "store_floor_bytes", "store_cap_bytes", "num_pin_blocks", "num_soft_pin_blocks", "pin_budget_blocks", "num_evicted_pages", "num_evictions_caused", "num_store_evicted", "num_store_rejected")
@@ -616,7 +618,7 @@ class StoreStats(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_hit_pages: _Optional[int] = ..., num_added_blocks: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_dropped_missing: _Optional[int] = ..., num_loaded_pages: _Optional[int] = ..., num_loaded_bytes: _Optional[int] = ..., load_s: _Optional[float] = ..., num_failed_loads: _Optional[int] = ..., num_verify_failures: _Optional[int] = ..., num_written_pages: _Optional[int] = ..., num_written_bytes: _Optional[int] = ..., num_dropped_writes: _Optional[int] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("pools", "tenants", "prefix_cache_queries", "prefix_cache_hits", "num_evicted_blocks", "store_ok", "kv_store")
+    __slots__ = ("pools", "tenants", "prefix_cache_queries", "prefix_cache_hits", "num_evicted_blocks", "store_ok", "kv_store", "transfers")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
@@ -624,6 +626,7 @@ class ClusterStats(_message.Message):
     NUM_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STORE_OK_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     prefix_cache_queries: int
@@ -631,7 +634,30 @@ class ClusterStats(_message.Message):
     num_evicted_blocks: int
     store_ok: bool
     kv_store: StoreStats
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., store_ok: _Optional[bool] = ..., kv_store: _Optional[_Union[StoreStats, _Mapping]] = ...) -> None: ...
+    transfers: TransferStats
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., store_ok: _Optional[bool] = ..., kv_store: _Optional[_Union[StoreStats, _Mapping]] = ..., transfers: _Optional[_Union[TransferStats, _Mapping]] = ...) -> None: ...
+
+class TransferStats(_message.Message):
+    __slots__ = ("num_pulls", "num_pages", "num_ok", "num_failed", "num_expired", "num_bytes", "seconds", "num_moved", "num_holds")
+    NUM_PULLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_OK_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MOVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOLDS_FIELD_NUMBER: _ClassVar[int]
+    num_pulls: int
+    num_pages: int
+    num_ok: int
+    num_failed: int
+    num_expired: int
+    num_bytes: int
+    seconds: float
+    num_moved: int
+    num_holds: int
+    def __init__(self, num_pulls: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_ok: _Optional[int] = ..., num_failed: _Optional[int] = ..., num_expired: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., num_moved: _Optional[int] = ..., num_holds: _Optional[int] = ...) -> None: ...
 
 class ListTenantsRequest(_message.Message):
     __slots__ = ()
