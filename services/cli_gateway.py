@@ -51,6 +51,14 @@ def add_gateway_flags(p) -> None:
                    default=_env("no_reserve_ahead", "") not in ("", "0", "false"),
                    help="admit and free only in calls answered before the worker computes, not in the call that "
                         "runs while it computes (for comparisons)")
+    p.add_argument("--no-pull-peers", action="store_true",
+                   default=_env("no_pull_peers", "") not in ("", "0", "false"),
+                   help="never pull a prefix from another worker's pool: recompute it (for comparisons); prefill "
+                        "workers then hand nothing to decode workers")
+    p.add_argument("--max-local-prefill", type=non_negative_int, default=_env("max_local_prefill", "256"),
+                   help="with prefill workers (--role prefill) live: a prompt with more uncached tokens than this "
+                        "prefills on one and decodes on a decode worker that pulls its pages; shorter ones "
+                        "prefill where they decode")
     p.add_argument("--default-max-tokens", type=positive_int, default=_env("default_max_tokens", "256"))
     p.add_argument("--max-tokens-limit", type=positive_int, default=_env("max_tokens_limit", "4096"))
     p.add_argument("--api-keys-file", type=Path, default=_env("api_keys_file"),
@@ -100,6 +108,7 @@ def gateway_config(args):
                          prefix_caching=not args.no_prefix_caching, overlap_page_ops=not args.no_overlap_page_ops,
                          reserve_ahead=not args.no_reserve_ahead,
                          long_prefill_token_threshold=int(args.long_prefill_token_threshold),
+                         pull_peers=not args.no_pull_peers, max_local_prefill=int(args.max_local_prefill),
                          default_max_tokens=int(args.default_max_tokens),
                          max_tokens_limit=int(args.max_tokens_limit),
                          max_queued_requests=int(args.max_queued_requests),

@@ -165,7 +165,9 @@ def _gateway_argv(args, kvmanager: str) -> list[str]:
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
             "--default-max-tokens", str(args.default_max_tokens), "--max-tokens-limit", str(args.max_tokens_limit),
-            "--max-queued-requests", str(args.max_queued_requests), "--http-port", str(args.http_port)]
+            "--max-queued-requests", str(args.max_queued_requests), "--http-port", str(args.http_port),
+            "--max-local-prefill", str(args.max_local_prefill)]
+    argv += ["--no-pull-peers"] if args.no_pull_peers else []
     argv += ["--served-model-name", args.served_model_name] if args.served_model_name else []
     argv += ["--no-prefix-caching"] if args.no_prefix_caching else []
     argv += ["--no-overlap-page-ops"] if args.no_overlap_page_ops else []
