@@ -108,6 +108,10 @@ def add_commands(sub) -> None:
     k.add_argument("--cache-policy", choices=("fair", "lru"), default=_env("cache_policy", "fair"),
                    help="eviction: fair = from the tenant furthest over its share (default); lru = one global LRU "
                         "over all tenants (for comparisons)")
+    k.add_argument("--load-penalty-pages", type=non_negative_int, default=_env("load_penalty_pages", "4"),
+                   help="placement: a running or queued request costs a worker this many pages of prefix hit (a "
+                        "peer or store hit counts half a page): the higher, the more placement spreads load "
+                        "rather than chasing cached prefixes")
     add_observability_flags(k)
     add_tls_flags(k, "server")
     k.set_defaults(func=run_kvmanager)
@@ -280,7 +284,8 @@ def run_kvmanager(args) -> int:
         except OSError as e:  # e.g. --data-dir names a file
             print(f"kvserve: --data-dir {data_dir}: {e.strerror or e}", file=sys.stderr)
             return 2
-        make_manager = functools.partial(KVManager, store_capacity_bytes=args.kv_store_bytes, policy=policy)
+        make_manager = functools.partial(KVManager, store_capacity_bytes=args.kv_store_bytes, policy=policy,
+                                         load_penalty_pages=int(args.load_penalty_pages))
         service = KVService(make_manager(), store, worker_timeout_s=args.worker_timeout, make_manager=make_manager)
         janitor = _tier_janitor(args, service)
         elected = not args.no_persistence  # with Redis: a standby until it wins the first election

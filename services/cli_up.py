@@ -41,7 +41,7 @@ def _env(name, default=None):
 
 
 def add_commands(sub) -> None:
-    from kvserve.services.cli_flags import parse_bytes, parse_bytes_or_zero, positive_int
+    from kvserve.services.cli_flags import non_negative_int, parse_bytes, parse_bytes_or_zero, positive_int
     from kvserve.services.cli_gateway import DEFAULT_GATEWAY_PORT, add_gateway_flags
     from kvserve.services.cli_kvmanager import DEFAULT_KVMANAGER_PORT
     from kvserve.services.cli_worker import add_kv_format_flags, add_window_flags
@@ -68,6 +68,8 @@ def add_commands(sub) -> None:
                    help="the kvmanager's per-tenant cache policy (TOML: weights, floors, caps, pin budgets)")
     u.add_argument("--cache-policy", choices=("fair", "lru"), default=_env("cache_policy", "fair"),
                    help="eviction across tenants: fair share (default) or one global LRU")
+    u.add_argument("--load-penalty-pages", type=non_negative_int, default=_env("load_penalty_pages", "4"),
+                   help="the kvmanager's placement: pages of prefix hit one queued or running request outweighs")
     u.add_argument("--kv-store-url", default=_env("kv_store_url"),
                    help="the shared KV tier's Redis (default: an embedded one under <data dir>/kv-store)")
     size = u.add_mutually_exclusive_group()
@@ -136,7 +138,7 @@ def _kvmanager_argv(args, model_dir: Path) -> list[str]:
         argv += ["--redis-url", args.redis_url]
     if args.tenants_file:
         argv += ["--tenants-file", str(args.tenants_file)]
-    argv += ["--cache-policy", args.cache_policy]
+    argv += ["--cache-policy", args.cache_policy, "--load-penalty-pages", str(args.load_penalty_pages)]
     return argv + kv_store_argv(args)
 
 

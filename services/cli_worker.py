@@ -109,8 +109,11 @@ def add_commands(sub) -> None:
                         "(redis://, rediss://, unix://, redis+sentinel://). With --kvmanager the worker writes "
                         "the committed pages it is asked to and loads store hits; without --kvmanager it only "
                         "loads (nothing could record its writes). Default: none")
+    w.add_argument("--role", type=_role, default=_env("role", "both"),
+                   help="the work the gateway sends this worker: both (default: prefill and decode), prefill (a "
+                        "request's prompt, whose pages a decode worker then pulls) or decode")
     add_observability_flags(w)
-    add_tls_flags(w, "both", dials="the kvmanager")
+    add_tls_flags(w, "both", dials="the kvmanager (and other workers, for page transfers)")
     w.set_defaults(func=run_worker)
 
     info = sub.add_parser("info", help="print a running worker's Info")
@@ -135,6 +138,16 @@ def add_commands(sub) -> None:
     add_tls_flags(g, "client", dials="the gateway")
     _add_engine_flags(g)
     g.set_defaults(func=run_generate)
+
+
+def _role(text: str) -> str:
+    """--role's value, or a usage error naming the allowed ones."""
+    from kvserve.common.wire.transfer import check_role
+
+    try:
+        return check_role(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _runner_config(args, **extra):
@@ -175,7 +188,7 @@ def run_worker(args) -> int:
     tls = _tls(args, server=True)
     if tls is False:
         return 2
-    runner = _make_runner(args, worker_id=args.worker_id, kv_store_url=args.kv_store_url)
+    runner = _make_runner(args, worker_id=args.worker_id, kv_store_url=args.kv_store_url, role=args.role)
     if runner is None:
         return 2
     stop = install_stop_signals()  # before the ready line: a SIGTERM right after it still drains, exits 0
@@ -196,7 +209,8 @@ def run_worker(args) -> int:
     print(f"kvserve worker {i.worker_id} ready on {args.host}:{ws.port}: model {i.model_name} on {i.device}, "
           f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
           f"({i.kv_dtype}{scales}); linear weights: {describe_weights(runner.model.weights)}"
-          f"{metrics_note(args.host, metrics_port)}{tls_note(tls)}{_member_note(keeper)}{_store_note(runner)}",
+          f"{metrics_note(args.host, metrics_port)}{tls_note(tls)}{_member_note(keeper)}{_store_note(runner)}"
+          f"{'; role ' + i.role if i.role != 'both' else ''}",
           flush=True)
     code = _serve(args, runner, ws, stop, keeper)
     shutdown_tracing()

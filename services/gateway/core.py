@@ -387,8 +387,7 @@ class EngineCore:
     # -- pulls ------------------------------------------------------------------------------------------
     def _start_pulls(self) -> None:
         """Starts the pulls of the requests just allocated with peer_loads (their pages are theirs alone)."""
-        started, self.scheduler.pulls = self.scheduler.pulls, []
-        for req in started:
+        for req in self.scheduler.take_pulls():
             worker_id, epoch, lease_ms = req.peer_source
             order = PullOrder(req.req_id, self.info.epoch, worker_id, epoch, self.address_of(worker_id), lease_ms,
                               tuple(req.peer_loads), self.traceparents.get(req.req_id, ""))

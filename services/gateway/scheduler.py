@@ -276,6 +276,11 @@ class Scheduler:
             self.preempt(req)
             self.num_preemptions -= 1  # a recompute, not a preemption for pages
 
+    def take_pulls(self) -> list[Request]:
+        """The requests allocated with peer_loads since the last call: their pulls start now."""
+        pulls, self.pulls = self.pulls, []
+        return pulls
+
     def take_prefilled(self) -> list[Request]:
         """The requests whose prefill is done and committed here (a prefill worker): they leave this scheduler
         holding their pages, which their decode worker's allocation takes over (moved_from) and frees."""
