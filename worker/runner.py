@@ -18,6 +18,7 @@ import torch
 
 from kvserve.common.errors import InvalidRequest, StaleEpoch
 from kvserve.common.wire.tier import TierCounters
+from kvserve.common.wire.transfer import check_role
 from kvserve.common.wire.worker import RejectedItem, SampledToken, StepBatch, StepItem, StepOutput, WorkerInfo
 from kvserve.kernels.backends import get_backend
 from kvserve.kernels.kv_quant import FORMAT_OF_DTYPE, KVFormat, kv_format
@@ -56,6 +57,7 @@ class RunnerConfig:
     cuda_graphs: bool = True  # on CUDA with the triton backend: pure-decode steps replay CUDA graphs
     cuda_graph_max_seqs: int = 64  # the largest decode batch captured (larger ones run eagerly)
     kv_store_url: str = ""  # the shared KV tier's store (a Redis URL, as common/redis_client.py takes); "" = none
+    role: str = "both"  # the work the gateway sends it: "prefill", "decode" or "both" (common/wire/transfer.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,7 @@ class ModelRunner:
         spin-waiting, which costs decode throughput where cores are few.
         """
         self.cfg = cfg
+        check_role(cfg.role)
         self._compute = compute or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-compute")
         self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
         self.model_cfg = ModelConfig.from_folder(cfg.model_dir)
@@ -187,6 +190,7 @@ class ModelRunner:
             eos_token_ids=m.eos_token_ids,
             device=str(self.device), attention_backend=self.model.backend.name,
             sliding_window=self.window.window, attention_sinks=self.window.sinks, kv_store=self.tier is not None,
+            role=self.cfg.role,
         )
 
     def renew_epoch(self) -> int:
