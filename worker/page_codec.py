@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import torch
 import xxhash
 
@@ -35,6 +36,11 @@ def page_payload(pool: torch.Tensor, scales: torch.Tensor | None, page_id: int) 
     return b"".join(_as_bytes(p) for p in parts)
 
 
+def value_size(pool: torch.Tensor, scales: torch.Tensor | None) -> int:
+    """The bytes of one page's value in this pool's layout (header and payload)."""
+    return HEADER.size + _page_bytes(pool) + (_page_bytes(scales) if scales is not None else 0)
+
+
 def encode_page(namespace: bytes, block_hash: bytes, pool: torch.Tensor, scales: torch.Tensor | None,
                 page_id: int) -> bytes:
     """Page ``page_id`` as a value: header, then payload."""
@@ -50,9 +56,9 @@ def decode_page(value: bytes, namespace: bytes, block_hash: bytes, pool: torch.T
     of that namespace, in this pool's layout, undamaged. Raises PageMismatch, leaving the page untouched."""
     payload = _verified_payload(value, namespace, block_hash, pool, scales)
     kv_bytes = _page_bytes(pool)
-    pool[:, :, page_id].copy_(_from_bytes(payload[:kv_bytes], pool.dtype, pool[:, :, page_id].shape))
+    _write(pool[:, :, page_id], payload[:kv_bytes])
     if scales is not None:
-        scales[:, :, page_id].copy_(_from_bytes(payload[kv_bytes:], scales.dtype, scales[:, :, page_id].shape))
+        _write(scales[:, :, page_id], payload[kv_bytes:])
 
 
 def _verified_payload(value: bytes, namespace: bytes, block_hash: bytes, pool: torch.Tensor,
@@ -85,9 +91,18 @@ def _digest16(b: bytes) -> bytes:
     return b
 
 
+# On the CPU the bytes move through numpy views of the pool (its last dimension is contiguous, so a page of it
+# views as bytes): numpy copies on the calling thread alone, where a torch copy of a big page would start an
+# OpenMP team on it. Pages are read and written beside the compute thread (worker/transfer.py serves and pulls
+# them from gRPC threads), and every extra team costs the compute thread's ops (docs/design/worker.md).
 def _as_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return t.cpu().view(torch.uint8).numpy().tobytes()
 
 
-def _from_bytes(data, dtype: torch.dtype, shape) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+def _write(dst: torch.Tensor, data) -> None:
+    """Copies ``data`` (the bytes of a tensor of ``dst``'s dtype and shape) into ``dst``, a view into the pool."""
+    if dst.device.type == "cpu":
+        view = dst.view(torch.uint8).numpy()
+        view[...] = np.frombuffer(data, dtype=np.uint8).reshape(view.shape)
+        return
+    dst.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dst.dtype).reshape(dst.shape))
