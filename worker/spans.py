@@ -71,3 +71,41 @@ def _record_snapshot(tracer, request, part) -> None:
                              attributes={"kvserve.num_pages": num_pages, "kvserve.num_queued": num_pages - dropped,
                                          "kvserve.num_dropped": dropped, "kvserve.batch_size": len(request.items)})
     span.end(end_time=part.end_ns)
+
+
+def start_pull_span(tracer, order):
+    """``worker.pull``: a child span of the request's (``order.traceparent``), or None when it is not traced."""
+    if not order.traceparent:
+        return None
+    return tracer.start_span("worker.pull", context=context_of(order.traceparent),
+                             attributes={"kvserve.req_id": order.req_id,
+                                         "kvserve.source_worker_id": order.source_worker_id,
+                                         "kvserve.source_address": order.source_address,
+                                         "kvserve.num_pages": len(order.loads)})
+
+
+def end_pull_span(span, result=None, error: str = "") -> None:
+    """Ends a pull's span with what it moved (``result``: a PullResult), or the refusal's ``error``."""
+    if span is None:
+        return
+    if result is not None:
+        mb_per_s = result.num_bytes / result.seconds / 1e6 if result.seconds > 0 else 0.0
+        span.set_attributes({"kvserve.num_filled_pages": result.num_pages, "kvserve.num_bytes": result.num_bytes,
+                             "kvserve.mb_per_s": round(mb_per_s, 1), "kvserve.ok": result.ok})
+        error = result.error
+    if error:
+        span.set_attribute("kvserve.error", error)
+    span.end()
+
+
+def record_read_span(tracer, parent, start_ns: int, num_asked: int, num_pages: int, num_bytes: int,
+                     error: str) -> None:
+    """``worker.read_pages`` on the source: a child of the pulling worker's ``worker.pull`` (``parent``: the
+    context its call's metadata carried; nothing is recorded without one)."""
+    if parent is None:
+        return
+    attributes = {"kvserve.num_pages": num_asked, "kvserve.num_sent_pages": num_pages, "kvserve.num_bytes": num_bytes}
+    if error:
+        attributes["kvserve.error"] = error
+    span = tracer.start_span("worker.read_pages", context=parent, start_time=start_ns, attributes=attributes)
+    span.end()

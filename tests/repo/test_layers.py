@@ -25,7 +25,8 @@ RANK = {"v1": 0, "common": 1, "kernels": 2, "worker": 3, "kvmanager": 3, "servic
 # The modules of a domain that may speak gRPC: its servicer, its server, its protobuf converters.
 GRPC_GLUE = {"kvserve.worker.servicer", "kvserve.worker.server", "kvserve.kvmanager.servicer",
              "kvserve.kvmanager.server", "kvserve.kvmanager.convert",
-             "kvserve.worker.membership"}  # the worker's lease keeper: a client of the kvmanager, server wiring
+             "kvserve.worker.membership",  # the worker's lease keeper: a client of the kvmanager, server wiring
+             "kvserve.worker.peer_client"}  # the link page transfers read other workers over (transfer.py's PageReader)
 TRANSPORT_FREE_CORES = ("kvserve.services.gateway.", "kvserve.kvmanager.", "kvserve.worker.", "kvserve.kernels.")
 
 
