@@ -77,6 +77,7 @@ class TierStack:
     workers: dict[str, tuple[subprocess.Popen, int]] = field(default_factory=dict)  # worker_id -> (process, port)
     gateway: str = ""
     num_pages: int = 32
+    lease_s: str = LEASE_S  # the kvmanager's --worker-timeout
     _exits: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     # -- processes --------------------------------------------------------------------------------------
@@ -84,7 +85,7 @@ class TierStack:
         """A `kvserve kvmanager` indexing the store (on ``state_url``, else its own embedded Redis); returns
         (address, role)."""
         persistence = ["--redis-url", state_url] if state_url else ["--data-dir", str(self.tmp / name)]
-        args = ["kvmanager", "--port", "0", "--admin-token", TOKEN, "--worker-timeout", LEASE_S, "--leader-lease",
+        args = ["kvmanager", "--port", "0", "--admin-token", TOKEN, "--worker-timeout", self.lease_s, "--leader-lease",
                 LEASE_S, "--kv-store-url", self.store.url, "--kv-store-bytes", STORE_BYTES, *persistence]
         proc, m = self._exits.enter_context(service_process(args, KVMANAGER_READY, self.env,
                                                             self.tmp / f"{name}.stderr", READY_TIMEOUT_S))
@@ -172,13 +173,14 @@ class TierStack:
 
 
 @contextlib.contextmanager
-def tier_stack(tmp: Path, tenants: Sequence[str], *, standby: bool = False,
-               num_pages: int = 32):
-    """A store, a kvmanager (and a standby on a shared state Redis), worker-0 and a gateway; all stopped after."""
+def tier_stack(tmp: Path, tenants: Sequence[str], *, standby: bool = False, num_pages: int = 32,
+               start_worker: bool = True, start_gateway: bool = True, worker_timeout: str = LEASE_S):
+    """A store, a kvmanager (and a standby on a shared state Redis), worker-0 and a gateway (each unless told
+    not to: the caller starts its own); all stopped after. ``worker_timeout``: the kvmanager's member lease."""
     with contextlib.ExitStack() as exits:
         store = exits.enter_context(EmbeddedRedis(tmp / "kv-store"))
         state_url = exits.enter_context(EmbeddedRedis(tmp / "state")).url if standby else None
-        stack = TierStack(tmp, tier_env(), store, num_pages=num_pages)
+        stack = TierStack(tmp, tier_env(), store, num_pages=num_pages, lease_s=worker_timeout)
         exits.enter_context(stack._exits)  # its processes stop before the Redis servers they use
         leader, role = stack.start_kvmanager("kvmanager-0", state_url)
         assert role == "leader"
@@ -187,6 +189,8 @@ def tier_stack(tmp: Path, tenants: Sequence[str], *, standby: bool = False,
             address, role = stack.start_kvmanager("kvmanager-1", state_url)
             assert role == "standby"
             stack.kvmanager = f"{leader},{address}"
-        stack.start_worker("worker-0")
-        stack.start_gateway(tenants)
+        if start_worker:
+            stack.start_worker("worker-0")
+        if start_gateway:
+            stack.start_gateway(tenants)
         yield stack
