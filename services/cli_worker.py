@@ -114,6 +114,10 @@ def add_commands(sub) -> None:
                         "request's prompt, whose pages a decode worker then pulls) or decode")
     add_observability_flags(w)
     add_tls_flags(w, "both", dials="the kvmanager (and other workers, for page transfers)")
+    w.add_argument("--peer-tls-server-name", default=_env("peer_tls_server_name"),
+                   help="with TLS: the name this worker verifies other workers' certificates against when it pulls "
+                        "pages from them (they are dialled at the address they advertise, often a pod IP that no "
+                        "certificate names). Default: their host")
     w.set_defaults(func=run_worker)
 
     info = sub.add_parser("info", help="print a running worker's Info")
@@ -197,7 +201,8 @@ def run_worker(args) -> int:
     metrics = WorkerMetrics(tier_stats) if args.metrics_port is not None else None
     metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None
     try:
-        ws = start_worker_server(runner, args.host, args.port, metrics=metrics, tls=tls)
+        ws = start_worker_server(runner, args.host, args.port, metrics=metrics, tls=tls,
+                                 peer_server_name=args.peer_tls_server_name)
     except OSError as e:
         print(f"kvserve: {e}", file=sys.stderr)
         return 1

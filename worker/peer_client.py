@@ -26,9 +26,10 @@ class GrpcPageReader:
     client certificate, its CA verifies the source); None for plaintext. ``value_bytes``: one page value of this
     worker's pool, so that a frame of one big page still fits the receive limit."""
 
-    def __init__(self, tls: Tls | None, value_bytes: int):
-        # --tls-server-name names the kvmanager's certificate: a peer is verified against its own host
-        self.tls = dataclasses.replace(tls, server_name=None) if tls is not None else None
+    def __init__(self, tls: Tls | None, value_bytes: int, server_name: str | None = None):
+        # --tls-server-name names the kvmanager's certificate: a peer is verified against --peer-tls-server-name,
+        # else its own host
+        self.tls = dataclasses.replace(tls, server_name=server_name or None) if tls is not None else None
         limit = max(MAX_MESSAGE_BYTES, value_bytes + FRAME_BYTES + (1 << 20))
         self.options = (("grpc.max_receive_message_length", limit),)
         self._stubs: dict[str, tuple[grpc.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}

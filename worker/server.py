@@ -22,12 +22,14 @@ MAX_THREADS = 32
 
 def start_worker_server(runner: ModelRunner, host: str = "127.0.0.1", port: int = 0,
                         max_threads: int = MAX_THREADS, metrics: WorkerMetrics | None = None,
-                        tls: Tls | None = None, reader: PageReader | None = None) -> GrpcServer:
+                        tls: Tls | None = None, reader: PageReader | None = None,
+                        peer_server_name: str | None = None) -> GrpcServer:
     """Starts serving ``runner`` on host:port (0 = a free port), with ``tls`` if given (mutual with a CA);
     returns once the port is bound. Pulls read from other workers with ``reader`` (default: gRPC, with ``tls``'s
-    files as the worker's client credentials)."""
+    files as the worker's client credentials, verifying peers against ``peer_server_name``, else their host)."""
+    value_bytes = value_size(runner.kv_cache, runner.kv_scales)
     transfers = PeerTransfers(runner.kv_cache, runner.kv_scales, lambda: runner.epoch,
-                              reader or GrpcPageReader(tls, value_size(runner.kv_cache, runner.kv_scales)),
+                              reader or GrpcPageReader(tls, value_bytes, peer_server_name),
                               written_on=runner.cuda.stream if runner.cuda is not None else None)
     servicer = WorkerServicer(runner, metrics, transfers)
     return start_grpc_server(

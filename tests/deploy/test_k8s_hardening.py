@@ -33,6 +33,7 @@ TLS_SECRET = "kvserve-tls"
 TLS_ENV = {"KVSERVE_TLS_CERT": "tls.crt", "KVSERVE_TLS_KEY": "tls.key", "KVSERVE_TLS_CA": "ca.crt"}
 # The gateway dials the workers by pod IP: it verifies what it dials by a name of the shared certificate.
 SERVER_NAME_ENV = "KVSERVE_TLS_SERVER_NAME"
+PEER_SERVER_NAME_ENV = "KVSERVE_PEER_TLS_SERVER_NAME"  # a worker verifies the workers it pulls pages from by it
 CLIENT_AUTH_ENV = "KVSERVE_TLS_CLIENT_AUTH"
 # The kvserve services (workload, `kvserve` subcommand, gRPC port).
 SERVICES = (("kvserve-kvmanager", "kvmanager", 50051), ("kvserve-worker", "worker", 50061),
@@ -276,7 +277,8 @@ def test_every_service_request_cites_a_benchmark_figure(workload_name: str, cont
 
 
 def _tls_env(command: str) -> set[str]:
-    return set(TLS_ENV) | ({SERVER_NAME_ENV, CLIENT_AUTH_ENV} if command == "gateway" else set())
+    extra = {"gateway": {SERVER_NAME_ENV, CLIENT_AUTH_ENV}, "worker": {PEER_SERVER_NAME_ENV}}
+    return set(TLS_ENV) | extra.get(command, set())
 
 
 def _with_tls(tmp_path: Path) -> list[dict]:
@@ -312,6 +314,9 @@ def test_tls_component_mounts_the_secret_and_points_the_flags_at_it(tmp_path: Pa
         (leaf,) = [d for d in load_docs(TLS_DIR / "certificate.yaml") if d["spec"].get("secretName") == TLS_SECRET]
         assert env(c)[SERVER_NAME_ENV]["value"] in leaf["spec"]["dnsNames"]
         assert env(c)[CLIENT_AUTH_ENV]["value"] == "false"  # API clients: TLS and a key, no certificate
+    if command == "worker":  # workers dial each other by pod IP: the name they verify must be the certificate's
+        (leaf,) = [d for d in load_docs(TLS_DIR / "certificate.yaml") if d["spec"].get("secretName") == TLS_SECRET]
+        assert env(c)[PEER_SERVER_NAME_ENV]["value"] in leaf["spec"]["dnsNames"]
     # The kubelet's gRPC probes cannot speak TLS: tcpSocket on the same port instead.
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert "grpc" not in c[probe] and c[probe]["tcpSocket"] == {"port": port}, probe

@@ -267,3 +267,21 @@ def test_a_runner_of_an_unknown_role_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     with pytest.raises(ValueError, match="role 'mixed' is not one of both, prefill, decode"):
         ModelRunner(RunnerConfig(model_dir=tmp_path, num_pages=4, device="cpu", role="mixed"))
+
+
+def test_a_pull_verifies_the_source_by_the_peer_server_name_when_one_is_given(make_worker, tmp_path):
+    """--peer-tls-server-name: the source is dialled at 127.0.0.1 but verified by the name given (on Kubernetes
+    the pod IP it advertises, against the name the shared certificate carries). A name its certificate does
+    not carry fails the pull; one it carries succeeds."""
+    ca = make_ca(tmp_path / "tls")
+    issued = [ca.issue(tmp_path / "tls", name, server=True) for name in ("src", "dst", "dst2")]
+    tls = [load_tls(i.cert, i.key, ca.cert, server=True) for i in issued]
+    source = make_worker(tls=tls[0])
+    expected = prefill(source)
+    value_bytes = value_size(source.runner.kv_cache, source.runner.kv_scales)
+    wrong = make_worker(tls=tls[1], reader=GrpcPageReader(tls[1], value_bytes, "kvserve-worker"))
+    result = wrong.pull(order_for(source, wrong))
+    assert not result.ok and "UNAVAILABLE" in result.error, result
+    named = make_worker(tls=tls[2], reader=GrpcPageReader(tls[2], value_bytes, "localhost"))
+    assert named.pull(order_for(source, named)).ok
+    assert decode_on(named, recompute=False) == expected
