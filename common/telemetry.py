@@ -34,9 +34,11 @@ def tracing_enabled_by_env() -> bool:
     return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
 
-def setup_tracing(service_name: str) -> bool:
-    """Installs this process' tracer provider (service.name = ``service_name``) with an OTLP exporter when
-    the environment asks for one. Returns whether tracing is on. Call once, from the process' main."""
+def setup_tracing(service_name: str, instance_id: str = "") -> bool:
+    """Installs this process' tracer provider (service.name = ``service_name``, service.instance.id =
+    ``instance_id`` if given: a worker's id, so that a trace shows which worker computed what) with an OTLP
+    exporter when the environment asks for one. Returns whether tracing is on. Call once, from the process'
+    main."""
     if not tracing_enabled_by_env():
         return False
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -44,7 +46,8 @@ def setup_tracing(service_name: str) -> bool:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    attributes = {"service.name": service_name} | ({"service.instance.id": instance_id} if instance_id else {})
+    provider = TracerProvider(resource=Resource.create(attributes))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     return True

@@ -196,7 +196,7 @@ def run_worker(args) -> int:
     if runner is None:
         return 2
     stop = install_stop_signals()  # before the ready line: a SIGTERM right after it still drains, exits 0
-    setup_tracing("kvserve-worker")
+    setup_tracing("kvserve-worker", args.worker_id)
     tier_stats = runner.tier.stats if runner.tier is not None else None
     metrics = WorkerMetrics(tier_stats) if args.metrics_port is not None else None
     metrics_port = serve_metrics(metrics.registry, args.host, int(args.metrics_port)) if metrics else None

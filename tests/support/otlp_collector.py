@@ -48,6 +48,7 @@ class CollectedSpan:
     end_ns: int
     kind: str = "SPAN_KIND_UNSPECIFIED"  # e.g. "SPAN_KIND_SERVER", "SPAN_KIND_INTERNAL"
     status_code: str = "STATUS_CODE_UNSET"  # "STATUS_CODE_OK" / "STATUS_CODE_ERROR"
+    service_instance: str = ""  # the resource attribute service.instance.id (a worker's id)
 
     @property
     def is_root(self) -> bool:
@@ -74,7 +75,8 @@ def _attributes(key_values) -> dict[str, Any]:
 def _flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> list[CollectedSpan]:
     spans = []
     for resource_spans in request.resource_spans:
-        service_name = _attributes(resource_spans.resource.attributes).get("service.name") or ""
+        resource = _attributes(resource_spans.resource.attributes)
+        service_name, instance = resource.get("service.name") or "", resource.get("service.instance.id") or ""
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 spans.append(
@@ -91,6 +93,7 @@ def _flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Colle
                         end_ns=span.end_time_unix_nano,
                         kind=trace_pb2.Span.SpanKind.Name(span.kind),
                         status_code=trace_pb2.Status.StatusCode.Name(span.status.code),
+                        service_instance=str(instance),
                     )
                 )
     return spans
