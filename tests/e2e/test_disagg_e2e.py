@@ -11,7 +11,6 @@ import concurrent.futures as cf
 import signal
 
 import pytest
-import torch
 from kv_tier_stack import GATEWAY_READY, READY_TIMEOUT_S, TierStack, tier_stack
 from polling import wait_for
 from service_process import service_process
@@ -63,13 +62,8 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_tokens(prompts, hf_greedy) -> list[list[int]]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return [hf_greedy(p, MAX_TOKENS) for p in prompts]
-    finally:
-        torch.set_num_threads(num_threads)
+def hf_tokens(prompts, hf_greedy_alone) -> list[list[int]]:
+    return hf_greedy_alone(prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
@@ -100,13 +94,8 @@ def fault_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def fault_tokens(fault_prompts, hf_greedy) -> list[list[int]]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return [hf_greedy(p, 8) for p in fault_prompts]
-    finally:
-        torch.set_num_threads(num_threads)
+def fault_tokens(fault_prompts, hf_greedy_alone) -> list[list[int]]:
+    return hf_greedy_alone(fault_prompts, 8)
 
 
 def run_all(stack: TierStack, prompts: list[list[int]], max_tokens: int = 8) -> list[cf.Future]:

@@ -14,7 +14,6 @@ from collections import Counter
 
 import openai
 import pytest
-import torch
 from gateway_stack import running_stack
 from kv_tier_engine import TierLLM
 from kv_tier_stack import admin_call, tier_env
@@ -142,15 +141,9 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_tokens(prompts, hf_greedy) -> list[list[int]]:
-    """HF's greedy tokens for each prompt alone, on one thread: on two shared cores, HF's two OpenMP threads
-    spin against the services of the other tests (measured: 17 s for 24 tokens, 2.5 s on one thread)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return [hf_greedy(p, MAX_TOKENS) for p in prompts]
-    finally:
-        torch.set_num_threads(num_threads)
+def hf_tokens(prompts, hf_greedy_alone) -> list[list[int]]:
+    """HF's greedy tokens for each prompt alone."""
+    return hf_greedy_alone(prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

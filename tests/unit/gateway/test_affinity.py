@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from engine_fakes import InProcessKVManager, PagedRuleWorker, reference
+from engine_fakes import LockedKV, PagedRuleWorker, reference
 
 from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.worker import SamplingParams
@@ -76,26 +76,16 @@ class GatedRuleWorker(PagedRuleWorker):
         self.gate.set()
 
 
-class PlacingKV(InProcessKVManager):
+class PlacingKV(LockedKV):
     """The in-process kvmanager, its calls serialised (two engine threads call it), its Place calls recorded as
     (tenant, worker_id)."""
 
     def __init__(self):
         super().__init__()
-        self.lock = threading.Lock()
         self.placed: list[tuple[str, str]] = []
 
-    def register(self, spec, release_requests=False):
-        with self.lock:
-            return super().register(spec, release_requests)
-
-    def step_pages(self, ops, traceparents=NO_TRACES):
-        with self.lock:
-            return super().step_pages(ops, traceparents)
-
     def place(self, tenant, token_ids, num_queued):
-        with self.lock:
-            worker_id = super().place(tenant, token_ids, num_queued)
+        worker_id = super().place(tenant, token_ids, num_queued)
         self.placed.append((tenant, worker_id))
         return worker_id
 

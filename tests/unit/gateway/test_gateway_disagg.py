@@ -6,10 +6,9 @@ or hit) holds what it should. The kvmanager is the real one, in-process."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
-from engine_fakes import InProcessKVManager, PagedRuleWorker, reference
+from engine_fakes import LockedKV, PagedRuleWorker, reference
 
 from kvserve.common.telemetry import NO_TRACES
 from kvserve.common.wire.transfer import PullResult
@@ -21,30 +20,6 @@ from kvserve.services.gateway.request import FinishReason
 from kvserve.services.gateway.validate import GenerateInput
 
 PAGE = 4
-
-
-class LockedKV(InProcessKVManager):
-    """The in-process kvmanager, its calls serialised (several engine threads call it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lock = threading.RLock()
-
-    def register(self, spec, release_requests=False):
-        with self.lock:
-            return super().register(spec, release_requests)
-
-    def step_pages(self, ops, traceparents=NO_TRACES):
-        with self.lock:
-            return super().step_pages(ops, traceparents)
-
-    def place(self, tenant, token_ids, num_queued):
-        with self.lock:
-            return super().place(tenant, token_ids, num_queued)
-
-    def place_among(self, tenant, token_ids, num_queued, worker_ids, pull_peers):
-        with self.lock:
-            return super().place_among(tenant, token_ids, num_queued, worker_ids, pull_peers)
 
 
 class PeerRuleWorker(PagedRuleWorker):
