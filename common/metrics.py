@@ -22,7 +22,8 @@ GATEWAY_METRICS = (
     "kvserve:time_to_first_token_seconds", "kvserve:time_per_output_token_seconds",
     "kvserve:e2e_request_latency_seconds", "kvserve:scheduler_step_seconds", "kvserve:kvmanager_wait_fraction",
     "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total", "kvserve:request_success_total",
-    "kvserve:http_requests_total", "kvserve:http_request_duration_seconds",
+    "kvserve:http_requests_total", "kvserve:http_request_duration_seconds", "kvserve:page_pulls_total",
+    "kvserve:page_pull_bytes_total", "kvserve:page_pull_seconds", "kvserve:prefill_handoffs_total",
 )
 # The shared KV tier's counters of a worker (KVTier.stats()), by TierCounters field: (metric, help).
 TIER_COUNTERS = {

@@ -147,6 +147,7 @@ class KVManager:
             if req.transfer is not None and req.transfer.worker_id == worker_id:
                 req.transfer = None
                 self.num_holds -= 1
+                self.transfers.num_expired += 1  # ended unreported: its report finds no hold
         dropped = self.req_ids_on(worker_id)
         for req_id in dropped:
             req = self.stale[req_id] = self.requests.pop(req_id)

@@ -38,7 +38,7 @@ class TransferTotals:
     num_pages: int = 0  # pages those pulls were to move
     num_ok: int = 0  # reported done: every page verified
     num_failed: int = 0  # reported failed: the request recomputes them
-    num_expired: int = 0  # holds whose lease passed before the pull was reported
+    num_expired: int = 0  # holds that ended unreported: the lease passed, or the source pool was dropped
     num_bytes: int = 0  # received, as reported
     seconds: float = 0.0  # wall time of the reported pulls
     num_moved: int = 0  # requests whose prefill ran on another worker (moved_from)

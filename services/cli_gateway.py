@@ -54,7 +54,8 @@ def add_gateway_flags(p) -> None:
     p.add_argument("--no-pull-peers", action="store_true",
                    default=_env("no_pull_peers", "") not in ("", "0", "false"),
                    help="never pull a prefix from another worker's pool: recompute it (for comparisons); prefill "
-                        "workers then hand nothing to decode workers")
+                        "workers then get no prompts to prefill for others (they serve as workers of both roles "
+                        "only when no other worker is live)")
     p.add_argument("--max-local-prefill", type=non_negative_int, default=_env("max_local_prefill", "256"),
                    help="with prefill workers (--role prefill) live: a prompt with more uncached tokens than this "
                         "prefills on one and decodes on a decode worker that pulls its pages; shorter ones "

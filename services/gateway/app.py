@@ -299,13 +299,14 @@ class Gateway:
             engine = self._place_by_cache(req, {w: num_queued[w] for w in by_id}, by_id)
             if req.cache_key:
                 self.affinity.remember(req.tenant, req.cache_key, engine.info.worker_id)
-        if roles.prefill:  # disaggregated: a long uncached prompt prefills on a prefill worker first
+        if roles.prefill and self.cfg.pull_peers:  # disaggregated: a long uncached prompt prefills there first
             engine = route(self.kv, req, roles, num_queued, engine, self.cfg.max_local_prefill, self.cfg.pull_peers)
         return engine
 
     def _place_by_cache(self, req: Request, num_queued: dict[str, int], by_id: dict[str, EngineLoop]) -> EngineLoop:
         """The worker the kvmanager's cache-aware placement chooses (longest prefix hit balanced against
-        load) among ``by_id``'s; the only one when there is one.
+        load, a prefix it would pull from another worker counted half) among ``by_id``'s; the only one when
+        there is one.
 
         While the kvmanager is unreachable, or when it names a worker that is not among them (gone, draining),
         the one with the fewest queued requests: the request then waits for the kvmanager in its first page op,
@@ -315,7 +316,8 @@ class Gateway:
             return next(iter(by_id.values()))
         least_queued = min(num_queued, key=num_queued.get)  # the first of the least queued
         try:
-            worker_id = self.kv.place(req.tenant, req.prompt_token_ids, num_queued)
+            worker_id, _ = self.kv.place_among(req.tenant, req.prompt_token_ids, num_queued, tuple(by_id),
+                                               self.cfg.pull_peers)
         except KVManagerUnavailable as e:
             worker_id = least_queued
             self._placement_degraded(str(e))

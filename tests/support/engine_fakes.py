@@ -78,6 +78,10 @@ class InProcessKVManager(inprocess.InProcessKVManager):
         self._check()
         return super().place(tenant, token_ids, num_queued)
 
+    def place_among(self, tenant, token_ids, num_queued, worker_ids, pull_peers):
+        self._check()
+        return super().place_among(tenant, token_ids, num_queued, worker_ids, pull_peers)
+
     def leave_worker(self, worker_id: str, epoch: int) -> tuple[str, ...]:
         self._check()
         pool = self.mgr.pools.get(worker_id)
@@ -236,3 +240,7 @@ class PinRecordingKV(InProcessKVManager):
     def place(self, tenant, token_ids, num_queued):
         with self.lock:
             return super().place(tenant, token_ids, num_queued)
+
+    def place_among(self, tenant, token_ids, num_queued, worker_ids, pull_peers):
+        with self.lock:
+            return super().place_among(tenant, token_ids, num_queued, worker_ids, pull_peers)

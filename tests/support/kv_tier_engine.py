@@ -48,6 +48,10 @@ class LockedKVManager(InProcessKVManager):
         with self.lock:
             return super().place(tenant, token_ids, num_queued)
 
+    def place_among(self, tenant, token_ids, num_queued, worker_ids, pull_peers):
+        with self.lock:
+            return super().place_among(tenant, token_ids, num_queued, worker_ids, pull_peers)
+
     def report_tier(self, report: TierReport) -> None:
         with self.lock:
             self.mgr.report_tier(report)

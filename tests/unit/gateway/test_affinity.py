@@ -84,10 +84,10 @@ class PlacingKV(LockedKV):
         super().__init__()
         self.placed: list[tuple[str, str]] = []
 
-    def place(self, tenant, token_ids, num_queued):
-        worker_id = super().place(tenant, token_ids, num_queued)
+    def place_among(self, tenant, token_ids, num_queued, worker_ids, pull_peers):
+        worker_id, num_cached = super().place_among(tenant, token_ids, num_queued, worker_ids, pull_peers)
         self.placed.append((tenant, worker_id))
-        return worker_id
+        return worker_id, num_cached
 
 
 @pytest.fixture

@@ -151,15 +151,17 @@ def test_a_prefix_in_a_busy_workers_pool_is_pulled_by_an_idle_one(model_dir):
         source = first.worker_id
         receiver = w1 if source == "w0" else w0
         computed = receiver.computed_tokens
-        with kv.lock:  # the source looks busy: placement's load penalty outweighs half the prefix
-            kv.mgr.pools[source].num_requests += 8
+        # Two requests on the source: 10 pages of hit - 2 x 4 = 2 there, 10 / 2 = 5 pages of peer hit on the idle
+        # one (a peer hit counts half a pool hit), which wins; were peer hits not counted, the source would
+        with kv.lock:
+            kv.mgr.pools[source].num_requests += 2
         try:
             revisit = run(gateway, prompt + [7, 7, 7])
             assert revisit.worker_id == receiver.worker_id
             assert tokens_of(revisit) == reference(prompt + [7, 7, 7], 6)
         finally:
             with kv.lock:
-                kv.mgr.pools[source].num_requests -= 8
+                kv.mgr.pools[source].num_requests -= 2
         assert len(receiver.pulls) == 1 and len(receiver.pulls[0].loads) == 10  # the prompt's 40 tokens
         assert receiver.computed_tokens - computed == 43 - 40 + 5
         assert_all_freed(kv)
@@ -176,6 +178,23 @@ def test_without_a_decode_worker_the_prefill_worker_serves_alone(model_dir):
         prompt = list(range(1, 31))
         assert tokens_of(run(gateway, prompt)) == reference(prompt, 6)
         assert p.sampled == 6 and not p.pulls
+        assert_all_freed(kv)
+    finally:
+        gateway.close(drain_s=1.0)
+
+
+def test_without_pulls_prefill_workers_get_no_prompts_to_prefill_for_others(model_dir):
+    """--no-pull-peers: a long prompt is not prefilled on the prefill worker (its pages could not move): the
+    decode worker computes it all."""
+    peers: dict = {}
+    kv = LockedKV()
+    p, d = PeerRuleWorker("prefill-0", "prefill", peers), PeerRuleWorker("decode-0", "decode", peers)
+    gateway = gateway_of(model_dir, kv, [p, d], max_local_prefill=8, pull_peers=False)
+    try:
+        prompt = list(range(1, 31))
+        assert tokens_of(run(gateway, prompt)) == reference(prompt, 6)
+        assert p.computed_tokens == 0 and not d.pulls and d.computed_tokens == 30 + 5
+        assert kv.mgr.transfers.num_moved == 0
         assert_all_freed(kv)
     finally:
         gateway.close(drain_s=1.0)
