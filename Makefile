@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-tenants bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
+.PHONY: install model kernels serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-tenants bench-disagg bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -114,6 +114,13 @@ bench-tiered: model kernels
 # share weighted 3:1, interleaved round by round. bench/results/tenants-<date>.json and .md; under 10 minutes.
 bench-tenants: model kernels
 	$(PY) bench/bench_tenants.py
+
+# Prefill/decode disaggregation and page pulls (issue 40), two workers of one core each: 1 prefill + 1 decode worker
+# against 2 workers of role both under the same load (decodes while long prompts prefill), and a revisited
+# ~1,200-token prefix pulled from a busy worker against recomputed. bench/results/disagg-<date>.json, .md, .png;
+# about 15 minutes.
+bench-disagg: model kernels
+	$(PY) bench/bench_disagg.py
 
 # The gateway's page ops overlapped with compute vs waited for, alternated over 8 rounds.
 bench-overlap: model kernels
