@@ -89,23 +89,26 @@ def _check_tier(mgr: KVManager) -> None:
     assert all(len(h) == 16 for h in tier.entries), "store index: a key that is not a 16-byte block hash"
 
 
-def _held_for_pulls(mgr: KVManager, pool: PagePool) -> Counter[int]:
-    """The pool's pages held as the source of live requests' pulls (each a cached block: a committed page)."""
-    held: Counter[int] = Counter()
+def _held_for_pulls(mgr: KVManager, pool: PagePool) -> dict[int, tuple[int, str]]:
+    """The pool's pages held as the source of live requests' pulls: page -> (holds, tenant). Each is a cached
+    block (a committed page) but the last of a hold, which may be a prompt's last, partial page."""
+    held: dict[int, tuple[int, str]] = {}
     for req in mgr.requests.values():
         hold = req.transfer
         if hold is not None and hold.worker_id == pool.spec.worker_id:
             assert hold.epoch == pool.spec.epoch, f"{req.req_id!r} holds pages of a dropped epoch of {hold.worker_id}"
-            assert all(pool.block_of[p] is not None for p in hold.page_ids), f"{req.req_id!r} holds an uncached page"
-            held.update(hold.page_ids)
+            assert all(pool.block_of[p] is not None for p in hold.page_ids[:-1]), (
+                f"{req.req_id!r} holds an uncached page that is not its prompt's last")
+            for p in hold.page_ids:
+                held[p] = (held.get(p, (0, ""))[0] + 1, req.tenant)
     assert mgr.num_holds == sum(1 for r in mgr.requests.values() if r.transfer is not None), "num_holds miscounted"
     return held
 
 
-def _check_pool(pool: PagePool, live: list[RequestPages], held: Counter[int]) -> None:
+def _check_pool(pool: PagePool, live: list[RequestPages], held: dict[int, tuple[int, str]]) -> None:
     w, n = pool.spec.worker_id, pool.spec.num_pages
     assert len(pool.ref_cnt) == len(pool.block_of) == n, f"{w}: ref_cnt/block_of sized for {n} pages"
-    holders: Counter[int] = Counter(held)
+    holders: Counter[int] = Counter({p: k for p, (k, _) in held.items()})
     for req in live:
         pages = [p for p in req.page_table if p != HOLE]
         assert len(set(pages)) == len(pages), f"{w}: {req.req_id!r} holds a page twice"
@@ -119,12 +122,14 @@ def _check_pool(pool: PagePool, live: list[RequestPages], held: Counter[int]) ->
     assert pool.num_requests == len(live), f"{w}: num_requests {pool.num_requests} != {len(live)} live"
     _check_index(pool)
     _check_lists(pool)
-    _check_owners(pool, live)
+    _check_owners(pool, live, held)
 
 
-def _check_owners(pool: PagePool, live: list[RequestPages]) -> None:
+def _check_owners(pool: PagePool, live: list[RequestPages], held: dict[int, tuple[int, str]]) -> None:
     w = pool.spec.worker_id
     want: list[str | None] = [b.tenant if b is not None else None for b in pool.block_of]
+    for p, (_, tenant) in held.items():
+        want[p] = tenant
     for req in live:
         for p in req.page_table:
             if p != HOLE:

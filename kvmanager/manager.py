@@ -54,7 +54,7 @@ from kvserve.common.wire.pages import (
     StoreWriteOrder,
 )
 from kvserve.common.wire.tier import PAGE_VALUE_HEADER_BYTES, StoreLoad, StoreWrite, TierReport
-from kvserve.common.wire.transfer import DEFAULT_LEASE_MS, ROLES, PeerLoad, TransferDone
+from kvserve.common.wire.transfer import DEFAULT_LEASE_MS, ROLES, UNCOMMITTED_BLOCK, PeerLoad, TransferDone
 from kvserve.kvmanager.errors import UnknownRequest, UnknownWorker
 from kvserve.kvmanager.fair_share import FairShare
 from kvserve.kvmanager.hashing import chain_hashes
@@ -325,11 +325,16 @@ class KVManager:
         loads = [StoreLoad(table[i], stored[i - first_stored], seed) for i in filled if i >= first_stored]
         page_size = spec.page_size
         num_committed, num_cached = len(own) * page_size, hits.num * page_size
+        partial = self._partial_page(op, moving, chosen, pool) if peer else None
+        if partial is not None:  # its prompt's last page, computed on the prefill worker, moves too
+            peer.append(PeerLoad(table[partial[0]], partial[1], UNCOMMITTED_BLOCK, seed))
+            num_cached = moving.num_prompt_tokens
         req = RequestPages(op.req_id, op.tenant, spec.worker_id, spec.epoch, table, seed,
                            [b.block_hash for b in own], len(op.token_ids), num_committed, op.skip_prefix_cache,
                            pins=op.pins)
         if peer:
-            req.transfer = self._hold(hits.source, [pulled[i - len(own)] for i in filled if i < first_stored])
+            req.transfer = self._hold(hits.source, [pulled[i - len(own)] for i in filled if i < first_stored],
+                                      [partial[1]] if partial is not None else [])
         if moving is not None:  # its prefill's incarnation: its pages are held for the pull now
             self._free(PageFree(op.req_id))
         if moved:
@@ -356,9 +361,26 @@ class KVManager:
         return result
 
     # -- transfers ----------------------------------------------------------------------------------------
-    def _hold(self, source: PagePool, blocks: list) -> TransferHold:
-        """Holds a pull's source pages (one more ref_cnt each) until it ends or the lease passes."""
-        page_ids = [b.page_id for b in blocks]
+    def _partial_page(self, op: PageAllocation, moving, chosen, pool: PagePool) -> tuple[int, int] | None:
+        """A request moving from the prefill worker whose pool holds it (``moving``), which computed its whole
+        prompt and sampled its first token (op.token_ids is the prompt and that token): its prompt's last page,
+        not full and so never committed, is pulled with the others when they are all peer or pool hits. Returns
+        (its index in the page table, its page on the source), or None."""
+        hits, page_size = chosen.hits, pool.spec.page_size
+        if moving is None or moving.worker_id == op.worker_id or pool.window.slides or hits.stored:
+            return None
+        computed = moving.num_prompt_tokens
+        k = computed // page_size
+        if len(op.token_ids) != computed + 1 or computed % page_size == 0 or hits.num != k or \
+                hits.source is None or hits.source.spec.worker_id != moving.worker_id or \
+                k >= len(moving.page_table) or moving.page_table[k] == HOLE:
+            return None
+        return k, moving.page_table[k]
+
+    def _hold(self, source: PagePool, blocks: list, uncommitted: list[int] = ()) -> TransferHold:
+        """Holds a pull's source pages (one more ref_cnt each) until it ends or the lease passes: the blocks',
+        and ``uncommitted`` pages (a prompt's last, partial page, held by the incarnation being moved)."""
+        page_ids = [b.page_id for b in blocks] + list(uncommitted)
         source.acquire(page_ids)
         self._touch(blocks)
         self.num_holds += 1

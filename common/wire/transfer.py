@@ -17,6 +17,9 @@ ROLES = ("both", "prefill", "decode")
 LEASE_MARGIN_MS = 2000
 DEFAULT_LEASE_MS = 30_000
 FRAME_BYTES = 1 << 20  # a ReadPages frame carries page values up to about this many bytes (at least one page)
+# The block hash a pull names a page with that holds no committed block: the last, partial page of a prompt
+# its prefill worker computed whole (the page values' headers name it, as they name a block).
+UNCOMMITTED_BLOCK = bytes(16)
 
 
 def check_role(role: str) -> str:

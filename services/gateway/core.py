@@ -10,7 +10,8 @@ bottom (``step``):
 Transfers (disaggregated serving, cache-aware pulls): an admission whose answer lists peer_loads holds its pages
 but does not compute until its worker has pulled them from the other worker (PullPages, run on ``pull_executor``
 beside the steps); each step first collects the pulls that ended (on_pull_done wakes the engine loop). A request
-on a prefill worker (prefill_until) leaves once its prefill is committed (take_prefilled), for a decode worker.
+on a prefill worker (prefill_until) computes its prompt and samples its first token, then leaves once its full
+pages are committed (take_prefilled), for a decode worker.
 
 The shared KV tier: the blocks an answer asks to be written (StepResults.store_writes) go with the worker's
 next step, which copies them before it computes; with nothing to compute, a step carries them alone. Requests

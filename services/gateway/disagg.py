@@ -3,9 +3,10 @@
 Workers take a role (``--role``): ``prefill`` workers compute prompts and never decode, ``decode`` workers take
 requests whose prompt is (mostly) computed elsewhere, ``both`` (the default) do everything. With prefill workers
 live, a new request whose uncached prompt is longer than ``max_local_prefill`` tokens goes to one of them with
-``prefill_until`` set (its whole pages but the last token's); once those are committed there, the engine hands it
-to a decode worker (``decode_target``), whose allocation takes the pages as peer hits (moved_from) and pulls them,
-then computes the last page's tokens and decodes. A short prompt, or one whose prefix is cached where it would
+``prefill_until`` set: it computes its whole prompt there and samples its first token (its time to first token is
+the prefill worker's); once its full pages are committed there, the engine hands it to a decode worker, whose
+allocation takes its pages as peer hits (moved_from: the prompt's last, partial page too) and pulls them, then
+decodes from the first token on. A short prompt, or one whose prefix is cached where it would
 decode, prefills there: moving it would cost more than computing it. With no decode worker live, prefill workers
 decode too, and no request is sent to prefill elsewhere.
 """
@@ -36,10 +37,6 @@ class Roles:
         return cls(prefill if decode else (), decode or prefill)
 
 
-def prefill_until(req: Request, page_size: int) -> int:
-    """The tokens a prefill worker computes: the prompt's whole pages short of its last token (whose logits the
-    decode worker computes, with the rest of the last page)."""
-    return (len(req.prompt_token_ids) - 1) // page_size * page_size
 
 
 def choose(kv: KVManagerBackend, req: Request, candidates: Sequence, num_queued: dict[str, int],
@@ -60,10 +57,10 @@ def route(kv: KVManagerBackend, req: Request, roles: Roles, num_queued: dict[str
     """Where a new request goes when prefill workers are live: ``decode_engine`` (the decode side's choice)
     when its uncached prompt there is short, else a prefill worker, with ``req.prefill_until`` set."""
     _, num_cached = choose(kv, req, (decode_engine,), num_queued, pull_peers)
-    page_size = decode_engine.info.page_size
-    until = prefill_until(req, page_size)
-    if len(req.prompt_token_ids) - num_cached <= max_local_prefill or until <= num_cached:
+    num_prompt = len(req.prompt_token_ids)
+    if num_prompt - num_cached <= max_local_prefill:
         return decode_engine
     engine, _ = choose(kv, req, roles.prefill, num_queued, pull_peers)
-    req.prefill_until = until
+    page_size = engine.info.page_size
+    req.prefill_until, req.prefill_committed_until = num_prompt, num_prompt // page_size * page_size
     return engine

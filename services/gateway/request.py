@@ -69,10 +69,12 @@ class Request:
     pulling: bool = False
     pull_seq: int = 0  # which of its pulls is the current one (a pull of an earlier incarnation is ignored)
     skip_peers: bool = False  # a pull failed for it: its next admissions take no peer hits
-    # Disaggregated serving: on a prefill worker it computes only its first ``prefill_until`` tokens (whole
-    # pages), samples nothing, and once they are committed moves to a decode worker, which pulls them;
-    # ``moved_from`` names the prefill worker until its decode worker allocated it. 0 / "": neither.
+    # Disaggregated serving: on a prefill worker it computes its prompt (``prefill_until`` tokens) and samples
+    # its first token there; once its full pages (``prefill_committed_until`` tokens) are committed it moves to a
+    # decode worker, which pulls its pages (the last, partial one too); ``moved_from`` names the prefill worker
+    # until its decode worker allocated it. 0 / "": neither.
     prefill_until: int = 0
+    prefill_committed_until: int = 0
     moved_from: str = ""
     pins: tuple[PinPoint, ...] = ()  # soft pins of its prompt's prefixes it asks the kvmanager for
     num_pinned_tokens: int = 0  # leading prompt tokens under a pin it took or refreshed (the kvmanager's answer)
@@ -116,8 +118,10 @@ class Request:
 
     @property
     def prefilled(self) -> bool:
-        """On a prefill worker: its pages are computed and committed, ready for its decode worker to pull."""
-        return 0 < self.prefill_until <= self.num_committed_tokens
+        """On a prefill worker: its prompt is computed (its first token sampled) and its full pages committed,
+        ready for its decode worker to pull."""
+        return 0 < self.prefill_until <= self.num_computed_tokens and \
+            self.num_committed_tokens >= self.prefill_committed_until
 
     def reset_for_recompute(self) -> None:
         """Preempted: forget the pages; everything known so far is a prompt to recompute on readmission."""
@@ -136,4 +140,5 @@ class Request:
         moved_from (taking its pages there as peer hits) and computes from there. Not a preemption."""
         self.reset_for_recompute()
         self.num_preemptions -= 1
-        self.prefill_until, self.moved_from = 0, prefill_worker_id
+        self.prefill_until = self.prefill_committed_until = 0
+        self.moved_from = prefill_worker_id

@@ -59,16 +59,15 @@ def test_a_request_prefilled_on_one_worker_and_decoded_on_another_is_one_trace(t
         chunks = sorted((s for s in trace if s.name == "worker.prefill_chunk"), key=lambda s: s.start_ns)
         (pull,) = [s for s in trace if s.name == "worker.pull"]
         (read,) = [s for s in trace if s.name == "worker.read_pages"]
-        prefill_until = (result.usage.prompt_tokens - 1) // PAGE_SIZE * PAGE_SIZE
-        # prefill chunks on prefill-0 up to its last whole page; the rest (the last page) on decode-0
-        assert {c.service_instance for c in chunks if c.attributes["kvserve.start_pos"] < prefill_until} == \
-            {"prefill-0"}
-        assert [c.service_instance for c in chunks if c.attributes["kvserve.start_pos"] >= prefill_until] == \
-            ["decode-0"]
-        # the pull: decode-0's, a child of the request span; prefill-0's read, a child of the pull
+        num_prompt = result.usage.prompt_tokens
+        # the whole prompt prefills on prefill-0 (which samples the first token); decode-0 computes none of it
+        assert {c.service_instance for c in chunks} == {"prefill-0"}
+        assert sum(c.attributes["kvserve.num_tokens"] for c in chunks) == num_prompt
+        # the pull: decode-0's, a child of the request span; prefill-0's read, a child of the pull; every page of
+        # the prompt, its last partial one included
         assert pull.service_instance == "decode-0" and pull.parent_span_id == request.span_id
         assert read.service_instance == "prefill-0" and read.parent_span_id == pull.span_id
-        assert pull.attributes["kvserve.num_filled_pages"] == prefill_until // PAGE_SIZE
+        assert pull.attributes["kvserve.num_filled_pages"] == -(-num_prompt // PAGE_SIZE)
         assert max(c.end_ns for c in chunks if c.service_instance == "prefill-0") <= pull.start_ns
         assert "prefilled" in request.events and "pulled" in request.events
         decodes = [s for s in spans if s.name == "worker.decode_step" and (request.trace_id, request.span_id) in

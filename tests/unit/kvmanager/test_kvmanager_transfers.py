@@ -12,7 +12,7 @@ from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.redis_client import connect
 from kvserve.common.wire.pages import OpStatus, PageAllocation, PageCommit, PageFree, PoolSpec, StepOps
-from kvserve.common.wire.transfer import DEFAULT_LEASE_MS, PeerLoad, TransferDone
+from kvserve.common.wire.transfer import DEFAULT_LEASE_MS, UNCOMMITTED_BLOCK, PeerLoad, TransferDone
 from kvserve.kvmanager import admin
 from kvserve.kvmanager import snapshot as snapshots
 from kvserve.kvmanager.call_log import CallLog
@@ -411,3 +411,30 @@ def test_a_join_refused_for_its_pool_leaves_no_member_and_no_pool():
     with pytest.raises(InvalidRequest, match="role 'Decode' is not one of"):
         svc.join_worker(spec("d0", role="Decode"), "d0:1")
     assert sorted(svc.manager.pools) == ["p0"] and sorted(svc.members.members) == ["p0"]
+
+
+def test_a_move_after_the_first_token_pulls_the_prompts_partial_last_page_too():
+    """The prefill computed the whole 13-token prompt and sampled a token: the move (prompt + that token) pulls
+    the 3 full pages and the last, partial one (1 token, never committed), named UNCOMMITTED_BLOCK; every prompt
+    token counts as computed. The partial page is held like the others, and freed (it holds no block) with the
+    hold."""
+    m, decode = manager(), Caller()
+    prefilled(m, "r", "w0", caller=Caller())
+    partial_src = m.requests["r"].page_table[3]
+    r = alloc(m, "r", (*P, 7), "w1", caller=decode, pull_peers=True, moved_from="w0")
+    assert r.status == OpStatus.OK and r.num_cached_tokens == 13 and r.num_committed_tokens == 0
+    assert [(x.page_id, x.src_page_id) for x in r.peer_loads] == [(0, 0), (1, 1), (2, 2), (3, partial_src)]
+    assert r.peer_loads[-1].block_hash == UNCOMMITTED_BLOCK
+    assert m.pools["w0"].ref_cnt[:4] == [1, 1, 1, 1] and m.pools["w0"].block_of[partial_src] is None
+    done(m, "r", caller=decode)
+    assert m.pools["w0"].ref_cnt[:4] == [0, 0, 0, 0] and partial_src in m.pools["w0"].free
+    free(m, "r", caller=decode)
+
+
+@pytest.mark.parametrize("tokens", [P, (*P, 7, 8)])
+def test_no_partial_page_unless_the_prefill_computed_exactly_the_prompt_and_one_token_follows(tokens):
+    m = manager()
+    prefilled(m, "r", "w0", caller=Caller())
+    r = alloc(m, "r", tokens, "w1", caller=Caller(), pull_peers=True, moved_from="w0")
+    assert UNCOMMITTED_BLOCK not in [x.block_hash for x in r.peer_loads]
+    assert r.num_cached_tokens == (len(tokens) - 1) // PS * PS
