@@ -15,11 +15,12 @@ prompt is fresh text (a numbered header, then a slice of the corpus), so nothing
            decode, a baseline window with no long prompt; then long prompts of ~2,000, 3,000 and 4,000 tokens
            (8 new tokens) arrive 4 s apart; once they are done, a short after-window, then the lanes stop.
            Figures: the short requests' inter-token gaps (time per output token) p50 and p99 in the baseline
-           window and while a long prompt prefills (from its arrival to its first token: in (a) its prefill, its
-           pull and its last page); the long prompts' TTFT; generated tokens per second from the first short
-           request sent to the lanes' stop; the kvmanager's transfer counters over the run (MB/s, seconds per
-           pull, ok/failed). Both stacks are up at once (the idle one only heartbeats); each round runs (a)
-           then (b), the next (b) then (a).
+           window and while a long prompt is in flight (from its arrival to its last token: its prefill, in (a)
+           its hand-off to decode-0 and the pull, and its few tokens), and while one prefills (arrival to first
+           token, which in (a) prefill-0 samples); the long prompts' TTFT and the gap to their second token (in
+           (a), the hand-off); generated tokens per second from the first short request sent to the lanes' stop;
+           the kvmanager's transfer counters over the run (MB/s, seconds per pull, ok/failed). Both stacks are
+           up at once (the idle one only heartbeats); each round runs (a) then (b), the next (b) then (a).
   pull     cache-aware pull against recompute. Two stacks of two `both` workers and --load-penalty-pages 100:
            pull (the default) and recompute (--no-pull-peers). A request with a fresh ~1,200-token prefix
            computes it on worker A and keeps decoding (streamed); the revisit (the same prefix, another short
@@ -124,6 +125,7 @@ class Stream:
         first = self.times[0] if self.times else None
         return {"sent_s": self.sent - t0, "ttft_s": first - self.sent if first else None,
                 "done_s": self.times[-1] - t0 if self.times else None, "tokens": len(self.times),
+                "second_token_gap_s": self.times[1] - self.times[0] if len(self.times) > 1 else None,
                 "prompt_tokens": self.usage.prompt_tokens if self.usage else None,
                 "cached_tokens": self.usage.cached_tokens if self.usage else None}
 
@@ -206,7 +208,9 @@ def decodes_run(up: Up, texts: Texts, sz: Sizes) -> dict:
             f.result()
     shorts = [s for lane in lanes for s in lane.streams]
     prefilling = [(s.sent, s.times[0]) for s in longs]
+    in_flight = [(s.sent, s.times[-1]) for s in longs]
     windows = {"baseline": gaps(shorts, lambda t: base_from < t <= arrive),
+               "in_flight": gaps(shorts, lambda t: any(a < t <= b for a, b in in_flight)),
                "prefilling": gaps(shorts, lambda t: any(a < t <= b for a, b in prefilling)),
                "after": gaps(shorts, lambda t: done < t <= end)}
     generated = sum(1 for s in shorts for t in s.times if t0 < t <= end) + sum(len(s.times) for s in longs)
@@ -214,7 +218,7 @@ def decodes_run(up: Up, texts: Texts, sz: Sizes) -> dict:
             "long": [s.summary(t0) for s in longs], "generated_tokens": generated, "wall_s": end - t0,
             "tokens_per_s": generated / (end - t0), "transfers": delta(up.transfers(), before),
             "num_preempted": up.num_preempted() - preempted,
-            "timeline": disagg_output.timeline(shorts, t0, end, [(a - t0, b - t0) for a, b in prefilling]),
+            "timeline": disagg_output.timeline(shorts, t0, end, [(a - t0, b - t0) for a, b in in_flight]),
             "load_avg_1min": os.getloadavg()[0]}
 
 
