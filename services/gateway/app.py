@@ -233,10 +233,9 @@ class Gateway:
             with self._lock:
                 live = [e for e in self._engines.values() if e.placeable]
                 num_queued = {e.info.worker_id: e.num_queued for e in live}
-            decoders = Roles.of(live).decode
-            decoders = [e for e in decoders if e.info.role != "prefill"] or [engine]
-            target, _ = choose(self.kv, t.handle.req, decoders, num_queued, self.cfg.pull_peers) \
-                if len(decoders) > 1 else (decoders[0], 0)
+            decoders = [e for e in live if e.info.role != "prefill"] or [engine]
+            target = decoders[0] if len(decoders) == 1 else \
+                choose(self.kv, t.handle.req, decoders, num_queued, self.cfg.pull_peers)[0]
             target.adopt([t])
 
     def _placeable(self, exclude: EngineLoop | None = None) -> EngineLoop | None:
@@ -291,39 +290,40 @@ class Gateway:
         otherwise it is placed by ``_place_by_cache`` and, with a key, the worker is remembered for it."""
         roles = Roles.of(engines)
         by_id = {e.info.worker_id: e for e in roles.decode}
-        engine = None
+        engine, num_cached = None, None
         if req.cache_key:
             worker_id = self.affinity.worker_for(req.tenant, req.cache_key, num_queued)
             engine = by_id.get(worker_id) if worker_id is not None else None
         if engine is None:
-            engine = self._place_by_cache(req, {w: num_queued[w] for w in by_id}, by_id)
+            engine, num_cached = self._place_by_cache(req, {w: num_queued[w] for w in by_id}, by_id)
             if req.cache_key:
                 self.affinity.remember(req.tenant, req.cache_key, engine.info.worker_id)
         if roles.prefill and self.cfg.pull_peers:  # disaggregated: a long uncached prompt prefills there first
-            engine = route(self.kv, req, roles, num_queued, engine, self.cfg.max_local_prefill, self.cfg.pull_peers)
+            engine = route(self.kv, req, roles, num_queued, engine, num_cached, self.cfg.max_local_prefill,
+                           self.cfg.pull_peers)
         return engine
 
-    def _place_by_cache(self, req: Request, num_queued: dict[str, int], by_id: dict[str, EngineLoop]) -> EngineLoop:
+    def _place_by_cache(self, req: Request, num_queued: dict[str, int],
+                        by_id: dict[str, EngineLoop]) -> tuple[EngineLoop, int | None]:
         """The worker the kvmanager's cache-aware placement chooses (longest prefix hit balanced against
         load, a prefix it would pull from another worker counted half) among ``by_id``'s; the only one when
-        there is one.
+        there is one. With it, the prompt tokens placement found cached for it there (None: not asked).
 
         While the kvmanager is unreachable, or when it names a worker that is not among them (gone, draining),
         the one with the fewest queued requests: the request then waits for the kvmanager in its first page op,
         as running ones do, instead of holding up every submission behind a placement that waits out the
         outage."""
         if len(by_id) == 1:
-            return next(iter(by_id.values()))
+            return next(iter(by_id.values())), None
         least_queued = min(num_queued, key=num_queued.get)  # the first of the least queued
         try:
-            worker_id, _ = self.kv.place_among(req.tenant, req.prompt_token_ids, num_queued, tuple(by_id),
-                                               self.cfg.pull_peers)
+            worker_id, num_cached = self.kv.place_among(req.tenant, req.prompt_token_ids, num_queued, tuple(by_id),
+                                                        self.cfg.pull_peers)
         except KVManagerUnavailable as e:
-            worker_id = least_queued
             self._placement_degraded(str(e))
-        else:
-            self._placement_degraded(None)
-        return by_id.get(worker_id, by_id[least_queued])
+            return by_id[least_queued], 0
+        self._placement_degraded(None)
+        return (by_id[worker_id], num_cached) if worker_id in by_id else (by_id[least_queued], None)
 
     def _placement_degraded(self, why: str | None) -> None:
         """Logs when placement starts (``why``) and stops (None) falling back to the least queued worker."""

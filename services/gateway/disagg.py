@@ -53,10 +53,12 @@ def choose(kv: KVManagerBackend, req: Request, candidates: Sequence, num_queued:
 
 
 def route(kv: KVManagerBackend, req: Request, roles: Roles, num_queued: dict[str, int], decode_engine,
-          max_local_prefill: int, pull_peers: bool):
-    """Where a new request goes when prefill workers are live: ``decode_engine`` (the decode side's choice)
-    when its uncached prompt there is short, else a prefill worker, with ``req.prefill_until`` set."""
-    _, num_cached = choose(kv, req, (decode_engine,), num_queued, pull_peers)
+          num_cached: int | None, max_local_prefill: int, pull_peers: bool):
+    """Where a new request goes when prefill workers are live: ``decode_engine`` (the decode side's choice, with
+    the prompt tokens placement found cached for it there, or None when it was not asked) when its uncached
+    prompt there is short, else a prefill worker, with ``req.prefill_until`` set."""
+    if num_cached is None:
+        _, num_cached = choose(kv, req, (decode_engine,), num_queued, pull_peers)
     num_prompt = len(req.prompt_token_ids)
     if num_prompt - num_cached <= max_local_prefill:
         return decode_engine

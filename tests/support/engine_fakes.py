@@ -219,28 +219,15 @@ class LockedKV(InProcessKVManager):
             return super().place_among(tenant, token_ids, num_queued, worker_ids, pull_peers)
 
 
-class PinRecordingKV(InProcessKVManager):
+class PinRecordingKV(LockedKV):
     """The in-process kvmanager, its calls serialised (two engine threads call it); ``pins``: req_id -> the
     pins its allocation carried."""
 
     def __init__(self):
         super().__init__()
-        self.lock = threading.Lock()
         self.pins: dict[str, tuple[PinPoint, ...]] = {}
-
-    def register(self, spec, release_requests=False):
-        with self.lock:
-            return super().register(spec, release_requests)
 
     def step_pages(self, ops, traceparents=NO_TRACES):
         with self.lock:
             self.pins.update((a.req_id, a.pins) for a in ops.allocations)
             return super().step_pages(ops, traceparents)
-
-    def place(self, tenant, token_ids, num_queued):
-        with self.lock:
-            return super().place(tenant, token_ids, num_queued)
-
-    def place_among(self, tenant, token_ids, num_queued, worker_ids, pull_peers):
-        with self.lock:
-            return super().place_among(tenant, token_ids, num_queued, worker_ids, pull_peers)
