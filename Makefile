@@ -69,12 +69,13 @@ protos: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-# The report: kvserve (kvserve up) side by side with HF transformers, one run; JSON, PNG plots and a Markdown
-# table in bench/results/. bench-quick: the same workloads, smaller.
+# The report: kvserve (kvserve up) side by side with HF transformers and vLLM's CPU build (from .venv-vllm, made by
+# `make vllm`), one run; JSON, PNG plots and a Markdown table in bench/results/, and README.md's headline ratios
+# rewritten from that file (bench/headline.py). bench-quick: the same workloads, smaller, one vLLM round.
 bench: model kernels $(VLLM_PY)
 	$(PY) bench/report.py
 
-bench-quick: model kernels
+bench-quick: model kernels $(VLLM_PY)
 	$(PY) bench/report.py --quick
 
 # Worker decode vs HF's forward, and the KV cache vs recomputation (in-process, interleaved repeats).

@@ -15,7 +15,6 @@ pulls pandas/pyarrow/datasets, which kvserve's environment does not need.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import os
@@ -29,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_gateway as bg  # noqa: E402
 import hf_reference as hf  # noqa: E402
-import openai  # noqa: E402
+import openai_load  # noqa: E402
 from http_output import markdown  # noqa: E402
 from results_io import write_results  # noqa: E402
 
@@ -42,33 +41,11 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
            "GUIDELLM__MAX_WORKER_PROCESSES": "1"}  # one client process: these machines have two cores
 
 
-async def _stream_one(client: openai.AsyncOpenAI, model: str, text: str, max_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    times, usage = [], None
-    chunks = await client.completions.create(model=model, prompt=text, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
-    async for chunk in chunks:
-        if chunk.choices:
-            times.append(time.perf_counter())
-        usage = chunk.usage or usage
-    n = usage.completion_tokens
-    return {"tokens": n, "ttft_s": times[0] - t0, "tpot_s": (times[-1] - times[0]) / (n - 1) if n > 1 else 0.0}
-
-
 def http_burst(base_url: str, model: str, jobs: list[tuple[str, int]]) -> dict:
     """Every job at once through the HTTP API, as bench_gateway.kvserve_burst does through gRPC."""
-    async def run():
-        async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=3600) as client:
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(_stream_one(client, model, t, n) for t, n in jobs))
-            return results, time.perf_counter() - t0
-
-    results, wall = asyncio.run(run())
-    tokens = sum(r["tokens"] for r in results)
-    return {"generated_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_p50_s": statistics.median(r["ttft_s"] for r in results),
-            "tpot_p50_s": statistics.median(r["tpot_s"] for r in results)}
+    result = openai_load.burst(base_url, model, jobs)
+    result.pop("texts")
+    return result
 
 
 def burst(gateway: str, base_url: str, model: str, jobs: list[tuple[str, int]], rounds: int) -> dict:

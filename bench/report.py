@@ -15,6 +15,10 @@ and their ratio), PNG plots and a Markdown table next to it. Workloads (seeded, 
                  mixed workload (tokens stored / slots allocated) vs padding every request to the longest
   latency        TTFT and time-per-output-token percentiles at 1, 4 and 16 concurrent clients
   tracing        (full run only) the 32-request burst with tracing on vs off
+  peers          kvserve and vLLM's CPU build (its best configuration here, and float32) through the same OpenAI
+                 protocol: the mixed burst, the prefix workload, latency under load and the long prompt, each
+                 server in turn, alternated over rounds; the greedy agreement of their completions
+                 (bench/peer_compare.py; vLLM from .venv-vllm, which make bench creates)
 """
 
 from __future__ import annotations
@@ -41,8 +45,12 @@ import bench_gateway as bg  # noqa: E402
 import bench_http as bh  # noqa: E402
 import bench_long as bl  # noqa: E402
 import bench_worker as bw  # noqa: E402
+import headline  # noqa: E402
 import hf_reference as hf  # noqa: E402
+import openai_load  # noqa: E402
+import peer_compare  # noqa: E402
 import report_output  # noqa: E402
+import vllm_peer  # noqa: E402
 from results_io import cpu_info  # noqa: E402
 
 from kvserve.common.tokenizer import Tokenizer  # noqa: E402
@@ -50,13 +58,8 @@ from kvserve.services.client import Client  # noqa: E402
 from kvserve.services.model_store import prepare_default_model  # noqa: E402
 
 PAGE_SIZE = 16
-CLIENT_COUNTS = (1, 4, 16)
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Nearest-rank percentile (p in 0..100) of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+CLIENT_COUNTS = openai_load.CLIENT_COUNTS
+PEERS = tuple(vllm_peer.VLLM_CONFIGS)  # vllm_bf16, vllm_fp32
 
 
 def latency_under_load(address: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
@@ -126,8 +129,8 @@ def hf_latency_under_load(model, prompts: list[list[int]], clients: int, per_cli
 def _percentiles(clients: int, runs: list[dict]) -> dict:
     ttft, tpot = [r["ttft_s"] for r in runs], [r["tpot_s"] for r in runs]
     return {"clients": clients, "requests": len(runs),
-            **{f"ttft_p{p}_s": percentile(ttft, p) for p in (50, 90, 99)},
-            **{f"tpot_p{p}_s": percentile(tpot, p) for p in (50, 90, 99)}}
+            **{f"ttft_p{p}_s": openai_load.percentile(ttft, p) for p in (50, 90, 99)},
+            **{f"tpot_p{p}_s": openai_load.percentile(tpot, p) for p in (50, 90, 99)}}
 
 
 def hf_bytes_per_token(model, num_tokens: int = 100) -> float:
@@ -163,8 +166,9 @@ def memory(runner, work: list[hf.Workitem]) -> dict:
 class Report:
     """Runs the stages in order with one progress bar; everything lands in ``self.out``."""
 
-    def __init__(self, quick: bool):
+    def __init__(self, quick: bool, peers: tuple[str, ...] = PEERS, peer_rounds: int | None = None):
         self.quick = quick
+        self.peers, self.peer_rounds = peers, peer_rounds or (1 if quick else 2)
         self.model_dir = prepare_default_model(progress=False)
         self.tok = Tokenizer(self.model_dir)
         corpus = hf.corpus_token_ids(self.model_dir)
@@ -191,7 +195,23 @@ class Report:
         # ModelRunner existed (or the runner after HF ran) came out 15-30% slow.
         stages += [("HF transformers", lambda: self.isolated("hf")),
                    ("raw runner, KV cache, memory", lambda: self.isolated("runner"))]
+        if self.peers:
+            stages.append(("kvserve vs vLLM", self.vllm))
         return stages
+
+    def vllm(self) -> None:
+        """kvserve and vLLM through the OpenAI protocol (bench/peer_compare.py); skipped, and said so in the
+        report, where vLLM's environment is missing."""
+        missing = vllm_peer.available()
+        if missing:
+            self.out["peers"] = {"skipped": missing}
+            print(f"bench: vLLM rows skipped: {missing}", file=sys.stderr)
+            return
+        work = peer_compare.Workloads(self.mixed_text, self.prefix_prompts, self.load_text, self.load_shape,
+                                      self.long_text, bl.NEW_TOKENS)
+        servers = (peer_compare.KVSERVE, *self.peers)
+        self.out["peers"] = peer_compare.run(self.model_dir, work, servers, self.peer_rounds,
+                                             lambda msg: print(f"bench: peers, {msg}", file=sys.stderr))
 
     def kvserve_on(self) -> None:
         with bg.stack("--num-pages", "2048") as (gateway, stats):
@@ -271,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvserve vs HF transformers, one run, JSON + plots + table")
     parser.add_argument("--quick", action="store_true", help="smaller workloads, under 5 minutes")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"vLLM configurations to compare with (of {', '.join(PEERS)}; '' for none)")
+    parser.add_argument("--peer-rounds", type=int, help="rounds of the vLLM comparison (default 2; 1 with --quick)")
     parser.add_argument("--stage", choices=("hf", "runner"), help=argparse.SUPPRESS)  # one isolated stage
     parser.add_argument("--stage-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -278,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage:
         args.stage_out.write_text(json.dumps(getattr(Report(args.quick), f"{args.stage}_results")()))
         return 0
-    out = Report(args.quick).run()
+    peers = tuple(p for p in args.peers.split(",") if p)
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        parser.error(f"--peers: unknown {', '.join(sorted(unknown))} (known: {', '.join(PEERS)})")
+    out = Report(args.quick, peers, args.peer_rounds).run()
     out["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                       "python": platform.python_version()}
     out["cpu"] = cpu_info()
@@ -290,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     stem.with_suffix(".md").write_text(table)
     print(table)
     print(f"wrote {stem}.json, {stem}.md and {len(plots)} plots", file=sys.stderr)
+    if not args.quick and "servers" in out.get("peers", {}) and args.out_dir.resolve() == headline.RESULTS:
+        headline.main([])  # the README's headline ratios, from this file
+        print("rewrote README.md's headline from it", file=sys.stderr)
     return 0
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import peer_output  # noqa: E402
 
 
 def _ratio(a: float, b: float) -> float:
@@ -74,7 +78,7 @@ def plots(out: dict, stem: Path) -> list[Path]:
                                                       100 * pages["padded_utilisation"]],
           "KV slots holding a token (mixed workload)", "% of allocated slots")
     paths.append(_save(fig, stem, "memory"))
-    return paths
+    return paths + peer_output.plot(out, stem, _bars, _save)
 
 
 def _save(fig, stem: Path, name: str) -> Path:
@@ -146,4 +150,4 @@ def markdown(out: dict, plot_names: list[str]) -> str:
             f"Share of it in the worker's forward pass and sampling: {compute:.1f}% (the rest: gRPC, scheduling, "
             f"detokenising)." if compute is not None else ""]
     images = [f"![{name}]({name})" for name in plot_names]
-    return "\n".join(rows + load + tail + [""] + images) + "\n"
+    return "\n".join(rows + load + tail + [peer_output.markdown(out)] + images) + "\n"

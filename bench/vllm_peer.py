@@ -120,7 +120,8 @@ def vllm_server(model_dir: Path, config: VllmConfig, *, max_model_len: int = 819
         try:
             _wait_ready(proc, port, log)
             yield PeerServer(f"http://127.0.0.1:{port}/v1", model_dir.name, version(),
-                             tuple(a.replace(str(model_dir), "<model dir>") for a in argv[1:]), env,
+                             tuple("<port>" if a == str(port) else a.replace(str(model_dir), "<model dir>")
+                                   for a in argv[1:]), env,
                              time.perf_counter() - t0)
         finally:
             _stop(proc)
