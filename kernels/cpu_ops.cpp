@@ -9,13 +9,15 @@
 namespace kvserve {
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache,
                            const std::optional<torch::Tensor>& kv_scales, const torch::Tensor& tables,
-                           const torch::Tensor& seq_lens, double scale);
+                           const torch::Tensor& seq_lens, double scale, int64_t window, int64_t sinks,
+                           const std::optional<torch::Tensor>& q_sink);
 int64_t parallel_threads(int64_t num_tasks);
 bool paged_prefill_supports(int64_t head_dim, int64_t num_heads, int64_t num_kv_heads, int64_t page_size);
 torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& kv_cache,
                             const std::optional<torch::Tensor>& kv_scales, const torch::Tensor& tables,
                             const torch::Tensor& row_start, const torch::Tensor& q_lens,
-                            const torch::Tensor& start_pos, double scale, torch::Tensor& out);
+                            const torch::Tensor& start_pos, double scale, torch::Tensor& out, int64_t window,
+                            int64_t sinks, const std::optional<torch::Tensor>& q_sink);
 torch::Tensor pack_panels(const torch::Tensor& w);
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels);
 std::vector<torch::Tensor> pack_blocks(const torch::Tensor& w, int64_t bits);
@@ -31,12 +33,19 @@ std::tuple<torch::Tensor, torch::Tensor> argmax_logsumexp(const torch::Tensor& l
 }  // namespace kvserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.def("paged_decode", &kvserve::paged_decode,
         "paged decode attention, K/V read in place: float32 q, a float32 / int8 / float8 pool with its kv_scales "
-        "or None (CPU)");
+        "or None; a sliding window (0 = none) and sinks scored against q_sink (CPU)",
+        py::arg("q"), py::arg("kv_cache"), py::arg("kv_scales"), py::arg("tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("sinks") = 0, py::arg("q_sink") = py::none());
   m.def("paged_prefill", &kvserve::paged_prefill,
         "causal attention of prefill chunks' rows of q over their pages, written into out: float32 q, a float32 / "
-        "int8 / float8 pool with its kv_scales or None (CPU)");
+        "int8 / float8 pool with its kv_scales or None; a sliding window (0 = none) and sinks scored against "
+        "q_sink (CPU)",
+        py::arg("q"), py::arg("kv_cache"), py::arg("kv_scales"), py::arg("tables"), py::arg("row_start"),
+        py::arg("q_lens"), py::arg("start_pos"), py::arg("scale"), py::arg("out"), py::arg("window") = 0,
+        py::arg("sinks") = 0, py::arg("q_sink") = py::none());
   m.def("paged_prefill_supports", &kvserve::paged_prefill_supports,
         "whether paged_prefill takes (head_dim, num_heads, num_kv_heads, page_size)");
   m.def("parallel_threads", &kvserve::parallel_threads, "intra-op threads one parallel_for ran on (a build check)");

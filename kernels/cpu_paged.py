@@ -1,9 +1,10 @@
 """The CPU backend: decode tokens attend through a small C++ kernel that reads K/V in place from the page pool
 (``kernels/paged_decode.cpp``), and so do prefill chunks (``kernels/paged_prefill.cpp``; shapes it does not take
-go through the reference backend's gather + SDPA); the linear layers run over weights packed once into column
-panels (``kernels/packed_linear.cpp``), or, for a weight whose
-float32 values are exactly 4- or 8-bit blocks (a quantised GGUF's, such as the default model's), over those
-blocks (``kernels/block_linear.cpp``): the same floats in a fifth of the bytes, which a decode step reads once.
+go through the reference backend's gather + SDPA). Sliding windows and attention sinks (kernels/window.py) go
+through the same kernels, which read only the pages of each query's sinks and window; the linear layers run
+over weights packed once into column panels (``kernels/packed_linear.cpp``), or, for a weight whose float32
+values are exactly 4- or 8-bit blocks (a quantised GGUF's, such as the default model's), over those blocks
+(``kernels/block_linear.cpp``): the same floats in a fifth of the bytes, which a decode step reads once.
 
 Why: in a decode step the reference backend copies every sequence's pages into a padded batch and SDPA then
 reads the copy, so K/V cross memory three times; with contexts of a few hundred tokens that gather cost as
@@ -171,7 +172,8 @@ class CPUState:
 
 class CPUPagedBackend:
     """float32 on CPU, over float32, int8 or float8 pages (``kv_dtypes``). Decodes and prefill chunks: the
-    in-place kernels (prefill chunks of shapes the kernel does not take: the reference backend's groups). Linear
+    in-place kernels, with or without a sliding window and sinks (prefill chunks of shapes the kernel does not
+    take: the reference backend's groups). Linear
     layers: weights packed once into panels of 32 output columns (``kernels/packed_linear.cpp``); MKL's sgemm
     repacks them on every call, which costs a decode step more than the product. A weight that is exact 4- or
     8-bit blocks is kept as those blocks and unpacked into panels in cache, per call (``block_linear.cpp``):
@@ -212,9 +214,7 @@ class CPUPagedBackend:
             y = self.ext.linear_packed(x.contiguous(), w)
         return y if bias is None else y.add_(bias)
 
-    def prepare(self, meta: AttentionMetadata) -> CPUState | ReferenceState:
-        if meta.window.slides:  # windows and sinks: the reference's gather of the pages read (kernels/window.py)
-            return self.reference.prepare(meta)
+    def prepare(self, meta: AttentionMetadata) -> CPUState:
         q_lens = meta.q_lens.tolist()
         prefills = [i for i, n in enumerate(q_lens) if n > 1]
         if not prefills:
@@ -244,27 +244,31 @@ class CPUPagedBackend:
         None) and the split into heads in one pass (``kernels/layer_ops.cpp``), then forward's attention."""
         q = self.ext.rope_store(qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_heads, num_kv_heads,
                                 kv_cache, kv_scales, meta.slot_mapping)
-        if isinstance(state, ReferenceState):
-            return self.reference.attend(q, kv_cache, state, scale, kv_scales, sink_query(qkv, sink_rope, num_heads))
-        return self._attend(q, kv_cache, state, scale, kv_scales)
+        return self._attend(q, kv_cache, state, scale, kv_scales, sink_query(qkv, sink_rope, num_heads))
 
     def forward(self, q, k, v, kv_cache, meta, state, scale: float,
                 kv_scales: torch.Tensor | None = None, q_sink: torch.Tensor | None = None) -> torch.Tensor:
         # a 1-byte cache: kv_quant.write_kv_quantised; the kernels check dtypes and shapes
         write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
-        if isinstance(state, ReferenceState):
-            return self.reference.attend(q, kv_cache, state, scale, kv_scales, q_sink)
-        return self._attend(q, kv_cache, state, scale, kv_scales)
+        return self._attend(q, kv_cache, state, scale, kv_scales, q_sink)
 
-    def _attend(self, q, kv_cache, state: CPUState, scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:
-        if state.chunks is None:
-            return self.ext.paged_decode(q.contiguous(), kv_cache, kv_scales, state.tables, state.seq_lens, scale)
+    def _attend(self, q, kv_cache, state: CPUState, scale: float, kv_scales: torch.Tensor | None,
+                q_sink: torch.Tensor | None = None) -> torch.Tensor:
+        """Decodes and prefill chunks through the kernels. A sliding window and sinks go with them: the kernels
+        read only the pages of each query's sinks and window (kernels/window.py), the sinks against q_sink."""
+        window = state.meta.window
+        assert not window.sinks or q_sink is not None, "attention sinks need the queries rotated at sink_positions"
         q = q.contiguous()
+        q_sink = q_sink.contiguous() if window.sinks else None
+        if state.chunks is None:
+            return self.ext.paged_decode(q, kv_cache, kv_scales, state.tables, state.seq_lens, scale, window.window,
+                                         window.sinks, q_sink)
         out = torch.empty_like(q)
         if state.decode_index.numel():
-            q_dec = q.index_select(0, state.decode_index)
-            out.index_copy_(0, state.decode_index, self.ext.paged_decode(q_dec, kv_cache, kv_scales, state.tables,
-                                                                          state.seq_lens, scale))
+            idx = state.decode_index
+            out.index_copy_(0, idx, self.ext.paged_decode(
+                q.index_select(0, idx), kv_cache, kv_scales, state.tables, state.seq_lens, scale, window.window,
+                window.sinks, None if q_sink is None else q_sink.index_select(0, idx)))
         if state.native_prefill is None:
             _, heads, head_dim = q.shape
             state.native_prefill = self.prefill_kernel and self.ext.paged_prefill_supports(
@@ -272,10 +276,10 @@ class CPUPagedBackend:
         c = state.chunks
         if state.native_prefill:
             return self.ext.paged_prefill(q, kv_cache, kv_scales, c.tables, c.row_start, c.q_lens, c.start_pos,
-                                          scale, out)
+                                          scale, out, window.window, window.sinks, q_sink)
         if state.prefill is None:
             state.prefill = ReferenceState([group_state(state.meta, [i]) for i in c.seqs])
-        return attend_groups(q, kv_cache, state.prefill.groups, scale, out, kv_scales=kv_scales)
+        return attend_groups(q, kv_cache, state.prefill.groups, scale, out, kv_scales=kv_scales, q_sink=q_sink)
 
 
 def main() -> int:

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -332,6 +333,26 @@ inline KVScales kv_scales_of(const at::Tensor& kv_cache, const std::optional<at:
   if (!kv_scales.has_value()) return {&one, &one, 0, 0};
   const float* k = kv_scales->data_ptr<float>();
   return {k, k + kv_scales->numel() / 2, kv_cache.size(3), 1};
+}
+
+// A sliding window and attention sinks (kernels/window.py): a query at position p reads key j when
+// p - window < j <= p, or j < sinks (the sinks scored against the query's second rotation, q_sink). window 0:
+// every j <= p, and no sinks.
+struct KeyWindow {
+  int64_t window, sinks;
+
+  // The first key after the sinks that a query at pos reads (0 without a window).
+  int64_t first_key(int64_t pos) const { return window > 0 ? std::max(pos - window + 1, sinks) : 0; }
+};
+
+// The paged kernels' window arguments, checked: q_sink, when there are sinks, a float32 tensor shaped as q.
+inline KeyWindow checked_window(int64_t window, int64_t sinks, const at::Tensor& q,
+                                const std::optional<at::Tensor>& q_sink) {
+  TORCH_CHECK(window >= 0 && sinks >= 0 && (window > 0 || sinks == 0), "window >= 0, and sinks only with a window");
+  TORCH_CHECK(sinks == 0 || (q_sink.has_value() && q_sink->scalar_type() == at::kFloat && q_sink->is_contiguous() &&
+                             q_sink->sizes() == q.sizes()),
+              "attention sinks need q_sink: contiguous float32, shaped as q");
+  return {window, sinks};
 }
 
 // packed_linear.cpp: y[:, 0:32 count] = x [M, K] @ panels (count = 1 or 2 adjacent float32 panels [K, 32]).

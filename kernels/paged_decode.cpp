@@ -25,6 +25,15 @@
 //   seq_lens    [num_seqs]                                           int64: keys 0 .. seq_len - 1 are visible
 //   returns     [num_seqs, num_heads, head_dim]                      float32
 //
+//   window      int: a sliding window (kernels/window.py): the query at position p = seq_len - 1 reads keys
+//               p - window < j <= p, and the sinks j < sinks; 0 = every key (sinks 0)
+//   q_sink      [num_seqs, num_heads, head_dim] float32, or None: the queries rotated at their in-cache positions,
+//               against which the sink keys are scored (needed when sinks > 0)
+//
+// A sequence's keys are at most two spans (seq_spans): its sinks against q_sink, then its window against q. Only
+// the pages of those spans are read, so a page table's HOLE entries (pages released by the window) are never
+// touched. Without a window the one span is every key, against q.
+//
 // Query head h attends with kv head h / (num_heads / num_kv_heads), as in HF's repeat_kv.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,11 +62,10 @@ struct Pool {
   KVFormat format;
 };
 
-// Page p of a sequence of n tokens: how many of its tokens are visible, the first key and value rows of kv head
-// kvh, and their scales (row t's at k_scale[t * slot_stride]).
+// Page p of a sequence: the first key and value rows of kv head kvh, and their scales (row t's at
+// k_scale[t * slot_stride]).
 template <typename T>
 struct PageRows {
-  int64_t tokens;
   const T* k;
   const T* v;
   const float* k_scale;
@@ -65,13 +73,28 @@ struct PageRows {
 };
 
 template <typename T>
-inline PageRows<T> page_rows(const Shape& s, const Pool<T>& pool, const int64_t* table, int64_t p, int64_t n,
-                             int64_t kvh) {
+inline PageRows<T> page_rows(const Shape& s, const Pool<T>& pool, const int64_t* table, int64_t p, int64_t kvh) {
   const int64_t page = table[p];
   TORCH_CHECK(page >= 0 && page < s.num_pages, "page id outside the pool");
   const int64_t first = page * s.page_size * s.token_stride + kvh * s.head_dim, slot = page * s.page_size;
-  return {std::min(s.page_size, n - p * s.page_size), pool.k + first, pool.v + first,
-          pool.scales.k_at(slot, kvh), pool.scales.v_at(slot, kvh)};
+  return {pool.k + first, pool.v + first, pool.scales.k_at(slot, kvh), pool.scales.v_at(slot, kvh)};
+}
+
+// Keys [k0, k1) of a sequence, scored against one rotation of its query: q is the sequence's num_heads x
+// head_dim queries (q, or q_sink for the sinks).
+struct Span {
+  const float* q;
+  int64_t k0, k1;
+};
+
+// The spans the decode of a sequence of n tokens reads (its query at n - 1), into spans; returns their count:
+// the sinks [0, min(sinks, n)) against q_sink, then the window's keys after them against q.
+inline int seq_spans(const KeyWindow& w, const float* q, const float* q_sink, int64_t n, Span* spans) {
+  const int64_t sinks = std::min(w.sinks, n), first = std::max(w.first_key(n - 1), sinks);
+  int count = 0;
+  if (sinks > 0) spans[count++] = {q_sink, 0, sinks};
+  if (first < n) spans[count++] = {q, first, n};
+  return count;
 }
 
 // Where decode_part writes its result for one kv head over a range of a sequence's pages. A whole sequence is
@@ -86,14 +109,15 @@ struct Part {
   bool normalised;
 };
 
-// One kv head's G query heads over pages [p0, p1) of a sequence of n tokens, the fast path: head_dim = 16 * NV,
-// and the G query heads that share the kv head are computed together, so each key and value row is loaded
-// once for the group, and the group's queries and accumulators stay in registers while the pages go by. Page
-// by page: the G x page_size scores, an online-softmax update (running max and sum, earlier pages rescaled),
-// the weighted sum of the values; the same rows of the next page are prefetched meanwhile.
+// One kv head's G query heads over the keys of spans[0 .. num_spans), the fast path: head_dim = 16 * NV, and
+// the G query heads that share the kv head are computed together, so each key and value row is loaded once for
+// the group, and the group's queries and accumulators stay in registers while the pages go by. Page by page:
+// the G x page_size scores, an online-softmax update (running max and sum, earlier pages rescaled), the
+// weighted sum of the values; the same rows of the span's next page are prefetched meanwhile. The spans share
+// one softmax: each only changes the query the keys are scored against.
 template <typename T, int NV, int G>
-void decode_part(const Shape& s, const float* qb, const Pool<T>& pool, const int64_t* table, int64_t n,
-                 int64_t kvh, int64_t p0, int64_t p1, const Part& out) {
+void decode_part(const Shape& s, const Pool<T>& pool, const int64_t* table, int64_t kvh, const Span* spans,
+                 int num_spans, const Part& out) {
   constexpr int D = 16 * NV, kLine = 64 / sizeof(T);  // elements of a cache line
   const int64_t ss = kQuantised<T> ? pool.scales.slot_stride : 0;  // float32: no scales
   v16 q[G][NV], acc[G][NV];
@@ -101,70 +125,77 @@ void decode_part(const Shape& s, const float* qb, const Pool<T>& pool, const int
 #pragma GCC unroll 16
   for (int g = 0; g < G; ++g) {
 #pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) {
-      q[g][i] = load(qb + (kvh * G + g) * D + 16 * i) * s.scale;
-      acc[g][i] = v16{};
-    }
+    for (int i = 0; i < NV; ++i) acc[g][i] = v16{};
     run_max[g] = kMinScore;
     run_sum[g] = 0.f;
   }
-  for (int64_t p = p0; p < p1; ++p) {
-    const PageRows<T> rows = page_rows(s, pool, table, p, n, kvh);
-    if (p + 1 < p1) {  // the next page is elsewhere in the pool: fetch this head's rows now
-      // (here, not in a function of its own: GCC finds that one free of side effects and drops its calls)
-      const int64_t next = table[p + 1];
-      if (next >= 0 && next < s.num_pages) {
-        const int64_t first = next * s.page_size * s.token_stride + kvh * D;
-        for (int64_t t = 0; t < s.page_size; ++t) {
-          for (int i = 0; i < D; i += kLine) {
-            __builtin_prefetch(pool.k + first + t * s.token_stride + i);
-            __builtin_prefetch(pool.v + first + t * s.token_stride + i);
+  for (int sp = 0; sp < num_spans; ++sp) {
+    const Span span = spans[sp];
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i) q[g][i] = load(span.q + (kvh * G + g) * D + 16 * i) * s.scale;
+    const int64_t p1 = (span.k1 + s.page_size - 1) / s.page_size;
+    for (int64_t p = span.k0 / s.page_size; p < p1; ++p) {
+      const PageRows<T> rows = page_rows(s, pool, table, p, kvh);
+      const int64_t t0 = std::max<int64_t>(span.k0 - p * s.page_size, 0);
+      const int64_t t1 = std::min(s.page_size, span.k1 - p * s.page_size);
+      if (p + 1 < p1) {  // the next page is elsewhere in the pool: fetch this head's rows now
+        // (here, not in a function of its own: GCC finds that one free of side effects and drops its calls)
+        const int64_t next = table[p + 1];
+        if (next >= 0 && next < s.num_pages) {
+          const int64_t first = next * s.page_size * s.token_stride + kvh * D;
+          for (int64_t t = 0; t < s.page_size; ++t) {
+            for (int i = 0; i < D; i += kLine) {
+              __builtin_prefetch(pool.k + first + t * s.token_stride + i);
+              __builtin_prefetch(pool.v + first + t * s.token_stride + i);
+            }
+          }
+          for (int64_t i = 0; i < s.page_size * ss; i += 16) {  // the page's scales (none for ss = 0)
+            __builtin_prefetch(pool.scales.k_at(next * s.page_size, 0) + i);
+            __builtin_prefetch(pool.scales.v_at(next * s.page_size, 0) + i);
           }
         }
-        for (int64_t i = 0; i < s.page_size * ss; i += 16) {  // the page's scales (none for ss = 0)
-          __builtin_prefetch(pool.scales.k_at(next * s.page_size, 0) + i);
-          __builtin_prefetch(pool.scales.v_at(next * s.page_size, 0) + i);
+      }
+      float w[G][64];  // scores, then softmax weights (page_size <= 64 on this path)
+      for (int64_t t = t0; t < t1; ++t) {
+        v16 krow[NV];
+        load_row<NV>(rows.k + t * s.token_stride, pool.format, krow);
+        const float k_scale = row_scale<T>(rows.k_scale, t, ss);
+#pragma GCC unroll 16
+        for (int g = 0; g < G; ++g) {
+          v16 dot = q[g][0] * krow[0];
+#pragma GCC unroll 16
+          for (int i = 1; i < NV; ++i) dot += q[g][i] * krow[i];
+          w[g][t] = hsum(dot) * k_scale;
         }
       }
-    }
-    float w[G][64];  // scores, then softmax weights (page_size <= 64 on this path)
-    for (int64_t t = 0; t < rows.tokens; ++t) {
-      v16 krow[NV];
-      load_row<NV>(rows.k + t * s.token_stride, pool.format, krow);
-      const float k_scale = row_scale<T>(rows.k_scale, t, ss);
 #pragma GCC unroll 16
       for (int g = 0; g < G; ++g) {
-        v16 dot = q[g][0] * krow[0];
+        float page_max = kMinScore;
+        for (int64_t t = t0; t < t1; ++t) page_max = std::max(page_max, w[g][t]);
+        const float new_max = std::max(run_max[g], page_max);
+        float page_sum = 0.f;
+        for (int64_t t = t0; t < t1; ++t) {
+          w[g][t] = std::exp(w[g][t] - new_max);
+          page_sum += w[g][t];
+        }
+        const float correction = std::exp(run_max[g] - new_max);  // rescale what earlier pages summed
+        run_sum[g] = run_sum[g] * correction + page_sum;
+        run_max[g] = new_max;
 #pragma GCC unroll 16
-        for (int i = 1; i < NV; ++i) dot += q[g][i] * krow[i];
-        w[g][t] = hsum(dot) * k_scale;
+        for (int i = 0; i < NV; ++i) acc[g][i] *= correction;
       }
-    }
+      for (int64_t t = t0; t < t1; ++t) {
+        v16 vrow[NV];
+        load_row<NV>(rows.v + t * s.token_stride, pool.format, vrow);
+        const float v_scale = row_scale<T>(rows.v_scale, t, ss);
 #pragma GCC unroll 16
-    for (int g = 0; g < G; ++g) {
-      float page_max = kMinScore;
-      for (int64_t t = 0; t < rows.tokens; ++t) page_max = std::max(page_max, w[g][t]);
-      const float new_max = std::max(run_max[g], page_max);
-      float page_sum = 0.f;
-      for (int64_t t = 0; t < rows.tokens; ++t) {
-        w[g][t] = std::exp(w[g][t] - new_max);
-        page_sum += w[g][t];
-      }
-      const float correction = std::exp(run_max[g] - new_max);  // rescale what earlier pages summed
-      run_sum[g] = run_sum[g] * correction + page_sum;
-      run_max[g] = new_max;
+        for (int g = 0; g < G; ++g) {
+          const float weight = w[g][t] * v_scale;
 #pragma GCC unroll 16
-      for (int i = 0; i < NV; ++i) acc[g][i] *= correction;
-    }
-    for (int64_t t = 0; t < rows.tokens; ++t) {
-      v16 vrow[NV];
-      load_row<NV>(rows.v + t * s.token_stride, pool.format, vrow);
-      const float v_scale = row_scale<T>(rows.v_scale, t, ss);
-#pragma GCC unroll 16
-      for (int g = 0; g < G; ++g) {
-        const float weight = w[g][t] * v_scale;
-#pragma GCC unroll 16
-        for (int i = 0; i < NV; ++i) acc[g][i] += weight * vrow[i];
+          for (int i = 0; i < NV; ++i) acc[g][i] += weight * vrow[i];
+        }
       }
     }
   }
@@ -180,49 +211,52 @@ void decode_part(const Shape& s, const float* qb, const Pool<T>& pool, const int
   }
 }
 
-// One sequence, every kv head as one part, written normalised into ob.
+// One sequence, every kv head as one part over its spans, written normalised into ob.
 template <typename T, int NV, int G>
-void decode_seq_fast(const Shape& s, const float* qb, const Pool<T>& pool, const int64_t* table, int64_t n,
+void decode_seq_fast(const Shape& s, const Span* spans, int num_spans, const Pool<T>& pool, const int64_t* table,
                      float* ob) {
-  const int64_t num_pages = (n + s.page_size - 1) / s.page_size;
   for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh)
-    decode_part<T, NV, G>(s, qb, pool, table, n, kvh, 0, num_pages, {ob + kvh * G * 16 * NV, nullptr, nullptr, true});
+    decode_part<T, NV, G>(s, pool, table, kvh, spans, num_spans, {ob + kvh * G * 16 * NV, nullptr, nullptr, true});
 }
 
 // Any head_dim and group size: one query head at a time, with scalar loops the compiler vectorises (float32;
 // the 1-byte formats convert element by element).
 template <typename T>
-void decode_seq_generic(const Shape& s, const float* qb, const Pool<T>& pool, const int64_t* table, int64_t n,
+void decode_seq_generic(const Shape& s, const Span* spans, int num_spans, const Pool<T>& pool, const int64_t* table,
                         float* ob, float* w, float* acc) {
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim, ss = pool.scales.slot_stride;
   for (int64_t h = 0; h < s.num_heads; ++h) {
-    const float* qh = qb + h * D;
     float run_max = kMinScore, run_sum = 0.f;
     std::fill(acc, acc + D, 0.f);
-    for (int64_t p = 0; p * s.page_size < n; ++p) {
-      const PageRows<T> rows = page_rows(s, pool, table, p, n, h / group);
-      float page_max = kMinScore;
-      for (int64_t t = 0; t < rows.tokens; ++t) {
-        const T* k = rows.k + t * s.token_stride;
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qh[d] * element(k, d, pool.format);
-        w[t] = dot * s.scale * row_scale<T>(rows.k_scale, t, ss);
-        page_max = std::max(page_max, w[t]);
-      }
-      const float new_max = std::max(run_max, page_max);
-      float page_sum = 0.f;
-      for (int64_t t = 0; t < rows.tokens; ++t) {
-        w[t] = std::exp(w[t] - new_max);
-        page_sum += w[t];
-      }
-      const float correction = std::exp(run_max - new_max);
-      run_sum = run_sum * correction + page_sum;
-      run_max = new_max;
-      for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
-      for (int64_t t = 0; t < rows.tokens; ++t) {
-        const T* v = rows.v + t * s.token_stride;
-        const float weight = w[t] * row_scale<T>(rows.v_scale, t, ss);
-        for (int64_t d = 0; d < D; ++d) acc[d] += weight * element(v, d, pool.format);
+    for (int sp = 0; sp < num_spans; ++sp) {
+      const float* qh = spans[sp].q + h * D;
+      for (int64_t p = spans[sp].k0 / s.page_size; p * s.page_size < spans[sp].k1; ++p) {
+        const PageRows<T> rows = page_rows(s, pool, table, p, h / group);
+        const int64_t t0 = std::max<int64_t>(spans[sp].k0 - p * s.page_size, 0);
+        const int64_t t1 = std::min(s.page_size, spans[sp].k1 - p * s.page_size);
+        float page_max = kMinScore;
+        for (int64_t t = t0; t < t1; ++t) {
+          const T* k = rows.k + t * s.token_stride;
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * element(k, d, pool.format);
+          w[t] = dot * s.scale * row_scale<T>(rows.k_scale, t, ss);
+          page_max = std::max(page_max, w[t]);
+        }
+        const float new_max = std::max(run_max, page_max);
+        float page_sum = 0.f;
+        for (int64_t t = t0; t < t1; ++t) {
+          w[t] = std::exp(w[t] - new_max);
+          page_sum += w[t];
+        }
+        const float correction = std::exp(run_max - new_max);
+        run_sum = run_sum * correction + page_sum;
+        run_max = new_max;
+        for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+        for (int64_t t = t0; t < t1; ++t) {
+          const T* v = rows.v + t * s.token_stride;
+          const float weight = w[t] * row_scale<T>(rows.v_scale, t, ss);
+          for (int64_t d = 0; d < D; ++d) acc[d] += weight * element(v, d, pool.format);
+        }
       }
     }
     for (int64_t d = 0; d < D; ++d) ob[h * D + d] = acc[d] / run_sum;
@@ -230,10 +264,9 @@ void decode_seq_generic(const Shape& s, const float* qb, const Pool<T>& pool, co
 }
 
 template <typename T>
-using FastFn = void (*)(const Shape&, const float*, const Pool<T>&, const int64_t*, int64_t, float*);
+using FastFn = void (*)(const Shape&, const Span*, int, const Pool<T>&, const int64_t*, float*);
 template <typename T>
-using PartFn = void (*)(const Shape&, const float*, const Pool<T>&, const int64_t*, int64_t, int64_t, int64_t,
-                        int64_t, const Part&);
+using PartFn = void (*)(const Shape&, const Pool<T>&, const int64_t*, int64_t, const Span*, int, const Part&);
 
 template <typename T>
 struct FastFns {
@@ -260,39 +293,59 @@ FastFns<T> fast_kernel(int64_t head_dim, int64_t group, int64_t page_size) {
 // reads stay long runs and the merge stays negligible.
 constexpr int64_t kMinPartPages = 16;
 
-// A step of fewer sequences than twice the threads: items of (sequence, kv head, range of pages), so that both
-// threads read K/V even for one long sequence, whose parts are merged here. Parts per (sequence, kv head):
-// enough for four items per thread in all, each of at least kMinPartPages pages.
+// The step's queries: q, and q_sink (the sinks' rotation; q itself without sinks), [num_seqs, num_heads,
+// head_dim] each, and the keys each reads.
+struct Queries {
+  const float* q;
+  const float* q_sink;
+  KeyWindow window;
+};
+
+// A step of fewer sequences than twice the threads: items of (sequence, kv head, span of keys), so that both
+// threads read K/V even for one long sequence, whose parts are merged here. A sequence's window is split into
+// parts: enough for four items per thread in all, each of at least kMinPartPages pages; its sinks are one more.
 template <typename T>
-void decode_split(const Shape& s, const float* q_ptr, const Pool<T>& pool, const int64_t* table_ptr,
+void decode_split(const Shape& s, const Queries& qs, const Pool<T>& pool, const int64_t* table_ptr,
                   const int64_t* len_ptr, int64_t num_seqs, float* out_ptr, PartFn<T> part) {
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim, threads = at::get_num_threads();
   const int64_t wanted = (4 * threads + num_seqs * s.num_kv_heads - 1) / (num_seqs * s.num_kv_heads);
   struct Item {
-    int64_t seq, kvh, p0, p1, slot;  // slot: its partial result's index
+    int64_t seq, kvh, slot;  // slot: its partial result's index
+    Span span;
   };
   std::vector<Item> items;
   std::vector<int64_t> first_slot(num_seqs * s.num_kv_heads + 1, 0);
   for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t n = len_ptr[b];
+    const int64_t n = len_ptr[b], offset = b * s.num_heads * D;
     TORCH_CHECK(n > 0 && n <= s.max_pages * s.page_size, "seq_len outside its page table");
-    const int64_t pages = (n + s.page_size - 1) / s.page_size;
-    const int64_t parts = std::clamp<int64_t>(std::min(wanted, pages / kMinPartPages), 1, pages);
+    Span spans[2];
+    const int num_spans = seq_spans(qs.window, qs.q + offset, qs.q_sink + offset, n, spans);
+    std::vector<Span> cut;
+    for (int i = 0; i < num_spans; ++i) {  // each span in parts (the sinks, a few keys, stay whole)
+      const Span sp = spans[i];
+      const int64_t p0 = sp.k0 / s.page_size, pages = (sp.k1 + s.page_size - 1) / s.page_size - p0;
+      const int64_t parts = std::clamp<int64_t>(std::min(wanted, pages / kMinPartPages), 1, pages);
+      for (int64_t j = 0; j < parts; ++j)
+        cut.push_back({sp.q, std::max(sp.k0, (p0 + pages * j / parts) * s.page_size),
+                       std::min(sp.k1, (p0 + pages * (j + 1) / parts) * s.page_size)});
+    }
+    const int64_t num_cut = static_cast<int64_t>(cut.size());
     for (int64_t h = 0; h < s.num_kv_heads; ++h) {
       const int64_t key = b * s.num_kv_heads + h;
-      first_slot[key + 1] = first_slot[key] + parts;
-      for (int64_t i = 0; i < parts; ++i)
-        items.push_back({b, h, pages * i / parts, pages * (i + 1) / parts, first_slot[key] + i});
+      first_slot[key + 1] = first_slot[key] + num_cut;
+      for (int64_t i = 0; i < num_cut; ++i) items.push_back({b, h, first_slot[key] + i, cut[i]});
     }
   }
   const int64_t num_parts = first_slot.back();
   std::vector<float> acc(num_parts * group * D), run_max(num_parts * group), run_sum(num_parts * group);
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.p1 - a.p0 > b.p1 - b.p0; });
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.span.k1 - a.span.k0 > b.span.k1 - b.span.k0;
+  });
   parallel_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& it = items[i];
-    part(s, q_ptr + it.seq * s.num_heads * D, pool, table_ptr + it.seq * s.max_pages, len_ptr[it.seq], it.kvh,
-         it.p0, it.p1, {acc.data() + it.slot * group * D, run_max.data() + it.slot * group,
-                        run_sum.data() + it.slot * group, false});
+    part(s, pool, table_ptr + it.seq * s.max_pages, it.kvh, &it.span, 1,
+         {acc.data() + it.slot * group * D, run_max.data() + it.slot * group, run_sum.data() + it.slot * group,
+          false});
   });
   // merge: each query head's parts rescaled to their common max, then normalised
   for (int64_t key = 0; key < num_seqs * s.num_kv_heads; ++key) {
@@ -319,12 +372,12 @@ void decode_split(const Shape& s, const float* q_ptr, const Pool<T>& pool, const
 // Every sequence of the step, longest first, each claimed by whichever thread is free: the costs differ with
 // the lengths. Fewer sequences than twice the threads: decode_split.
 template <typename T>
-void decode_all(const Shape& s, const float* q_ptr, const Pool<T>& pool, const int64_t* table_ptr,
+void decode_all(const Shape& s, const Queries& qs, const Pool<T>& pool, const int64_t* table_ptr,
                 const int64_t* len_ptr, int64_t num_seqs, float* out_ptr) {
   const FastFns<T> fns = fast_kernel<T>(s.head_dim, s.num_heads / s.num_kv_heads, s.page_size);
   const FastFn<T> fast = fns.seq;
   if (fns.part != nullptr && num_seqs < 2 * at::get_num_threads()) {
-    decode_split(s, q_ptr, pool, table_ptr, len_ptr, num_seqs, out_ptr, fns.part);
+    decode_split(s, qs, pool, table_ptr, len_ptr, num_seqs, out_ptr, fns.part);
     return;
   }
   std::vector<int64_t> order(num_seqs);
@@ -334,15 +387,16 @@ void decode_all(const Shape& s, const float* q_ptr, const Pool<T>& pool, const i
     thread_local std::vector<float> scratch;  // the generic kernel's weights and accumulator
     scratch.resize(s.page_size + s.head_dim);
     const int64_t b = order[i];
-    const int64_t n = len_ptr[b];
+    const int64_t n = len_ptr[b], offset = b * s.num_heads * s.head_dim;
     TORCH_CHECK(n > 0 && n <= s.max_pages * s.page_size, "seq_len outside its page table");
-    const float* qb = q_ptr + b * s.num_heads * s.head_dim;
-    float* ob = out_ptr + b * s.num_heads * s.head_dim;
+    Span spans[2];
+    const int num_spans = seq_spans(qs.window, qs.q + offset, qs.q_sink + offset, n, spans);
+    float* ob = out_ptr + offset;
     const int64_t* table = table_ptr + b * s.max_pages;
     if (fast != nullptr) {
-      fast(s, qb, pool, table, n, ob);
+      fast(s, spans, num_spans, pool, table, ob);
     } else {
-      decode_seq_generic(s, qb, pool, table, n, ob, scratch.data(), scratch.data() + s.page_size);
+      decode_seq_generic(s, spans, num_spans, pool, table, ob, scratch.data(), scratch.data() + s.page_size);
     }
   });
 }
@@ -350,7 +404,8 @@ void decode_all(const Shape& s, const float* q_ptr, const Pool<T>& pool, const i
 }  // namespace
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales,
-                        const at::Tensor& tables, const at::Tensor& seq_lens, double scale) {
+                        const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                        int64_t sinks, const std::optional<at::Tensor>& q_sink) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && tables.dim() == 2 && seq_lens.dim() == 1, "bad ranks");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q: float32");
   TORCH_CHECK(tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables and lengths");
@@ -361,15 +416,17 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const s
   TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == s.head_dim && s.num_heads % s.num_kv_heads == 0,
               "shapes");
   TORCH_CHECK(tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs, "one table and length per sequence");
+  const KeyWindow key_window = checked_window(window, sinks, q, q_sink);
   s.token_stride = s.num_kv_heads * s.head_dim;
   const KVScales scales = kv_scales_of(kv_cache, kv_scales);
   auto out = at::empty_like(q);
   const KVFormat format = kv_format_of(kv_cache.scalar_type());
+  const Queries qs{q.data_ptr<float>(), sinks > 0 ? q_sink->data_ptr<float>() : q.data_ptr<float>(), key_window};
   by_kv_storage(format, [&](auto type) {
     using T = typename decltype(type)::type;
     const T* k_ptr = static_cast<const T*>(kv_cache.data_ptr());
     const Pool<T> pool{k_ptr, k_ptr + s.num_pages * s.page_size * s.token_stride, scales, format};
-    decode_all(s, q.data_ptr<float>(), pool, tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), num_seqs,
+    decode_all(s, qs, pool, tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), num_seqs,
                out.data_ptr<float>());
   });
   return out;

@@ -30,7 +30,16 @@
 //   row_start   [num_chunks]   int64: the chunk's first row in q and out
 //   q_lens      [num_chunks]   int64: its rows
 //   start_pos   [num_chunks]   int64: the position of its first row (keys 0 .. position are visible to a row)
+//   window      int: a sliding window (kernels/window.py): a row at position p reads keys p - window < j <= p,
+//               and the sinks j < sinks; 0 = every j <= p (sinks 0)
+//   q_sink      like q, or None: the rows rotated at their in-cache positions, against which the sink keys are
+//               scored (needed when sinks > 0)
 // Writes the chunks' rows of out; other rows are left as they are.
+//
+// With a window a chunk reads its sink pages and the pages from its first row's window on, nothing between
+// (a page table's HOLE entries, released pages, are never touched); pass 1 transposes only those, and a block
+// takes its sink pages against q_sink (the lanes of sink keys) and then its window's pages against q (the lanes
+// after the sinks inside each row's window).
 #include <ATen/ATen.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -51,8 +60,13 @@ constexpr int kPage = 16;               // keys per page: one vector of scores
 struct Chunk {
   int64_t row_start, q_len, start_pos;
   const int64_t* table;
-  int64_t num_pages;   // pages its last row reads
+  int64_t num_pages;   // pages up to its last row's
+  int64_t first_page;  // the first page of its first row's window after the sinks (0 without a window)
+  int64_t sink_pages;  // the sink pages before first_page
   int64_t kt_offset;   // its first page in the transposed-keys buffer
+  int64_t kt_pages() const { return sink_pages + num_pages - first_page; }
+  // page p's place among its transposed pages: the sink pages, then first_page .. num_pages - 1
+  int64_t kt_slot(int64_t p) const { return p < first_page ? p : sink_pages + p - first_page; }
 };
 
 struct Item {
@@ -146,12 +160,18 @@ constexpr int value_chunk(int nv, int accumulators_per_vector) {
   return nc;
 }
 
-// Page p for R (1 or 2) rows x G heads of one chunk against one kv head: the scores of the rows' queries qr
-// against the page's 16 keys (ktp: the page transposed, one vector per dimension), the causal mask, the
-// online-softmax update and the weighted sum of the visible values, into the pair's state.
+// A page's keys [lo, hi) (lanes) that each of R rows reads.
+template <int R>
+struct Lanes {
+  int lo[R], hi[R];
+};
+
+// One page for R (1 or 2) rows x G heads of one chunk against one kv head: the scores of the rows' queries qr
+// against the page's 16 keys (ktp: the page transposed, one vector per dimension), the mask (row r reads lanes
+// [lo, hi)), the online-softmax update and the weighted sum of the visible values, into the pair's state.
 template <typename T, int NV, int G, int R>
 inline void attend_page(PairState<NV, G>& state, const float* const* qr, const float* ktp, const T* vp,
-                        const float* vs, const ValueRows<T>& v, int64_t first_pos, int64_t p, float scale, v16 lane) {
+                        const float* vs, const ValueRows<T>& v, const Lanes<R>& lanes, float scale, v16 lane) {
   constexpr int D = 16 * NV, NC = value_chunk(NV, R * G);
   v16 sc[R][G];
 #pragma GCC unroll 16
@@ -166,14 +186,17 @@ inline void attend_page(PairState<NV, G>& state, const float* const* qr, const f
       for (int g = 0; g < G; ++g) sc[r][g] += qr[r][g * D + d] * k;
   }
   alignas(64) float w[R][G][kPage];
-  int visible[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    visible[r] = static_cast<int>(std::clamp<int64_t>(first_pos + r + 1 - p * kPage, 0, kPage));
-    const v16 limit = v16{} + static_cast<float>(visible[r]);
+    const v16 lo = v16{} + static_cast<float>(lanes.lo[r]), hi = v16{} + static_cast<float>(lanes.hi[r]);
+    const bool none = lanes.lo[r] >= lanes.hi[r];  // a row of the pair before its window: weights 0
 #pragma GCC unroll 16
     for (int g = 0; g < G; ++g) {
-      const v16 s = select_lt(lane, limit, sc[r][g] * scale, v16{} + kMinScore);
+      if (none) {
+        store(w[r][g], v16{});
+        continue;
+      }
+      const v16 s = select_lt(lane, hi, select_lt(lane, lo, v16{} + kMinScore, sc[r][g] * scale), v16{} + kMinScore);
       const float run_max = state.run_max[r][g];
       const float new_max = std::max(run_max, hmax(s));
       const v16 e = exp16(s - new_max);
@@ -188,7 +211,8 @@ inline void attend_page(PairState<NV, G>& state, const float* const* qr, const f
       state.run_sum[r][g] += hsum(e);
     }
   }
-  const int keys = R == 2 ? std::max(visible[0], visible[R - 1]) : visible[0];
+  const int t0 = R == 2 ? std::min(lanes.lo[0], lanes.lo[R - 1]) : lanes.lo[0];
+  const int t1 = R == 2 ? std::max(lanes.hi[0], lanes.hi[R - 1]) : lanes.hi[0];
   for (int c = 0; c < NV; c += NC) {  // the values' columns, NC vectors at a time
     v16 acc[R][G][NC];
 #pragma GCC unroll 16
@@ -197,7 +221,7 @@ inline void attend_page(PairState<NV, G>& state, const float* const* qr, const f
       for (int g = 0; g < G; ++g)
 #pragma GCC unroll 16
         for (int i = 0; i < NC; ++i) acc[r][g][i] = state.acc[r][g][c + i];
-    for (int t = 0; t < keys; ++t) {
+    for (int t = t0; t < t1; ++t) {
       v16 vrow[NC];
       load_row<NC>(vp + t * v.token_stride + 16 * c, v.format, vrow);
       const float v_scale = row_scale<T>(vs, t, v.slot_stride);
@@ -219,13 +243,22 @@ inline void attend_page(PairState<NV, G>& state, const float* const* qr, const f
   }
 }
 
+// Where a block's keys are: its chunk's pages transposed for one kv head (kt, page stride kt_stride, in the
+// chunk's kt_slot order), its page table, and the window.
+struct BlockKeys {
+  const float* kt;
+  int64_t kt_stride;
+  const Chunk* chunk;
+  KeyWindow window;
+};
+
 // Up to kBlockRows rows of one chunk (the first at position first_pos) x the G query heads of one kv head:
-// page by page, each pair of rows that sees the page takes it (attend_page) while it is in L1. kt: the chunk's
-// pages, transposed, for this kv head at page stride kt_stride; v: the pool's V rows of this kv head.
+// page by page, each pair of rows that sees the page takes it (attend_page) while it is in L1; first the sink
+// pages (their sink keys against q_sink), then the window's pages (the keys after the sinks in each row's
+// window, against q). v: the pool's V rows of this kv head.
 template <typename T, int NV, int G>
-void attend_block(const float* q, float* out, int64_t row_stride, const float* kt, int64_t kt_stride,
-                  const ValueRows<T>& v, const int64_t* table, int64_t first_pos, int rows, int64_t kv_head,
-                  float scale) {
+void attend_block(const float* q, const float* q_sink, float* out, int64_t row_stride, const BlockKeys& keys,
+                  const ValueRows<T>& v, int64_t first_pos, int rows, int64_t kv_head, float scale) {
   constexpr int D = 16 * NV;
   PairState<NV, G> state[kBlockRows / 2];
   const int pairs = (rows + 1) / 2;
@@ -239,18 +272,39 @@ void attend_block(const float* q, float* out, int64_t row_stride, const float* k
   v16 lane;
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
-  const int64_t last_pos = first_pos + rows - 1;
-  for (int64_t p = 0; p * kPage <= last_pos; ++p) {
-    const float* ktp = kt + p * kt_stride;
-    const T* vp = v.rows + table[p] * kPage * v.token_stride;
-    const float* vs = v.scale + table[p] * kPage * v.slot_stride;
-    for (int pr = 0; pr < pairs; ++pr) {
-      const int64_t pos = first_pos + 2 * pr;
-      const int r = 2 * pr + 1 < rows ? 2 : 1;
-      if (p * kPage > pos + r - 1) continue;  // the page is after this pair's rows
-      const float* qr[2] = {q + 2 * pr * row_stride + kv_head * G * D, q + (2 * pr + 1) * row_stride + kv_head * G * D};
-      if (r == 2) attend_page<T, NV, G, 2>(state[pr], qr, ktp, vp, vs, v, pos, p, scale, lane);
-      else attend_page<T, NV, G, 1>(state[pr], qr, ktp, vp, vs, v, pos, p, scale, lane);
+  const KeyWindow& w = keys.window;
+  const int64_t last_pos = first_pos + rows - 1, last_page = last_pos / kPage;
+  const int64_t sink_end = std::min((w.sinks + kPage - 1) / kPage, last_page + 1);
+  // pass 0: the sink pages; pass 1: the window's pages
+  for (int pass = w.sinks > 0 ? 0 : 1; pass < 2; ++pass) {
+    const float* qp = pass == 0 ? q_sink : q;
+    for (int64_t p = pass == 0 ? 0 : w.first_key(first_pos) / kPage; p < (pass == 0 ? sink_end : last_page + 1);
+         ++p) {
+      const int64_t page = keys.chunk->table[p], base = p * kPage;
+      const float* ktp = keys.kt + keys.chunk->kt_slot(p) * keys.kt_stride;
+      const T* vp = v.rows + page * kPage * v.token_stride;
+      const float* vs = v.scale + page * kPage * v.slot_stride;
+      for (int pr = 0; pr < pairs; ++pr) {
+        const int64_t pos = first_pos + 2 * pr;
+        const int r = 2 * pr + 1 < rows ? 2 : 1;
+        if (base > pos + r - 1) continue;  // the page is after this pair's rows
+        Lanes<2> lanes;
+        for (int i = 0; i < 2; ++i) {  // row i's keys in this page: the sinks it sees, or its window's
+          const int64_t end = pos + i + 1, begin = pass == 0 ? 0 : w.first_key(pos + i);
+          lanes.lo[i] = static_cast<int>(std::clamp<int64_t>(begin - base, 0, kPage));
+          lanes.hi[i] = static_cast<int>(std::clamp<int64_t>((pass == 0 ? std::min(w.sinks, end) : end) - base, 0,
+                                                             kPage));
+        }
+        if (lanes.lo[0] >= lanes.hi[0] && (r == 1 || lanes.lo[1] >= lanes.hi[1])) continue;  // before both windows
+        const float* qr[2] = {qp + 2 * pr * row_stride + kv_head * G * D,
+                              qp + (2 * pr + 1) * row_stride + kv_head * G * D};
+        if (r == 2) {
+          attend_page<T, NV, G, 2>(state[pr], qr, ktp, vp, vs, v, lanes, scale, lane);
+        } else {
+          attend_page<T, NV, G, 1>(state[pr], qr, ktp, vp, vs, v, Lanes<1>{{lanes.lo[0]}, {lanes.hi[0]}}, scale,
+                                   lane);
+        }
+      }
     }
   }
   for (int row = 0; row < rows; ++row) {
@@ -265,8 +319,8 @@ void attend_block(const float* q, float* out, int64_t row_stride, const float* k
 }
 
 template <typename T>
-using BlockFn = void (*)(const float*, float*, int64_t, const float*, int64_t, const ValueRows<T>&, const int64_t*,
-                         int64_t, int, int64_t, float);
+using BlockFn = void (*)(const float*, const float*, float*, int64_t, const BlockKeys&, const ValueRows<T>&, int64_t,
+                         int, int64_t, float);
 
 template <typename T, int NV>
 BlockFn<T> block_for_group(int64_t group) {
@@ -303,25 +357,29 @@ struct Step {
   int64_t kt_pages;  // pages in the transposed-keys buffer
   int64_t num_heads, head_dim, num_pages, num_kv_heads;
   float scale;
+  KeyWindow window;
 };
 
-// Pass 1 (every page a chunk reads, transposed) and pass 2 (pairs of rows x kv heads, the latest rows, which
-// read the most keys, first) over a pool of element type T.
+// Pass 1 (every page a chunk reads, transposed) and pass 2 (blocks of rows x kv heads, the latest rows, which
+// read the most keys, first) over a pool of element type T. q_sink: q without sinks.
 template <typename T>
-void prefill_all(const Step& st, const float* q_ptr, const T* k_ptr, KVFormat format, const KVScales& scales,
-                 float* out_ptr) {
+void prefill_all(const Step& st, const float* q_ptr, const float* q_sink_ptr, const T* k_ptr, KVFormat format,
+                 const KVScales& scales, float* out_ptr) {
   const int64_t token_stride = st.num_kv_heads * st.head_dim;
   const int64_t kt_page = st.num_kv_heads * st.head_dim * kPage;  // floats of one transposed page
   std::vector<std::pair<int64_t, int64_t>> pages;  // (chunk, page index)
   pages.reserve(st.kt_pages);
-  for (int64_t c = 0; c < static_cast<int64_t>(st.chunks.size()); ++c)
-    for (int64_t p = 0; p < st.chunks[c].num_pages; ++p) pages.emplace_back(c, p);
+  for (int64_t c = 0; c < static_cast<int64_t>(st.chunks.size()); ++c) {
+    const Chunk& ch = st.chunks[c];
+    for (int64_t p = 0; p < ch.sink_pages; ++p) pages.emplace_back(c, p);
+    for (int64_t p = ch.first_page; p < ch.num_pages; ++p) pages.emplace_back(c, p);
+  }
   std::vector<float> kt(st.kt_pages * kt_page);
   parallel_items(st.kt_pages, [&](int64_t i) {
     const auto [c, p] = pages[i];
     const Chunk& ch = st.chunks[c];
     transpose_keys(k_ptr, format, scales, ch.table[p], st.num_kv_heads, st.head_dim,
-                   kt.data() + (ch.kt_offset + p) * kt_page);
+                   kt.data() + (ch.kt_offset + ch.kt_slot(p)) * kt_page);
   });
 
   std::vector<Item> items;
@@ -329,11 +387,12 @@ void prefill_all(const Step& st, const float* q_ptr, const T* k_ptr, KVFormat fo
     for (int64_t r = 0; r < st.chunks[c].q_len; r += kBlockRows)
       for (int64_t h = 0; h < st.num_kv_heads; ++h) items.push_back({c, r, h});
   const auto rows_of = [&](const Item& it) { return std::min<int64_t>(kBlockRows, st.chunks[it.chunk].q_len - it.row); };
-  const auto last_position = [&](const Item& it) {  // the keys its last row reads
-    return st.chunks[it.chunk].start_pos + it.row + rows_of(it) - 1;
+  const auto keys_read = [&](const Item& it) {  // its last row's keys: the sinks and its window, or all
+    const int64_t last = st.chunks[it.chunk].start_pos + it.row + rows_of(it) - 1;
+    return last + 1 - st.window.first_key(last) + std::min(st.window.sinks, last + 1);
   };
   std::stable_sort(items.begin(), items.end(),
-                   [&](const Item& a, const Item& b) { return last_position(a) > last_position(b); });
+                   [&](const Item& a, const Item& b) { return keys_read(a) > keys_read(b); });
   const BlockFn<T> kernel = block_kernel<T>(st.head_dim, st.num_heads / st.num_kv_heads);
   const T* v_ptr = k_ptr + st.num_pages * kPage * token_stride;
   const int64_t row_stride = st.num_heads * st.head_dim;
@@ -343,8 +402,9 @@ void prefill_all(const Step& st, const float* q_ptr, const T* k_ptr, KVFormat fo
     const int64_t row = ch.row_start + it.row;
     const ValueRows<T> v{v_ptr + it.kv_head * st.head_dim, scales.v_at(0, it.kv_head), token_stride,
                          scales.slot_stride, format};
-    kernel(q_ptr + row * row_stride, out_ptr + row * row_stride, row_stride,
-           kt.data() + ch.kt_offset * kt_page + it.kv_head * st.head_dim * kPage, kt_page, v, ch.table,
+    const BlockKeys keys{kt.data() + ch.kt_offset * kt_page + it.kv_head * st.head_dim * kPage, kt_page, &ch,
+                         st.window};
+    kernel(q_ptr + row * row_stride, q_sink_ptr + row * row_stride, out_ptr + row * row_stride, row_stride, keys, v,
            ch.start_pos + it.row, static_cast<int>(rows_of(it)), it.kv_head, st.scale);
   });
 }
@@ -352,7 +412,7 @@ void prefill_all(const Step& st, const float* q_ptr, const T* k_ptr, KVFormat fo
 // The chunks of a step, checked against q's rows and the pool's pages, with their places in the scratch.
 std::vector<Chunk> step_chunks(const at::Tensor& tables, const at::Tensor& row_start, const at::Tensor& q_lens,
                                const at::Tensor& start_pos, int64_t num_tokens, int64_t num_pages,
-                               int64_t& kt_pages) {
+                               const KeyWindow& window, int64_t& kt_pages) {
   const int64_t num_chunks = tables.size(0), max_pages = tables.size(1);
   TORCH_CHECK(row_start.numel() == num_chunks && q_lens.numel() == num_chunks && start_pos.numel() == num_chunks,
               "one row_start, q_len and start_pos per chunk");
@@ -369,11 +429,15 @@ std::vector<Chunk> step_chunks(const at::Tensor& tables, const at::Tensor& row_s
                 "chunk ", c, ": rows outside q");
     ch.num_pages = (ch.start_pos + ch.q_len - 1) / kPage + 1;
     TORCH_CHECK(ch.num_pages <= max_pages, "chunk ", c, ": its last position is past its page table");
+    ch.first_page = std::min(window.first_key(ch.start_pos) / kPage, ch.num_pages - 1);
+    ch.sink_pages = std::min((window.sinks + kPage - 1) / kPage, ch.first_page);
     ch.table = tables.data_ptr<int64_t>() + c * max_pages;
-    for (int64_t p = 0; p < ch.num_pages; ++p)
+    for (int64_t i = 0; i < ch.kt_pages(); ++i) {  // the pages it reads (HOLEs between them are never read)
+      const int64_t p = i < ch.sink_pages ? i : ch.first_page + i - ch.sink_pages;
       TORCH_CHECK(ch.table[p] >= 0 && ch.table[p] < num_pages, "chunk ", c, ": page id outside the pool");
+    }
     ch.kt_offset = kt_pages;
-    kt_pages += ch.num_pages;
+    kt_pages += ch.kt_pages();
   }
   return chunks;
 }
@@ -387,24 +451,27 @@ bool paged_prefill_supports(int64_t head_dim, int64_t num_heads, int64_t num_kv_
 
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales,
                          const at::Tensor& tables, const at::Tensor& row_start, const at::Tensor& q_lens,
-                         const at::Tensor& start_pos, double scale, at::Tensor& out) {
+                         const at::Tensor& start_pos, double scale, at::Tensor& out, int64_t window, int64_t sinks,
+                         const std::optional<at::Tensor>& q_sink) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && tables.dim() == 2, "bad ranks");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q: float32");
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && tables.is_contiguous() && out.is_contiguous() &&
                   out.sizes() == q.sizes() && out.scalar_type() == at::kFloat, "contiguous q and out of one shape");
   TORCH_CHECK(tables.scalar_type() == at::kLong && row_start.scalar_type() == at::kLong &&
                   q_lens.scalar_type() == at::kLong && start_pos.scalar_type() == at::kLong, "int64 metadata");
-  Step st{{}, 0, q.size(1), q.size(2), kv_cache.size(1), kv_cache.size(3), static_cast<float>(scale)};
+  Step st{{}, 0, q.size(1), q.size(2), kv_cache.size(1), kv_cache.size(3), static_cast<float>(scale),
+          checked_window(window, sinks, q, q_sink)};
   TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == st.head_dim,
               "kv_cache: [2, pages, 16, kv_heads, head_dim]");
   TORCH_CHECK(paged_prefill_supports(st.head_dim, st.num_heads, st.num_kv_heads, kv_cache.size(2)),
               "paged_prefill: pages of 16, head_dim 16/32/64/128 and up to 8 query heads per kv head only");
-  st.chunks = step_chunks(tables, row_start, q_lens, start_pos, q.size(0), st.num_pages, st.kt_pages);
+  st.chunks = step_chunks(tables, row_start, q_lens, start_pos, q.size(0), st.num_pages, st.window, st.kt_pages);
   const KVScales scales = kv_scales_of(kv_cache, kv_scales);
   const KVFormat format = kv_format_of(kv_cache.scalar_type());
+  const float* q_sink_ptr = sinks > 0 ? q_sink->data_ptr<float>() : q.data_ptr<float>();
   by_kv_storage(format, [&](auto type) {
     using T = typename decltype(type)::type;
-    prefill_all(st, q.data_ptr<float>(), static_cast<const T*>(kv_cache.data_ptr()), format, scales,
+    prefill_all(st, q.data_ptr<float>(), q_sink_ptr, static_cast<const T*>(kv_cache.data_ptr()), format, scales,
                 out.data_ptr<float>());
   });
   return out;

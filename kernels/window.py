@@ -1,5 +1,6 @@
-"""Sliding-window attention and attention sinks over the page pool, for the reference backend (and the CPU
-backend, which hands windowed steps to it).
+"""Sliding-window attention and attention sinks over the page pool, for the reference backend (the cpu
+backend's C++ kernels, kernels/paged_decode.cpp and paged_prefill.cpp, and the triton backend walk the same
+keys in place).
 
 A query at position p sees key j when ``p - window < j <= p`` (Mistral's sliding window: itself and the
 ``window - 1`` keys before it), or when ``j < sinks`` (StreamingLLM's attention sinks: the first tokens stay

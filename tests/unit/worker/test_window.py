@@ -11,6 +11,7 @@ from window_models import WINDOW, hf_model, paged_logits, run_windowed, save_tin
 
 from kvserve.common.attention_window import AttentionWindow
 from kvserve.common.pages import num_pages_for
+from kvserve.kernels.cpu_paged import CPUState
 from kvserve.worker.runner import ModelRunner, RunnerConfig
 
 PAGE = 16
@@ -24,6 +25,14 @@ def tiny(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("tiny")
     return {"mistral": save_tiny(root / "mistral", "mistral", model_dir, sliding_window=WINDOW),
             "llama": save_tiny(root / "llama", "llama", model_dir)}
+
+
+def prepared_states(runner: ModelRunner, monkeypatch) -> list:
+    """The states the runner's backend prepares from now on (the cpu backend's are CPUStates when its kernels,
+    not the reference's gather, run the step)."""
+    states, prepare = [], runner.model.backend.prepare
+    monkeypatch.setattr(runner.model.backend, "prepare", lambda meta: states.append(prepare(meta)) or states[-1])
+    return states
 
 
 def make_runner(folder, backend: str, **kw) -> ModelRunner:
@@ -43,8 +52,9 @@ def hf_generate(model, prompt: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sliding_window_greedy_matches_hf_mistral_and_holds_a_window_of_pages(tiny, backend):
+def test_sliding_window_greedy_matches_hf_mistral_and_holds_a_window_of_pages(tiny, backend, monkeypatch):
     runner = make_runner(tiny["mistral"], backend)
+    states = prepared_states(runner, monkeypatch)
     assert runner.window == AttentionWindow(WINDOW, 0)  # read from the model's config
     seqs = run_windowed(runner, prompts(), NEW_TOKENS, budget=48)
     hf = hf_model(tiny["mistral"])
@@ -53,6 +63,7 @@ def test_sliding_window_greedy_matches_hf_mistral_and_holds_a_window_of_pages(ti
         assert s.most_decode_pages <= num_pages_for(WINDOW, PAGE) + 1  # ceil(W / page_size) + 1
         assert s.most_pages <= runner.window.max_pages_held(len(s.prompt) + NEW_TOKENS, PAGE, chunk=48)
         assert len(s.page_table) > num_pages_for(WINDOW, PAGE) + 1  # it did outgrow the window
+    assert states and all(isinstance(st, CPUState) for st in states) == (backend == "cpu")  # the C++ kernels
 
 
 def test_the_window_decides_the_tokens(tiny):
@@ -68,12 +79,14 @@ CHUNKS = [37, 5, 64, 1, 1, 1, 100, 16, 1, 64]  # crossing pages, windows and the
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_attention_sinks_match_a_streaming_reference_past_the_models_context(tiny, backend):
+def test_attention_sinks_match_a_streaming_reference_past_the_models_context(tiny, backend, monkeypatch):
     runner = make_runner(tiny["llama"], backend, sliding_window=SINK_WINDOW, attention_sinks=SINKS)
+    states = prepared_states(runner, monkeypatch)
     tokens = torch.randint(3, 49152, (1100,), generator=torch.Generator().manual_seed(2)).tolist()
     assert len(tokens) > runner.model_cfg.max_position_embeddings  # sinks run past the model's context
     assert runner.info.max_model_len > len(tokens)
     got = paged_logits(runner, tokens, CHUNKS)
+    assert states and all(isinstance(st, CPUState) for st in states) == (backend == "cpu")  # the C++ kernels
     hf = hf_model(tiny["llama"])
     want = streaming_reference_logits(hf, tokens, SINK_WINDOW, SINKS)
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
