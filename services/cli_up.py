@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.services.cli_up_store import DEFAULT_KV_STORE_BYTES, kv_store_argv, open_kv_store
-from kvserve.services.cli_up_workers import WorkerSpec, add_worker_flags, worker_specs
+from kvserve.services.cli_up_workers import WorkerSpec, add_worker_flags, cpu_argv, worker_specs
 
 READY = re.compile(r"kvserve \S+(?: \S+)? ready on (?P<host>[^\s:]+):(?P<port>\d+)")
 READY_TIMEOUT_S = 180.0
@@ -143,16 +143,16 @@ def _kvmanager_argv(args, model_dir: Path) -> list[str]:
 
 
 def _worker_argv(args, spec: WorkerSpec, kvmanager: str) -> list[str]:
-    """Every worker's argv but its id and role: the same model, pool and KV format, as pools that hand pages to
-    each other must have. The role is given even when it is both, so a KVSERVE_ROLE in up's environment
-    cannot change it."""
+    """Every worker's argv but its id, role, threads and CPUs (``spec``): the same model, pool and KV format, as
+    pools that hand pages to each other must have. The role is given even when it is both, so a KVSERVE_ROLE in
+    up's environment cannot change it."""
     argv = ["worker", "--host", args.host, "--port", "0", "--worker-id", spec.worker_id, "--role", spec.role,
             "--kvmanager", kvmanager, "--page-size", str(args.page_size), "--kv-cache-dtype", args.kv_cache_dtype,
             "--kv-scales", args.kv_scales, "--sliding-window", str(args.sliding_window), "--attention-sinks",
             str(args.attention_sinks)]
     argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)] if args.kv_cache_bytes else []
     argv += ["--num-pages", str(args.num_pages)] if args.num_pages else []
-    return argv + kv_store_argv(args, worker=True) + _model_argv(args)
+    return argv + cpu_argv(spec) + kv_store_argv(args, worker=True) + _model_argv(args)
 
 
 def _model_argv(args) -> list[str]:

@@ -112,6 +112,7 @@ def add_commands(sub) -> None:
     w.add_argument("--role", type=_role, default=_env("role", "both"),
                    help="the work the gateway sends this worker: both (default: prefill and decode), prefill (a "
                         "request's prompt, whose pages a decode worker then pulls) or decode")
+    add_cpu_flags(w)
     add_observability_flags(w)
     add_tls_flags(w, "both", dials="the kvmanager (and other workers, for page transfers)")
     w.add_argument("--peer-tls-server-name", default=_env("peer_tls_server_name"),
@@ -142,6 +143,38 @@ def add_commands(sub) -> None:
     add_tls_flags(g, "client", dials="the gateway")
     _add_engine_flags(g)
     g.set_defaults(func=run_generate)
+
+
+def add_cpu_flags(w: argparse.ArgumentParser) -> None:
+    """--threads and --cpus: the worker's compute threads and the CPUs it runs on (worker/cpu_binding.py)."""
+    from kvserve.services.cli_flags import positive_int
+
+    w.add_argument("--threads", type=positive_int, default=_env("threads"),
+                   help="intra-op threads the model's torch ops and the cpu backend's kernels run on (default: "
+                        "torch's choice, one per CPU the worker may use; with --cpus, one per listed CPU)")
+    w.add_argument("--cpus", type=cpu_list, default=_env("cpus"),
+                   help="bind the worker process and all its threads to these CPUs, a list like taskset's "
+                        "0-3,6 (default: no binding). kvserve up picks both for its workers")
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """--cpus's value: a CPU list this process may use, or a usage error naming the bad value."""
+    from kvserve.worker.cpu_binding import check_cpus, parse_cpu_list
+
+    try:
+        cpus = parse_cpu_list(text)
+        check_cpus(cpus)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return cpus
+
+
+def _bind_cpus(args):
+    """--threads and --cpus applied before the model loads (before torch starts its thread pool); what the
+    worker runs with (a CpuBinding)."""
+    from kvserve.worker.cpu_binding import CpuBinding, apply
+
+    return apply(CpuBinding(int(args.threads) if args.threads is not None else None, args.cpus))
 
 
 def _role(text: str) -> str:
@@ -192,6 +225,7 @@ def run_worker(args) -> int:
     tls = _tls(args, server=True)
     if tls is False:
         return 2
+    binding = _bind_cpus(args)
     runner = _make_runner(args, worker_id=args.worker_id, kv_store_url=args.kv_store_url, role=args.role)
     if runner is None:
         return 2
@@ -206,6 +240,7 @@ def run_worker(args) -> int:
     except OSError as e:
         print(f"kvserve: {e}", file=sys.stderr)
         return 1
+    from kvserve.worker.cpu_binding import describe
     from kvserve.worker.model import describe_weights
 
     keeper = _join(args, runner, ws, stop, tls)
@@ -213,7 +248,7 @@ def run_worker(args) -> int:
     scales = f", {i.kv_scales} scales" if i.kv_scales else ""
     print(f"kvserve worker {i.worker_id} ready on {args.host}:{ws.port}: model {i.model_name} on {i.device}, "
           f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
-          f"({i.kv_dtype}{scales}); linear weights: {describe_weights(runner.model.weights)}"
+          f"({i.kv_dtype}{scales}); linear weights: {describe_weights(runner.model.weights)}; {describe(binding)}"
           f"{metrics_note(args.host, metrics_port)}{tls_note(tls)}{_member_note(keeper)}{_store_note(runner)}"
           f"{'; role ' + i.role if i.role != 'both' else ''}",
           flush=True)

@@ -1,6 +1,6 @@
-"""`kvserve up --prefill-workers N --decode-workers M`: which workers `up` starts, with which ids, roles and
-flags, read from the argv it would hand each child (start_child is replaced, nothing runs); counts that leave a
-role nothing can hand work to are refused before anything starts."""
+"""`kvserve up --prefill-workers N --decode-workers M`: which workers `up` starts, with which ids, roles,
+threads, CPUs and flags, read from the argv it would hand each child (start_child is replaced, nothing runs);
+counts that leave a role nothing can hand work to are refused before anything starts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from kvserve.services import cli_up
 from kvserve.services.cli import build_parser, main
-from kvserve.services.cli_up_workers import WorkerSpec, worker_specs
+from kvserve.services.cli_up_workers import AUTO, NO_BINDING, plan_cpus, split, worker_specs
 
 KVMANAGER = "127.0.0.1:50051"
 
@@ -72,7 +72,7 @@ def start(*flags: str) -> None:
     (("--prefill-workers", "0", "--decode-workers", "0"), [("worker-0", "both")]),
 ])
 def test_the_role_counts_replace_workers_unless_it_is_given_too(flags, expected) -> None:
-    assert worker_specs(up_args(*flags)) == [WorkerSpec(worker_id, role) for worker_id, role in expected]
+    assert [(s.worker_id, s.role) for s in worker_specs(up_args(*flags))] == expected
 
 
 def test_each_worker_gets_its_id_and_role_and_every_other_flag_alike(started) -> None:
@@ -83,7 +83,7 @@ def test_each_worker_gets_its_id_and_role_and_every_other_flag_alike(started) ->
     workers = started[:-1]
     assert [(flag_value(argv, "--worker-id"), flag_value(argv, "--role")) for _, argv in workers] == [
         ("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")]
-    rest = [without(argv, "--worker-id", "--role") for _, argv in workers]
+    rest = [without(argv, "--worker-id", "--role", "--threads", "--cpus") for _, argv in workers]
     assert rest[0] == rest[1] == rest[2]  # one model, pool and KV format: the kvmanager refuses a mismatch
     for flag, value in (("--model", "/models/m"), ("--page-size", "32"), ("--kv-cache-dtype", "int8"),
                         ("--kv-scales", "tensor"), ("--num-pages", "64"), ("--sliding-window", "64"),
@@ -113,4 +113,81 @@ def test_counts_that_cannot_serve_are_usage_errors_before_anything_starts(starte
     err = capsys.readouterr().err
     assert err.startswith("usage: kvserve up")
     assert f"kvserve up: error: {message}" in err
+    assert started == []
+
+
+def cpus(*ids: int) -> frozenset[int]:
+    return frozenset(ids)
+
+
+@pytest.mark.parametrize(("num_workers", "allowed", "expected"), [
+    # one worker: the last CPU left to the gateway, kvmanager and Redis, one thread per CPU of the rest
+    (1, cpus(0, 1), [(1, cpus(0))]),
+    (1, cpus(0, 1, 2, 3), [(3, cpus(0, 1, 2))]),
+    (1, cpus(2, 5, 7), [(2, cpus(2, 5))]),  # the allowed set (a container's cpuset), not 0..N-1
+    (2, cpus(*range(8)), [(4, cpus(0, 1, 2, 3)), (3, cpus(4, 5, 6))]),
+    (3, cpus(*range(4)), [(1, cpus(0)), (1, cpus(1)), (1, cpus(2))]),
+    # as many CPUs as workers: one each, nothing left over to reserve
+    (2, cpus(0, 1), [(1, cpus(0)), (1, cpus(1))]),
+    # fewer: shared round-robin
+    (3, cpus(0, 1), [(1, cpus(0)), (1, cpus(1)), (1, cpus(0))]),
+    (1, cpus(0), [(1, cpus(0))]),
+])
+def test_auto_leaves_the_last_cpu_to_the_services_when_there_is_one_to_spare(num_workers, allowed, expected) -> None:
+    assert plan_cpus(num_workers, allowed, None, AUTO) == expected
+
+
+def test_threads_given_override_one_per_cpu_and_none_binds_nothing() -> None:
+    assert plan_cpus(1, cpus(0, 1, 2, 3), 2, AUTO) == [(2, cpus(0, 1, 2))]
+    assert plan_cpus(2, cpus(0, 1), None, NO_BINDING) == [(None, None), (None, None)]
+    assert plan_cpus(1, cpus(0, 1), 1, NO_BINDING) == [(1, None)]
+
+
+def test_a_cpu_list_is_split_between_the_workers_nothing_reserved() -> None:
+    assert plan_cpus(1, cpus(0, 1), None, cpus(0, 1)) == [(2, cpus(0, 1))]
+    assert plan_cpus(2, cpus(*range(8)), None, cpus(1, 3, 5)) == [(2, cpus(1, 3)), (1, cpus(5))]
+
+
+@pytest.mark.parametrize(("pool", "parts", "shares"), [
+    ([0, 1, 2, 3, 4], 2, [[0, 1, 2], [3, 4]]), ([0, 1], 1, [[0, 1]]), ([4], 3, [[4], [4], [4]]),
+])
+def test_split_gives_contiguous_shares_within_one_of_each_other(pool, parts, shares) -> None:
+    assert split(pool, parts) == shares
+
+
+def test_each_worker_is_told_its_threads_and_cpus(started, monkeypatch) -> None:
+    monkeypatch.setattr("kvserve.worker.cpu_binding.allowed_cpus", lambda: cpus(0, 1, 2))
+    start("--workers", "2")
+    assert [(flag_value(argv, "--threads"), flag_value(argv, "--cpus")) for _, argv in started[:-1]] == [
+        ("1", "0"), ("1", "1")]
+    started.clear()
+    start()
+    assert (flag_value(started[0][1], "--threads"), flag_value(started[0][1], "--cpus")) == ("2", "0-1")
+
+
+def test_no_binding_leaves_the_worker_its_defaults(started) -> None:
+    start("--worker-cpus", "none")
+    assert "--cpus" not in started[0][1] and "--threads" not in started[0][1]
+    started.clear()
+    start("--worker-cpus", "none", "--worker-threads", "3")
+    assert flag_value(started[0][1], "--threads") == "3" and "--cpus" not in started[0][1]
+
+
+def test_the_env_vars_set_the_defaults(started, monkeypatch) -> None:
+    monkeypatch.setenv("KVSERVE_WORKER_CPUS", "0")
+    monkeypatch.setenv("KVSERVE_WORKER_THREADS", "2")
+    start()
+    assert (flag_value(started[0][1], "--threads"), flag_value(started[0][1], "--cpus")) == ("2", "0")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--worker-cpus", "0-x"), "argument --worker-cpus: bad CPU list '0-x': '0-x' is not a CPU number"),
+    (("--worker-cpus", "4096"), "argument --worker-cpus: CPUs 4096 are not among the CPUs this process may use"),
+    (("--worker-threads", "0"), "argument --worker-threads: must be positive, got 0"),
+])
+def test_bad_cpu_flags_are_usage_errors_before_anything_starts(started, capsys, flags, message) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["up", *flags])
+    assert exit_info.value.code == 2
+    assert f"kvserve up: error: {message}" in capsys.readouterr().err
     assert started == []
