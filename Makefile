@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels vllm bench-vllm-configs serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-tenants bench-disagg bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http chaos fuzz clean
+.PHONY: install model kernels vllm bench-vllm-configs serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-tenants bench-disagg bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http bench-colocate chaos fuzz clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -176,6 +176,12 @@ $(GUIDELLM): | $(PY)
 
 bench-http: model kernels $(GUIDELLM)
 	$(PY) bench/bench_http.py
+
+# A worker that shares its machine (issue 41): the mixed burst through the OpenAI API, unloaded and with one core
+# taken by a busy process, for kvserve up's defaults, its old default and bound alternatives, and vLLM bf16/fp32
+# side by side. bench/results/colocate-<date>.json and .md; about 25 minutes (--quick: a few).
+bench-colocate: model kernels $(VLLM_PY)
+	$(PY) bench/bench_colocate.py
 
 # Faults under load (issue 23): Redis (Sentinel), a kvmanager leader + standby, 2 workers and a gateway as separate
 # processes on loopback, 6 closed-loop greedy clients; kill -9 of the leader kvmanager, of a worker (restarted, then

@@ -6,8 +6,8 @@
                                              one of M decode workers            decode-0 .. decode-{M-1}
 
 Each worker also gets its compute threads and CPUs (--worker-threads, --worker-cpus; kvserve worker --threads,
---cpus): by default (auto) the last CPU is left to the gateway, the kvmanager and Redis, and the workers split the
-others, one thread per CPU (plan_cpus; docs/benchmarks/colocate.md measures why).
+--cpus): by default (auto) one core's worth is left to the gateway, the kvmanager and Redis, the workers split
+the other cores' worth of threads, and nothing is bound (plan_cpus; docs/benchmarks/colocate.md measures why).
 
 The role counts replace --workers: a stack with prefill or decode workers has no worker of role both unless
 --workers is given as well. Every worker gets the same model, KV format, page size and window (``up`` builds
@@ -43,13 +43,14 @@ def add_worker_flags(u) -> None:
                    help="worker processes of role decode (decode-0, ...): they pull a prefilled request's pages "
                         "and generate its tokens. Needs --prefill-workers (or --workers, whose workers prefill)")
     u.add_argument("--worker-threads", type=positive_int, default=_env("worker_threads"), metavar="N",
-                   help="intra-op threads of each worker (default: one per CPU the worker is bound to; unbound, "
-                        "torch's choice)")
+                   help="intra-op threads of each worker (default: with --worker-cpus auto, the CPUs less one "
+                        "split between the workers, at least 1; with a list, one per CPU of the worker's share; "
+                        "with none, torch's choice)")
     u.add_argument("--worker-cpus", type=_cpus_choice, default=_env("worker_cpus", AUTO), metavar="auto|none|LIST",
-                   help="the CPUs the workers are bound to. auto (default): the last CPU is left to the gateway, "
-                        "kvmanager and Redis and the workers split the others (with as many CPUs as workers or "
-                        "fewer, one each, shared round-robin); none: no binding (torch's threads over every CPU); "
-                        "a list like 0-3,6: split between the workers")
+                   help="the CPUs the workers are bound to. auto (default): none, and the threads (see "
+                        "--worker-threads) leave a CPU to the gateway, kvmanager and Redis; none: no binding and "
+                        "torch's threads (one per CPU: kvserve's behaviour before --worker-cpus); a list like "
+                        "0-3,6: split between the workers, each bound to its share")
 
 
 def _env(name, default=None):
@@ -69,19 +70,24 @@ def _cpus_choice(text: str):
 
 def plan_cpus(num_workers: int, allowed: frozenset[int], threads: int | None, cpus) -> list[tuple]:
     """(threads, cpus) for each of ``num_workers`` co-located workers; ``cpus``: AUTO, NO_BINDING or a CPU set.
+    ``threads`` (--worker-threads), when given, is every worker's thread count.
 
-    AUTO leaves the last allowed CPU to the other services (the gateway, the kvmanager, Redis and the clients
-    on the machine) when there are more CPUs than workers, as vLLM's CPU backend reserves one for its front end,
-    and splits the rest between the workers. Bound to a core of its own, a worker computing on one thread per
-    core is not held at torch's barriers by a peer thread that the gateway or another process descheduled; the
-    co-location benchmark measured this choice against today's unbound threads. A CPU list is split the same
-    way, nothing reserved. Threads: ``threads`` if given, else one per CPU of the worker (None when unbound)."""
+    AUTO binds nothing and gives the workers one thread per allowed CPU less one, split between them (at least
+    one each): the CPU left over is for the gateway, the kvmanager, Redis and whatever else runs there, as vLLM's
+    CPU backend leaves one to its front end. Fewer threads than cores, because torch's own ops split their work
+    evenly across the threads and wait for the slowest: a thread that shares its core with a busy process (or the
+    gateway) holds every op at that barrier. Unbound, because a bound worker cannot move off a core an unrelated
+    process has taken, and the scheduler moves an unbound one to the idle core. The co-location benchmark
+    (docs/benchmarks/colocate.md) measured this against torch's default (a thread per core, unbound) and against
+    vLLM's choice (bound to all cores but the last) with one core taken by a busy process.
+
+    NO_BINDING: torch's choice of threads, no binding (kvserve's behaviour before). A CPU set is split between
+    the workers in contiguous shares, each worker bound to its share with one thread per CPU of it."""
+    if cpus == AUTO:
+        return [(threads or max(1, (len(allowed) - 1) // num_workers), None)] * num_workers
     if cpus == NO_BINDING:
         return [(threads, None)] * num_workers
-    pool = sorted(allowed if cpus == AUTO else cpus)
-    if cpus == AUTO and len(pool) > num_workers:
-        pool = pool[:-1]
-    return [(threads or len(share), frozenset(share)) for share in split(pool, num_workers)]
+    return [(threads or len(share), frozenset(share)) for share in split(sorted(cpus), num_workers)]
 
 
 def split(pool: list[int], parts: int) -> list[list[int]]:

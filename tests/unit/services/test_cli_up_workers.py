@@ -120,32 +120,32 @@ def cpus(*ids: int) -> frozenset[int]:
     return frozenset(ids)
 
 
-@pytest.mark.parametrize(("num_workers", "allowed", "expected"), [
-    # one worker: the last CPU left to the gateway, kvmanager and Redis, one thread per CPU of the rest
-    (1, cpus(0, 1), [(1, cpus(0))]),
-    (1, cpus(0, 1, 2, 3), [(3, cpus(0, 1, 2))]),
-    (1, cpus(2, 5, 7), [(2, cpus(2, 5))]),  # the allowed set (a container's cpuset), not 0..N-1
-    (2, cpus(*range(8)), [(4, cpus(0, 1, 2, 3)), (3, cpus(4, 5, 6))]),
-    (3, cpus(*range(4)), [(1, cpus(0)), (1, cpus(1)), (1, cpus(2))]),
-    # as many CPUs as workers: one each, nothing left over to reserve
-    (2, cpus(0, 1), [(1, cpus(0)), (1, cpus(1))]),
-    # fewer: shared round-robin
-    (3, cpus(0, 1), [(1, cpus(0)), (1, cpus(1)), (1, cpus(0))]),
-    (1, cpus(0), [(1, cpus(0))]),
+@pytest.mark.parametrize(("num_workers", "allowed", "threads"), [
+    # the CPUs less one (left to the gateway, kvmanager and Redis) split between the workers, at least one each
+    (1, cpus(0, 1), 1),
+    (1, cpus(0, 1, 2, 3), 3),
+    (1, cpus(2, 5, 7), 2),  # the allowed set (a container's cpuset) counts, not the machine's
+    (2, cpus(*range(8)), 3),
+    (3, cpus(*range(4)), 1),
+    (2, cpus(0, 1), 1),
+    (3, cpus(0, 1), 1),
+    (1, cpus(0), 1),
 ])
-def test_auto_leaves_the_last_cpu_to_the_services_when_there_is_one_to_spare(num_workers, allowed, expected) -> None:
-    assert plan_cpus(num_workers, allowed, None, AUTO) == expected
+def test_auto_leaves_a_cpu_to_the_services_and_binds_nothing(num_workers, allowed, threads) -> None:
+    assert plan_cpus(num_workers, allowed, None, AUTO) == [(threads, None)] * num_workers
 
 
-def test_threads_given_override_one_per_cpu_and_none_binds_nothing() -> None:
-    assert plan_cpus(1, cpus(0, 1, 2, 3), 2, AUTO) == [(2, cpus(0, 1, 2))]
+def test_threads_given_override_the_choice_and_none_leaves_torchs() -> None:
+    assert plan_cpus(1, cpus(0, 1, 2, 3), 2, AUTO) == [(2, None)]
     assert plan_cpus(2, cpus(0, 1), None, NO_BINDING) == [(None, None), (None, None)]
     assert plan_cpus(1, cpus(0, 1), 1, NO_BINDING) == [(1, None)]
 
 
-def test_a_cpu_list_is_split_between_the_workers_nothing_reserved() -> None:
+def test_a_cpu_list_is_split_between_the_workers_each_bound_to_its_share() -> None:
     assert plan_cpus(1, cpus(0, 1), None, cpus(0, 1)) == [(2, cpus(0, 1))]
     assert plan_cpus(2, cpus(*range(8)), None, cpus(1, 3, 5)) == [(2, cpus(1, 3)), (1, cpus(5))]
+    assert plan_cpus(3, cpus(0, 1), None, cpus(0, 1)) == [(1, cpus(0)), (1, cpus(1)), (1, cpus(0))]
+    assert plan_cpus(2, cpus(0, 1), 2, cpus(0, 1)) == [(2, cpus(0)), (2, cpus(1))]
 
 
 @pytest.mark.parametrize(("pool", "parts", "shares"), [
@@ -156,13 +156,14 @@ def test_split_gives_contiguous_shares_within_one_of_each_other(pool, parts, sha
 
 
 def test_each_worker_is_told_its_threads_and_cpus(started, monkeypatch) -> None:
-    monkeypatch.setattr("kvserve.worker.cpu_binding.allowed_cpus", lambda: cpus(0, 1, 2))
+    monkeypatch.setattr("kvserve.worker.cpu_binding.allowed_cpus", lambda: cpus(0, 1, 2, 3, 4))
     start("--workers", "2")
-    assert [(flag_value(argv, "--threads"), flag_value(argv, "--cpus")) for _, argv in started[:-1]] == [
-        ("1", "0"), ("1", "1")]
+    assert [flag_value(argv, "--threads") for _, argv in started[:-1]] == ["2", "2"]
+    assert all("--cpus" not in argv for _, argv in started)
     started.clear()
-    start()
-    assert (flag_value(started[0][1], "--threads"), flag_value(started[0][1], "--cpus")) == ("2", "0-1")
+    start("--workers", "2", "--worker-cpus", "0")  # CPU 0: allowed anywhere these tests run
+    assert [(flag_value(argv, "--threads"), flag_value(argv, "--cpus")) for _, argv in started[:-1]] == [
+        ("1", "0"), ("1", "0")]
 
 
 def test_no_binding_leaves_the_worker_its_defaults(started) -> None:
