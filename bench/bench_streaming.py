@@ -25,7 +25,10 @@ text, KV bytes held, and decode speed, in-process.
             text (going on from 16,384), and dense at the end of its context (its cache from the log-PPL pass,
             rewound by 32 tokens each round: the steps fill positions 8,160 .. 8,191); the two requests' steps
             alternate, so that both see the same load on the machine; the median step, as tokens per second,
-            and the 10th percentile (other work on the machine stretches some steps)
+            and the 10th percentile (other work on the machine stretches some steps). Target (issue 41): sinks'
+            median tokens/s at least DECODE_TARGET (2x) dense's, reported as ``decode_ratio``; both run on the
+            cpu backend's paged kernels (``decode_ratio.state``: the state the sinks runner prepares for its
+            decode, CPUState when the C++ kernels run it, ReferenceState where the reference gather would)
 
 Writes bench/results/streaming-<date>.json (streaming-quick-<date> with --quick), the Markdown tables
 (bench/streaming_output.py) and a PNG plot: log-PPL, log-PPL minus dense, and KV bytes against tokens processed.
@@ -61,6 +64,7 @@ from kvserve.services.model_store import prepare_default_model  # noqa: E402
 from kvserve.worker.runner import ModelRunner, RunnerConfig  # noqa: E402
 
 PAGE_SIZE = 16
+DECODE_TARGET = 2.0  # sinks' decode after 16k tokens against dense's at 8k (it reads one eighth of the keys)
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,19 @@ def decode_speed(decoders: list[Decoder], steps: int, rounds: int) -> dict[str, 
     return out
 
 
+def decode_ratio(decode: dict[str, dict], sinks: Decoder | None) -> dict | None:
+    """Sinks' median decode speed over dense's, against DECODE_TARGET, and the attention path sinks took."""
+    if "sinks" not in decode or "dense" not in decode:
+        return None
+    meta = build_metadata([sinks.req.at], [1], [sinks.req.reserve(1)], PAGE_SIZE, sinks.runner.device,
+                          sinks.runner.window)
+    ratio = decode["sinks"]["tokens_per_s"] / decode["dense"]["tokens_per_s"]
+    p10 = decode["sinks"]["p10_tokens_per_s"] / decode["dense"]["p10_tokens_per_s"]
+    return {"sinks_over_dense": ratio, "p10_sinks_over_dense": p10, "target": DECODE_TARGET,
+            "met": ratio >= DECODE_TARGET, "backend": sinks.runner.model.backend.name,
+            "state": type(sinks.runner.model.backend.prepare(meta)).__name__}
+
+
 def buckets(nll: dict[int, float], size: int) -> list[dict]:
     """Mean NLL per window [k * size, (k + 1) * size) of scored positions; `end`: the tokens processed by then
     (the last window ends with the tokens that config processed)."""
@@ -281,6 +298,7 @@ def measure(sz: Sizes, recompute_too: bool) -> dict:
         done = [run_config(model_dir, compute, c, sz, corpus, dense_tokens) for c in configs(sz, recompute_too)]
         print(f"[{time.strftime('%X')}] decode", flush=True)
         decode = decode_speed([d for _, d in done if d], sz.decode_steps, sz.decode_rounds)
+        ratio = decode_ratio(decode, next((d for _, d in done if d and d.name == "sinks"), None))
     runs = [r for r, _ in done]
     for r in runs:
         r["decode"] = decode.get(r["config"]["name"])
@@ -297,7 +315,7 @@ def measure(sz: Sizes, recompute_too: bool) -> dict:
         r["tail_strided"] = summary(r["nll"], dense_tokens, sz.tokens, sz.recompute_stride) if past else None
         r["nll"] = {str(p): v for p, v in r["nll"].items()} if r["config"]["recompute"] else None
     return {"model": model_dir.name, "page_size": PAGE_SIZE, "context": context, "dense_tokens": dense_tokens,
-            "corpus_tokens": len(corpus),
+            "corpus_tokens": len(corpus), "decode_ratio": ratio,
             "text": f"the first {sz.tokens:,} tokens of hf_reference.corpus_token_ids (docstrings of "
                     f"{', '.join(hf.CORPUS_MODULES)}; {len(corpus):,} tokens in all)", "runs": runs}
 

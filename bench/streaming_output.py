@@ -94,8 +94,23 @@ def decode_lines(report: dict) -> list[str]:
                      f"{d['median_step_ms']:.1f} | {d['tokens_per_s']:.1f} | {d['p10_step_ms']:.1f} | "
                      f"{d['p10_tokens_per_s']:.1f} | {d['fastest_step_ms']:.1f} |")
     load = runs[0]["decode"]["load_average_before"][0]
-    return lines + ["", f"The machine's load average (1 min) when the decode steps began: {load:.2f} (this run's own "
-                    f"{report['machine']['threads']} threads among it)."]
+    return lines + ratio_lines(report, runs) + [
+        "", f"The machine's load average (1 min) when the decode steps began: {load:.2f} (this run's own "
+        f"{report['machine']['threads']} threads among it)."]
+
+
+def ratio_lines(report: dict, runs: list[dict]) -> list[str]:
+    """Sinks' decode speed over dense's, against the target (issue 41: at least 2x), where the report has it."""
+    r = report.get("decode_ratio")
+    if not r:
+        return []
+    by_name = {x["config"]["name"]: x["decode"] for x in runs}
+    verdict = "met" if r["met"] else "missed"
+    return ["", f"**Decode with sinks after {by_name['sinks']['context_tokens']:,} tokens: "
+            f"{r['sinks_over_dense']:.2f}x dense's speed after {by_name['dense']['context_tokens']:,}** (median "
+            f"tokens/s; {r['p10_sinks_over_dense']:.2f}x at the 10th percentile). Target: at least "
+            f"{r['target']:.0f}x, {verdict}. Attention: the {r['backend']} backend, whose windowed steps prepare a "
+            f"{r['state']}."]
 
 
 def plot(report: dict, path: Path) -> None:
