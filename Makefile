@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels vllm bench-vllm-configs serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-tenants bench-disagg bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-streaming bench-http bench-colocate chaos fuzz clean
+.PHONY: install model kernels vllm bench-vllm-configs serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-tenants bench-disagg bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-roofline bench-streaming bench-http bench-colocate chaos fuzz clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -158,6 +158,13 @@ bench-kvquant: model kernels
 # path, and the decodes that run while a 4k-token prompt prefills.
 bench-long: model kernels
 	$(PY) bench/bench_long.py
+
+# Issue 41's roofline of the CPU worker: this machine's float32 GEMM rate and read bandwidth, measured in the same run,
+# and the fraction of them kvserve reaches per workload (a prefill chunk; decode at batch 1/16/64 and contexts
+# 300/4k/16k, through the runner and the attention kernel alone; the mixed burst against its floor; a 7,000-token
+# TTFT against HF's). bench/results/roofline-<date>.json and .md; about 15 minutes on two cores, 8 GiB of K/V.
+bench-roofline: model kernels
+	$(PY) bench/bench_roofline.py
 
 # StreamingLLM's figure on the default model: log-perplexity over 16k tokens of text for dense attention (to its
 # 8k context), a 1,024-token sliding window, 4 attention sinks + a 1,020 window and recomputation over the last

@@ -135,39 +135,59 @@ def median_ms(fn, repeats: int = 15) -> float:
     return 1e3 * long_floor.median_s(fn, repeats)
 
 
-def bandwidth_section(context: int = 7000, pool_bytes: int = 1 << 30) -> dict:
-    """Decode attention's K/V read rate at a long context vs the machine's read bandwidth. The pool is 1 GiB
-    (far beyond the last-level cache) and every call reads other pages of it, so the K/V come from memory."""
+def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 7) -> float:
+    """This machine's read bandwidth in GB/s: the median time of a sum over a float32 tensor of ``num_bytes``
+    (far beyond the last-level cache: one streaming read of every byte)."""
+    import torch
+
+    big = torch.ones(num_bytes // 4)
+    return big.numel() * 4 / median_ms(big.sum, repeats) / 1e6
+
+
+KV_SHAPE = (9, 3, 64, 16)  # the default model's attention: heads, kv heads, head dim, and the page size
+
+
+def one_layer_pool(pool_bytes: int):
+    """One layer's float32 K/V pages filling ``pool_bytes``: [2, pages, page, kv heads, head dim]."""
+    import torch
+
+    _, kv_heads, head_dim, page = KV_SHAPE
+    return torch.randn(2, pool_bytes // (2 * page * kv_heads * head_dim * 4), page, kv_heads, head_dim)
+
+
+def decode_read_rate(ext, cache, context: int, batch: int, machine_gbs: float) -> dict:
+    """One layer of decode attention (the cpu kernel) at ``batch`` sequences of ``context`` tokens over the pool
+    ``cache`` (one_layer_pool): the K/V bytes it reads per second. Every call reads other pages of the pool
+    (disjoint page tables, cycled through; a batch that needs more pages than the pool holds wraps around it), so
+    the K/V come from memory when the pool is far beyond the last-level cache."""
     import itertools
 
     import torch
 
+    heads, kv_heads, head_dim, page = KV_SHAPE
+    num_pages, pages = cache.shape[1], -(-context // page)
+    sets = max(1, num_pages // (batch * pages))
+    perm = torch.randperm(num_pages)
+    tables = itertools.cycle([perm[(i * batch * pages + torch.arange(batch * pages)) % num_pages]
+                              .view(batch, pages).contiguous() for i in range(sets)])
+    lens = torch.full((batch,), context, dtype=torch.long)
+    q = torch.randn(batch, heads, head_dim)
+    ms = median_ms(lambda: ext.paged_decode(q, cache, None, next(tables), lens, head_dim ** -0.5), 3 * sets)
+    read = batch * context * kv_heads * head_dim * 4 * 2
+    return {"batch": batch, "ms_per_layer": ms, "kv_bytes": read, "table_sets": sets,
+            "gbs": read / ms / 1e6, "of_machine": read / ms / 1e6 / machine_gbs}
+
+
+def bandwidth_section(context: int = 7000, pool_bytes: int = 1 << 30) -> dict:
+    """Decode attention's K/V read rate at a long context vs the machine's read bandwidth. The pool is 1 GiB
+    (far beyond the last-level cache) and every call reads other pages of it, so the K/V come from memory."""
     from kvserve.kernels.cpu_paged import CPUPagedBackend
 
     ext = CPUPagedBackend().ext
-    heads, kv_heads, head_dim, page = 9, 3, 64, 16  # the default model's attention shape
-    big = torch.ones(pool_bytes // 4)
-    read_ms = median_ms(big.sum, 7)
-    machine_gbs = big.numel() * 4 / read_ms / 1e6
-    big = None
-    page_bytes = 2 * page * kv_heads * head_dim * 4
-    cache = torch.randn(2, pool_bytes // page_bytes, page, kv_heads, head_dim)
-    num_pages = cache.shape[1]
-    out = {"context": context, "machine_read_gbs": machine_gbs, "pool_bytes": pool_bytes, "batches": []}
-    for batch in (1, 16):
-        pages = -(-context // page)
-        sets = num_pages // (batch * pages)  # disjoint page tables, cycled through
-        perm = torch.randperm(num_pages)
-        tables = itertools.cycle([perm[i * batch * pages:(i + 1) * batch * pages].view(batch, pages).contiguous()
-                                  for i in range(sets)])
-        lens = torch.full((batch,), context, dtype=torch.long)
-        q = torch.randn(batch, heads, head_dim)
-        ms = median_ms(lambda q=q, lens=lens, tables=tables: ext.paged_decode(q, cache, None, next(tables), lens,
-                                                                               head_dim ** -0.5), 3 * sets)
-        read = batch * context * kv_heads * head_dim * 4 * 2
-        out["batches"].append({"batch": batch, "ms_per_layer": ms, "kv_bytes": read, "table_sets": sets,
-                               "gbs": read / ms / 1e6, "of_machine": read / ms / 1e6 / machine_gbs})
-    return out
+    machine_gbs = read_bandwidth_gbs(pool_bytes)
+    cache = one_layer_pool(pool_bytes)
+    return {"context": context, "machine_read_gbs": machine_gbs, "pool_bytes": pool_bytes,
+            "batches": [decode_read_rate(ext, cache, context, batch, machine_gbs) for batch in (1, 16)]}
 
 
 def short_stream(client: Client, text: str, max_tokens: int, times: list[float], started: threading.Event,

@@ -30,6 +30,7 @@ class Shape:
     intermediate: int
     heads: int
     kv_heads: int
+    vocab: int = 0  # the LM head's rows (bench_roofline.py counts its multiply-adds; the floor here does not)
 
     @property
     def head_dim(self) -> int:
@@ -39,7 +40,7 @@ class Shape:
     def of(cls, model_dir: Path) -> Shape:
         c = json.loads((model_dir / "config.json").read_text())
         return cls(c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
-                   c["num_key_value_heads"])
+                   c["num_key_value_heads"], c["vocab_size"])
 
 
 def linear_macs(s: Shape, tokens: int) -> int:
@@ -65,9 +66,14 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def mm_rate(m: int, k: int, n: int, repeats: int = 9) -> float:
+    """Multiply-adds per second of torch.mm on [m, k] x [k, n] float32, the median of ``repeats``."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    return m * k * n / median_s(lambda: torch.mm(a, b), repeats)
+
+
 def gemm_rate(n: int = 2048, repeats: int = 9) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return n ** 3 / median_s(lambda: a @ b, repeats)
+    return mm_rate(n, n, n, repeats)
 
 
 def sdpa_rate(s: Shape, n: int = 4096, repeats: int = 3) -> float:
@@ -98,13 +104,14 @@ def floor_section(model_dir: Path, lengths: tuple[int, ...], hf_ttft) -> dict:
 
 
 def steps_section(model_dir: Path, starts: tuple[int, ...] = (0, 1536, 3584, 6500), chunk: int = 512,
-                  repeats: int = 5) -> list[dict]:
+                  repeats: int = 5, compute=None) -> list[dict]:
+    """compute: the ModelRunner's executor (its default: a thread of its own)."""
     from kvserve.common.wire.worker import StepBatch, StepItem
     from kvserve.worker.runner import ModelRunner, RunnerConfig
 
     page = 16
     runner = ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=-(-(max(starts) + chunk) // page) + 8,
-                                      page_size=page, device="cpu", dtype="float32"))
+                                      page_size=page, device="cpu", dtype="float32"), compute)
     backend = runner.model.backend
     if not hasattr(backend, "prefill_kernel"):
         return []
