@@ -33,7 +33,6 @@ import gc
 import statistics
 import sys
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +45,7 @@ import hf_reference as hf  # noqa: E402
 import long_floor  # noqa: E402
 import roofline_floor as rf  # noqa: E402
 import roofline_output  # noqa: E402
+from engine_fakes import InlineExecutor  # noqa: E402  (tests/support, on the path bench_gateway sets)
 from results_io import write_results  # noqa: E402
 
 from kvserve.common.tokenizer import Tokenizer  # noqa: E402
@@ -79,18 +79,6 @@ class Sizes:
 QUICK = Sizes(contexts=(300, 2048), batches=(1, 8), prefill_starts=(0,), pool_bytes=1 << 30,
               kernel_pool_bytes=256 << 20, read_bytes=512 << 20, repeats=2, burst_requests=8, burst_new=32,
               burst_rounds=1, long_prompt=1024, long_repeats=1)
-
-
-class Inline:
-    """An executor that runs what it is given at once, on the caller's thread (a ModelRunner's compute)."""
-
-    def submit(self, fn, *args, **kwargs) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future, as an executor does
-            future.set_exception(e)
-        return future
 
 
 def limits(s: long_floor.Shape, sz: Sizes) -> dict:
@@ -130,7 +118,7 @@ def decode_section(model_dir: Path, sz: Sizes, held: int) -> list[dict]:
     """One decode step through the runner's forward and sampling per (context, batch); the pool holds random
     K/V. Steps call ModelRunner._run, past the step's validation: 16k positions exceed the model's context."""
     runner = ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=sz.pool_bytes, page_size=PAGE,
-                                      device="cpu", dtype="float32"), Inline())
+                                      device="cpu", dtype="float32"), InlineExecutor())
     runner.kv_cache.uniform_(-1, 1)
     perm = torch.randperm(runner.kv_cache.shape[2], generator=torch.Generator().manual_seed(0))
     pool = runner.kv_cache.numel() * runner.kv_cache.element_size()
@@ -155,7 +143,7 @@ def kernel_section(sz: Sizes, rows: list[dict]) -> None:
 
 
 def prefill_section(model_dir: Path, sz: Sizes) -> list[dict]:
-    return long_floor.steps_section(model_dir, sz.prefill_starts, repeats=sz.repeats, compute=Inline())
+    return long_floor.steps_section(model_dir, sz.prefill_starts, repeats=sz.repeats, compute=InlineExecutor())
 
 
 def burst_section(model_dir: Path, tok: Tokenizer, corpus: list[int], sz: Sizes) -> dict:
@@ -167,7 +155,7 @@ def burst_section(model_dir: Path, tok: Tokenizer, corpus: list[int], sz: Sizes)
         stack = [bg.kvserve_burst(gateway, jobs) for _ in range(sz.burst_rounds)]
     print(f"[{time.strftime('%X')}] burst: raw runner", flush=True)
     runner = ModelRunner(RunnerConfig(model_dir=model_dir, num_pages=bg.pages_for(work), page_size=PAGE,
-                                      device="cpu", dtype="float32"), Inline())
+                                      device="cpu", dtype="float32"), InlineExecutor())
     bg.raw_runner(model_dir, work[:2], runner=runner)  # warm-up
     raw = [bg.raw_runner(model_dir, work, runner=runner) for _ in range(sz.burst_rounds)]
     return {"requests": [[len(w.prompt_ids), w.max_new_tokens] for w in work],
@@ -208,7 +196,7 @@ def main(argv=None) -> int:
     report: dict = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "quick": args.quick,
                     "sizes": dataclasses.asdict(sz), "limits": {"runs": [limits(s, sz)]}}
     report["weight_bytes"] = held = weight_bytes(ModelRunner(RunnerConfig(
-        model_dir=model_dir, num_pages=8, page_size=PAGE, device="cpu", dtype="float32"), Inline()))
+        model_dir=model_dir, num_pages=8, page_size=PAGE, device="cpu", dtype="float32"), InlineExecutor()))
     if "prefill" in sections:
         report["prefill"] = prefill_section(model_dir, sz)
     if "decode" in sections:
