@@ -2,12 +2,13 @@
 tokens, up to 128 new tokens) through the OpenAI protocol, kvserve (`kvserve up`) and vLLM's CPU build side by
 side, unloaded and with one core taken by an unrelated busy process.
 
-The busy process is a pure-Python loop pinned with sched_setaffinity to BUSY_CPU (CPU 0): the core vLLM binds
-its model threads to on two cores (every CPU but the last, which it leaves to its front end) and the core of
-kvserve's bound rows, so the worst place for a bound worker, while an unbound one may move away from it. Each
-server is started once; inside it, after a warm-up burst, each round runs the burst unloaded and loaded (the busy
-process started before the burst and killed after), the order alternating round by round. Throughput is generated
-tokens / wall time; medians over the rounds, and loaded / unloaded.
+The busy process is a pure-Python loop in a session of its own (as an unrelated process's), pinned with
+sched_setaffinity to BUSY_CPU (CPU 0): the core vLLM binds its model threads to on two cores (every CPU but the
+last, which it leaves to its front end) and the core of kvserve's bound rows, so the worst place for a bound
+worker, while an unbound one may move away from it. Each server is started once; inside it, after a warm-up
+burst, each round runs the burst unloaded and loaded (the busy process started before the burst and killed
+after), the order alternating round by round. Throughput is generated tokens / wall time; medians over the
+rounds, and loaded / unloaded. The 1-minute load average before each burst is recorded.
 
 Rows: kvserve's defaults now (`kvserve up`: one thread per CPU less one, unbound), kvserve's old default
 (`--worker-cpus none`: torch's threads, one per core, unbound), vLLM's choice made with kvserve's flags (one
@@ -64,7 +65,11 @@ class Busy:
         self.cpu = cpu
 
     def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(self.cpu)])
+        # A session of its own, as an unrelated process has: with the kernel's autogroup scheduling, CPU time is
+        # shared fairly between sessions first, and vLLM's server runs in a session of its own (vllm_peer.py)
+        # where kvserve's stack runs in this benchmark's; a busy loop in this session would compete with kvserve's
+        # worker alone.
+        self.proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(self.cpu)], start_new_session=True)
         return self
 
     def __exit__(self, *exc):
@@ -98,12 +103,14 @@ def rounds(base_url: str, model: str, jobs: list, num_rounds: int) -> dict:
     runs: dict[str, list[dict]] = {"unloaded": [], "loaded": []}
     for r in range(num_rounds):
         for condition in (("unloaded", "loaded") if r % 2 == 0 else ("loaded", "unloaded")):
+            load_avg = os.getloadavg()[0]
             if condition == "loaded":
                 with Busy(BUSY_CPU):
                     result = openai_load.burst(base_url, model, jobs)
             else:
                 result = openai_load.burst(base_url, model, jobs)
             result.pop("texts")
+            result["load_avg_1m_before"] = load_avg
             runs[condition].append(result)
             print(f"  round {r}: {condition} {result['tokens_per_s']:.1f} tok/s", flush=True)
     return summarise(runs)
