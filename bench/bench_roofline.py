@@ -4,9 +4,9 @@ them per workload.
     python bench/bench_roofline.py [--quick] [--threads N] [--out FILE]          # make bench-roofline
 
   limits   float32 GEMM: torch.mm (MKL's sgemm) on the default model's linear shapes at 512 rows and on
-           2048 x 2048, at torch's thread count (the worker's: the cores, unless --threads); the best of them is
-           the GEMM limit. Read bandwidth: a sum over a 1 GiB float32 tensor, far beyond the last-level cache
-           (bench_long.read_bandwidth_gbs).
+           2048 x 2048, at torch's thread count (the cores, unless --threads; the stacks' workers get the same
+           count, `kvserve up --worker-threads`); the best of them is the GEMM limit. Read bandwidth: a sum over
+           a 1 GiB float32 tensor, far beyond the last-level cache (bench_long.read_bandwidth_gbs).
   prefill  one 512-token chunk at 0, 2k and 4k cached tokens through a ModelRunner (long_floor.steps_section):
            its multiply-adds per second against the GEMM limit.
   decode   one decode step at batch 1/16/64 and contexts 300/4k/16k through the ModelRunner's forward and
@@ -146,11 +146,17 @@ def prefill_section(model_dir: Path, sz: Sizes) -> list[dict]:
     return long_floor.steps_section(model_dir, sz.prefill_starts, repeats=sz.repeats, compute=InlineExecutor())
 
 
+def worker_threads() -> tuple[str, ...]:
+    """`kvserve up`'s worker at this process' thread count, the one the limits are measured at (up's own default
+    leaves a CPU to the other services)."""
+    return "--worker-threads", str(torch.get_num_threads())
+
+
 def burst_section(model_dir: Path, tok: Tokenizer, corpus: list[int], sz: Sizes) -> dict:
     """The mixed burst's wall time through `kvserve up` and through the raw runner, medians."""
     jobs, work = bg.as_text(tok, hf.make_workload(sz.burst_requests, seed=1, corpus=corpus, max_new=sz.burst_new))
     print(f"[{time.strftime('%X')}] burst: kvserve up", flush=True)
-    with bg.stack("--num-pages", "2048") as (gateway, _):
+    with bg.stack("--num-pages", "2048", *worker_threads()) as (gateway, _):
         bg.kvserve_burst(gateway, jobs[:2])  # warm-up
         stack = [bg.kvserve_burst(gateway, jobs) for _ in range(sz.burst_rounds)]
     print(f"[{time.strftime('%X')}] burst: raw runner", flush=True)
@@ -168,7 +174,7 @@ def long_section(model_dir: Path, prompts: bl.Prompts, sz: Sizes) -> dict:
     """A long prompt's TTFT through `kvserve up` and HF's generate (after the stack stopped), medians."""
     text, ids = prompts.take(sz.long_prompt)
     print(f"[{time.strftime('%X')}] long: kvserve up, {len(ids)} tokens", flush=True)
-    with bg.stack("--no-prefix-caching", "--max-num-batched-tokens", "2048") as (gateway, _):
+    with bg.stack("--no-prefix-caching", "--max-num-batched-tokens", "2048", *worker_threads()) as (gateway, _):
         bl.kvserve_one(gateway, prompts.take(64)[0])  # warm-up
         kvserve = [bl.kvserve_one(gateway, text)["ttft_s"] for _ in range(sz.long_repeats)]
     print(f"[{time.strftime('%X')}] long: HF", flush=True)
@@ -194,7 +200,8 @@ def main(argv=None) -> int:
     s, tok = long_floor.Shape.of(model_dir), Tokenizer(model_dir)
     corpus = hf.corpus_token_ids(model_dir)
     report: dict = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "quick": args.quick,
-                    "sizes": dataclasses.asdict(sz), "limits": {"runs": [limits(s, sz)]}}
+                    "sizes": dataclasses.asdict(sz),  # worker_threads: the stacks' workers', as the limits'
+                    "limits": {"runs": [limits(s, sz)], "worker_threads": torch.get_num_threads()}}
     report["weight_bytes"] = held = weight_bytes(ModelRunner(RunnerConfig(
         model_dir=model_dir, num_pages=8, page_size=PAGE, device="cpu", dtype="float32"), InlineExecutor()))
     if "prefill" in sections:

@@ -9,8 +9,10 @@ def _g(rate: float) -> str:
 
 def limits(lim: dict) -> list[str]:
     first = lim["runs"][0]
+    workers = lim.get("worker_threads", "its default")  # results before --worker-threads was passed: up's default
     lines = [f"Limits of this machine, measured at the start and again at the end of the run, {first['threads']} "
-             "torch threads. Float32 GEMM (torch.mm, MKL's sgemm), multiply-adds per second:", "",
+             f"torch threads (`kvserve up`'s worker: {workers}). Float32 GEMM (torch.mm, MKL's sgemm), "
+             "multiply-adds per second:", "",
              "| shape | m x k x n | " + " | ".join(f"G MAC/s, {w}" for w in ("start", "end")[:len(lim["runs"])]) + " |",
              "|---|---|" + "---:|" * len(lim["runs"])]
     for i, g in enumerate(first["gemm"]):
