@@ -5,10 +5,12 @@
 // page table and reads each key and value once, with an online softmax (running max and sum, rescaled per
 // page) so no score matrix is materialised. Sequences are claimed, longest first, by whichever intra-op
 // thread is free (cpu_parallel.h). A step of fewer sequences than twice the threads (one long conversation)
-// is split instead into (sequence, kv head, range of pages) parts whose partial softmax states are merged
-// (flash decoding), so that every thread reads K/V. Shapes with head_dim in {16, 32, 64, 128}, up to 8 query
-// heads per kv head and pages of up to 64 tokens take a kernel specialised at compile time (decode_part); any
-// other shape takes decode_seq_generic.
+// is split instead into (sequence, range of keys) parts whose partial softmax states are merged (flash
+// decoding), so that every thread reads K/V. A sequence's pages go by in blocks of kBlockPages, each kv head
+// taking the block in turn: the first reads the block's pages whole from memory (prefetched a page ahead), the
+// others find them in L2, so every byte crosses from memory once and in long runs, not once per kv head in
+// strided rows. Shapes with head_dim in {16, 32, 64, 128}, up to 8 query heads per kv head and pages of up to
+// 64 tokens take a kernel specialised at compile time (decode_part); any other shape takes decode_seq_generic.
 //
 // A pool of 1-byte elements (int8, float8_e4m3fn, float8_e5m2: kernels/kv_quant.py) is read in place too, 16
 // elements at a time as floats (load_row in cpu_vec.h); a key's score is multiplied by its K scale and a
@@ -97,117 +99,139 @@ inline int seq_spans(const KeyWindow& w, const float* q, const float* q_sink, in
   return count;
 }
 
-// Where decode_part writes its result for one kv head over a range of a sequence's pages. A whole sequence is
-// one part per kv head, written as the attention output (normalised: acc divided by the softmax sum, and no
-// run_max or run_sum); a long sequence in a small batch is split into several parts (flash decoding), each
-// writing the G query heads' unnormalised weighted sums of values (acc, G x head_dim) and the running max and
-// sum of its online softmax, which decode_split merges.
+// Where decode_part keeps and writes its result for a range of a sequence's keys, every kv head: the query
+// heads' weighted sums of values (acc, [num_heads][head_dim], which is [num_kv_heads][G][head_dim]) and the
+// running max and sum of their online softmax ([num_heads] each). A whole sequence is one part, written as the
+// attention output (normalised: acc divided by the softmax sum); a long sequence in a small batch is split into
+// several parts (flash decoding), each left unnormalised for decode_split to merge.
 struct Part {
   float* acc;
-  float* run_max;  // unused when normalised
+  float* run_max;
   float* run_sum;
   bool normalised;
 };
 
-// One kv head's G query heads over the keys of spans[0 .. num_spans), the fast path: head_dim = 16 * NV, and
-// the G query heads that share the kv head are computed together, so each key and value row is loaded once for
-// the group, and the group's queries and accumulators stay in registers while the pages go by. Page by page:
-// the G x page_size scores, an online-softmax update (running max and sum, earlier pages rescaled), the
-// weighted sum of the values; the same rows of the span's next page are prefetched meanwhile. The spans share
-// one softmax: each only changes the query the keys are scored against.
+// Pages per block: decode_part takes a block of a span's pages for every kv head in turn, so the first kv head
+// reads the block from memory whole (its rows and their neighbours') and the others find it in L2, rather than
+// each kv head streaming every page from memory again.
+constexpr int64_t kBlockPages = 16;
+
+// One kv head's G query heads over keys [k0, k1) (qs: the sequence's queries, scaled), resuming from and saving
+// to its running state in `out`: head_dim = 16 * NV, and the G query heads that share the kv head are computed
+// together, so each key and value row is loaded once for the group, and the group's queries and accumulators
+// stay in registers while the pages go by. Page by page: the G x page_size scores, an online-softmax update
+// (running max and sum, earlier pages rescaled), the weighted sum of the values. fetch_next: prefetch the next
+// page of the range whole (every kv head's rows), while this one is computed.
 template <typename T, int NV, int G>
-void decode_part(const Shape& s, const Pool<T>& pool, const int64_t* table, int64_t kvh, const Span* spans,
-                 int num_spans, const Part& out) {
+inline void decode_pages(const Shape& s, const Pool<T>& pool, const int64_t* table, int64_t kvh, const float* qs,
+                         int64_t k0, int64_t k1, const Part& out, bool fetch_next) {
   constexpr int D = 16 * NV, kLine = 64 / sizeof(T);  // elements of a cache line
   const int64_t ss = kQuantised<T> ? pool.scales.slot_stride : 0;  // float32: no scales
   v16 q[G][NV], acc[G][NV];
   float run_max[G], run_sum[G];
+  float* acc_out = out.acc + kvh * G * D;
 #pragma GCC unroll 16
   for (int g = 0; g < G; ++g) {
 #pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) acc[g][i] = v16{};
-    run_max[g] = kMinScore;
-    run_sum[g] = 0.f;
+    for (int i = 0; i < NV; ++i) {
+      q[g][i] = load(qs + (kvh * G + g) * D + 16 * i) * s.scale;
+      acc[g][i] = load(acc_out + g * D + 16 * i);
+    }
+    run_max[g] = out.run_max[kvh * G + g];
+    run_sum[g] = out.run_sum[kvh * G + g];
   }
-  for (int sp = 0; sp < num_spans; ++sp) {
-    const Span span = spans[sp];
-#pragma GCC unroll 16
-    for (int g = 0; g < G; ++g)
-#pragma GCC unroll 16
-      for (int i = 0; i < NV; ++i) q[g][i] = load(span.q + (kvh * G + g) * D + 16 * i) * s.scale;
-    const int64_t p1 = (span.k1 + s.page_size - 1) / s.page_size;
-    for (int64_t p = span.k0 / s.page_size; p < p1; ++p) {
-      const PageRows<T> rows = page_rows(s, pool, table, p, kvh);
-      const int64_t t0 = std::max<int64_t>(span.k0 - p * s.page_size, 0);
-      const int64_t t1 = std::min(s.page_size, span.k1 - p * s.page_size);
-      if (p + 1 < p1) {  // the next page is elsewhere in the pool: fetch this head's rows now
-        // (here, not in a function of its own: GCC finds that one free of side effects and drops its calls)
-        const int64_t next = table[p + 1];
-        if (next >= 0 && next < s.num_pages) {
-          const int64_t first = next * s.page_size * s.token_stride + kvh * D;
-          for (int64_t t = 0; t < s.page_size; ++t) {
-            for (int i = 0; i < D; i += kLine) {
-              __builtin_prefetch(pool.k + first + t * s.token_stride + i);
-              __builtin_prefetch(pool.v + first + t * s.token_stride + i);
-            }
-          }
-          for (int64_t i = 0; i < s.page_size * ss; i += 16) {  // the page's scales (none for ss = 0)
-            __builtin_prefetch(pool.scales.k_at(next * s.page_size, 0) + i);
-            __builtin_prefetch(pool.scales.v_at(next * s.page_size, 0) + i);
-          }
+  const int64_t p1 = (k1 + s.page_size - 1) / s.page_size, page_elems = s.page_size * s.token_stride;
+  for (int64_t p = k0 / s.page_size; p < p1; ++p) {
+    const PageRows<T> rows = page_rows(s, pool, table, p, kvh);
+    const int64_t t0 = std::max<int64_t>(k0 - p * s.page_size, 0);
+    const int64_t t1 = std::min(s.page_size, k1 - p * s.page_size);
+    if (fetch_next && p + 1 < p1) {  // the next page is elsewhere in the pool: fetch it now
+      // (here, not in a function of its own: GCC finds that one free of side effects and drops its calls)
+      const int64_t next = table[p + 1];
+      if (next >= 0 && next < s.num_pages) {
+        for (int64_t i = 0; i < page_elems; i += kLine) {
+          __builtin_prefetch(pool.k + next * page_elems + i);
+          __builtin_prefetch(pool.v + next * page_elems + i);
+        }
+        for (int64_t i = 0; i < s.page_size * ss; i += 16) {  // the page's scales (none for ss = 0)
+          __builtin_prefetch(pool.scales.k_at(next * s.page_size, 0) + i);
+          __builtin_prefetch(pool.scales.v_at(next * s.page_size, 0) + i);
         }
       }
-      float w[G][64];  // scores, then softmax weights (page_size <= 64 on this path)
-      for (int64_t t = t0; t < t1; ++t) {
-        v16 krow[NV];
-        load_row<NV>(rows.k + t * s.token_stride, pool.format, krow);
-        const float k_scale = row_scale<T>(rows.k_scale, t, ss);
-#pragma GCC unroll 16
-        for (int g = 0; g < G; ++g) {
-          v16 dot = q[g][0] * krow[0];
-#pragma GCC unroll 16
-          for (int i = 1; i < NV; ++i) dot += q[g][i] * krow[i];
-          w[g][t] = hsum(dot) * k_scale;
-        }
-      }
+    }
+    float w[G][64];  // scores, then softmax weights (page_size <= 64 on this path)
+    for (int64_t t = t0; t < t1; ++t) {
+      v16 krow[NV];
+      load_row<NV>(rows.k + t * s.token_stride, pool.format, krow);
+      const float k_scale = row_scale<T>(rows.k_scale, t, ss);
 #pragma GCC unroll 16
       for (int g = 0; g < G; ++g) {
-        float page_max = kMinScore;
-        for (int64_t t = t0; t < t1; ++t) page_max = std::max(page_max, w[g][t]);
-        const float new_max = std::max(run_max[g], page_max);
-        float page_sum = 0.f;
-        for (int64_t t = t0; t < t1; ++t) {
-          w[g][t] = std::exp(w[g][t] - new_max);
-          page_sum += w[g][t];
-        }
-        const float correction = std::exp(run_max[g] - new_max);  // rescale what earlier pages summed
-        run_sum[g] = run_sum[g] * correction + page_sum;
-        run_max[g] = new_max;
+        v16 dot = q[g][0] * krow[0];
 #pragma GCC unroll 16
-        for (int i = 0; i < NV; ++i) acc[g][i] *= correction;
+        for (int i = 1; i < NV; ++i) dot += q[g][i] * krow[i];
+        w[g][t] = hsum(dot) * k_scale;
       }
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+      float page_max = kMinScore;
+      for (int64_t t = t0; t < t1; ++t) page_max = std::max(page_max, w[g][t]);
+      const float new_max = std::max(run_max[g], page_max);
+      float page_sum = 0.f;
       for (int64_t t = t0; t < t1; ++t) {
-        v16 vrow[NV];
-        load_row<NV>(rows.v + t * s.token_stride, pool.format, vrow);
-        const float v_scale = row_scale<T>(rows.v_scale, t, ss);
+        w[g][t] = std::exp(w[g][t] - new_max);
+        page_sum += w[g][t];
+      }
+      const float correction = std::exp(run_max[g] - new_max);  // rescale what earlier pages summed
+      run_sum[g] = run_sum[g] * correction + page_sum;
+      run_max[g] = new_max;
 #pragma GCC unroll 16
-        for (int g = 0; g < G; ++g) {
-          const float weight = w[g][t] * v_scale;
+      for (int i = 0; i < NV; ++i) acc[g][i] *= correction;
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      v16 vrow[NV];
+      load_row<NV>(rows.v + t * s.token_stride, pool.format, vrow);
+      const float v_scale = row_scale<T>(rows.v_scale, t, ss);
 #pragma GCC unroll 16
-          for (int i = 0; i < NV; ++i) acc[g][i] += weight * vrow[i];
-        }
+      for (int g = 0; g < G; ++g) {
+        const float weight = w[g][t] * v_scale;
+#pragma GCC unroll 16
+        for (int i = 0; i < NV; ++i) acc[g][i] += weight * vrow[i];
       }
     }
   }
 #pragma GCC unroll 16
   for (int g = 0; g < G; ++g) {
-    const float inv = out.normalised ? 1.f / run_sum[g] : 1.f;
 #pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) store(out.acc + g * D + 16 * i, acc[g][i] * inv);
-    if (!out.normalised) {
-      out.run_max[g] = run_max[g];
-      out.run_sum[g] = run_sum[g];
+    for (int i = 0; i < NV; ++i) store(acc_out + g * D + 16 * i, acc[g][i]);
+    out.run_max[kvh * G + g] = run_max[g];
+    out.run_sum[kvh * G + g] = run_sum[g];
+  }
+}
+
+// Every kv head's query heads over the keys of spans[0 .. num_spans) (their softmax shared: a span only changes
+// the query its keys are scored against), the fast path: block by block of kBlockPages pages, each kv head in
+// turn (decode_pages), the first fetching the block's pages whole.
+template <typename T, int NV, int G>
+void decode_part(const Shape& s, const Pool<T>& pool, const int64_t* table, const Span* spans, int num_spans,
+                 const Part& out) {
+  constexpr int D = 16 * NV;
+  std::fill(out.acc, out.acc + s.num_heads * D, 0.f);
+  std::fill(out.run_max, out.run_max + s.num_heads, kMinScore);
+  std::fill(out.run_sum, out.run_sum + s.num_heads, 0.f);
+  const int64_t block_keys = kBlockPages * s.page_size;
+  for (int sp = 0; sp < num_spans; ++sp) {
+    const Span span = spans[sp];
+    for (int64_t b0 = span.k0; b0 < span.k1; b0 = (b0 / block_keys + 1) * block_keys) {
+      const int64_t b1 = std::min(span.k1, (b0 / block_keys + 1) * block_keys);
+      for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh)
+        decode_pages<T, NV, G>(s, pool, table, kvh, span.q, b0, b1, out, kvh == 0);
     }
+  }
+  if (!out.normalised) return;
+  for (int64_t h = 0; h < s.num_heads; ++h) {
+    const float inv = 1.f / out.run_sum[h];
+    for (int64_t d = 0; d < D; ++d) out.acc[h * D + d] *= inv;
   }
 }
 
@@ -215,8 +239,9 @@ void decode_part(const Shape& s, const Pool<T>& pool, const int64_t* table, int6
 template <typename T, int NV, int G>
 void decode_seq_fast(const Shape& s, const Span* spans, int num_spans, const Pool<T>& pool, const int64_t* table,
                      float* ob) {
-  for (int64_t kvh = 0; kvh < s.num_kv_heads; ++kvh)
-    decode_part<T, NV, G>(s, pool, table, kvh, spans, num_spans, {ob + kvh * G * 16 * NV, nullptr, nullptr, true});
+  thread_local std::vector<float> stats;  // run_max and run_sum
+  stats.resize(2 * s.num_heads);
+  decode_part<T, NV, G>(s, pool, table, spans, num_spans, {ob, stats.data(), stats.data() + s.num_heads, true});
 }
 
 // Any head_dim and group size: one query head at a time, with scalar loops the compiler vectorises (float32;
@@ -266,7 +291,7 @@ void decode_seq_generic(const Shape& s, const Span* spans, int num_spans, const 
 template <typename T>
 using FastFn = void (*)(const Shape&, const Span*, int, const Pool<T>&, const int64_t*, float*);
 template <typename T>
-using PartFn = void (*)(const Shape&, const Pool<T>&, const int64_t*, int64_t, const Span*, int, const Part&);
+using PartFn = void (*)(const Shape&, const Pool<T>&, const int64_t*, const Span*, int, const Part&);
 
 template <typename T>
 struct FastFns {
@@ -301,66 +326,57 @@ struct Queries {
   KeyWindow window;
 };
 
-// A step of fewer sequences than twice the threads: items of (sequence, kv head, span of keys), so that both
-// threads read K/V even for one long sequence, whose parts are merged here. A sequence's window is split into
-// parts: enough for four items per thread in all, each of at least kMinPartPages pages; its sinks are one more.
+// A step of fewer sequences than twice the threads: items of (sequence, span of keys), so that both threads
+// read K/V even for one long sequence, whose parts are merged here. A sequence's window is split into parts:
+// enough for four items per thread in all, each of at least kMinPartPages pages; its sinks are one more.
 template <typename T>
 void decode_split(const Shape& s, const Queries& qs, const Pool<T>& pool, const int64_t* table_ptr,
                   const int64_t* len_ptr, int64_t num_seqs, float* out_ptr, PartFn<T> part) {
-  const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim, threads = at::get_num_threads();
-  const int64_t wanted = (4 * threads + num_seqs * s.num_kv_heads - 1) / (num_seqs * s.num_kv_heads);
+  const int64_t H = s.num_heads, D = s.head_dim, threads = at::get_num_threads();
+  const int64_t wanted = (4 * threads + num_seqs - 1) / num_seqs;
   struct Item {
-    int64_t seq, kvh, slot;  // slot: its partial result's index
+    int64_t seq, slot;  // slot: its partial result's index
     Span span;
   };
   std::vector<Item> items;
-  std::vector<int64_t> first_slot(num_seqs * s.num_kv_heads + 1, 0);
+  std::vector<int64_t> first_slot(num_seqs + 1, 0);
   for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t n = len_ptr[b], offset = b * s.num_heads * D;
+    const int64_t n = len_ptr[b], offset = b * H * D;
     TORCH_CHECK(n > 0 && n <= s.max_pages * s.page_size, "seq_len outside its page table");
     Span spans[2];
     const int num_spans = seq_spans(qs.window, qs.q + offset, qs.q_sink + offset, n, spans);
-    std::vector<Span> cut;
+    first_slot[b + 1] = first_slot[b];
     for (int i = 0; i < num_spans; ++i) {  // each span in parts (the sinks, a few keys, stay whole)
       const Span sp = spans[i];
       const int64_t p0 = sp.k0 / s.page_size, pages = (sp.k1 + s.page_size - 1) / s.page_size - p0;
       const int64_t parts = std::clamp<int64_t>(std::min(wanted, pages / kMinPartPages), 1, pages);
       for (int64_t j = 0; j < parts; ++j)
-        cut.push_back({sp.q, std::max(sp.k0, (p0 + pages * j / parts) * s.page_size),
-                       std::min(sp.k1, (p0 + pages * (j + 1) / parts) * s.page_size)});
-    }
-    const int64_t num_cut = static_cast<int64_t>(cut.size());
-    for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-      const int64_t key = b * s.num_kv_heads + h;
-      first_slot[key + 1] = first_slot[key] + num_cut;
-      for (int64_t i = 0; i < num_cut; ++i) items.push_back({b, h, first_slot[key] + i, cut[i]});
+        items.push_back({b, first_slot[b + 1]++, {sp.q, std::max(sp.k0, (p0 + pages * j / parts) * s.page_size),
+                                                  std::min(sp.k1, (p0 + pages * (j + 1) / parts) * s.page_size)}});
     }
   }
   const int64_t num_parts = first_slot.back();
-  std::vector<float> acc(num_parts * group * D), run_max(num_parts * group), run_sum(num_parts * group);
+  std::vector<float> acc(num_parts * H * D), run_max(num_parts * H), run_sum(num_parts * H);
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
     return a.span.k1 - a.span.k0 > b.span.k1 - b.span.k0;
   });
   parallel_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& it = items[i];
-    part(s, pool, table_ptr + it.seq * s.max_pages, it.kvh, &it.span, 1,
-         {acc.data() + it.slot * group * D, run_max.data() + it.slot * group, run_sum.data() + it.slot * group,
-          false});
+    part(s, pool, table_ptr + it.seq * s.max_pages, &it.span, 1,
+         {acc.data() + it.slot * H * D, run_max.data() + it.slot * H, run_sum.data() + it.slot * H, false});
   });
   // merge: each query head's parts rescaled to their common max, then normalised
-  for (int64_t key = 0; key < num_seqs * s.num_kv_heads; ++key) {
-    const int64_t b = key / s.num_kv_heads, h = key % s.num_kv_heads;
-    for (int64_t g = 0; g < group; ++g) {
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
       float m = kMinScore;
-      for (int64_t slot = first_slot[key]; slot < first_slot[key + 1]; ++slot)
-        m = std::max(m, run_max[slot * group + g]);
-      float* o = out_ptr + b * s.num_heads * D + (h * group + g) * D;
+      for (int64_t slot = first_slot[b]; slot < first_slot[b + 1]; ++slot) m = std::max(m, run_max[slot * H + h]);
+      float* o = out_ptr + (b * H + h) * D;
       std::fill(o, o + D, 0.f);
       float sum = 0.f;
-      for (int64_t slot = first_slot[key]; slot < first_slot[key + 1]; ++slot) {
-        const float c = std::exp(run_max[slot * group + g] - m);
-        sum += run_sum[slot * group + g] * c;
-        const float* a = acc.data() + (slot * group + g) * D;
+      for (int64_t slot = first_slot[b]; slot < first_slot[b + 1]; ++slot) {
+        const float c = std::exp(run_max[slot * H + h] - m);
+        sum += run_sum[slot * H + h] * c;
+        const float* a = acc.data() + (slot * H + h) * D;
         for (int64_t d = 0; d < D; ++d) o[d] += a[d] * c;
       }
       const float inv = 1.f / sum;
