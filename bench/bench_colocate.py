@@ -3,12 +3,12 @@ tokens, up to 128 new tokens) through the OpenAI protocol, kvserve (`kvserve up`
 side, unloaded and with one core taken by an unrelated busy process.
 
 The busy process is a pure-Python loop in a session of its own (as an unrelated process's), pinned with
-sched_setaffinity to BUSY_CPU (CPU 0): the core vLLM binds its model threads to on two cores (every CPU but the
-last, which it leaves to its front end) and the core of kvserve's bound rows, so the worst place for a bound
-worker, while an unbound one may move away from it. Each server is started once; inside it, after a warm-up
-burst, each round runs the burst unloaded and loaded (the busy process started before the burst and killed
-after), the order alternating round by round. Throughput is generated tokens / wall time; medians over the
-rounds, and loaded / unloaded. The 1-minute load average before each burst is recorded.
+sched_setaffinity to BUSY_CPU (CPU 0): the core of kvserve's bound rows and one of those vLLM binds its model
+threads to, so the worst place for a bound worker, while an unbound one may move away from it. Each server is
+started once; inside it, after a warm-up burst, each round runs the burst unloaded and loaded (the busy process
+started before the burst and killed after), the order alternating round by round. Throughput is generated
+tokens / wall time; medians over the rounds, and loaded / unloaded. The 1-minute load average before each burst
+is recorded.
 
 Rows: kvserve's defaults now (`kvserve up`: one thread per CPU less one, unbound), kvserve's old default
 (`--worker-cpus none`: torch's threads, one per core, unbound), vLLM's choice made with kvserve's flags (one
@@ -52,7 +52,7 @@ KVSERVE_CONFIGS = {
     "kvserve": ("kvserve up's defaults: 1 thread (the CPUs less one), unbound", ()),
     "kvserve_old_default": ("the default before --worker-cpus: torch's threads (2), unbound",
                             ("--worker-cpus", "none")),
-    "kvserve_1t_bound": ("vLLM's choice: 1 thread bound to CPU 0, CPU 1 left to the other services",
+    "kvserve_1t_bound": ("vLLM's default choice: 1 thread bound to CPU 0, CPU 1 left to the other services",
                          ("--worker-cpus", "0")),
     "kvserve_2t_bound": ("2 threads bound to CPUs 0-1", ("--worker-cpus", "0-1")),
 }
