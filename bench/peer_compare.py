@@ -3,12 +3,13 @@ each server started in turn, alternated over rounds (the order rotates, so no se
 quiet machine), every workload against every server, medians over rounds, and the greedy agreement between the
 servers' completions of the mixed burst.
 
-Servers: kvserve (`kvserve up`, float32 weights and KV, its defaults), vLLM at its best configuration for this
-machine (bench/vllm_peer.py: bfloat16) and vLLM in float32, like for like.
+Servers: kvserve (`kvserve up`, float32 weights and KV, a worker thread per core), vLLM at its best configuration
+for this machine (bench/vllm_peer.py: bfloat16) and vLLM in float32, like for like.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from collections.abc import Callable, Iterator
@@ -21,7 +22,10 @@ import bench_gateway as bg  # noqa: E402
 import openai_load  # noqa: E402
 import vllm_peer  # noqa: E402
 
-KVSERVE_ARGS = ("--num-pages", "2048")
+# a worker thread per core, as vLLM's threads are bound to every core (vllm_peer.VLLM_CONFIGS): both at their best
+# on an otherwise idle machine; `kvserve up`'s default leaves one core to the services it co-locates
+EVERY_CORE = ("--worker-threads", str(os.cpu_count() or 1))
+KVSERVE_ARGS = ("--num-pages", "2048", *EVERY_CORE)
 KVSERVE = "kvserve"
 
 

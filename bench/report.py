@@ -60,6 +60,9 @@ from kvserve.services.model_store import prepare_default_model  # noqa: E402
 PAGE_SIZE = 16
 CLIENT_COUNTS = openai_load.CLIENT_COUNTS
 PEERS = tuple(vllm_peer.VLLM_CONFIGS)  # vllm_bf16, vllm_fp32
+# kvserve at its best on an otherwise idle machine, as vLLM is run (bound to every core): a worker thread per core.
+# `kvserve up`'s default leaves a core to the services it co-locates (docs/benchmarks/colocate.md).
+EVERY_CORE = peer_compare.EVERY_CORE
 
 
 def latency_under_load(address: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
@@ -214,7 +217,7 @@ class Report:
                                              lambda msg: print(f"bench: peers, {msg}", file=sys.stderr))
 
     def kvserve_on(self) -> None:
-        with bg.stack("--num-pages", "2048") as (gateway, stats):
+        with bg.stack("--num-pages", "2048", *EVERY_CORE) as (gateway, stats):
             bg.kvserve_burst(gateway, self.mixed_text[:2])  # warm-up
             self.out["throughput"] = {"kvserve": bg.kvserve_burst(gateway, self.mixed_text)}
             bh.http_burst(stats["http"], self.model_dir.name, self.mixed_text[:2])  # warm-up
@@ -230,7 +233,7 @@ class Report:
         self.out["kv_call_share_pct"] = stats["kv_call_share_pct"]
 
     def kvserve_off(self) -> None:
-        with bg.stack("--num-pages", "1024", "--no-prefix-caching") as (gateway, _):
+        with bg.stack("--num-pages", "1024", "--no-prefix-caching", *EVERY_CORE) as (gateway, _):
             self.out["prefix"]["kvserve_off"] = bg.kvserve_prefix(gateway, self.prefix_prompts)
             self.out["long_prompt"] = {"kvserve": bl.kvserve_one(gateway, self.long_text),
                                        "prompt_tokens": len(self.long_ids), "new_tokens": bl.NEW_TOKENS}
