@@ -42,28 +42,31 @@ def render(report: dict, name: str) -> str:
     t, p, lp = report["throughput"], report["prefix"], report["long_prompt"]
     hf_cb = ours["burst_tokens_per_s"] / t["hf_generate_batch"]["tokens_per_s"]
     hf_serial = ours["burst_tokens_per_s"] / t["hf_generate"]["tokens_per_s"]
-    agree = peers["agreement"]["vllm_fp32"]
+    agree, agree_bf16 = peers["agreement"]["vllm_fp32"], peers["agreement"]["vllm_bf16"]
     version = peers["servers"]["vllm_bf16"]["config"]["version"]
     cpu = report["cpu"]
     link = f"bench/results/{name}"
     lines = [
         f"On one machine ({cpu['model']}, {cpu['cores']} cores, {' '.join(cpu['flags'])}), the same weights and "
         f"workloads through the same OpenAI client, from [`{link}`]({link}) (`make bench`; "
-        f"[the report](docs/benchmarks/report.md)):",
+        f"[the report](docs/benchmarks/report.md)). Each figure is kvserve's speed over the other's (above 1: "
+        f"kvserve is faster), against vLLM {version}'s CPU build in float32 (like for like) / in bfloat16 (its best "
+        f"here; kvserve keeps float32 to match HF token for token):",
         "",
-        f"- a mixed burst of {peers['workloads']['burst_requests']} requests runs **{_x(r_best['burst_throughput'])}** "
-        f"vLLM {version}'s CPU build at its best here (bfloat16) and **{_x(r_fp32['burst_throughput'])}** vLLM in "
-        f"float32, **{_x(hf_cb)}** HF transformers' continuous batching and **{_x(hf_serial)}** HF `generate()`;",
-        f"- a prefix hit (a ~2,000-token shared prompt): time to first token **{_x(r_best['prefix_hit_ttft'])}** "
-        f"faster than vLLM's own prefix hit (float32: {_x(r_fp32['prefix_hit_ttft'])}), "
-        f"**{_x(p['hf']['ttft_rest_mean_s'] / ours['prefix_ttft_rest_mean_s'])}** faster than HF, which reuses "
-        f"nothing;",
-        f"- a fresh {ours['long_prompt_tokens']:,.0f}-token prompt: time to first token **{_x(r_best['long_ttft'])}** "
-        f"vLLM bfloat16's speed (float32: {_x(r_fp32['long_ttft'])}), "
-        f"**{_x(lp['hf']['ttft_s'] / ours['long_ttft_s'])}** HF's; at 16 clients, TTFT p50 "
-        f"{_x(r_best['latency_ttft_p50'][-1])} and time per output token "
-        f"{_x(r_best['latency_tpot_p50'][-1])} vLLM bfloat16's speed;",
-        f"- greedy completions identical to vLLM float32's on **{agree['identical']} of {agree['of']}**.",
+        f"- a mixed burst of {peers['workloads']['burst_requests']} requests: **{_x(r_fp32['burst_throughput'])}** "
+        f"/ {_x(r_best['burst_throughput'])} vLLM's throughput; **{_x(hf_cb)}** HF transformers' continuous "
+        f"batching, **{_x(hf_serial)}** HF `generate()`;",
+        f"- a prefix hit on a ~2,000-token shared prompt: time to first token **{_x(r_fp32['prefix_hit_ttft'])}** "
+        f"/ {_x(r_best['prefix_hit_ttft'])} vLLM's own prefix hit; "
+        f"**{_x(p['hf']['ttft_rest_mean_s'] / ours['prefix_ttft_rest_mean_s'])}** HF's, which reuses nothing;",
+        f"- a fresh {ours['long_prompt_tokens']:,.0f}-token prompt: time to first token {_x(r_fp32['long_ttft'])} / "
+        f"{_x(r_best['long_ttft'])} vLLM's, {_x(lp['hf']['ttft_s'] / ours['long_ttft_s'])} HF's; time per output "
+        f"token after it **{_x(r_fp32['long_tpot'])}** / {_x(r_best['long_tpot'])} vLLM's;",
+        f"- 16 closed-loop clients: TTFT p50 **{_x(r_fp32['latency_ttft_p50'][-1])}** / "
+        f"{_x(r_best['latency_ttft_p50'][-1])} vLLM's, time per output token {_x(r_fp32['latency_tpot_p50'][-1])} / "
+        f"{_x(r_best['latency_tpot_p50'][-1])};",
+        f"- greedy completions identical to vLLM float32's on **{agree['identical']} of {agree['of']}** "
+        f"(bfloat16's: {agree_bf16['identical']} of {agree_bf16['of']}).",
     ]
     return "\n".join(lines)
 

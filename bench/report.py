@@ -42,7 +42,6 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_gateway as bg  # noqa: E402
-import bench_http as bh  # noqa: E402
 import bench_long as bl  # noqa: E402
 import bench_worker as bw  # noqa: E402
 import headline  # noqa: E402
@@ -220,8 +219,6 @@ class Report:
         with bg.stack("--num-pages", "2048", *EVERY_CORE) as (gateway, stats):
             bg.kvserve_burst(gateway, self.mixed_text[:2])  # warm-up
             self.out["throughput"] = {"kvserve": bg.kvserve_burst(gateway, self.mixed_text)}
-            bh.http_burst(stats["http"], self.model_dir.name, self.mixed_text[:2])  # warm-up
-            self.out["throughput"]["kvserve_http"] = bh.http_burst(stats["http"], self.model_dir.name, self.mixed_text)
             self.out["concurrency"] = {"kvserve": bg.kvserve_burst(gateway, self.conc_text),
                                        "num_requests": self.n_conc}
             self.out["prefix"] = {"kvserve_on": bg.kvserve_prefix(gateway, self.prefix_prompts)}

@@ -167,3 +167,12 @@ def test_the_site_builds_strict(tmp_path):
     for page in nav_pages(config["nav"]):
         built = tmp_path / "site" / (page.removesuffix(".md").removesuffix("index") + "/index.html").lstrip("/")
         assert built.exists() or (tmp_path / "site" / page.replace(".md", ".html")).exists(), page
+
+
+def test_the_readme_headline_is_the_newest_full_report():
+    """The front page's headline ratios (kvserve against vLLM and HF) are written by bench/headline.py from the
+    newest full report with vLLM rows; a hand edit, or a new report without rewriting the README, fails here."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import headline
+
+    assert (ROOT / "README.md").read_text() == headline.expected_readme()

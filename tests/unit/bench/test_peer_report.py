@@ -68,8 +68,9 @@ def test_the_headline_is_written_between_its_markers_only():
               "throughput": {"hf_generate_batch": {"tokens_per_s": 20}, "hf_generate": {"tokens_per_s": 10}},
               "prefix": {"hf": {"ttft_rest_mean_s": 3.0}}, "long_prompt": {"hf": {"ttft_s": 9.0}}}
     block = headline.render(report, "2026-12-03.json")
-    assert "**2.00x** vLLM 0.32.0's CPU build" in block and "**5.00x** HF transformers' continuous" in block
-    assert "identical to vLLM float32's on **3 of 3**" in block and "bench/results/2026-12-03.json" in block
+    assert "requests: **4.00x** / 2.00x vLLM's throughput" in block and "vLLM 0.32.0's CPU build" in block
+    assert "**5.00x** HF transformers' continuous" in block and "bench/results/2026-12-03.json" in block
+    assert "identical to vLLM float32's on **3 of 3** (bfloat16's: 2 of 3)" in block
     text = f"intro\n{headline.START}\nold figures\n{headline.END}\nrest\n"
     assert headline.rewrite(text, block) == f"intro\n{headline.START}\n{block}\n{headline.END}\nrest\n"
     with pytest.raises(ValueError, match="no headline markers"):
