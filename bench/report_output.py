@@ -149,5 +149,7 @@ def markdown(out: dict, plot_names: list[str]) -> str:
             if share is not None else "",
             f"Share of it in the worker's forward pass and sampling: {compute:.1f}% (the rest: gRPC, scheduling, "
             f"detokenising)." if compute is not None else ""]
+    if out.get("rerun"):  # a stage measured again after the run and merged into it (the JSON says which, and why)
+        tail.append(f"\nStage \"{out['rerun']['stage']}\" was rerun and merged: {out['rerun']['why']}.")
     images = [f"![{name}]({name})" for name in plot_names]
     return "\n".join(rows + load + tail + [peer_output.markdown(out)] + images) + "\n"
