@@ -22,6 +22,7 @@ thread bound to CPU 0) and two threads bound to both cores; then vLLM bfloat16 (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
 import statistics
@@ -84,15 +85,15 @@ def affinities() -> dict[str, list[str]]:
     for pid in children_of(os.getpid()):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            lists = set()
-            for task in Path(f"/proc/{pid}/task").iterdir():
+            lists, tasks = set(), list(Path(f"/proc/{pid}/task").iterdir())
+            for task in tasks:
                 status = (task / "status").read_text()
                 lists.add(status.split("Cpus_allowed_list:")[1].split()[0])
         except (OSError, IndexError):
             continue
         words = [a.decode() for a in argv if a][1:]
         name = " ".join(w for w in words[:6] if "/" not in w)
-        out[f"{pid} {name}"] = {"cpus": sorted(lists), "threads": len(list(Path(f"/proc/{pid}/task").iterdir()))}
+        out[f"{pid} {name}"] = {"cpus": sorted(lists), "threads": len(tasks)}
     return out
 
 
@@ -104,12 +105,8 @@ def rounds(base_url: str, model: str, jobs: list, num_rounds: int) -> dict:
     for r in range(num_rounds):
         for condition in (("unloaded", "loaded") if r % 2 == 0 else ("loaded", "unloaded")):
             load_avg = os.getloadavg()[0]
-            if condition == "loaded":
-                with Busy(BUSY_CPU):
-                    result = openai_load.burst(base_url, model, jobs)
-            else:
+            with Busy(BUSY_CPU) if condition == "loaded" else contextlib.nullcontext():
                 result = openai_load.burst(base_url, model, jobs)
-            result.pop("texts")
             result["load_avg_1m_before"] = load_avg
             runs[condition].append(result)
             print(f"  round {r}: {condition} {result['tokens_per_s']:.1f} tok/s", flush=True)

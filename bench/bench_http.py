@@ -43,9 +43,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 def http_burst(base_url: str, model: str, jobs: list[tuple[str, int]]) -> dict:
     """Every job at once through the HTTP API, as bench_gateway.kvserve_burst does through gRPC."""
-    result = openai_load.burst(base_url, model, jobs)
-    result.pop("texts")
-    return result
+    return openai_load.burst(base_url, model, jobs)
 
 
 def burst(gateway: str, base_url: str, model: str, jobs: list[tuple[str, int]], rounds: int) -> dict:

@@ -1,8 +1,8 @@
 """Workloads driven through the OpenAI protocol (the official `openai` client, streaming completions, greedy,
 ``ignore_eos``), so that kvserve and any OpenAI server (vLLM) are measured by the same client code:
 
-  burst      every request at once; generated tokens / wall time, TTFT and TPOT medians, and each completion's
-             text (for the greedy agreement between servers)
+  burst      every request at once; generated tokens / wall time, TTFT and TPOT medians, and on request each
+             completion's text (for the greedy agreement between servers)
   prefix     one ~2,000-token system prompt and 10 user turns after it, one at a time: TTFT of the first against
              the mean of the rest, and the cached prompt tokens the server reports (prompt_tokens_details)
   latency    closed-loop clients (1, 4, 16), each sending its requests one after another: TTFT and TPOT percentiles
@@ -50,8 +50,9 @@ async def stream_one(client: openai.AsyncOpenAI, model: str, text: str, max_toke
             "ttft_s": times[0] - t0, "tpot_s": (times[-1] - times[0]) / (n - 1) if n > 1 else 0.0}
 
 
-def burst(base_url: str, model: str, jobs: list[tuple[str, int]]) -> dict:
-    """Every job at once: tokens / wall time, TTFT and TPOT medians, and the completions in job order."""
+def burst(base_url: str, model: str, jobs: list[tuple[str, int]], texts: bool = False) -> dict:
+    """Every job at once: tokens / wall time, TTFT and TPOT medians, and with ``texts`` the completions in job
+    order (for ``agreement``)."""
     async def run():
         async with _client(base_url) as client:
             t0 = time.perf_counter()
@@ -63,7 +64,7 @@ def burst(base_url: str, model: str, jobs: list[tuple[str, int]]) -> dict:
     return {"generated_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "ttft_p50_s": statistics.median(r["ttft_s"] for r in results),
             "tpot_p50_s": statistics.median(r["tpot_s"] for r in results),
-            "texts": [r["text"] for r in results]}
+            **({"texts": [r["text"] for r in results]} if texts else {})}
 
 
 def _sequential(base_url: str, model: str, jobs: list[tuple[str, int]]) -> list[dict]:

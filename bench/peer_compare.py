@@ -45,7 +45,7 @@ def measure(base_url: str, model: str, w: Workloads) -> dict:
     earlier prompt can have cached any of it."""
     openai_load.burst(base_url, model, w.burst[:2])
     out = {"long_prompt": openai_load.long_prompt(base_url, model, w.long_text, w.long_new_tokens)}
-    out["burst"] = openai_load.burst(base_url, model, w.burst)
+    out["burst"] = openai_load.burst(base_url, model, w.burst, texts=True)
     out["prefix"] = openai_load.prefix(base_url, model, w.prefix)
     out["latency"] = [openai_load.latency(base_url, model, w.load_prompts, c, *w.load_shape) for c in w.client_counts]
     return out

@@ -68,9 +68,7 @@ def main(argv=None) -> int:
             with vllm_peer.vllm_server(model_dir, config) as server:
                 openai_load.burst(server.base_url, server.model, jobs[:2])  # warm-up
                 for _ in range(2):
-                    result = openai_load.burst(server.base_url, server.model, jobs)
-                    result.pop("texts")
-                    runs[config.name].append(result)
+                    runs[config.name].append(openai_load.burst(server.base_url, server.model, jobs))
     report = {"vllm": vllm_peer.version(), "rounds": rounds, "requests": len(jobs), "cores": os.cpu_count(),
               "configs": [{"name": c.name, "dtype": c.dtype, "env": c.env,
                            "tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs[c.name]),
