@@ -33,7 +33,7 @@ install: $(STAMP)
 model: install
 	$(KVSERVE) model prepare
 
-# Compiles the cpu backend's C++ module (kernels/*.cpp: decode attention and packed linear layers; g++ via
+# Compiles the cpu backend's C++ module (kvserve/kernels/*.cpp: decode attention and packed linear layers; g++ via
 # torch.utils.cpp_extension, once; cached by torch until the sources change). Without a compiler workers
 # fall back to the reference backend, and say so.
 kernels: install

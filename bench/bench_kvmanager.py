@@ -16,7 +16,7 @@ carries its step_id (counted from 1), as a gateway's does. Scenarios, each a ste
              step committing their prompts, and 60 decoding (extensions).
     steady   the same with 1 request finishing and 1 admitted per call (requests of 64 new tokens).
     steady-sparse  the same, with an extension only for a request that needs a new page.
-    gateway  the calls the gateway itself makes: its Scheduler (services/gateway/scheduler.py, default budget of
+    gateway  the calls the gateway itself makes: its Scheduler (kvserve/services/gateway/scheduler.py, default budget of
              64 running requests and 512 tokens a step, chunked prefill, a page of headroom) runs a stream of
              these prompts, each generating 256 tokens (so that 64 run at once), with a stand-in worker that
              samples a token for every request due one. A step calls the kvmanager only when it must (to admit,
@@ -61,7 +61,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # as `kvserve kvmanager` does (kvmanager/snapshot.py)
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # as `kvserve kvmanager` does (kvserve/kvmanager/snapshot.py)
 
 import grpc  # noqa: E402
 import numpy as np

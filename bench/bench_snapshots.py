@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # as `kvserve kvmanager` does (kvmanager/snapshot.py)
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # as `kvserve kvmanager` does (kvserve/kvmanager/snapshot.py)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_kvmanager import SPEC, Workload, percentile  # noqa: E402

@@ -27,7 +27,7 @@ PROMPT_TEXTS = (
 
 
 def prompt_token_ids(tokenizer) -> list[list[int]]:
-    """PROMPT_TEXTS through kvserve's tokenizer (common/tokenizer.py)."""
+    """PROMPT_TEXTS through kvserve's tokenizer (kvserve/common/tokenizer.py)."""
     return [list(tokenizer.encode(text)) for text in PROMPT_TEXTS]
 
 

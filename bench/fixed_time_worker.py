@@ -1,4 +1,4 @@
-"""A benchmark double of a GPU worker: the worker's Step API (services/gateway/backends.py WorkerBackend), where
+"""A benchmark double of a GPU worker: the worker's Step API (kvserve/services/gateway/backends.py WorkerBackend), where
 every step takes a fixed wall time and samples deterministic tokens. Never a default, never in kvserve's
 packages: it exists so that bench_reserve_ahead.py can measure how long the gateway waits on the kvmanager when
 a step costs what a small model's decode costs on a GPU (a few milliseconds), on a machine without one.

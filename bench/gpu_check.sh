@@ -8,7 +8,7 @@
 #   bench/gpu_check.sh --dry-run    # anywhere: the same code on tiny shapes
 #
 # Needs only python with torch (and triton for the triton backend): kvserve is not installed. Its import root
-# `kvserve` maps the repository's folders (pyproject's package-dir: kvserve.kernels = kernels/, kvserve.v1 =
+# `kvserve` maps the repository's folders (pyproject's package-dir: kvserve.kernels = kvserve/kernels/, kvserve.v1 =
 # protos/kvserve/v1, ...), so a temporary folder of symlinks stands in for the install. Wheels shipped beside
 # the repository (pytest and its dependencies, say; $KVSERVE_WHEELHOUSE, default bench/wheelhouse) are installed
 # offline first when present, e.g. made on a machine with network by

@@ -1,5 +1,5 @@
 """Random-weight models for GPU checks (bench/gpu_check.py, tests/unit/kernels/test_gpu.py): a folder holding only an HF
-config.json, and a ModelRunner whose weights are drawn on the device (worker/weights.py random_weights), so that
+config.json, and a ModelRunner whose weights are drawn on the device (kvserve/worker/weights.py random_weights), so that
 an 8B-shaped model runs with no download and no safetensors.
 
 Also the decode timing of such a runner (step time against the weight-read floor) and its fidelity against HF

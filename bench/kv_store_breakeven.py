@@ -7,7 +7,8 @@ pages (per-(token, kv head) scales):
 
   recompute  the worker prefilling a ``--tokens`` prompt in chunks of 512 (ModelRunner.step, real model): s/token
   load       the same prompt's full pages read back from an embedded redis-server (one value per page,
-             worker/page_codec.py: pipelined GETs with redis-py, each value verified and copied into a pool page)
+             kvserve/worker/page_codec.py: pipelined GETs with redis-py, each value verified and copied into a pool
+             page)
 
 and their ratio: load time / recompute time for the same tokens (below 1: loading wins), with the load's MB/s
 and the bandwidth at which the two break even (bytes per token x prefill tokens/s). Medians over rounds.

@@ -7,7 +7,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the reference model is loaded from disk, never the hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # As `kvserve kvmanager` does, before grpc is imported: the kvmanager's call-log snapshots fork, and gRPC's
-# fork handlers crash such a child (kvmanager/snapshot.py). Nothing in kvserve relies on them.
+# fork handlers crash such a child (kvserve/kvmanager/snapshot.py). Nothing in kvserve relies on them.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import grpc  # noqa: E402

@@ -1,4 +1,4 @@
-"""reference/cli.md: every `kvserve` command and flag, read from the argparse parsers of services/cli.py.
+"""reference/cli.md: every `kvserve` command and flag, read from the argparse parsers of kvserve/services/cli.py.
 
 Run by mkdocs-gen-files at build time (the parsers are walked by cli_tree.py, beside this script).
 """
@@ -19,9 +19,9 @@ PAGE = "reference/cli.md"
 def render() -> str:
     envs = tree.env_vars()
     lines = ["# Command line", "",
-             "Every `kvserve` command and flag, generated from the parsers in `services/cli.py` when this site is "
-             "built. A flag with a `KVSERVE_*` variable under its description takes its default from that variable "
-             "when it is set (how `k8s/` configures the services); the *default* column is the value with no "
+             "Every `kvserve` command and flag, generated from the parsers in `kvserve/services/cli.py` when this "
+             "site is built. A flag with a `KVSERVE_*` variable under its description takes its default from that "
+             "variable when it is set (how `k8s/` configures the services); the *default* column is the value with no "
              "variable set. [Environment variables](env.md) lists them all.", ""]
     for path, parser, summary in tree.commands():
         own = tree.flags(parser)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cli_tree as tree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-CODE = ("common", "worker", "kvmanager", "kernels", "services")
+CODE = tuple(f"kvserve/{layer}" for layer in ("common", "worker", "kvmanager", "kernels", "services"))
 PAGE = "reference/env.md"
 ENVIRON = re.compile(r"os\.environ(?:\.get\(|\.setdefault\(|\[)\s*[\"']([A-Z][A-Z0-9_]*)[\"']")
 ENV_CALL = re.compile(r"\b(?:_env|env_default|env_switch)\(\s*[\"']([a-z0-9_]+)[\"']")
@@ -40,19 +40,20 @@ DIRECT = {
 }
 # Variables of other software that kvserve reads or sets, and where.
 STANDARD = {
-    "OTEL_EXPORTER_OTLP_ENDPOINT": ("common/telemetry.py", "Export traces over OTLP/gRPC to this endpoint; "
+    "OTEL_EXPORTER_OTLP_ENDPOINT": ("kvserve/common/telemetry.py", "Export traces over OTLP/gRPC to this endpoint; "
                                     "without it (or the traces one) no tracing SDK is installed."),
-    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": ("common/telemetry.py", "The same, for traces only."),
-    "OTEL_SDK_DISABLED": ("common/telemetry.py", "`true`: no tracing, whatever the endpoint."),
-    "OTEL_TRACES_SAMPLER": ("common/telemetry.py", "The sampler (with `OTEL_TRACES_SAMPLER_ARG`), read by the "
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": ("kvserve/common/telemetry.py", "The same, for traces only."),
+    "OTEL_SDK_DISABLED": ("kvserve/common/telemetry.py", "`true`: no tracing, whatever the endpoint."),
+    "OTEL_TRACES_SAMPLER": ("kvserve/common/telemetry.py", "The sampler (with `OTEL_TRACES_SAMPLER_ARG`), read by the "
                             "OpenTelemetry SDK."),
-    "XDG_CACHE_HOME": ("services/model_store.py", "The cache root's parent when `KVSERVE_CACHE_DIR` is not set."),
-    "TRITON_INTERPRET": ("kernels/triton_paged.py", "`1`: the triton backend runs its kernels in Triton's "
+    "XDG_CACHE_HOME": ("kvserve/services/model_store.py",
+                       "The cache root's parent when `KVSERVE_CACHE_DIR` is not set."),
+    "TRITON_INTERPRET": ("kvserve/kernels/triton_paged.py", "`1`: the triton backend runs its kernels in Triton's "
                          "interpreter, on the CPU (how the tests run them)."),
-    "GRPC_ENABLE_FORK_SUPPORT": ("services/cli_kvmanager.py", "`kvserve kvmanager` sets it to `0` before it "
+    "GRPC_ENABLE_FORK_SUPPORT": ("kvserve/services/cli_kvmanager.py", "`kvserve kvmanager` sets it to `0` before it "
                                  "imports grpc, so that its call-log snapshots can be written by a forked child."),
 }
-IGNORED = {"PATH"}  # kernels/cpu_paged.py puts ninja on it for the C++ build
+IGNORED = {"PATH"}  # kvserve/kernels/cpu_paged.py puts ninja on it for the C++ build
 
 
 def direct_reads(flag_vars: set[str]) -> dict[str, list[str]]:
@@ -117,7 +118,7 @@ def render() -> str:
 
     lines = ["# Environment variables", "",
              "Every environment variable kvserve reads, generated when this site is built: the flags' variables "
-             "from the parsers in `services/cli.py`, the others from the code that reads them.", "",
+             "from the parsers in `kvserve/services/cli.py`, the others from the code that reads them.", "",
              "## Flags", "",
              "Every flag of a service falls back to `KVSERVE_<FLAG>` (upper case, `-` as `_`) when it is not on the "
              "command line, which is how `k8s/` configures the services. A variable sets the flag of every command "

@@ -1,4 +1,5 @@
-"""reference/metrics.md: every Prometheus metric of the three services, read from common/metrics.py's registries.
+"""reference/metrics.md: every Prometheus metric of the three services, read from kvserve/common/metrics.py's
+registries.
 
 Run by mkdocs-gen-files at build time. Each registry is built as its service builds it (the kvmanager's over an
 empty manager, as a standby's, and a call log that has written nothing) and walked: name, type, labels, help.
@@ -50,9 +51,9 @@ def rows(service) -> list[str]:
 
 def render() -> str:
     lines = ["# Metrics", "",
-             "Every Prometheus metric the services export, generated from `common/metrics.py` when this site is "
-             "built. Each service serves its own registry as text on `http://HOST:PORT/metrics` when started with "
-             "`--metrics-port`; names follow vLLM's `vllm:*` conventions under `kvserve:`. "
+             "Every Prometheus metric the services export, generated from `kvserve/common/metrics.py` when this "
+             "site is built. Each service serves its own registry as text on `http://HOST:PORT/metrics` when started "
+             "with `--metrics-port`; names follow vLLM's `vllm:*` conventions under `kvserve:`. "
              "[Observability](../deploy/observability.md) says how to scrape, trace and chart them "
              "(`k8s/grafana-dashboard.json`). A histogram is exported as its `_bucket`, `_sum` and `_count` "
              "series.", ""]

@@ -1,4 +1,4 @@
-"""k8s/grafana-dashboard.json: valid, and every query reads only series that common/metrics.py exports."""
+"""k8s/grafana-dashboard.json: valid, and every query reads only series that kvserve/common/metrics.py exports."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def test_every_query_reads_only_exported_series(dashboard: dict, exported: set[s
         tokens = METRIC_TOKEN.findall(expr)
         assert tokens, f"{where}: {expr!r} reads no kvserve metric"
         unknown = sorted(set(tokens) - exported)
-        assert not unknown, f"{where}: {unknown} are not exported by common/metrics.py"
+        assert not unknown, f"{where}: {unknown} are not exported by kvserve/common/metrics.py"
 
 
 def test_every_histogram_quantile_aggregates_buckets_by_le(dashboard: dict) -> None:

@@ -46,7 +46,7 @@ GATEWAY_PORT = 50050
 GATEWAY_HTTP_PORT = 8000
 WORKER_PORT = 50061
 KVMANAGER_PORT = 50051
-# services/cli_gateway.run_gateway after SIGTERM: gateway.close(drain_s=5.0), then server.stop(2.0).
+# kvserve/services/cli_gateway.run_gateway after SIGTERM: gateway.close(drain_s=5.0), then server.stop(2.0).
 GATEWAY_DRAIN_S = 5.0
 GATEWAY_STOP_GRACE_S = 2.0
 API_KEYS_SECRET = "kvserve-api-keys"
@@ -265,7 +265,7 @@ def test_env_names_are_flags_the_cli_reads(workload_name: str, command: str, mon
 @pytest.mark.parametrize(("workload_name", "command"), SERVICES)
 def test_env_names_are_env_defaults_in_the_cli_source(workload_name: str, command: str) -> None:
     """The same from the source: every KVSERVE_X a container sets is an ``_env("x")``/``env_default("x")`` of its
-    subcommand's CLI module (services/cli_<command>.py, or cli_flags.py's shared flags); a manifest and the
+    subcommand's CLI module (kvserve/services/cli_<command>.py, or cli_flags.py's shared flags); a manifest and the
     flags cannot drift apart, whichever of the two is edited."""
     unknown = set(_kvserve_env(workload_name)) - cli_env_names(command)
     assert not unknown, f"{workload_name} sets {sorted(unknown)}, which no flag of `kvserve {command}` reads"
@@ -332,7 +332,7 @@ def test_service_serves_metrics_on_its_named_port_and_the_pod_is_annotated_for_s
 @pytest.mark.parametrize(("workload_name", "command"), SERVICES)
 def test_service_exports_traces_over_otlp_with_a_sampler(workload_name: str, command: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The container's OTEL_* environment turns tracing on (common/telemetry.py) and names a sampler the
+    """The container's OTEL_* environment turns tracing on (kvserve/common/telemetry.py) and names a sampler the
     OpenTelemetry SDK recognises (an unknown name or a bad ratio only logs a warning and samples everything)."""
     otel = {n: e["value"] for n, e in env(container(workload(workload_name))).items() if n.startswith("OTEL_")}
     endpoint = urlparse(otel["OTEL_EXPORTER_OTLP_ENDPOINT"])

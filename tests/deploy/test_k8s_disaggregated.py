@@ -133,8 +133,8 @@ def test_workers_reach_each_other_on_the_grpc_port_alone(rendered: list[dict]) -
 
 
 def test_the_role_variable_is_the_worker_role_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVSERVE_ROLE is the env default of `kvserve worker --role` (services/cli_worker.py; KVSERVE_<FLAG>, as for
-    every variable of the manifests), and setting it parses as the flag does: a name the worker did not read
+    """KVSERVE_ROLE is the env default of `kvserve worker --role` (kvserve/services/cli_worker.py; KVSERVE_<FLAG>, as
+    for every variable of the manifests), and setting it parses as the flag does: a name the worker did not read
     would leave every pod of role both."""
     assert ROLE_ENV == "KVSERVE_" + "--role".removeprefix("--").replace("-", "_").upper()
     assert ROLE_ENV in cli_env_names("worker")

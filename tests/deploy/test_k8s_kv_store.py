@@ -30,7 +30,7 @@ from kvserve.services.cli import build_parser
 STORE = "kvserve-kv-store"
 STATE_REDIS = "kvserve-redis"
 STORE_USERS = (("kvserve-kvmanager", "kvmanager"), ("kvserve-worker", "worker"))
-REDIS_OVERHEAD_BYTES = 64 << 20  # services/cli_up_store.py: maxmemory = bound x 5/4 + 64 MiB
+REDIS_OVERHEAD_BYTES = 64 << 20  # kvserve/services/cli_up_store.py: maxmemory = bound x 5/4 + 64 MiB
 
 
 def _store_url(workload_name: str, command: str) -> str:

@@ -3,7 +3,7 @@
 that shares the first one's leading 3,008 tokens (188 pages) as a prefix hit and prefills only the rest.
 
 The chunks after the first attend over thousands of cached tokens: the case the paged prefill kernel's row
-blocks exist for (kernels/paged_prefill.cpp), and the decodes after them take the split path of the decode
+blocks exist for (kvserve/kernels/paged_prefill.cpp), and the decodes after them take the split path of the decode
 kernel (one sequence, so its pages are spread over the threads).
 """
 

@@ -18,8 +18,10 @@ from kvserve.services.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-TOP = ("common", "worker", "kvmanager", "kernels", "services", "protos", "k8s", "image", "tests", "bench", "docs",
-       ".ci")
+# The top-level folders (and, so that a path left from before the layers moved under kvserve/ is caught, their
+# old names).
+TOP = ("kvserve", "protos", "k8s", "image", "tests", "bench", "docs", ".ci", "common", "worker", "kvmanager", "kernels",
+       "services")
 MADE_AT_RUN_TIME = ("bench/wheelhouse/",)  # folders a documented step creates (gpu_check.sh reads wheels there)
 ROOT_FILES = ("Makefile", "Containerfile", "Containerfile.cuda", "pyproject.toml", "mkdocs.yml", "README.md")
 INLINE_CODE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
@@ -110,9 +112,9 @@ def test_the_checks_catch_a_renamed_flag_and_a_moved_path():
     assert unknown_flags(text, parser) == []
     assert unknown_flags(text.replace("--num-pages", "--num-page"), parser) == ["kvserve up --num-page"]
     assert unknown_flags("kvserve worker --port 1 \\\n  --no-such-flag", parser) == ["kvserve worker --no-such-flag"]
-    paths = named_paths("see `services/gateway/engine.py`, `bench/results/fuzz-<date>.json` and `k8s/`")
-    assert paths == ["services/gateway/engine.py", "bench/results/fuzz-<date>.json", "k8s/"]
-    assert all(map(exists, paths)) and not exists("services/gateway/engin.py")
+    paths = named_paths("see `kvserve/services/gateway/engine.py`, `bench/results/fuzz-<date>.json` and `k8s/`")
+    assert paths == ["kvserve/services/gateway/engine.py", "bench/results/fuzz-<date>.json", "k8s/"]
+    assert all(map(exists, paths)) and not exists("kvserve/services/gateway/engin.py")
 
 
 @pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))

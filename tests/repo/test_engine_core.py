@@ -13,8 +13,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCHEDULER = ROOT / "services" / "gateway" / "scheduler.py"
-CORE = ROOT / "services" / "gateway" / "core.py"
+SCHEDULER = ROOT / "kvserve" / "services" / "gateway" / "scheduler.py"
+CORE = ROOT / "kvserve" / "services" / "gateway" / "core.py"
 MUTATORS = {"append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft", "popitem", "remove", "clear",
             "update", "setdefault", "add", "discard", "sort", "reverse", "rotate", "__setitem__", "__delitem__"}
 
@@ -76,7 +76,7 @@ def writes(source: str, fields: set[str]) -> list[str]:
 
 
 def _modules() -> list[Path]:
-    folders = ("common", "kernels", "worker", "kvmanager", "services", "bench")
+    folders = ("kvserve", "bench")
     return [p for folder in folders for p in sorted((ROOT / folder).rglob("*.py")) if p != SCHEDULER]
 
 

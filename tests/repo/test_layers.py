@@ -1,9 +1,9 @@
 """The layers, read from the code itself: imports only point down, nothing cycles, and the cores know no gRPC.
 
-    services/   top: gateway (core, and its gRPC front-end in rpc/), client SDK, CLI
-    worker/  kvmanager/   domains: neither imports the other
-    kernels/    paged attention
-    common/     plumbing shared by all of the above
+    kvserve/services/   top: gateway (core, and its gRPC front-end in rpc/), client SDK, CLI
+    kvserve/worker/  kvserve/kvmanager/   domains: neither imports the other
+    kvserve/kernels/    paged attention
+    kvserve/common/     plumbing shared by all of the above
     v1          generated protobuf modules (protos/kvserve/v1)
 
 Every import counts, those inside functions included; only ``if TYPE_CHECKING:`` blocks do not (they never run).
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"v1": ROOT / "protos" / "kvserve" / "v1", "common": ROOT / "common", "kernels": ROOT / "kernels",
-            "worker": ROOT / "worker", "kvmanager": ROOT / "kvmanager", "services": ROOT / "services"}
+PACKAGES = {"v1": ROOT / "protos" / "kvserve" / "v1", **{layer: ROOT / "kvserve" / layer for layer in
+                                                          ("common", "kernels", "worker", "kvmanager", "services")}}
 RANK = {"v1": 0, "common": 1, "kernels": 2, "worker": 3, "kvmanager": 3, "services": 4}
 # The modules of a domain that may speak gRPC: its servicer, its server, its protobuf converters.
 GRPC_GLUE = {"kvserve.worker.servicer", "kvserve.worker.server", "kvserve.kvmanager.servicer",
@@ -148,3 +148,25 @@ def test_importing_the_cores_loads_no_grpc_and_no_generated_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def importable_at(folder: Path) -> set[str]:
+    """The top-level names a regular import would take from ``folder`` when it is on sys.path: modules and packages
+    with an ``__init__.py`` (a folder without one is a namespace portion, which any installed package outranks)."""
+    names = {p.stem for p in folder.glob("*.py")} | {p.parent.name for p in folder.glob("*/__init__.py")}
+    return {name for name in names if name.isidentifier()}
+
+
+def test_nothing_at_the_repository_root_shadows_an_installed_package():
+    # `python -m pytest`, `python -m ...` and a REPL in a checkout put its root first on sys.path: a `kernels/` package
+    # there once took the place of HF's `kernels`, and `import transformers` failed.
+    assert importable_at(ROOT) == set()
+    assert not (ROOT / "kvserve" / "__init__.py").exists()  # a namespace package, as the installed kvserve is
+
+
+def test_the_shadow_check_sees_a_package_and_a_module(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").touch()
+    (tmp_path / "namespace_only").mkdir()
+    (tmp_path / "setup.py").touch()
+    assert importable_at(tmp_path) == {"kernels", "setup"}

@@ -3,7 +3,7 @@ real channel to a gateway in this process, a real worker and a real kvmanager (a
 
 - Greedy, the ids of a text generate the same tokens and text as the text itself, streamed and unary.
 - An id at or above the vocabulary size, or no id at all, is INVALID_ARGUMENT with the gateway core's message
-  (services/gateway/validate.py), and leaves no page or request behind.
+  (kvserve/services/gateway/validate.py), and leaves no page or request behind.
 """
 
 from __future__ import annotations

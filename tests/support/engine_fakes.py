@@ -1,6 +1,6 @@
-"""In-process backends for the gateway core (services/gateway/backends.py), for engine tests without gRPC:
+"""In-process backends for the gateway core (kvserve/services/gateway/backends.py), for engine tests without gRPC:
 
-- InProcessKVManager: the package's (services/gateway/inprocess.py: the real KVManager called directly), with a
+- InProcessKVManager: the package's (kvserve/services/gateway/inprocess.py: the real KVManager called directly), with a
   switch that makes it unreachable (every call raises KVManagerUnavailable, as the gRPC client does once its
   retries run out).
 - InlineExecutor: a core's overlapped calls made at once, in order (the engine loop makes them on a thread).

@@ -17,7 +17,7 @@ AUTOSCALING_DIR = K8S_DIR / "autoscaling"
 DISAGGREGATED_DIR = K8S_DIR / "disaggregated"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-# The CLI module that defines each service subcommand's flags; services/cli_flags.py adds the shared ones.
+# The CLI module that defines each service subcommand's flags; kvserve/services/cli_flags.py adds the shared ones.
 CLI_MODULES = {"kvmanager": "cli_kvmanager.py", "worker": "cli_worker.py", "gateway": "cli_gateway.py"}
 SHARED_CLI_MODULE = "cli_flags.py"
 
@@ -170,7 +170,7 @@ def cli_env_names(command: str) -> set[str]:
     counts too."""
     names: set[str] = set()
     for module in (CLI_MODULES[command], SHARED_CLI_MODULE):
-        tree = ast.parse((ROOT / "services" / module).read_text())
+        tree = ast.parse((ROOT / "kvserve" / "services" / module).read_text())
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                     and node.func.id in ("_env", "env_default", "env_switch") and node.args

@@ -1,4 +1,4 @@
-"""The attention-window policy (common/attention_window.py): exact pages and positions on tiny cases, the seam
+"""The attention-window policy (kvserve/common/attention_window.py): exact pages and positions on tiny cases, the seam
 between sinks and window and page boundaries, and its arithmetic against a brute force over every position."""
 
 import pytest

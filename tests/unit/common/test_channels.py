@@ -1,4 +1,4 @@
-"""kvmanager_channel's targets (common/channels.py): one entry as given, a list as one address list that gRPC's
+"""kvmanager_channel's targets (kvserve/common/channels.py): one entry as given, a list as one address list that gRPC's
 health-checked round robin balances over."""
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ def test_cli_bad_input_is_one_clear_line_and_exit_2(args, message):
 
 @pytest.mark.parametrize("kv_dtype,torch_dtype,scales", [("fp32", "float32", False), ("int8", "int8", True)])
 def test_the_kv_store_sizing_counts_the_values_a_worker_writes_byte_for_byte(kv_dtype, torch_dtype, scales):
-    """--kv-store-bytes: one value per page, as worker/page_codec.py encodes it (header included), which is what
+    """--kv-store-bytes: one value per page, as kvserve/worker/page_codec.py encodes it (header included), which is what
     the kvmanager counts against the bound."""
     import torch
 

@@ -1,5 +1,5 @@
-"""The kvmanager's metrics of the two KV tiers (common/metrics.py), scraped from a real KVManager: blocks, bytes and
-capacity per tier, each tenant's hit tokens per tier, the store's own counters and the workers' reported ones.
+"""The kvmanager's metrics of the two KV tiers (kvserve/common/metrics.py), scraped from a real KVManager: blocks, bytes
+and capacity per tier, each tenant's hit tokens per tier, the store's own counters and the workers' reported ones.
 
     pool w0: 8 pages of PS=4 tokens, 1000 bytes a page; a 13-token prompt has 3 cacheable pages
 """

@@ -1,4 +1,4 @@
-"""The flash-attn backend's adapter (kernels/flash_attn_backend.py) on CPU, behind flash-attn's own signatures.
+"""The flash-attn backend's adapter (kvserve/kernels/flash_attn_backend.py) on CPU, behind flash-attn's own signatures.
 
 flash-attn needs a GPU (and is not installed here), so its two entry points are replaced by torch functions of
 the same signatures and semantics, written from the libraries' docstrings: FA4's
@@ -89,7 +89,7 @@ def step_case(lengths, cached, heads, kv_heads, page_size, window=0, holes=False
             slots = build_metadata([0], [c], [table], page_size, torch.device("cpu")).slot_mapping
             write_kv(k[:c], v[:c], cache, slots)
         new.append((q[c:], k[c:], v[c:]))
-    if holes:  # pages wholly before every window still to come, released (common/attention_window.py)
+    if holes:  # pages wholly before every window still to come, released (kvserve/common/attention_window.py)
         tables = [[HOLE if (p + 1) * page_size <= c - window + 1 else page for p, page in enumerate(t)]
                   for t, c in zip(tables, cached, strict=True)]
     meta = build_metadata(cached, [n - c for n, c in zip(lengths, cached, strict=True)], tables, page_size,

@@ -131,7 +131,7 @@ def test_the_cpu_kernels_specialised_and_generic_paths_match_dense_attention(hea
 
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads,native", [
-    (64, 9, 3, True),  # the default model's shape: kernels/paged_prefill.cpp
+    (64, 9, 3, True),  # the default model's shape: kvserve/kernels/paged_prefill.cpp
     (128, 8, 1, True),  # a wider head, 8 query heads per kv head: paged_prefill.cpp
     (32, 2, 2, True),  # one query head per kv head: paged_prefill.cpp
     (24, 6, 2, False),  # head_dim not a multiple of 16: the reference groups

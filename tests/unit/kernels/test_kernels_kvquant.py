@@ -1,7 +1,7 @@
 """The CPU backend over quantised KV pages (int8, float8_e4m3fn, float8_e5m2; one scale per token and kv head, or
 none: the tensor scheme): its decode and prefill kernels against dense causal attention over the dequantised K/V
 and against the float32 math within the format's precision, and rope_store's quantised writes against
-kernels/kv_quant.py's torch ones, byte for byte."""
+kvserve/kernels/kv_quant.py's torch ones, byte for byte."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The triton backend (kernels/triton_paged.py) against dense causal attention and the reference backend, run in
+"""The triton backend (kvserve/kernels/triton_paged.py) against dense causal attention and the reference backend, run in
 Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where there is no CUDA device): lengths
 across page boundaries, GQA ratios, page sizes, chunked prefill on cached tokens, mixed steps, every KV format,
 sliding windows and sinks over page tables with holes, padding rows, the split-K decode path; its fused ops

@@ -1,6 +1,6 @@
-"""Sliding windows and attention sinks in the cpu backend's C++ kernels (kernels/paged_decode.cpp,
-kernels/paged_prefill.cpp) against the reference backend's gather (kernels/window.py): windows across page
-boundaries, page tables with HOLEs (released pages, NaN in the pool so that a read of one would show), the seam
+"""Sliding windows and attention sinks in the cpu backend's C++ kernels (kvserve/kernels/paged_decode.cpp,
+kvserve/kernels/paged_prefill.cpp) against the reference backend's gather (kvserve/kernels/window.py): windows across
+page boundaries, page tables with HOLEs (released pages, NaN in the pool so that a read of one would show), the seam
 between the sinks and the window, GQA, decodes on the split and the per-sequence paths, mixed steps of decodes
 and prefill chunks, the generic (unspecialised) decode kernel, and quantised pages."""
 

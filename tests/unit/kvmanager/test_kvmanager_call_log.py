@@ -1,5 +1,5 @@
-"""The call log (kvmanager/call_log.py): calls appended, snapshots every N records, reload = snapshot + replay, and a
-failed write kept in memory, answered UNAVAILABLE, and logged once by the retry."""
+"""The call log (kvserve/kvmanager/call_log.py): calls appended, snapshots every N records, reload = snapshot + replay,
+and a failed write kept in memory, answered UNAVAILABLE, and logged once by the retry."""
 
 from __future__ import annotations
 

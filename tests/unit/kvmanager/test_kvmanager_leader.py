@@ -1,4 +1,4 @@
-"""Leader election and fencing (kvmanager/leader.py, fencing.py) on a real Redis: two kvmanagers' services, each
+"""Leader election and fencing (kvserve/kvmanager/leader.py, fencing.py) on a real Redis: two kvmanagers' services, each
 with its own call-log store and lease on one prefix. The elections are driven a turn at a time (Election.tick),
 so each test decides exactly when a lease lapses, which is how a leader "paused" past its lease is simulated:
 its key expires, the other acquires and claims the prefix, and only then does the paused one write.

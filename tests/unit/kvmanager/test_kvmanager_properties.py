@@ -13,7 +13,7 @@ Worker w1's pool has a sliding window (two pages) and attention sinks (its first
 pages past the window at random, in calls of their own and inside batches, and the model's page tables get the
 same holes. A hole holds nothing, so a commit over it writes no content; every check above still holds.
 
-The shared KV tier (kvmanager/tier.py): w0's pools have a store, w1's only under odd epochs, and the store holds
+The shared KV tier (kvserve/kvmanager/tier.py): w0's pools have a store, w1's only under odd epochs, and the store holds
 a few blocks (STORE_BYTES), so its LRU evicts. The model predicts the writes each commit orders (the new blocks a
 pool with a store indexes that the store lacks), keeps the store's index as workers report writes landed (some of
 those ordered, in any order, some twice) and values missing, and predicts every allocation's store hits exactly:

@@ -1,5 +1,5 @@
 """Restart determinism, property-based. KVManagerMachine's random calls (test_kvmanager_properties.py) go
-through a KVService over the real call log (kvmanager/call_log.py) and a real Redis. Rules add snapshots at
+through a KVService over the real call log (kvserve/kvmanager/call_log.py) and a real Redis. Rules add snapshots at
 random points, retries of earlier calls after others, an operator's pin and unpin, and workers that join,
 drain and leave. After every step a reload (the snapshot, then the logged calls replayed) must equal the live
 manager: page tables, blocks, counters, the clock, the remembered answers, the free lists and LRUs in their
@@ -238,7 +238,7 @@ class ReplayMachine(KVManagerMachine):
 
     def claim_back(self) -> None:
         """The reload claimed the prefix, as a restart does: the live store claims it back, or its writes would
-        be refused by the fencing token (kvmanager/fencing.py)."""
+        be refused by the fencing token (kvserve/kvmanager/fencing.py)."""
         self.store.owner = None
         self.store._claim()
 
@@ -249,7 +249,7 @@ TestReplayProperties = ReplayMachine.TestCase
 
 
 class LeaderChangeMachine(ReplayMachine):
-    """ReplayMachine's calls with leader changes (kvmanager/leader.py, fencing.py). A standby kvmanager (a
+    """ReplayMachine's calls with leader changes (kvserve/kvmanager/leader.py, fencing.py). A standby kvmanager (a
     service and store of its own on the same prefix) takes over from Redis while the leader is paused past its
     lease; the deposed leader then wakes and attempts a late write, which the fencing token refuses. The model
     carries on over the new leader, so after every step its pools keep every invariant (check_all: no page owned

@@ -1,5 +1,5 @@
-"""Pages that move between workers (kvmanager/transfers.py), on tiny real pools: peer hits and the holds on their
-source pages, every way a hold ends, the pull-or-recompute choice, moved_from (a prefill handed to its decode
+"""Pages that move between workers (kvserve/kvmanager/transfers.py), on tiny real pools: peer hits and the holds on
+their source pages, every way a hold ends, the pull-or-recompute choice, moved_from (a prefill handed to its decode
 worker), placement with pulls, and holds through snapshots and the call log. check_invariants after every step."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""worker/cpu_binding.py: CPU lists as taskset writes them, and the check against the CPUs a process may use.
+"""kvserve/worker/cpu_binding.py: CPU lists as taskset writes them, and the check against the CPUs a process may use.
 (apply() changes the process it runs in: tests/e2e/test_worker_cpus.py checks it in a real worker.)"""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CUDA model path's host-side logic on CPU: batch and length buckets, the padded static inputs of a decode
 graph, pinned staging's packing, and a padded, bucketed decode giving the same hidden states and tokens as the
-unpadded eager one (worker/cuda_graphs.py with capture=False runs the graph's buffers eagerly).
+unpadded eager one (kvserve/worker/cuda_graphs.py with capture=False runs the graph's buffers eagerly).
 
 A graph's padding rows rely on two rules of the backend it captures (the triton backend's): a token whose slot is
 -1 writes no K/V, and a row with seq_len 0 attends to nothing (zeros). PaddedReference below is the reference
@@ -126,7 +126,7 @@ def test_prefill_chunks_and_oversized_batches_do_not_apply():
 
 
 def test_the_triton_backend_through_padded_decode_buffers_matches_the_reference():
-    """The triton backend (kernels/triton_paged.py, another branch) honouring the padding rules itself; under
+    """The triton backend (kvserve/kernels/triton_paged.py, another branch) honouring the padding rules itself; under
     the triton interpreter on CPU. Skipped only where that module is not in this build."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")

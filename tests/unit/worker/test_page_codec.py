@@ -1,4 +1,4 @@
-"""A KV page as a self-checking value (worker/page_codec.py): it comes back byte for byte into another pool's
+"""A KV page as a self-checking value (kvserve/worker/page_codec.py): it comes back byte for byte into another pool's
 page, for float32 and the quantised formats with and without scales, and any value that is not exactly the page
 asked for (another block or namespace, another layout, a flipped or missing byte) is refused with the page left
 as it was."""

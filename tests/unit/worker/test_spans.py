@@ -1,5 +1,5 @@
-"""The worker's spans of the shared KV tier (worker/spans.py), through the servicer's Step on real runners (a tiny
-random-weight Llama, a real embedded redis-server): a traced request's store loads are a child span of its own
+"""The worker's spans of the shared KV tier (kvserve/worker/spans.py), through the servicer's Step on real runners (a
+tiny random-weight Llama, a real embedded redis-server): a traced request's store loads are a child span of its own
 (its pages, whether they loaded, the step's pages, bytes and failures); a step's write snapshot is one span linked
 to the step's traced requests (pages queued or dropped). Untraced steps record nothing.
 

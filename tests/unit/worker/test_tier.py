@@ -1,6 +1,6 @@
-"""The worker's shared KV tier (worker/tier.py, worker/tier_writer.py) against a real embedded redis-server, over
-small random pools (no model): pages written by one pool load byte for byte into another; a block is reported
-written only once the store acknowledged it; a full queue, a down store and a missing reporter drop writes and
+"""The worker's shared KV tier (kvserve/worker/tier.py, kvserve/worker/tier_writer.py) against a real embedded
+redis-server, over small random pools (no model): pages written by one pool load byte for byte into another; a block is
+reported written only once the store acknowledged it; a full queue, a down store and a missing reporter drop writes and
 count them; an absent or damaged value fails its request alone and is reported missing; a down store fails
 loads without a network call until its backoff passes; a failing kvmanager costs the report, not the counters."""
 

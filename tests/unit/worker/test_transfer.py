@@ -1,7 +1,7 @@
-"""Page transfers between workers (worker/transfer.py) over plain pool tensors, the two sides joined by an in-process
-link (the gRPC one is tests/unit/worker/test_worker_transfer.py): pages come across byte for byte, scales too, in
-frames of the size asked; the source refuses another epoch, a lease within its margin and pages out of range, also
-mid-stream; the receiver refuses a malformed order or another epoch, and answers every failure of the source (a
+"""Page transfers between workers (kvserve/worker/transfer.py) over plain pool tensors, the two sides joined by an
+in-process link (the gRPC one is tests/unit/worker/test_worker_transfer.py): pages come across byte for byte, scales
+too, in frames of the size asked; the source refuses another epoch, a lease within its margin and pages out of range,
+also mid-stream; the receiver refuses a malformed order or another epoch, and answers every failure of the source (a
 refusal, a stream cut short or too long, a value that does not verify, its own new epoch) with an error.
 
     pools of PAGES pages; source pages 1, 3, 4 hold blocks B0, B1, B2; the receiver's pages 6, 2, 0 take them

@@ -1,5 +1,5 @@
-"""worker/validate.py on the shared KV tier's fields: a step of store writes and no item is valid, an empty one is
-not; a malformed store write refuses the step; a malformed store load rejects its item alone; a page filled from
+"""kvserve/worker/validate.py on the shared KV tier's fields: a step of store writes and no item is valid, an empty one
+is not; a malformed store write refuses the step; a malformed store load rejects its item alone; a page filled from
 the store counts as written by its item, so no other item of the step may read or write it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sliding-window attention and attention sinks in the worker (kernels/window.py): a tiny random Mistral with a
+"""Sliding-window attention and attention sinks in the worker (kvserve/kernels/window.py): a tiny random Mistral with a
 window of 40 tokens generates exactly what HF's MistralForCausalLM does, through chunked prefill and decode,
 with the pages the window leaves behind released as it goes; attention sinks on a tiny Llama match a slow
 StreamingLLM reference, past the model's context; bad settings are refused before anything is allocated."""
@@ -183,7 +183,7 @@ def test_kv_mem_counts_the_pages_a_windowed_request_really_holds(tiny):
 
 
 def test_local_generation_with_sinks_reuses_pages_past_the_pool_and_the_context(tiny):
-    """`kvserve generate --local` (the engine core over an in-process kvmanager, services/gateway/llm.py) with
+    """`kvserve generate --local` (the engine core over an in-process kvmanager, kvserve/services/gateway/llm.py) with
     sinks: the pages behind the window are released and reused, so a pool of 8 pages serves 1,100 tokens; the
     tokens are those of the step loop above."""
     from kvserve.services.gateway.llm import LLM

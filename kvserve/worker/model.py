@@ -1,0 +1,129 @@
+"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
+
+The forward pass takes a flat run of tokens from many sequences (see kvserve/kernels/paged_attention.py) and
+returns hidden states for all of them; the runner picks the rows it needs logits for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.paged_attention import AttentionMetadata, PagedAttentionBackend
+from kvserve.kernels.rotary import cos_sin_table, inverse_frequencies
+from kvserve.worker.config import ModelConfig
+from kvserve.worker.weights import LayerWeights, ModelWeights
+
+
+def pack_weights(weights: ModelWeights, pack) -> ModelWeights:
+    """Puts the projection weights and the LM head, in place, in the layout the attention backend's ``linear``
+    reads, one matrix at a time (the unpacked copy of a layer is freed before the next is packed). A tied
+    embedding is then read from the packed LM head (``embed`` becomes None), so the matrix is still held once."""
+    for i, layer in enumerate(weights.layers):
+        weights.layers[i] = replace(layer, qkv=pack(layer.qkv), o=pack(layer.o), gate_up=pack(layer.gate_up),
+                                    down=pack(layer.down))
+    tied = weights.lm_head is weights.embed
+    weights.lm_head = pack(weights.lm_head)
+    if tied and weights.lm_head is not weights.embed:
+        weights.embed = None
+    return weights
+
+
+def describe_weights(weights: ModelWeights) -> str:
+    """How the packed matrices are held, for the worker's ready line: "120 as 4-bit blocks, 1 as 8-bit blocks
+    (111 MB)" for the default model; a plain or panel tensor counts as its dtype (float32)."""
+    matrices = [m for layer in weights.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    counts: dict[str, int] = {}
+    num_bytes = 0
+    for m in [*matrices, weights.lm_head]:
+        parts = [m] if isinstance(m, torch.Tensor) else [m.q, m.d, m.m]
+        kind = str(m.dtype).removeprefix("torch.") if isinstance(m, torch.Tensor) else \
+            ("4-bit blocks" if m.q.dtype == torch.uint8 else "8-bit blocks")
+        counts[kind] = counts.get(kind, 0) + 1
+        num_bytes += sum(t.numel() * t.element_size() for t in parts)
+    return ", ".join(f"{n} as {kind}" for kind, n in counts.items()) + f" ({num_bytes / 1e6:.0f} MB)"
+
+
+def embedding(token_ids: torch.Tensor, weights: ModelWeights) -> torch.Tensor:
+    """Rows of the embedding; of a tied one, read from the packed LM head (the same floats): from panels
+    [vocab / 32, hidden, 32], column id % 32 of panel id // 32; from a packing with ``rows``, its rows."""
+    if weights.embed is not None:
+        return F.embedding(token_ids, weights.embed)
+    if hasattr(weights.lm_head, "rows"):
+        return weights.lm_head.rows(token_ids)
+    panel = weights.lm_head.shape[2]
+    return weights.lm_head[token_ids // panel, :, token_ids % panel]
+
+
+class LlamaDecoder:
+    """Stateless apart from its weights: all KV lives in the pool passed to ``forward``."""
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, backend: PagedAttentionBackend):
+        self.cfg = cfg
+        self.weights = pack_weights(weights, backend.pack_weight)
+        self.backend = backend
+        self.linear = backend.linear
+        device = weights.lm_head.device
+        self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = cos_sin_table(self.inv_freq, cfg.max_position_embeddings)
+        self.cos, self.sin = cos.to(device), sin.to(device)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [num_tokens] int64
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
+        kv_scales: torch.Tensor | None = None,  # [num_layers, 2, num_pages, page_size, num_kv_heads] or None
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        x = embedding(token_ids, self.weights)  # the residual stream: updated in place by add_rms_norm_
+        dtype = x.dtype
+        if meta.max_seq_len > self.cos.shape[0]:  # attention sinks: positions past the model's context
+            self._grow_rope(meta.max_seq_len)
+        cos = self.cos[meta.positions].to(dtype)
+        sin = self.sin[meta.positions].to(dtype)
+        sink_rope = None if meta.sink_positions is None else \
+            (self.cos[meta.sink_positions].to(dtype), self.sin[meta.sink_positions].to(dtype))
+        state = self.backend.prepare(meta)
+        b, eps, layers = self.backend, self.cfg.rms_norm_eps, self.weights.layers
+        h = b.rms_norm(x, layers[0].input_norm, eps)
+        for i, layer in enumerate(layers):
+            scales = None if kv_scales is None else kv_scales[i]
+            h = b.add_rms_norm_(x, self._attention(h, layer, cos, sin, kv_cache[i], scales, meta, state, sink_rope),
+                                layer.post_norm, eps)
+            following = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.final_norm
+            h = b.add_rms_norm_(x, self._mlp(h, layer), following, eps)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] in fp32."""
+        return self.linear(hidden, self.weights.lm_head).float()
+
+    def _grow_rope(self, positions: int) -> None:
+        """Extends the cos/sin tables to cover ``positions`` (doubling; the first rows stay the same floats)."""
+        size = self.cos.shape[0]
+        while size < positions:
+            size *= 2
+        cos, sin = cos_sin_table(self.inv_freq, size)
+        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+
+    def _attention(self, x, layer: LayerWeights, cos, sin, kv_cache, kv_scales, meta, state,
+                   sink_rope) -> torch.Tensor:
+        cfg = self.cfg
+        qkv = self.linear(x, layer.qkv, layer.qkv_bias)
+        if sink_rope is None:  # the backends' signature without attention sinks
+            out = self.backend.qkv_attention(qkv, cos, sin, kv_cache, meta, state, self.scale, cfg.num_heads,
+                                             cfg.num_kv_heads, kv_scales)
+        else:
+            out = self.backend.qkv_attention(qkv, cos, sin, kv_cache, meta, state, self.scale, cfg.num_heads,
+                                             cfg.num_kv_heads, kv_scales, sink_rope=sink_rope)
+        return self.linear(out.reshape(-1, self.q_size), layer.o)
+
+    def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        return self.linear(self.backend.silu_mul(self.linear(x, layer.gate_up)), layer.down)
