@@ -9,7 +9,7 @@ from pathlib import Path
 from kvserve.common.attention_window import FLAG_NAMES, AttentionWindow
 from kvserve.common.kvmem import kv_bytes_per_token
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class UnsupportedModel(ValueError):
@@ -18,7 +18,7 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shapes and constants of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+    """Shapes and constants of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)."""
 
     model_type: str
     vocab_size: int
@@ -37,6 +37,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
     sliding_window: int = 0  # every layer attends to the last W positions (Mistral; Qwen2's use_sliding_window)
+    qk_norm: bool = False  # an RMSNorm over each head's query and key before RoPE (Qwen3)
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
@@ -67,6 +68,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             sliding_window=_sliding_window(raw, model_type),
+            qk_norm=model_type == "qwen3",
         )
 
     @classmethod
@@ -83,10 +85,11 @@ def _sliding_window(raw: dict, model_type: str) -> int:
     """The window every layer attends with (0: full attention). A layout of full and sliding layers mixed
     (Qwen2's max_window_layers, a layer_types list of both kinds) is refused: it would be served wrongly."""
     window = raw.get("sliding_window")
-    if model_type == "llama" or (model_type == "qwen2" and not raw.get("use_sliding_window", False)):
+    qwen = model_type in ("qwen2", "qwen3")
+    if model_type == "llama" or (qwen and not raw.get("use_sliding_window", False)):
         window = None  # their HF models ignore the field
     kinds = set(raw.get("layer_types") or [])
-    if model_type == "qwen2" and window and not kinds:
+    if qwen and window and not kinds:
         first = int(raw.get("max_window_layers", 0))  # HF Qwen2: layers from this index on slide
         kinds = {"sliding_attention"} if first == 0 else \
             {"full_attention"} | ({"sliding_attention"} if first < int(raw["num_hidden_layers"]) else set())

@@ -117,6 +117,8 @@ class LlamaDecoder:
                    sink_rope) -> torch.Tensor:
         cfg = self.cfg
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)
+        if layer.q_norm is not None:
+            qkv = self._qk_norm(qkv, layer)
         if sink_rope is None:  # the backends' signature without attention sinks
             out = self.backend.qkv_attention(qkv, cos, sin, kv_cache, meta, state, self.scale, cfg.num_heads,
                                              cfg.num_kv_heads, kv_scales)
@@ -124,6 +126,14 @@ class LlamaDecoder:
             out = self.backend.qkv_attention(qkv, cos, sin, kv_cache, meta, state, self.scale, cfg.num_heads,
                                              cfg.num_kv_heads, kv_scales, sink_rope=sink_rope)
         return self.linear(out.reshape(-1, self.q_size), layer.o)
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """Qwen3's RMSNorm over each query and key head (head_dim wide), before the backend applies RoPE."""
+        n, d, eps = qkv.shape[0], self.cfg.head_dim, self.cfg.rms_norm_eps
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.backend.rms_norm(q.reshape(-1, d), layer.q_norm, eps).reshape(n, self.q_size)
+        k = self.backend.rms_norm(k.reshape(-1, d), layer.k_norm, eps).reshape(n, self.kv_size)
+        return torch.cat([q, k, v], dim=-1)
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         return self.linear(self.backend.silu_mul(self.linear(x, layer.gate_up)), layer.down)

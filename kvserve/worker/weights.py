@@ -23,6 +23,8 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [head_dim]: each query head's RMSNorm weight, before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None  # [head_dim]: each key head's
 
 
 @dataclass(slots=True)
@@ -62,6 +64,8 @@ def _layer(t: dict[str, torch.Tensor], i: int, cast) -> LayerWeights:
         post_norm=cast(t[p + "post_attention_layernorm.weight"]),
         gate_up=cast(torch.cat([t[mlp + "gate_proj.weight"], t[mlp + "up_proj.weight"]])),
         down=cast(t[mlp + "down_proj.weight"]),
+        q_norm=cast(t[attn + "q_norm.weight"]) if attn + "q_norm.weight" in t else None,
+        k_norm=cast(t[attn + "k_norm.weight"]) if attn + "k_norm.weight" in t else None,
     )
 
 
@@ -106,15 +110,19 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, s
     def mat(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen, device=draw, dtype=torch.float32) * std).to(device, dtype)
 
-    def ones() -> torch.Tensor:
-        return torch.ones(cfg.hidden_size, device=device, dtype=dtype)
+    def ones(size: int = cfg.hidden_size) -> torch.Tensor:
+        return torch.ones(size, device=device, dtype=dtype)
+
+    def head_norm() -> torch.Tensor | None:
+        return ones(cfg.head_dim) if cfg.qk_norm else None
 
     qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     layers = [LayerWeights(input_norm=ones(), qkv=mat(qkv_rows, cfg.hidden_size),
                            qkv_bias=mat(qkv_rows) if cfg.attention_bias else None,
                            o=mat(cfg.hidden_size, cfg.num_heads * cfg.head_dim), post_norm=ones(),
                            gate_up=mat(2 * cfg.intermediate_size, cfg.hidden_size),
-                           down=mat(cfg.hidden_size, cfg.intermediate_size)) for _ in range(cfg.num_layers)]
+                           down=mat(cfg.hidden_size, cfg.intermediate_size), q_norm=head_norm(),
+                           k_norm=head_norm()) for _ in range(cfg.num_layers)]
     embed = mat(cfg.vocab_size, cfg.hidden_size)
     lm_head = embed if cfg.tie_word_embeddings else mat(cfg.vocab_size, cfg.hidden_size)
     return ModelWeights(embed=embed, layers=layers, final_norm=ones(), lm_head=lm_head)
