@@ -50,8 +50,10 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Renders ``messages`` ([{"role": ..., "content": ...}]) into the prompt text the model expects."""
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        """Renders ``messages`` ([{"role": ..., "content": ...}]) into the prompt text the model expects; ``kwargs``
+        are extra template variables (Qwen3's ``enable_thinking``), as HF's apply_chat_template passes them."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
@@ -59,8 +61,8 @@ class Tokenizer:
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
         try:
             template = env.from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return template.render(**{**kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                                      "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 

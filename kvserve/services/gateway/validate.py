@@ -32,6 +32,7 @@ class GenerateInput:
     # are cut to it; 0 = the whole prompt.
     pins: tuple[PinPoint, ...] = ()
     cache_key: str = ""  # placement affinity within the tenant (OpenAI's prompt_cache_key)
+    template_kwargs: tuple[tuple[str, object], ...] = ()  # extra chat template variables (enable_thinking)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,8 @@ def _prompt_text(inp: GenerateInput, tokenizer: Tokenizer) -> str:
                                  param=f"messages.{i}.role")
         check_text(f"messages[{i}].content", content)
     try:
-        return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in inp.messages])
+        return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in inp.messages],
+                                             **dict(inp.template_kwargs))
     except ChatTemplateError as e:
         raise InvalidRequest(str(e)) from e
 

@@ -144,6 +144,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    # Extra variables for the model's chat template, as vLLM takes them: {"enable_thinking": false} for Qwen3.
+    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
 
     @model_validator(mode="after")
     def _chat_supported(self):
@@ -159,7 +161,8 @@ class ChatCompletionRequest(_Sampling):
         max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
         messages = tuple((m.role, m.text) for m in self.messages)
         return self._input(max_tokens=max_tokens, logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0,
-                           prompt=None, messages=messages)
+                           prompt=None, messages=messages,
+                           template_kwargs=tuple(sorted((self.chat_template_kwargs or {}).items())))
 
 
 # What a field that takes one of several shapes must be, for the message when it is none of them.
