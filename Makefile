@@ -6,7 +6,7 @@ KVSERVE := $(VENV)/bin/kvserve
 STAMP := $(VENV)/.kvserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels vllm bench-vllm-configs serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-tenants bench-disagg bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-roofline bench-streaming bench-http bench-colocate chaos fuzz clean
+.PHONY: install model kernels vllm bench-vllm-configs serve test test-fast docs docs-serve image image-tools image-base image-context image-test protos lint bench bench-quick bench-worker bench-kvmanager bench-snapshots bench-ab bench-revisions bench-kv-breakeven bench-tiered bench-tenants bench-disagg bench-overlap bench-reserve-ahead bench-kvquant bench-long bench-roofline bench-streaming bench-http bench-colocate bench-models chaos fuzz clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -171,6 +171,12 @@ bench-roofline: model kernels
 # 1,024 tokens; the KV bytes each holds and decode speed with sinks past 16k vs dense at 8k (in-process).
 bench-streaming: model kernels
 	$(PY) bench/bench_streaming.py
+
+# The model families through the KV lens (bench/bench_models.py): per family, a random-weight model of one shape
+# built by transformers' own classes; bytes per token and tokens in a 512 MiB pool, calculator vs the real pool;
+# batch-1 decode at 1k and 4k context against the same-size dense Llama; MLA's saving over per-head K and V.
+bench-models: model kernels
+	$(PY) bench/bench_models.py
 
 # The OpenAI HTTP API under load: the mixed burst through HTTP vs gRPC (alternated), and guidellm, a third-party
 # load generator, at 1, 4 and 16 streams. guidellm gets its own environment: it pins click and pulls

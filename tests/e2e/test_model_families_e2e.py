@@ -1,0 +1,40 @@
+"""The families beyond Llama through the whole stack: `kvserve up --model <tiny random model>` serves HF's own
+greedy tokens for a prompt longer than a step's token budget (so it is prefilled in chunks), and a second request
+hits the first one's prefix in the kvmanager and gets the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_models import save_tiny_qwen3
+from gateway_stack import running_stack
+from test_cli_process import cli_env
+from window_models import hf_model
+
+from kvserve.common.tokenizer import Tokenizer
+from kvserve.services.client import Client
+
+NEW_TOKENS = 32
+PROMPT = ("The printing press spread across Europe within fifty years of its invention, and with it came cheaper "
+          "books, new readers and arguments about what they should read. ") * 3
+BUILDERS = {"qwen3": save_tiny_qwen3}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_the_stack_serves_hfs_tokens_in_chunks_and_again_from_a_prefix_hit(tmp_path, model_dir, family):
+    folder = BUILDERS[family](tmp_path / family, model_dir)
+    prompt_ids = Tokenizer(folder).encode(PROMPT)
+    assert len(prompt_ids) > 64
+    with torch.no_grad():
+        out = hf_model(folder).generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = out[0, len(prompt_ids):].tolist()
+
+    with running_stack(tmp_path, cli_env(), "--model", str(folder), "--num-pages", "32",
+                       "--max-num-batched-tokens", "32") as stack:
+        with Client(stack.gateway, timeout_s=120) as client:
+            first = client.complete(prompt=PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
+            again = client.complete(prompt=PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert list(first.token_ids) == expected
+    assert list(again.token_ids) == expected
+    assert again.usage.cached_tokens >= len(prompt_ids) // 16 * 16 - 16  # every full page but the last
