@@ -125,6 +125,8 @@ def model_from_hf_config(raw: dict, name: str = "config.json", source: str = "co
     window = raw.get("sliding_window")
     if raw.get("use_sliding_window") is False or not isinstance(window, int) or window <= 0:
         window = None
+    if len(set(raw.get("layer_types") or [])) > 1:  # sliding and full layers mixed (Gemma 3): the worker keeps
+        window = None  # every layer's pages for such a model (one page table), so every token of every layer counts
     torch_dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
     common = dict(name=name, num_layers=layers, max_context=raw.get("max_position_embeddings"),
                   sliding_window=window, default_kv_dtype=_TORCH_DTYPES.get(torch_dtype, "bf16"), source=source)

@@ -175,6 +175,11 @@ def test_hf_config_json(tmp_path):
     ds = model_from_hf_config({"model_type": "deepseek_v3", "num_hidden_layers": 61, "kv_lora_rank": 512,
                                "qk_rope_head_dim": 64, "num_attention_heads": 128})
     assert ds.latent_dim == 576 and per_token(ds, get_dtype("bf16")).bytes == 70_272
+    gemma = model_from_hf_config({"model_type": "gemma3_text", "num_hidden_layers": 6, "num_attention_heads": 4,
+                                  "num_key_value_heads": 1, "head_dim": 256, "hidden_size": 640, "sliding_window": 512,
+                                  "layer_types": ["sliding_attention"] * 5 + ["full_attention"]})
+    assert gemma.sliding_window is None  # mixed layers: not one window for every layer
+    assert calculate(gemma, seq_len=4096).tokens_per_sequence == 4096
 
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(KvMemError, match="cannot read"):
