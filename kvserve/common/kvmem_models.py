@@ -125,8 +125,8 @@ def model_from_hf_config(raw: dict, name: str = "config.json", source: str = "co
     window = raw.get("sliding_window")
     if raw.get("use_sliding_window") is False or not isinstance(window, int) or window <= 0:
         window = None
-    if len(set(raw.get("layer_types") or [])) > 1:  # sliding and full layers mixed (Gemma 3): the worker keeps
-        window = None  # every layer's pages for such a model (one page table), so every token of every layer counts
+    if _mixes_layers(raw, model_type, layers):  # the worker keeps every layer's pages for a model of sliding and
+        window = None  # full layers (one page table), so every token of every layer counts
     torch_dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
     common = dict(name=name, num_layers=layers, max_context=raw.get("max_position_embeddings"),
                   sliding_window=window, default_kv_dtype=_TORCH_DTYPES.get(torch_dtype, "bf16"), source=source)
@@ -139,6 +139,17 @@ def model_from_hf_config(raw: dict, name: str = "config.json", source: str = "co
     for key, value in (("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
         _positive_int({key: value}, key, source)
     return ModelSpec(num_kv_heads=kv_heads, head_dim=head_dim, params=_dense_params(raw, model_type), **common)
+
+
+def _mixes_layers(raw: dict, model_type: str, num_layers: int) -> bool:
+    """Whether sliding-window and full-attention layers mix: a layer_types list of both, Gemma 3 (every
+    sliding_window_pattern-th layer full), or Qwen2/3's max_window_layers inside the stack."""
+    if raw.get("layer_types"):
+        return len(set(raw["layer_types"])) > 1
+    if model_type.startswith("gemma3"):
+        return True
+    first = raw.get("max_window_layers")
+    return model_type in ("qwen2", "qwen3") and isinstance(first, int) and 0 < first < num_layers
 
 
 def _dense_params(raw: dict, model_type: str) -> int | None:

@@ -179,6 +179,13 @@ def test_hf_config_json(tmp_path):
                                   "num_key_value_heads": 1, "head_dim": 256, "hidden_size": 640, "sliding_window": 512,
                                   "layer_types": ["sliding_attention"] * 5 + ["full_attention"]})
     assert gemma.sliding_window is None  # mixed layers: not one window for every layer
+    for mixed in ({"model_type": "gemma3_text", "sliding_window_pattern": 6},
+                  {"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 3}):
+        assert model_from_hf_config({**mixed, "num_hidden_layers": 6, "num_attention_heads": 4, "hidden_size": 64,
+                                     "sliding_window": 512}).sliding_window is None
+    assert model_from_hf_config({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 0,
+                                 "num_hidden_layers": 6, "num_attention_heads": 4, "hidden_size": 64,
+                                 "sliding_window": 512}).sliding_window == 512  # every layer slides
     assert calculate(gemma, seq_len=4096).tokens_per_sequence == 4096
 
     (tmp_path / "bad.json").write_text("{not json")
