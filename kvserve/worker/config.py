@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvserve.common.attention_window import FLAG_NAMES, AttentionWindow
-from kvserve.common.kvmem import kv_bytes_per_token
+from kvserve.common.kvmem import kv_bytes_per_token, mla_bytes_per_token
+from kvserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaParams, gemma_layer_kinds, gemma_overrides
+from kvserve.worker.mla_config import MLA_MODEL_TYPES, MLAParams, mla_params
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "ministral", *GEMMA_MODEL_TYPES)
 
 
 class UnsupportedModel(ValueError):
@@ -38,19 +40,28 @@ class ModelConfig:
     bos_token_id: int | None = None
     sliding_window: int = 0  # every layer attends to the last W positions (Mistral; Qwen2's use_sliding_window)
     qk_norm: bool = False  # an RMSNorm over each head's query and key before RoPE (Qwen3)
+    mla: MLAParams | None = None  # multi-head latent attention (DeepSeek-V2/V3): one latent "KV head" of width
+    # head_dim = kv_lora_rank + qk_rope_head_dim, no V plane (kvserve/worker/mla_config.py)
+    layer_windows: tuple[int, ...] = ()  # per layer when full and sliding layers mix (0 = full attention);
+    # () = every layer attends with sliding_window. A mixed model keeps every page (its sliding_window is 0)
+    gemma: GemmaParams | None = None  # Gemma 3's own constants (kvserve/worker/gemma.py runs it)
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
         """Reads an HF config dict; raises UnsupportedModel for other architectures."""
         model_type = raw.get("model_type", "")
+        if model_type in MLA_MODEL_TYPES:
+            return _mla_model(cls, raw)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-        if raw.get("hidden_act", "silu") != "silu":
+        if model_type not in GEMMA_MODEL_TYPES and raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported; only silu")
         num_heads = int(raw["num_attention_heads"])
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
+        windows = _layer_windows(raw, model_type)
+        mixed = len(set(windows)) > 1
+        cfg = cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
@@ -67,9 +78,11 @@ class ModelConfig:
             rope_scaling=_rope_scaling(raw),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
-            sliding_window=_sliding_window(raw, model_type),
+            sliding_window=0 if mixed else windows[0],
             qk_norm=model_type == "qwen3",
+            layer_windows=windows if mixed else (),
         )
+        return _with_gemma(cfg, raw) if model_type in GEMMA_MODEL_TYPES else cfg
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
@@ -77,39 +90,58 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
         """Exact KV-cache bytes of one token: K and V, every layer, every KV head, elements and per-head scale
-        (kvserve kv-mem's formula)."""
+        (kvserve kv-mem's formula). MLA: one latent per layer and one scale per layer."""
+        if self.mla is not None:
+            L = self.num_layers
+            return mla_bytes_per_token(L, self.mla.latent_dim, dtype_bytes) + L * scale_bytes
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes, scale_bytes)
 
 
-def _sliding_window(raw: dict, model_type: str) -> int:
-    """The window every layer attends with (0: full attention). A layout of full and sliding layers mixed
-    (Qwen2's max_window_layers, a layer_types list of both kinds) is refused: it would be served wrongly."""
+def _layer_windows(raw: dict, model_type: str) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), as the model's HF implementation attends: Mistral's and
+    Ministral's ``sliding_window`` on the layers ``layer_types`` marks sliding (all, without the list), Qwen2's
+    and Qwen3's on the layers from ``max_window_layers`` on (with ``use_sliding_window``), Gemma 3's on all but
+    every ``sliding_window_pattern``-th layer. Raises UnsupportedModel for other layer types."""
+    num_layers = int(raw["num_hidden_layers"])
+    unknown = sorted(set(raw.get("layer_types") or []) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise UnsupportedModel(f"layer_types {unknown} are not supported; only full_attention and sliding_attention")
     window = raw.get("sliding_window")
     qwen = model_type in ("qwen2", "qwen3")
-    if model_type == "llama" or (qwen and not raw.get("use_sliding_window", False)):
-        window = None  # their HF models ignore the field
-    kinds = set(raw.get("layer_types") or [])
-    if qwen and window and not kinds:
-        first = int(raw.get("max_window_layers", 0))  # HF Qwen2: layers from this index on slide
-        kinds = {"sliding_attention"} if first == 0 else \
-            {"full_attention"} | ({"sliding_attention"} if first < int(raw["num_hidden_layers"]) else set())
-    if kinds - {"full_attention", "sliding_attention"}:
-        raise UnsupportedModel(f"layer_types {sorted(kinds)} are not supported; only full_attention and "
-                               "sliding_attention")
-    if len(kinds) > 1 and window:
-        raise UnsupportedModel("this model mixes full-attention and sliding-window layers; kvserve serves one "
-                               "attention layout for every layer")
-    if kinds == {"full_attention"} or not window:
-        return 0
+    if model_type == "llama" or (qwen and not raw.get("use_sliding_window", False)) or not window:
+        return (0,) * num_layers  # their HF models ignore the field
     if int(window) <= 0:
         raise UnsupportedModel(f"sliding_window must be > 0, got {window}")
-    return int(window)
+    if model_type in GEMMA_MODEL_TYPES:
+        kinds = gemma_layer_kinds(raw, num_layers)
+    elif raw.get("layer_types"):
+        kinds = list(raw["layer_types"])
+    else:
+        first = int(raw.get("max_window_layers", 0)) if qwen else 0  # HF Qwen2: layers from this index on slide
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if len(kinds) != num_layers:
+        raise UnsupportedModel(f"layer_types has {len(kinds)} entries for {num_layers} layers")
+    return tuple(int(window) if kind == "sliding_attention" else 0 for kind in kinds)
+
+
+def _with_gemma(cfg: ModelConfig, raw: dict) -> ModelConfig:
+    """A gemma3_text config: its full layers' rope, tied embeddings by default, and GemmaParams."""
+    try:
+        return replace(cfg, **gemma_overrides(raw))
+    except ValueError as e:
+        raise UnsupportedModel(str(e)) from e
 
 
 def resolve_window(model: ModelConfig, sliding_window: int, sinks: int, page_size: int) -> AttentionWindow:
     """The attention window a worker serves: the model's own window, or --sliding-window for a model trained
     with full attention (with --attention-sinks, StreamingLLM). Raises ValueError on a bad combination."""
     own = model.sliding_window
+    if (model.layer_windows or model.gemma) and (sliding_window or sinks):
+        raise ValueError(f"{model.model_type} attends with its own window per layer type: leave out "
+                         "--sliding-window and --attention-sinks")
+    if model.mla is not None and (sliding_window or sinks):
+        raise ValueError(f"{model.model_type} uses multi-head latent attention (MLA): kvserve serves it with full "
+                         "attention only (leave out --sliding-window and --attention-sinks)")
     if sliding_window > 0 and own and sliding_window != own:
         raise ValueError(f"the model declares sliding_window {own}; --sliding-window {sliding_window} "
                          "would serve it wrongly (leave it out)")
@@ -122,3 +154,31 @@ def _rope_scaling(raw: dict) -> dict | None:
         return raw["rope_scaling"]
     params = raw.get("rope_parameters") or {}
     return params if params.get("rope_type", "default") != "default" else None
+
+
+def _mla_model(cls, raw: dict) -> ModelConfig:
+    """A DeepSeek-V2/V3 config: the Llama-shaped fields (intermediate_size is the dense layers' MLP) and MLAParams;
+    the pool sees one "KV head" of the latent's width."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported; only silu")
+    rope_scaling = _rope_scaling(raw)
+    mla = mla_params(raw, rope_scaling, UnsupportedModel)
+    eos = raw.get("eos_token_id")
+    return cls(
+        model_type=raw["model_type"],
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=int(raw["num_attention_heads"]),
+        num_kv_heads=1,
+        head_dim=mla.latent_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope_scaling=rope_scaling,
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        bos_token_id=raw.get("bos_token_id"),
+        mla=mla,
+    )

@@ -91,9 +91,14 @@ def size_pool(
     return PoolSize(num_pages=num_pages, page_size=page_size, fmt=fmt, kv_scales=scales, bytes_per_token=per_token)
 
 
+def kv_planes(cfg: ModelConfig) -> int:
+    """2 (K and V) per layer; 1 for MLA, whose one plane holds the latent and rope key (worker/mla_config.py)."""
+    return 1 if cfg.mla is not None else 2
+
+
 def allocate_pool(cfg: ModelConfig, size: PoolSize, device: torch.device) -> torch.Tensor:
     """The pool's elements, zero-initialised, shaped as in the module docstring."""
-    shape = (cfg.num_layers, 2, size.num_pages, size.page_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, kv_planes(cfg), size.num_pages, size.page_size, cfg.num_kv_heads, cfg.head_dim)
     return torch.zeros(shape, dtype=size.dtype, device=device)
 
 
@@ -102,5 +107,5 @@ def allocate_scales(cfg: ModelConfig, size: PoolSize, device: torch.device) -> t
     pool stores none."""
     if not size.stores_scales:
         return None
-    shape = (cfg.num_layers, 2, size.num_pages, size.page_size, cfg.num_kv_heads)
+    shape = (cfg.num_layers, kv_planes(cfg), size.num_pages, size.page_size, cfg.num_kv_heads)
     return torch.ones(shape, dtype=torch.float32, device=device)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kvserve.kernels.paged_attention import AttentionMetadata, PagedAttentionBackend
 from kvserve.kernels.rotary import cos_sin_table, inverse_frequencies
 from kvserve.worker.config import ModelConfig
+from kvserve.worker.layer_windows import layer_steps
 from kvserve.worker.weights import LayerWeights, ModelWeights
 
 
@@ -35,7 +36,7 @@ def pack_weights(weights: ModelWeights, pack) -> ModelWeights:
 def describe_weights(weights: ModelWeights) -> str:
     """How the packed matrices are held, for the worker's ready line: "120 as 4-bit blocks, 1 as 8-bit blocks
     (111 MB)" for the default model; a plain or panel tensor counts as its dtype (float32)."""
-    matrices = [m for layer in weights.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    matrices = [m for layer in weights.layers for m in _matrices(layer)]
     counts: dict[str, int] = {}
     num_bytes = 0
     for m in [*matrices, weights.lm_head]:
@@ -45,6 +46,23 @@ def describe_weights(weights: ModelWeights) -> str:
         counts[kind] = counts.get(kind, 0) + 1
         num_bytes += sum(t.numel() * t.element_size() for t in parts)
     return ", ".join(f"{n} as {kind}" for kind, n in counts.items()) + f" ({num_bytes / 1e6:.0f} MB)"
+
+
+def _matrices(layer) -> list:
+    """A layer's weight matrices, whatever its family's dataclass (LlamaDecoder's, Gemma's, MLA's with its experts):
+    every packed matrix and 2-D tensor among its fields, nested dataclasses and (gate_up, down) pairs included."""
+    found = []
+    for name in layer.__slots__:
+        value = getattr(layer, name)
+        values = value if isinstance(value, list | tuple) else [value]
+        for v in values:
+            if isinstance(v, tuple):
+                found.extend(v)
+            elif hasattr(v, "__slots__") and not hasattr(v, "q"):  # a nested dataclass (MoE weights)
+                found.extend(_matrices(v))
+            elif (isinstance(v, torch.Tensor) and v.dim() >= 2) or hasattr(v, "q"):
+                found.append(v)
+    return found
 
 
 def embedding(token_ids: torch.Tensor, weights: ModelWeights) -> torch.Tensor:
@@ -90,12 +108,12 @@ class LlamaDecoder:
         sin = self.sin[meta.positions].to(dtype)
         sink_rope = None if meta.sink_positions is None else \
             (self.cos[meta.sink_positions].to(dtype), self.sin[meta.sink_positions].to(dtype))
-        state = self.backend.prepare(meta)
+        steps = layer_steps(self.cfg, meta, self.backend.prepare)  # (meta, state) per layer: windows may differ
         b, eps, layers = self.backend, self.cfg.rms_norm_eps, self.weights.layers
         h = b.rms_norm(x, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
             scales = None if kv_scales is None else kv_scales[i]
-            h = b.add_rms_norm_(x, self._attention(h, layer, cos, sin, kv_cache[i], scales, meta, state, sink_rope),
+            h = b.add_rms_norm_(x, self._attention(h, layer, cos, sin, kv_cache[i], scales, *steps[i], sink_rope),
                                 layer.post_norm, eps)
             following = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.final_norm
             h = b.add_rms_norm_(x, self._mlp(h, layer), following, eps)

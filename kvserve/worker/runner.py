@@ -24,7 +24,9 @@ from kvserve.kernels.backends import get_backend
 from kvserve.kernels.kv_quant import FORMAT_OF_DTYPE, KVFormat, kv_format
 from kvserve.kernels.paged_attention import build_metadata
 from kvserve.worker.config import ModelConfig, resolve_window
+from kvserve.worker.gemma import GemmaDecoder
 from kvserve.worker.kv_pool import allocate_pool, allocate_scales, size_pool
+from kvserve.worker.mla import MLADecoder
 from kvserve.worker.model import LlamaDecoder
 from kvserve.worker.sampler import non_finite_rows, sample
 from kvserve.worker.tier import KVTier, store_client
@@ -145,7 +147,10 @@ class ModelRunner:
         self.kv_cache = allocate_pool(self.model_cfg, self.pool_size, self.device)
         self.kv_scales = allocate_scales(self.model_cfg, self.pool_size, self.device)
         weights = self._make_weights(self.model_cfg, self.dtype, self.device)
-        self.model = LlamaDecoder(self.model_cfg, weights, backend)
+        decoder = GemmaDecoder if self.model_cfg.gemma is not None else LlamaDecoder
+        if self.model_cfg.mla is not None:  # DeepSeek-V2/V3: multi-head latent attention
+            decoder = MLADecoder
+        self.model = decoder(self.model_cfg, weights, backend)
         self.cuda = self._cuda_step() if self.device.type == "cuda" else None
         self._rng = torch.Generator(device=self.device).manual_seed(self.epoch & 0x7FFFFFFF)
 
@@ -154,7 +159,8 @@ class ModelRunner:
         from kvserve.worker.cuda_step import CudaStep
 
         return CudaStep(self.model, self.kv_cache, self.kv_scales, self.pool_size.page_size, self.window,
-                        self.cfg.cuda_graphs, self.cfg.cuda_graph_max_seqs,
+                        self.cfg.cuda_graphs and not self.model_cfg.layer_windows,  # mixed windows: eager
+                        self.cfg.cuda_graph_max_seqs,
                         self.model_cfg.max_position_embeddings)
 
     def _make_tier(self) -> KVTier:

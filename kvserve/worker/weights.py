@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from kvserve.worker.config import ModelConfig
+from kvserve.worker.mla_weights import mla_layers
 
 
 @dataclass(slots=True)
@@ -25,12 +26,14 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, intermediate]
     q_norm: torch.Tensor | None = None  # [head_dim]: each query head's RMSNorm weight, before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim]: each key head's
+    pre_mlp_norm: torch.Tensor | None = None  # [hidden]: Gemma 3's pre_feedforward_layernorm (the MLP's input)
+    post_mlp_norm: torch.Tensor | None = None  # [hidden]: Gemma 3's post_feedforward_layernorm (its output)
 
 
 @dataclass(slots=True)
 class ModelWeights:
     embed: torch.Tensor | None  # [vocab, hidden]; None once a tied embedding is read from the packed LM head
-    layers: list[LayerWeights]
+    layers: list[LayerWeights]  # MLA models (cfg.mla): kvserve/worker/mla_weights.py's MLALayerWeights
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden], the embedding itself when tied
 
@@ -66,7 +69,14 @@ def _layer(t: dict[str, torch.Tensor], i: int, cast) -> LayerWeights:
         down=cast(t[mlp + "down_proj.weight"]),
         q_norm=cast(t[attn + "q_norm.weight"]) if attn + "q_norm.weight" in t else None,
         k_norm=cast(t[attn + "k_norm.weight"]) if attn + "k_norm.weight" in t else None,
+        pre_mlp_norm=_optional(t, p + "pre_feedforward_layernorm.weight", cast),
+        post_mlp_norm=_optional(t, p + "post_feedforward_layernorm.weight", cast),
     )
+
+
+def _optional(t: dict[str, torch.Tensor], name: str, cast) -> torch.Tensor | None:
+    """cast(t[name]), or None for a checkpoint without that tensor (Gemma 3's extra norms)."""
+    return cast(t[name]) if name in t else None
 
 
 def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
@@ -80,7 +90,7 @@ def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: tor
     lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in t else cast(t["lm_head.weight"])
     return ModelWeights(
         embed=embed,
-        layers=[_layer(t, i, cast) for i in range(cfg.num_layers)],
+        layers=mla_layers(t, cfg, cast) if cfg.mla is not None else [_layer(t, i, cast) for i in range(cfg.num_layers)],
         final_norm=cast(t["model.norm.weight"]),
         lm_head=lm_head,
     )

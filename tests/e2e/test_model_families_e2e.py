@@ -1,6 +1,7 @@
 """The families beyond Llama through the whole stack: `kvserve up --model <tiny random model>` serves HF's own
 greedy tokens for a prompt longer than a step's token budget (so it is prefilled in chunks), and a second request
-hits the first one's prefix in the kvmanager and gets the same tokens."""
+hits the first one's prefix in the kvmanager and gets the same tokens: Qwen3 (q/k norms), Gemma 3 (sliding and full
+layers mixed, its norms and scales) and a DeepSeek-V3 (MLA's latent pages, MoE, yarn)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 from family_models import save_tiny_qwen3
 from gateway_stack import running_stack
+from gemma_models import WINDOW, save_gemma3
+from mla_models import save_tiny_mla
 from test_cli_process import cli_env
 from window_models import hf_model
 
@@ -17,7 +20,8 @@ from kvserve.services.client import Client
 NEW_TOKENS = 32
 PROMPT = ("The printing press spread across Europe within fifty years of its invention, and with it came cheaper "
           "books, new readers and arguments about what they should read. ") * 3
-BUILDERS = {"qwen3": save_tiny_qwen3}
+BUILDERS = {"qwen3": save_tiny_qwen3, "gemma3": save_gemma3,  # sliding and full layers mixed: every page kept
+            "deepseek_v3": lambda folder, tok: save_tiny_mla(folder, tok, "moe_yarn")}  # MLA, MoE, yarn
 
 
 @pytest.mark.slow
@@ -25,7 +29,7 @@ BUILDERS = {"qwen3": save_tiny_qwen3}
 def test_the_stack_serves_hfs_tokens_in_chunks_and_again_from_a_prefix_hit(tmp_path, model_dir, family):
     folder = BUILDERS[family](tmp_path / family, model_dir)
     prompt_ids = Tokenizer(folder).encode(PROMPT)
-    assert len(prompt_ids) > 64
+    assert len(prompt_ids) > 64 > 2 * WINDOW  # several of the Gemma's windows
     with torch.no_grad():
         out = hf_model(folder).generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
     expected = out[0, len(prompt_ids):].tolist()

@@ -4,16 +4,15 @@ paged loop that releases the pages a window leaves behind; and a slow, obviously
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from family_models import save_model
 
 from kvserve.common.pages import HOLE, num_pages_for
 
 WINDOW = 40  # the tiny Mistral's sliding window, in tokens
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def save_tiny(folder: Path, model_type: str, tokenizer_dir: Path, sliding_window: int | None = None,
@@ -30,11 +29,7 @@ def save_tiny(folder: Path, model_type: str, tokenizer_dir: Path, sliding_window
         model = MistralForCausalLM(MistralConfig(sliding_window=sliding_window, **common))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, folder / name)
-    return folder
+    return save_model(model, folder, tokenizer_dir)
 
 
 @dataclass

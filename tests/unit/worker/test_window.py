@@ -131,9 +131,7 @@ def test_the_window_a_config_declares(raw, window):
     assert ModelConfig.from_dict(raw).sliding_window == window
 
 
-@pytest.mark.parametrize("raw", [
-    config(model_type="qwen2", sliding_window=512, use_sliding_window=True, max_window_layers=2),
-    config(sliding_window=256, layer_types=["full_attention", "sliding_attention"] * 2),
+@pytest.mark.parametrize("raw", [  # mixed full and sliding layers are served: tests/unit/worker/test_gemma.py
     config(sliding_window=256, layer_types=["chunked_attention"] * 4),
 ])
 def test_a_window_layout_kvserve_would_serve_wrongly_is_refused(raw):

@@ -1,0 +1,119 @@
+"""DeepSeek-V2/V3 checkpoint tensors in the MLA decoder's layout (kvserve/worker/mla.py).
+
+The two projections that read the layer input, q_a_proj (or q_proj) and kv_a_proj_with_mqa, are fused into one
+matrix (one GEMM instead of two); kv_b_proj stays a plain tensor, since the absorbed attention reads it per head.
+A MoE layer's routed experts keep HF's per-expert matrices, gate and up fused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvserve.worker.config import ModelConfig
+from kvserve.worker.mla_config import MLAParams, MoEParams
+
+
+@dataclass(slots=True)
+class MoEWeights:
+    router: torch.Tensor  # [n_routed_experts, hidden] float32 (HF keeps it in fp32)
+    score_bias: torch.Tensor | None  # [n_routed_experts] float32: V3's e_score_correction_bias
+    experts: list[tuple[torch.Tensor, torch.Tensor]]  # per expert: gate_up [2 I, hidden], down [hidden, I]
+    shared: tuple[torch.Tensor, torch.Tensor] | None  # shared experts' gate_up, down (None: none)
+
+
+@dataclass(slots=True)
+class MLALayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    a_proj: torch.Tensor  # [(q_lora_rank or H * qk_head_dim) + kv_lora_rank + qk_rope_head_dim, hidden]
+    q_a_norm: torch.Tensor | None  # [q_lora_rank]; None: a_proj's first rows are q itself
+    q_b: torch.Tensor | None  # [H * qk_head_dim, q_lora_rank]
+    kv_a_norm: torch.Tensor  # [kv_lora_rank]
+    kv_b: torch.Tensor  # [H * (qk_nope_head_dim + v_head_dim), kv_lora_rank], never packed
+    o: torch.Tensor  # [hidden, H * v_head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor | None  # dense MLP [2 * intermediate, hidden]; None in a MoE layer
+    down: torch.Tensor | None  # [hidden, intermediate]
+    moe: MoEWeights | None = None
+
+
+def mla_layers(t: dict[str, torch.Tensor], cfg: ModelConfig, cast) -> list[MLALayerWeights]:
+    """Every layer's weights from HF-named tensors (``model.layers.{i}.self_attn.kv_b_proj.weight``, ...)."""
+    return [_layer(t, f"model.layers.{i}.", cfg.mla, i, cast) for i in range(cfg.num_layers)]
+
+
+def _layer(t: dict[str, torch.Tensor], p: str, mla: MLAParams, i: int, cast) -> MLALayerWeights:
+    attn, mlp = p + "self_attn.", p + "mlp."
+    lora = mla.q_lora_rank is not None
+    q_first = t[attn + ("q_a_proj.weight" if lora else "q_proj.weight")]
+    moe = mla.moe is not None and mla.moe.is_moe_layer(i)
+    return MLALayerWeights(
+        input_norm=cast(t[p + "input_layernorm.weight"]),
+        a_proj=cast(torch.cat([q_first, t[attn + "kv_a_proj_with_mqa.weight"]])),
+        q_a_norm=cast(t[attn + "q_a_layernorm.weight"]) if lora else None,
+        q_b=cast(t[attn + "q_b_proj.weight"]) if lora else None,
+        kv_a_norm=cast(t[attn + "kv_a_layernorm.weight"]),
+        kv_b=cast(t[attn + "kv_b_proj.weight"]),
+        o=cast(t[attn + "o_proj.weight"]),
+        post_norm=cast(t[p + "post_attention_layernorm.weight"]),
+        gate_up=None if moe else cast(_gate_up(t, mlp)),
+        down=None if moe else cast(t[mlp + "down_proj.weight"]),
+        moe=_moe(t, mlp, mla.moe, cast) if moe else None,
+    )
+
+
+def _gate_up(t: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    return torch.cat([t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"]])
+
+
+def _moe(t: dict[str, torch.Tensor], mlp: str, moe: MoEParams, cast) -> MoEWeights:
+    experts = [(cast(_gate_up(t, f"{mlp}experts.{e}.")), cast(t[f"{mlp}experts.{e}.down_proj.weight"]))
+               for e in range(moe.n_routed_experts)]
+    bias = t.get(mlp + "gate.e_score_correction_bias")
+    shared = (cast(_gate_up(t, mlp + "shared_experts.")), cast(t[mlp + "shared_experts.down_proj.weight"])) \
+        if moe.n_shared_experts else None
+    device = experts[0][1].device
+    return MoEWeights(router=t[mlp + "gate.weight"].to(device, torch.float32),
+                      score_bias=None if bias is None else bias.to(device, torch.float32),
+                      experts=experts, shared=shared)
+
+
+def pack_mla_layers(layers: list[MLALayerWeights], pack) -> list[MLALayerWeights]:
+    """The layers with every matrix that goes through the backend's ``linear`` in its packed layout (kv_b and the
+    router stay plain: they are read as tensors)."""
+
+    def opt(w):
+        return None if w is None else pack(w)
+
+    out = []
+    for layer in layers:
+        moe = layer.moe
+        if moe is not None:
+            moe = replace(moe, experts=[(pack(gu), pack(d)) for gu, d in moe.experts],
+                          shared=None if moe.shared is None else (pack(moe.shared[0]), pack(moe.shared[1])))
+        out.append(replace(layer, a_proj=pack(layer.a_proj), q_b=opt(layer.q_b), o=pack(layer.o),
+                           gate_up=opt(layer.gate_up), down=opt(layer.down), moe=moe))
+    return out
+
+
+def random_mla_layers(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, gen: torch.Generator,
+                      std: float = 0.02) -> list[MLALayerWeights]:
+    """Dense MLA layers of cfg's shapes with random weights (norms at 1): benchmarks without a checkpoint."""
+    m, h = cfg.mla, cfg.hidden_size
+
+    def mat(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float32) * std).to(device, dtype)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, device=device, dtype=dtype)
+
+    q_rows = m.q_lora_rank or cfg.num_heads * m.qk_head_dim
+    return [MLALayerWeights(
+        input_norm=ones(h), a_proj=mat(q_rows + m.latent_dim, h),
+        q_a_norm=None if m.q_lora_rank is None else ones(m.q_lora_rank),
+        q_b=None if m.q_lora_rank is None else mat(cfg.num_heads * m.qk_head_dim, m.q_lora_rank),
+        kv_a_norm=ones(m.kv_lora_rank), kv_b=mat(cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+        o=mat(h, cfg.num_heads * m.v_head_dim), post_norm=ones(h),
+        gate_up=mat(2 * cfg.intermediate_size, h), down=mat(h, cfg.intermediate_size),
+    ) for _ in range(cfg.num_layers)]
