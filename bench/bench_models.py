@@ -9,6 +9,8 @@ saved by transformers' own classes, is loaded by the worker:
   decode   batch-1 decode steps at 1k and 4k tokens of context on the cpu backend (the context prefilled in
            chunks first), median of the steps, as tok/s and against the same-size dense Llama measured in the
            same run, families alternated over rounds
+  modes    MLA's two attention modes (bench/models_mla.py): absorbed up-projections against decompressing the
+           latents every step, one layer's batch-1 decode at 1k and 4k context, DeepSeek-V2-Lite's shape
   mla      the latent cache's saving against the same model's per-head equivalent (K of qk_nope + qk_rope and V of
            v_head_dim per head per layer, what an MHA model of those heads caches): DeepSeek-V3's shapes through
            the calculator, and the test model through its real pool
@@ -191,6 +193,14 @@ def markdown(report: dict) -> str:
         for name, m in mla.items():
             lines.append(f"| {name} | {m['latent_bytes_per_token']:,.0f} | {m['per_head_bytes_per_token']:,} | "
                          f"{m['saving']:.1f}x |")
+    modes = report.get("mla_modes")
+    if modes:
+        lines += ["", "MLA attention, one layer, batch-1 decode, DeepSeek-V2-Lite's shape: absorbed up-projections "
+                  "against decompressing every cached latent each step (median ms).", "",
+                  "| context | absorbed ms | decompress ms | absorbed faster by |", "|---:|---:|---:|---:|"]
+        for c in modes["absorbed"]:
+            a, d = modes["absorbed"][c], modes["decompress"][c]
+            lines.append(f"| {c} | {a:.2f} | {d:.2f} | {d / a:.1f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -220,6 +230,11 @@ def main() -> None:
                          "vs_llama": statistics.median(times["llama"][c]) / statistics.median(ts) if "llama" in times
                          else None, "rounds_s": ts} for c, ts in by_ctx.items()}
         report["mla_saving"] = mla_saving(folders.get("deepseek_v3"))
+    if "deepseek_v3" in folders:
+        from models_mla import V2_LITE, time_modes
+
+        report["mla_modes"] = {mode: {str(c): ms for c, ms in by_ctx.items()} if mode != "shape" else by_ctx
+                               for mode, by_ctx in time_modes(**V2_LITE).items()}
     write_results(report, "models", markdown(report), args.out)
 
 

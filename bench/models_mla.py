@@ -1,16 +1,11 @@
 """MLA's two attention modes (kvserve/worker/mla.py) timed against each other: one layer's attention for a batch-1
-decode step over a paged latent pool, at each context length. It picks the decoder's DEFAULT_MODE.
+decode step over a paged latent pool, at each context length, at DeepSeek-V2-Lite's attention shape (16 heads,
+kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128). The figures decided the decoder's DEFAULT_MODE; make
+bench-models (bench/bench_models.py) runs this and reports them, results in bench/results/models-<date>.*.
 
-Measured on the dev box's CPU (2 cores shared with other jobs, load average ~3, so noisy; float32, one torch
-thread; DeepSeek-V2-Lite's attention shape: 16 heads, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128, pages of
-16), median per layer over two runs:
-
-    context   absorbed      decompress
-    1024      3.2-6.7 ms    61-91 ms
-    4096      9.8-15.6 ms   274-331 ms
-
-Absorbed wins by 15-30x: decompress up-projects every cached token's latent into 16 heads' keys and values each
-step (L x 512 x 4096 multiply-adds), absorbed only the one query and its output (16 x 128 x 512 twice).
+Decompress up-projects every cached token's latent into the heads' keys and values each step (context x 512 x
+4096 multiply-adds per layer), absorbed only the one query and its output (16 x 128 x 512 twice), so absorbed
+should win by more the longer the context.
 
     .venv/bin/python bench/models_mla.py            # prints the dict as JSON
 """

@@ -50,10 +50,16 @@ class ModelConfig:
     def from_dict(cls, raw: dict) -> ModelConfig:
         """Reads an HF config dict; raises UnsupportedModel for other architectures."""
         model_type = raw.get("model_type", "")
+        quantized = (raw.get("quantization_config") or {}).get("quant_method")
+        if quantized:  # fp8 blocks with weight_scale_inv (DeepSeek-V3), AWQ, GPTQ: read as plain floats, wrong
+            raise UnsupportedModel(f"quantised checkpoint weights ({quantized}) are not supported: give an "
+                                   "unquantised (bf16/fp16/fp32) folder")
         if model_type in MLA_MODEL_TYPES:
             return _mla_model(cls, raw)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModel(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+            served = ", ".join((*SUPPORTED_MODEL_TYPES, *MLA_MODEL_TYPES))
+            architectures = ", ".join(raw.get("architectures") or []) or "no architectures listed"
+            raise UnsupportedModel(f"model_type {model_type!r} ({architectures}) is not served; served: {served}")
         if model_type not in GEMMA_MODEL_TYPES and raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported; only silu")
         num_heads = int(raw["num_attention_heads"])
