@@ -60,6 +60,13 @@ BUILTIN_MODELS: tuple[ModelSpec, ...] = (
     # ~7.6e9 params.
     ModelSpec("Qwen2.5-7B", 28, 4, 128, max_context=131072, params=7.6e9,
               aliases=("qwen2.5-7b", "qwen-2.5-7b", "qwen2-5-7b")),
+    # Qwen/Qwen3-8B: num_hidden_layers 36, num_key_value_heads 8, head_dim 128 (hidden_size 4096 / 32 heads),
+    # max_position_embeddings 40960, use_sliding_window false; ~8.2e9 params.
+    ModelSpec("Qwen3-8B", 36, 8, 128, max_context=40960, params=8.2e9, aliases=("qwen3-8b", "qwen-3-8b")),
+    # google/gemma-3-27b-it's text_config: num_hidden_layers 62, num_key_value_heads 16, head_dim 128,
+    # max_position_embeddings 131072; five sliding layers (window 1024) to one full. No window here: the worker
+    # keeps every layer's pages for a mixed model (docs/features/models.md); ~27e9 params.
+    ModelSpec("Gemma-3-27B", 62, 16, 128, max_context=131072, params=27e9, aliases=("gemma-3-27b", "gemma3-27b")),
     # mistralai/Mistral-7B-v0.1: num_hidden_layers 32, num_key_value_heads 8, hidden_size 4096 /
     # num_attention_heads 32 = head_dim 128, sliding_window 4096, max_position_embeddings 32768; ~7.24e9 params.
     ModelSpec("Mistral-7B", 32, 8, 128, max_context=32768, sliding_window=4096, params=7.24e9,

@@ -33,7 +33,7 @@ from kvserve.worker.model import embedding
 from kvserve.worker.weights import ModelWeights
 
 MODES = ("absorbed", "decompress")
-DEFAULT_MODE = "absorbed"  # measured by bench/models_mla.py's time_modes (the report in that file's docstring)
+DEFAULT_MODE = "absorbed"  # it reads far less per step; make bench-models times both (bench/models_mla.py)
 LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps
 
 
