@@ -220,8 +220,8 @@ class Client(ClientBase):
             cache_key: placement affinity within the tenant: requests with the same key go to the same worker
                 while it has room; empty for none.
             timeout_s: the deadline of the whole stream in seconds; None uses the client's.
-            **sampling: max_tokens, temperature, top_p, top_k, seed, stop, logprobs, top_logprobs, ignore_eos
-                (see ``types.build_request``).
+            **sampling: max_tokens, temperature, top_p, top_k, seed, stop, logprobs, top_logprobs, ignore_eos,
+                chat_template_kwargs (see ``types.build_request``).
 
         Returns:
             The stream of deltas; the last one carries finish_reason and usage.

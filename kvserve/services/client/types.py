@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.v1 import gateway_pb2
 
@@ -119,7 +120,8 @@ def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str
                   top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Iterable[str] = (),
                   logprobs: bool = False, top_logprobs: int = 0, ignore_eos: bool = False,
                   cache_pins: Iterable[CachePin | tuple[int, int]] = (),
-                  cache_key: str = "") -> gateway_pb2.GenerateRequest:
+                  cache_key: str = "",
+                  chat_template_kwargs: Mapping[str, Any] | None = None) -> gateway_pb2.GenerateRequest:
     """Builds a GenerateRequest. Values are sent as given: the gateway validates ranges.
 
     Args:
@@ -140,6 +142,8 @@ def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str
             (num_tokens 0 = the whole prompt); at most 8. ``usage.pinned_tokens`` says what was pinned.
         cache_key: placement affinity within the tenant: requests with the same key go to the same worker
             while it has room (OpenAI's prompt_cache_key); empty for none.
+        chat_template_kwargs: extra variables for the model's chat template, with ``messages`` only (Qwen3's
+            ``{"enable_thinking": False}``); values are strings, numbers, booleans or None.
 
     Returns:
         The request message.
@@ -152,6 +156,8 @@ def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str
     """
     if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages and prompt_token_ids")
+    if chat_template_kwargs and messages is None:
+        raise ValueError("chat_template_kwargs go with messages (a chat template renders them)")
     request = gateway_pb2.GenerateRequest()
     sampling = request.sampling
     _set(sampling, temperature=temperature, top_k=top_k, top_logprobs=top_logprobs)
@@ -169,6 +175,11 @@ def build_request(prompt: str | None = None, messages: Sequence[Mapping[str, str
         request.prompt = prompt
     elif messages is not None:
         request.messages.CopyFrom(_chat_messages(messages))
+        if chat_template_kwargs:
+            try:
+                request.messages.chat_template_kwargs.update(chat_template_kwargs)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"chat_template_kwargs={chat_template_kwargs!r}: {e}") from None
     else:
         request.prompt_token_ids.CopyFrom(_prompt_token_ids(prompt_token_ids))
     return request

@@ -77,6 +77,10 @@ def _prompt_text(inp: GenerateInput, tokenizer: Tokenizer) -> str:
             raise InvalidRequest(f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}",
                                  param=f"messages.{i}.role")
         check_text(f"messages[{i}].content", content)
+    for name, value in inp.template_kwargs:
+        if not isinstance(value, str | int | float | bool | None):
+            raise InvalidRequest(f"chat_template_kwargs[{name!r}] must be a string, a number, a boolean or null, "
+                                 f"got {type(value).__name__}", param="chat_template_kwargs")
     try:
         return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in inp.messages],
                                              **dict(inp.template_kwargs))

@@ -22,34 +22,35 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from kvserve.v1 import common_pb2 as kvserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvserve/v1/gateway.proto\x12\nkvserve.v1\x1a\x17kvserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\"#\n\x0ePromptTokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xc5\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12\x36\n\x10prompt_token_ids\x18\x08 \x01(\x0b\x32\x1a.kvserve.v1.PromptTokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12(\n\ncache_pins\x18\t \x03(\x0b\x32\x14.kvserve.v1.CachePin\x12\x11\n\tcache_key\x18\n \x01(\tB\x07\n\x05input\"-\n\x08\x43\x61\x63hePin\x12\x12\n\nnum_tokens\x18\x01 \x01(\x05\x12\r\n\x05ttl_s\x18\x02 \x01(\x05\"g\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x15\n\rpinned_tokens\x18\x04 \x01(\x05\"e\n\x10GeneratedLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\"\xc6\x01\n\x10GenerateResponse\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.kvserve.v1.GeneratedLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.Usage*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\xa0\x01\n\x0eGatewayService\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvserve/v1/gateway.proto\x12\nkvserve.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17kvserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"p\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\x12\x35\n\x14\x63hat_template_kwargs\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"#\n\x0ePromptTokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xc5\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12\x36\n\x10prompt_token_ids\x18\x08 \x01(\x0b\x32\x1a.kvserve.v1.PromptTokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12(\n\ncache_pins\x18\t \x03(\x0b\x32\x14.kvserve.v1.CachePin\x12\x11\n\tcache_key\x18\n \x01(\tB\x07\n\x05input\"-\n\x08\x43\x61\x63hePin\x12\x12\n\nnum_tokens\x18\x01 \x01(\x05\x12\r\n\x05ttl_s\x18\x02 \x01(\x05\"g\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x15\n\rpinned_tokens\x18\x04 \x01(\x05\"e\n\x10GeneratedLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\"\xc6\x01\n\x10GenerateResponse\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.kvserve.v1.GeneratedLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.Usage*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\xa0\x01\n\x0eGatewayService\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=991
-  _globals['_FINISHREASON']._serialized_end=1109
-  _globals['_CHATMESSAGE']._serialized_start=65
-  _globals['_CHATMESSAGE']._serialized_end=109
-  _globals['_CHATMESSAGES']._serialized_start=111
-  _globals['_CHATMESSAGES']._serialized_end=168
-  _globals['_PROMPTTOKENIDS']._serialized_start=170
-  _globals['_PROMPTTOKENIDS']._serialized_end=205
-  _globals['_GENERATEREQUEST']._serialized_start=208
-  _globals['_GENERATEREQUEST']._serialized_end=533
-  _globals['_CACHEPIN']._serialized_start=535
-  _globals['_CACHEPIN']._serialized_end=580
-  _globals['_USAGE']._serialized_start=582
-  _globals['_USAGE']._serialized_end=685
-  _globals['_GENERATEDLOGPROB']._serialized_start=687
-  _globals['_GENERATEDLOGPROB']._serialized_end=788
-  _globals['_GENERATERESPONSE']._serialized_start=791
-  _globals['_GENERATERESPONSE']._serialized_end=989
-  _globals['_GATEWAYSERVICE']._serialized_start=1112
-  _globals['_GATEWAYSERVICE']._serialized_end=1272
+  _globals['_FINISHREASON']._serialized_start=1076
+  _globals['_FINISHREASON']._serialized_end=1194
+  _globals['_CHATMESSAGE']._serialized_start=95
+  _globals['_CHATMESSAGE']._serialized_end=139
+  _globals['_CHATMESSAGES']._serialized_start=141
+  _globals['_CHATMESSAGES']._serialized_end=253
+  _globals['_PROMPTTOKENIDS']._serialized_start=255
+  _globals['_PROMPTTOKENIDS']._serialized_end=290
+  _globals['_GENERATEREQUEST']._serialized_start=293
+  _globals['_GENERATEREQUEST']._serialized_end=618
+  _globals['_CACHEPIN']._serialized_start=620
+  _globals['_CACHEPIN']._serialized_end=665
+  _globals['_USAGE']._serialized_start=667
+  _globals['_USAGE']._serialized_end=770
+  _globals['_GENERATEDLOGPROB']._serialized_start=772
+  _globals['_GENERATEDLOGPROB']._serialized_end=873
+  _globals['_GENERATERESPONSE']._serialized_start=876
+  _globals['_GENERATERESPONSE']._serialized_end=1074
+  _globals['_GATEWAYSERVICE']._serialized_start=1197
+  _globals['_GATEWAYSERVICE']._serialized_end=1357
 # @@protoc_insertion_point(module_scope)

@@ -68,3 +68,33 @@ def test_chat_template_kwargs_reach_the_template_through_the_openai_request(fold
 def test_a_chat_template_kwarg_that_is_not_a_plain_value_names_the_field():
     with pytest.raises(ParamError, match="chat_template_kwargs"):
         parse(ChatCompletionRequest, {"messages": MESSAGES, "chat_template_kwargs": {"x": {"nested": 1}}})
+
+
+def test_the_sdk_carries_them_over_grpc_to_the_same_prompt(folder):
+    """The SDK's request -> the gateway servicer's GenerateInput -> validation: the same prompt as the HTTP path;
+    a Struct's integral number reaches the template as an int."""
+    from kvserve.services.client.types import build_request
+    from kvserve.services.gateway.rpc.servicer import input_from_proto
+
+    request = build_request(messages=MESSAGES, chat_template_kwargs={"enable_thinking": False, "n": 3})
+    inp = input_from_proto(request)
+    assert inp.template_kwargs == (("enable_thinking", False), ("n", 3))
+    over_grpc = validate_request(inp, "a", Tokenizer(folder), Limits(4096, 4096))
+    body = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False, "n": 3}}
+    over_http = validate_request(parse(ChatCompletionRequest, body).to_input(), "a", Tokenizer(folder),
+                                 Limits(4096, 4096))
+    assert over_grpc.prompt_token_ids == over_http.prompt_token_ids
+    assert input_from_proto(build_request(messages=MESSAGES)).template_kwargs == ()
+
+
+def test_a_list_or_object_value_over_grpc_is_refused_naming_the_variable(folder):
+    from kvserve.common.errors import InvalidRequest
+    from kvserve.services.client.types import build_request
+    from kvserve.services.gateway.rpc.servicer import input_from_proto
+
+    inp = input_from_proto(build_request(messages=MESSAGES, chat_template_kwargs={"tools": [1, 2]}))
+    with pytest.raises(InvalidRequest, match=r"chat_template_kwargs\['tools'\] must be a string") as e:
+        validate_request(inp, "a", Tokenizer(folder), Limits(4096, 4096))
+    assert e.value.param == "chat_template_kwargs"
+    with pytest.raises(ValueError, match="chat_template_kwargs go with messages"):
+        build_request(prompt="hi", chat_template_kwargs={"enable_thinking": False})

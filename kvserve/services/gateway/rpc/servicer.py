@@ -4,6 +4,7 @@ deltas -> protobuf; typed errors become statuses by the one table of kvserve/com
 from __future__ import annotations
 
 import grpc
+from google.protobuf import json_format
 
 from kvserve.common.convert.sampling import sampling_from_proto
 from kvserve.common.errors import DomainError
@@ -26,10 +27,21 @@ def input_from_proto(r: gateway_pb2.GenerateRequest) -> GenerateInput:
     which = r.WhichOneof("input")
     messages = tuple((m.role, m.content) for m in r.messages.messages) if which == "messages" else None
     token_ids = tuple(r.prompt_token_ids.token_ids) if which == "prompt_token_ids" else None
+    kwargs = template_kwargs(r.messages.chat_template_kwargs) if which == "messages" else ()
     return GenerateInput(prompt=r.prompt if which == "prompt" else None, messages=messages,
                          prompt_token_ids=token_ids, sampling=sampling_from_proto(r.sampling),
                          max_tokens=r.max_tokens, stop=tuple(r.stop), logprobs=r.logprobs, ignore_eos=r.ignore_eos,
-                         pins=tuple(PinPoint(p.num_tokens, p.ttl_s) for p in r.cache_pins), cache_key=r.cache_key)
+                         pins=tuple(PinPoint(p.num_tokens, p.ttl_s) for p in r.cache_pins), cache_key=r.cache_key,
+                         template_kwargs=kwargs)
+
+
+def template_kwargs(struct) -> tuple[tuple[str, object], ...]:
+    """A Struct's fields as GenerateInput's (name, value) pairs, sorted; a Struct's numbers are doubles, so an
+    integral one becomes an int (JSON's 1 is 1.0). Lists and objects pass through for validation to refuse."""
+    def plain(value):
+        return int(value) if isinstance(value, float) and value.is_integer() else value
+
+    return tuple(sorted((name, plain(value)) for name, value in json_format.MessageToDict(struct).items()))
 
 
 def _logprobs(delta: OutputDelta) -> list[gateway_pb2.GeneratedLogprob]:
