@@ -32,6 +32,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from kvserve.common.attention_window import AttentionWindow
+from kvserve.common.pages import num_pages_for
 from kvserve.common.wire.tier import PAGE_VALUE_HEADER_BYTES
 
 if TYPE_CHECKING:
@@ -158,6 +159,22 @@ class Capacity:
 
 
 @dataclass(frozen=True, slots=True)
+class PageGroups:
+    """A model of sliding and full layers mixed (Gemma 3), per sequence: what a page table per layer group would
+    hold (vLLM's hybrid KV cache manager: sliding layers release what their window left behind), against what
+    kvserve's worker holds, every layer's pages (docs/features/models.md)."""
+
+    full_layers: int
+    sliding_layers: int
+    window: int
+    full_tokens: int  # every token (whole pages when paged)
+    sliding_tokens: int  # the window's (its pages while a decode step runs, when paged)
+    bytes_per_sequence: int  # full layers x full tokens + sliding layers x sliding tokens
+    every_page_bytes: int  # every layer x full tokens: what the worker holds
+    saving: float  # every_page_bytes / bytes_per_sequence
+
+
+@dataclass(frozen=True, slots=True)
 class KvMemReport:
     model: ModelSpec
     kv_dtype: KvDtype
@@ -175,6 +192,7 @@ class KvMemReport:
     capacity: Capacity | None = None
     notes: tuple[str, ...] = ()
     store: StoreSizing | None = None
+    page_groups: PageGroups | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready: every figure in bytes, tokens or pages (ints)."""
@@ -197,6 +215,7 @@ class KvMemReport:
             "paging": asdict(self.paging) if self.paging else None,
             "capacity": asdict(self.capacity) if self.capacity else None,
             "store": asdict(self.store) if self.store else None,
+            "page_groups": asdict(self.page_groups) if self.page_groups else None,
             "notes": list(self.notes),
         }
 
@@ -317,7 +336,28 @@ def calculate(
         seq_len=seq_len, sliding_window=window, sinks=sinks,
         tokens_per_sequence=tokens, bytes_per_sequence=tokens * pt.bytes, total_tokens=batch * tokens,
         total_bytes=batch * tokens * pt.bytes, paging=paging, capacity=capacity, notes=tuple(notes), store=store,
+        page_groups=page_groups(model, pt, seq_len, page_size) if window is None else None,
     )
+
+
+def page_groups(model: ModelSpec, pt: PerToken, seq_len: int, page_size: int | None) -> PageGroups | None:
+    """For a model whose sliding and full layers mix: per sequence of ``seq_len`` tokens, a page table per layer
+    group against every layer's pages (None for other models). Paged: the full layers' whole pages, and the most
+    pages a sliding layer's window holds while a decode step runs (AttentionWindow.max_pages_held)."""
+    if not model.sliding_layers or model.attention != "gqa":
+        return None
+    window = AttentionWindow(model.layer_window)
+    if page_size is None:
+        full, sliding = seq_len, window.tokens_kept(seq_len)
+    else:
+        full = num_pages_for(seq_len, page_size) * page_size
+        sliding = window.max_pages_held(seq_len, page_size) * page_size
+    per_layer = pt.bytes // model.num_layers
+    num_full = model.num_layers - model.sliding_layers
+    grouped = per_layer * (num_full * full + model.sliding_layers * sliding)
+    every = per_layer * model.num_layers * full
+    return PageGroups(num_full, model.sliding_layers, model.layer_window, full, sliding, grouped, every,
+                      every / grouped)
 
 
 def store_sizing(bytes_per_token: int, page_size: int, store_bytes: int, tokens_per_sequence: int) -> StoreSizing:

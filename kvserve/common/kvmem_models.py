@@ -22,6 +22,10 @@ class ModelSpec:
     latent_dim: int | None = None  # mla: kv_lora_rank + qk_rope_head_dim
     max_context: int | None = None
     sliding_window: int | None = None
+    # A model of sliding and full layers mixed (Gemma 3): how many layers slide, and their window. Its
+    # sliding_window is None (the worker keeps every layer's pages); these size what page groups would hold.
+    sliding_layers: int = 0
+    layer_window: int | None = None
     params: float | None = None  # approximate parameter count, for the default weight bytes
     default_kv_dtype: str = "bf16"
     source: str = "built-in"
@@ -66,7 +70,8 @@ BUILTIN_MODELS: tuple[ModelSpec, ...] = (
     # google/gemma-3-27b-it's text_config: num_hidden_layers 62, num_key_value_heads 16, head_dim 128,
     # max_position_embeddings 131072; five sliding layers (window 1024) to one full. No window here: the worker
     # keeps every layer's pages for a mixed model (docs/features/models.md); ~27e9 params.
-    ModelSpec("Gemma-3-27B", 62, 16, 128, max_context=131072, params=27e9, aliases=("gemma-3-27b", "gemma3-27b")),
+    ModelSpec("Gemma-3-27B", 62, 16, 128, max_context=131072, sliding_layers=52, layer_window=1024, params=27e9,
+              aliases=("gemma-3-27b", "gemma3-27b")),
     # mistralai/Mistral-7B-v0.1: num_hidden_layers 32, num_key_value_heads 8, hidden_size 4096 /
     # num_attention_heads 32 = head_dim 128, sliding_window 4096, max_position_embeddings 32768; ~7.24e9 params.
     ModelSpec("Mistral-7B", 32, 8, 128, max_context=32768, sliding_window=4096, params=7.24e9,
@@ -132,31 +137,38 @@ def model_from_hf_config(raw: dict, name: str = "config.json", source: str = "co
     window = raw.get("sliding_window")
     if raw.get("use_sliding_window") is False or not isinstance(window, int) or window <= 0:
         window = None
-    if _mixes_layers(raw, model_type, layers):  # the worker keeps every layer's pages for a model of sliding and
-        window = None  # full layers (one page table), so every token of every layer counts
     torch_dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
     common = dict(name=name, num_layers=layers, max_context=raw.get("max_position_embeddings"),
-                  sliding_window=window, default_kv_dtype=_TORCH_DTYPES.get(torch_dtype, "bf16"), source=source)
+                  default_kv_dtype=_TORCH_DTYPES.get(torch_dtype, "bf16"), source=source)
+    mixed = _sliding_layers(raw, model_type, layers) if window else 0
+    if mixed:  # the worker keeps every layer's pages for a model of sliding and full layers (one page table), so
+        common.update(sliding_layers=mixed, layer_window=window)  # every token of every layer counts
+        window = None
     if model_type in ("deepseek_v2", "deepseek_v3") or raw.get("kv_lora_rank"):
         latent = _positive_int(raw, "kv_lora_rank", source) + _positive_int(raw, "qk_rope_head_dim", source)
-        return ModelSpec(latent_dim=latent, **common)
+        return ModelSpec(latent_dim=latent, sliding_window=window, **common)
     heads = _positive_int(raw, "num_attention_heads", source)
     kv_heads = raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or _positive_int(raw, "hidden_size", source) // heads
     for key, value in (("num_key_value_heads", kv_heads), ("head_dim", head_dim)):
         _positive_int({key: value}, key, source)
-    return ModelSpec(num_kv_heads=kv_heads, head_dim=head_dim, params=_dense_params(raw, model_type), **common)
+    return ModelSpec(num_kv_heads=kv_heads, head_dim=head_dim, params=_dense_params(raw, model_type),
+                     sliding_window=window, **common)
 
 
-def _mixes_layers(raw: dict, model_type: str, num_layers: int) -> bool:
-    """Whether sliding-window and full-attention layers mix: a layer_types list of both, Gemma 3 (every
-    sliding_window_pattern-th layer full), or Qwen2/3's max_window_layers inside the stack."""
+def _sliding_layers(raw: dict, model_type: str, num_layers: int) -> int:
+    """How many layers slide when sliding-window and full-attention layers mix (0 when they do not): a
+    layer_types list of both, Gemma 3 (every sliding_window_pattern-th layer full, 6 by default), or Qwen2/3's
+    max_window_layers inside the stack."""
     if raw.get("layer_types"):
-        return len(set(raw["layer_types"])) > 1
+        kinds = list(raw["layer_types"])
+        return kinds.count("sliding_attention") if len(set(kinds)) > 1 else 0
     if model_type.startswith("gemma3"):
-        return True
+        pattern = int(raw.get("sliding_window_pattern") or 6)
+        return num_layers - num_layers // pattern
     first = raw.get("max_window_layers")
-    return model_type in ("qwen2", "qwen3") and isinstance(first, int) and 0 < first < num_layers
+    return num_layers - first if model_type in ("qwen2", "qwen3") and isinstance(first, int) and \
+        0 < first < num_layers else 0
 
 
 def _dense_params(raw: dict, model_type: str) -> int | None:

@@ -179,6 +179,7 @@ def test_hf_config_json(tmp_path):
                                   "num_key_value_heads": 1, "head_dim": 256, "hidden_size": 640, "sliding_window": 512,
                                   "layer_types": ["sliding_attention"] * 5 + ["full_attention"]})
     assert gemma.sliding_window is None  # mixed layers: not one window for every layer
+    assert (gemma.sliding_layers, gemma.layer_window) == (5, 512)
     for mixed in ({"model_type": "gemma3_text", "sliding_window_pattern": 6},
                   {"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 3}):
         assert model_from_hf_config({**mixed, "num_hidden_layers": 6, "num_attention_heads": 4, "hidden_size": 64,
@@ -338,3 +339,24 @@ def test_the_kv_store_sizing_counts_the_values_a_worker_writes_byte_for_byte(kv_
     assert len(value) == r.store.value_bytes
     assert r.store.max_pages == 10_000_000 // len(value) and r.store.max_tokens == 16 * r.store.max_pages
     assert r.store.max_sequences == r.store.max_pages // 75  # 1,200 tokens: 75 full pages each
+
+
+def test_page_groups_size_what_a_mixed_model_would_hold_with_a_table_per_group():
+    """Gemma 3 27B in bf16 at 128k tokens, pages of 16: its 10 full layers keep every page (8,192 pages), its 52
+    sliding layers the window's pages while a decode step runs (ceil(1024 / 16) + 1 = 65 pages)."""
+    gemma = lookup_model("gemma-3-27b")
+    r = calculate(gemma, seq_len=131_072, page_size=16)
+    assert r.tokens_per_sequence == 131_072 and r.per_token.bytes == 62 * 8192  # every layer's pages: the worker's
+    g = r.page_groups
+    assert (g.full_layers, g.sliding_layers, g.window, g.full_tokens, g.sliding_tokens) == (10, 52, 1024, 131_072,
+                                                                                             65 * 16)
+    assert g.bytes_per_sequence == 8192 * (10 * 131_072 + 52 * 65 * 16) and g.every_page_bytes == r.bytes_per_sequence
+    assert 5.9 < g.saving < 6.0
+    unpaged = calculate(gemma, seq_len=131_072).page_groups
+    assert unpaged.sliding_tokens == 1024 and unpaged.full_tokens == 131_072
+    short = calculate(gemma, seq_len=512).page_groups  # inside the window: nothing to save
+    assert short.saving == 1.0
+    assert calculate(lookup_model("llama-3-8b"), seq_len=4096).page_groups is None
+    from kvserve.services.cli_kvmem import format_report
+
+    assert "page groups" in format_report(r) and "5.95x less" in format_report(r)
