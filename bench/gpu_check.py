@@ -11,7 +11,9 @@ Sections (each one's failure is recorded in the JSON, and the others still run):
 - model_decode: a random-weight Llama-3-8B-shaped model (weights drawn on the GPU) decoding at batch 1/8/32/64
   through kvserve's runner, eager and with CUDA graphs, against the weight-read floor (weight bytes / HBM);
 - hf_fidelity: a tiny random Llama against HF transformers on the GPU (float32 identical tokens, bf16
-  agreement), skipped with a note where transformers does not import.
+  agreement), skipped with a note where transformers does not import;
+- families: tiny random-weight Gemma 3 and DeepSeek-V3 (MLA) runners on the GPU against float32 runners on the
+  CPU over the same weights (greedy token agreement), as the GPU tests check the Llama shape.
 """
 
 from __future__ import annotations
@@ -32,7 +34,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_attention import H200_HBM_BYTES_PER_S, available_backends, backend_errors, decode_bandwidth  # noqa: E402
-from gpu_models import LLAMA3_8B, TINY_LLAMA, decode_step_ms, hf_fidelity, random_runner, weight_bytes  # noqa: E402
+from gpu_models import (  # noqa: E402
+    FAMILIES,
+    LLAMA3_8B,
+    TINY_LLAMA,
+    cpu_agreement,
+    decode_step_ms,
+    hf_fidelity,
+    random_runner,
+    weight_bytes,
+)
 
 FULL = dict(dtype=torch.bfloat16, contexts=(1024, 4096, 16384), batches=(32, 64), heads=(32, 8, 128),
             model=LLAMA3_8B, model_batches=(1, 8, 32, 64), model_context=1024, steps=20, repeats=20,
@@ -90,6 +101,22 @@ def model_decode(device, plan: dict, folder: Path, backend: str) -> dict:
             "context": plan["model_context"], "rows": rows}
 
 
+def families(device, plan: dict, folder: Path, prompts: list[list[int]], backend: str) -> dict:
+    """Each FAMILIES shape on the device in the plan's dtype against float32 on the CPU; a family's failure is
+    recorded under its name and in "error", and the others still run. MLA decodes eagerly: its attention reads
+    the step's lengths on the host (mla.seq_spans), which a CUDA graph cannot capture."""
+    out: dict = {}
+    for name, shape in FAMILIES.items():
+        try:
+            out[name] = cpu_agreement(folder / name, shape, device.type, prompts, plan["hf_tokens"],
+                                      dtype=str(plan["dtype"]).removeprefix("torch."),
+                                      cuda_graphs=name != "deepseek_v3", backend=backend)
+        except Exception as e:  # a finding: the other family still runs
+            out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=8)}
+    failed = [name for name, r in out.items() if "error" in r]
+    return {**out, "error": f"failed: {', '.join(failed)}"} if failed else out
+
+
 def run(args) -> dict:
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
@@ -107,6 +134,7 @@ def run(args) -> dict:
         section(results, "model_decode", lambda: model_decode(device, plan, Path(tmp) / "model", backend))
         section(results, "hf_fidelity",
                 lambda: hf_fidelity(Path(tmp) / "hf", device.type, plan["hf_tokens"], prompts, backend))
+        section(results, "families", lambda: families(device, plan, Path(tmp) / "families", prompts, backend))
     return results
 
 

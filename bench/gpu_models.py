@@ -25,11 +25,27 @@ TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096, rope_theta=10000.0)
 
 
+# Tiny shapes of the two other decoders, as plain config dicts (the GPU machine may lack transformers): Gemma 3
+# (sliding and full layers, 1 + w norms, tied embeddings) and DeepSeek-V3 (MLA with q_lora, every layer dense).
+TINY_GEMMA3 = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
+                   hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                   max_position_embeddings=4096, rope_theta=1e6, rope_local_base_freq=1e4, query_pre_attn_scalar=16,
+                   sliding_window=24, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+TINY_DEEPSEEK_V3 = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=64,
+                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                        q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        first_k_dense_replace=2, vocab_size=256, max_position_embeddings=4096, rope_theta=10000.0)
+FAMILIES = {"gemma3": TINY_GEMMA3, "deepseek_v3": TINY_DEEPSEEK_V3}
+LLAMA_FIELDS = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5,
+                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
 def write_config(folder: Path, shape: dict) -> Path:
-    """An HF Llama config.json of ``shape`` in ``folder``; returns the folder."""
+    """An HF config.json of ``shape`` in ``folder`` (Llama's fields unless the shape names its own, e.g. its
+    model_type); returns the folder."""
     folder.mkdir(parents=True, exist_ok=True)
-    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **shape)
+    config = {**LLAMA_FIELDS, **shape}
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -63,6 +79,22 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int, pages
         for b, s in enumerate(runner.step(StepBatch(tuple(items))).sampled):
             out[b].append(s.token_id)
     return out
+
+
+def cpu_agreement(folder: Path, shape: dict, device: str, prompts: list[list[int]], new_tokens: int,
+                  dtype: str = "auto", std: float = 0.1, cuda_graphs: bool = True, backend: str = "auto") -> dict:
+    """Greedy tokens of a random-weight runner of ``shape`` on ``device`` (``dtype``, auto: bf16 on CUDA; ``backend``)
+    against a float32 reference-backend runner on the CPU over the same weights (drawn on the CPU): the agreement
+    rate (tokens equal before each sequence's first difference, over all tokens) and both token lists."""
+    pages = -(-(max(map(len, prompts)) + new_tokens) // 16)
+    cpu = random_runner(folder / "reference", shape, "cpu", "float32", pages * len(prompts), backend="reference",
+                        std=std, draw_device="cpu")
+    dev = random_runner(folder / "device", shape, device, dtype, pages * len(prompts), std=std, draw_device="cpu",
+                        cuda_graphs=cuda_graphs, backend=backend)
+    ref, got = (greedy(r, prompts, new_tokens, pages_per_seq=pages) for r in (cpu, dev))
+    agree = sum(_prefix_agreement(a, b) for a, b in zip(got, ref, strict=True))
+    return {"agreement": agree / (len(prompts) * new_tokens), "dtype": str(dev.dtype).removeprefix("torch."),
+            "backend": dev.info.attention_backend, "tokens": got, "reference": ref}
 
 
 def decode_step_ms(runner: ModelRunner, batch: int, context: int, steps: int, warmup: int = 3) -> float:

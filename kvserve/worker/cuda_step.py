@@ -33,7 +33,7 @@ class CudaStep:
         self.stream = torch.cuda.Stream(self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights and pool, made before
         torch.cuda.set_stream(self.stream)  # on the compute thread: every later op of the worker runs on it
-        why_not = graphs_unavailable(graphs, model.backend.name, window)
+        why_not = graphs_unavailable(graphs, model.backend.name, window, model.cfg)
         self.graphs = None if why_not else DecodeGraphs(model, kv_cache, kv_scales, page_size, max_graph_seqs,
                                                         max_model_len, capture=True)
         log.info("cuda path: one stream, pinned staging; decode CUDA graphs %s",
@@ -56,12 +56,17 @@ class CudaStep:
         return hidden.index_select(0, last) if rows else None
 
 
-def graphs_unavailable(enabled: bool, backend: str, window: AttentionWindow) -> str | None:
-    """Why decode steps run without CUDA graphs, or None when they use them."""
+def graphs_unavailable(enabled: bool, backend: str, window: AttentionWindow, model_cfg=None) -> str | None:
+    """Why decode steps run without CUDA graphs, or None when they use them. ``model_cfg`` (a ModelConfig): the
+    families a graph cannot capture (MLA reads its sequences' spans on the host; mixed layers prepare per window)."""
     if not enabled:
         return "--no-cuda-graphs"
     if backend not in GRAPH_BACKENDS:
         return f"the {backend} backend runs eagerly; graphs need {', '.join(GRAPH_BACKENDS)}"
     if window.slides:
         return "sliding-window steps run eagerly"
+    if model_cfg is not None and model_cfg.mla is not None:
+        return "MLA attention reads each sequence's span on the host (no capture)"
+    if model_cfg is not None and model_cfg.layer_windows:
+        return "sliding and full layers mixed run eagerly"
     return None

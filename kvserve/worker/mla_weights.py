@@ -99,21 +99,40 @@ def pack_mla_layers(layers: list[MLALayerWeights], pack) -> list[MLALayerWeights
 
 def random_mla_layers(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, gen: torch.Generator,
                       std: float = 0.02) -> list[MLALayerWeights]:
-    """Dense MLA layers of cfg's shapes with random weights (norms at 1): benchmarks without a checkpoint."""
+    """MLA layers of cfg's shapes with random weights (normal, ``std``; norms at 1), in mla_layers' layout: a dense
+    MLP in the first ``first_k_dense_replace`` layers, routed experts (and shared ones) after, as cfg.mla.moe says.
+    Drawn on ``gen``'s device, then moved to ``device``: benchmarks and GPU checks without a checkpoint."""
     m, h = cfg.mla, cfg.hidden_size
 
-    def mat(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, dtype=torch.float32) * std).to(device, dtype)
+    def mat(*shape: int, out_dtype: torch.dtype = dtype) -> torch.Tensor:
+        x = torch.randn(*shape, generator=gen, device=gen.device, dtype=torch.float32) * std
+        return x.to(device, out_dtype)
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=device, dtype=dtype)
 
-    q_rows = m.q_lora_rank or cfg.num_heads * m.qk_head_dim
-    return [MLALayerWeights(
-        input_norm=ones(h), a_proj=mat(q_rows + m.latent_dim, h),
-        q_a_norm=None if m.q_lora_rank is None else ones(m.q_lora_rank),
-        q_b=None if m.q_lora_rank is None else mat(cfg.num_heads * m.qk_head_dim, m.q_lora_rank),
-        kv_a_norm=ones(m.kv_lora_rank), kv_b=mat(cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
-        o=mat(h, cfg.num_heads * m.v_head_dim), post_norm=ones(h),
-        gate_up=mat(2 * cfg.intermediate_size, h), down=mat(h, cfg.intermediate_size),
-    ) for _ in range(cfg.num_layers)]
+    def dense(inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return mat(2 * inter, h), mat(h, inter)
+
+    def moe(p: MoEParams) -> MoEWeights:
+        """HF's routed and shared experts; the router in float32, V3's correction bias at 0 as HF starts it."""
+        router = mat(p.n_routed_experts, h, out_dtype=torch.float32)
+        bias = torch.zeros(p.n_routed_experts, device=device) if p.topk_method == "noaux_tc" else None
+        experts = [dense(p.moe_intermediate_size) for _ in range(p.n_routed_experts)]
+        shared = dense(p.moe_intermediate_size * p.n_shared_experts) if p.n_shared_experts else None
+        return MoEWeights(router=router, score_bias=bias, experts=experts, shared=shared)
+
+    def layer(i: int) -> MLALayerWeights:
+        q_rows = m.q_lora_rank or cfg.num_heads * m.qk_head_dim
+        routed = m.moe is not None and m.moe.is_moe_layer(i)
+        a_proj = mat(q_rows + m.latent_dim, h)
+        q_b = None if m.q_lora_rank is None else mat(cfg.num_heads * m.qk_head_dim, m.q_lora_rank)
+        kv_b = mat(cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        o = mat(h, cfg.num_heads * m.v_head_dim)
+        gate_up, down = (None, None) if routed else dense(cfg.intermediate_size)
+        return MLALayerWeights(input_norm=ones(h), a_proj=a_proj, q_b=q_b, o=o, kv_b=kv_b, post_norm=ones(h),
+                               q_a_norm=None if m.q_lora_rank is None else ones(m.q_lora_rank),
+                               kv_a_norm=ones(m.kv_lora_rank), gate_up=gate_up, down=down,
+                               moe=moe(m.moe) if routed else None)
+
+    return [layer(i) for i in range(cfg.num_layers)]

@@ -159,8 +159,7 @@ class ModelRunner:
         from kvserve.worker.cuda_step import CudaStep
 
         return CudaStep(self.model, self.kv_cache, self.kv_scales, self.pool_size.page_size, self.window,
-                        self.cfg.cuda_graphs and not self.model_cfg.layer_windows,  # mixed windows: eager
-                        self.cfg.cuda_graph_max_seqs,
+                        self.cfg.cuda_graphs, self.cfg.cuda_graph_max_seqs,
                         self.model_cfg.max_position_embeddings)
 
     def _make_tier(self) -> KVTier:

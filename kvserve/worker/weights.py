@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kvserve.worker.config import ModelConfig
-from kvserve.worker.mla_weights import mla_layers
+from kvserve.worker.mla_weights import mla_layers, random_mla_layers
 
 
 @dataclass(slots=True)
@@ -109,30 +109,57 @@ def model_fingerprint(folder: Path) -> str:
     return h.hexdigest()
 
 
+class _Draws:
+    """Normal draws of one seeded generator on ``draw`` (float32, times ``std``), moved to ``device`` in ``dtype``:
+    one generator for the whole model, so a seed gives the same weights whatever builds them."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, seed: int, std: float, draw: torch.device):
+        self.device, self.dtype, self.std, self.draw = device, dtype, std, draw
+        self.gen = torch.Generator(device=draw).manual_seed(seed)
+
+    def mat(self, *shape: int) -> torch.Tensor:
+        x = torch.randn(*shape, generator=self.gen, device=self.draw, dtype=torch.float32) * self.std
+        return x.to(self.device, self.dtype)
+
+    def ones(self, size: int) -> torch.Tensor:
+        return torch.ones(size, device=self.device, dtype=self.dtype)
+
+
+def _llama_layer(cfg: ModelConfig, d: _Draws) -> LayerWeights:
+    """A Llama-family layer: fused QKV (with Qwen2's bias), fused gate/up, norms at 1 (Qwen3's q/k norms too)."""
+    h, qkv_rows = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return LayerWeights(input_norm=d.ones(h), qkv=d.mat(qkv_rows, h), qkv_bias=d.mat(qkv_rows) if cfg.attention_bias
+                        else None, o=d.mat(h, cfg.num_heads * cfg.head_dim), post_norm=d.ones(h),
+                        gate_up=d.mat(2 * cfg.intermediate_size, h), down=d.mat(h, cfg.intermediate_size),
+                        q_norm=d.ones(cfg.head_dim) if cfg.qk_norm else None,
+                        k_norm=d.ones(cfg.head_dim) if cfg.qk_norm else None)
+
+
+def _gemma_layer(cfg: ModelConfig, d: _Draws) -> LayerWeights:
+    """A Gemma 3 layer: its six norms drawn near 0 (normal, ``std``), since GemmaDecoder scales by ``1 + w``
+    (norms at 1 would double every activation they touch); q/k norms head_dim wide; no bias."""
+    h, qkv_rows = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return LayerWeights(input_norm=d.mat(h), qkv=d.mat(qkv_rows, h), qkv_bias=None,
+                        o=d.mat(h, cfg.num_heads * cfg.head_dim), post_norm=d.mat(h),
+                        gate_up=d.mat(2 * cfg.intermediate_size, h), down=d.mat(h, cfg.intermediate_size),
+                        q_norm=d.mat(cfg.head_dim), k_norm=d.mat(cfg.head_dim), pre_mlp_norm=d.mat(h),
+                        post_mlp_norm=d.mat(h))
+
+
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
                    std: float = 0.02, draw_device: str | torch.device | None = None) -> ModelWeights:
-    """Weights of cfg's shapes drawn on ``device`` (normal, ``std``; norms at 1): a model to benchmark or test
-    without any download, e.g. an 8B-shaped one created on the GPU in seconds. CPU and CUDA generators draw
-    different numbers from one seed: ``draw_device="cpu"`` gives every device the same weights."""
-    draw = torch.device(draw_device or device)
-    gen = torch.Generator(device=draw).manual_seed(seed)
-
-    def mat(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=draw, dtype=torch.float32) * std).to(device, dtype)
-
-    def ones(size: int = cfg.hidden_size) -> torch.Tensor:
-        return torch.ones(size, device=device, dtype=dtype)
-
-    def head_norm() -> torch.Tensor | None:
-        return ones(cfg.head_dim) if cfg.qk_norm else None
-
-    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    layers = [LayerWeights(input_norm=ones(), qkv=mat(qkv_rows, cfg.hidden_size),
-                           qkv_bias=mat(qkv_rows) if cfg.attention_bias else None,
-                           o=mat(cfg.hidden_size, cfg.num_heads * cfg.head_dim), post_norm=ones(),
-                           gate_up=mat(2 * cfg.intermediate_size, cfg.hidden_size),
-                           down=mat(cfg.hidden_size, cfg.intermediate_size), q_norm=head_norm(),
-                           k_norm=head_norm()) for _ in range(cfg.num_layers)]
-    embed = mat(cfg.vocab_size, cfg.hidden_size)
-    lm_head = embed if cfg.tie_word_embeddings else mat(cfg.vocab_size, cfg.hidden_size)
-    return ModelWeights(embed=embed, layers=layers, final_norm=ones(), lm_head=lm_head)
+    """Weights of cfg's shapes drawn on ``device`` (normal, ``std``; norms at 1, Gemma 3's near 0 as it scales by
+    1 + w): a model to benchmark or test without any download, e.g. an 8B-shaped one created on the GPU in
+    seconds. Llama-family, Gemma 3 (cfg.gemma) and MLA (cfg.mla, DeepSeek-V2/V3, MoE layers included) shapes, in
+    load_weights' layout. CPU and CUDA generators draw different numbers from one seed: ``draw_device="cpu"``
+    gives every device the same weights."""
+    d = _Draws(device, dtype, seed, std, torch.device(draw_device or device))
+    if cfg.mla is not None:
+        layers = random_mla_layers(cfg, dtype, device, d.gen, std)
+    else:
+        layer = _gemma_layer if cfg.gemma is not None else _llama_layer
+        layers = [layer(cfg, d) for _ in range(cfg.num_layers)]
+    embed = d.mat(cfg.vocab_size, cfg.hidden_size)
+    lm_head = embed if cfg.tie_word_embeddings else d.mat(cfg.vocab_size, cfg.hidden_size)
+    final_norm = d.mat(cfg.hidden_size) if cfg.gemma is not None else d.ones(cfg.hidden_size)
+    return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)

@@ -111,3 +111,22 @@ def test_a_bf16_cuda_runner_agrees_with_the_fp32_cpu_runner(tmp_path):
     for a, b in zip(got, ref, strict=True):
         agree += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
     assert agree >= 0.8 * 16 * len(PROMPTS), (got, ref)
+
+
+# --- the Gemma 3 and DeepSeek-V3 (MLA) decoders on CUDA, random weights of tiny shapes (bench/gpu_models.py) ---
+
+from gpu_models import FAMILIES, cpu_agreement  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype,floor", [("float32", 0.95), ("bfloat16", 0.8)])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gemma3_and_mla_cuda_runners_agree_with_the_fp32_cpu_runner(tmp_path, family, dtype, floor):
+    """A tiny Gemma 3 (sliding and full layers) and a tiny DeepSeek-V3 (MLA, dense) on CUDA against float32 on the
+    CPU over the same weights: greedy tokens equal on at least ``floor`` of positions before each sequence's first
+    difference (a wrong norm, rope or latent on the GPU path leaves far fewer; uncalibrated: a first GPU run sets
+    the figures). MLA decodes eagerly: mla.seq_spans reads the step's lengths on the host, which a CUDA graph
+    cannot capture."""
+    result = cpu_agreement(tmp_path, FAMILIES[family], "cuda", PROMPTS, 16, dtype=dtype,
+                           cuda_graphs=family != "deepseek_v3")
+    assert result["dtype"] == dtype
+    assert result["agreement"] >= floor, result

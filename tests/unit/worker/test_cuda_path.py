@@ -163,3 +163,23 @@ def test_worker_cuda_graph_flags_and_their_env_defaults(monkeypatch):
     assert build_parser().parse_args(["worker", "--cuda-graphs"]).cuda_graphs is True
     with pytest.raises(SystemExit):
         build_parser().parse_args(["worker", "--cuda-graph-max-seqs", "0"])
+
+
+def test_mla_and_mixed_layer_models_decode_without_graphs_and_say_why():
+    """A graph cannot capture MLA's attention (it reads each sequence's span on the host) nor a step that prepares
+    one state per window; the others still capture."""
+    from kvserve.common.attention_window import FULL_ATTENTION
+    from kvserve.worker.cuda_step import graphs_unavailable
+
+    llama = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                                   "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4})
+    mla = ModelConfig.from_dict({"model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 32,
+                                 "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                 "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                                 "q_lora_rank": None, "first_k_dense_replace": 2, "n_routed_experts": 0})
+    mixed = ModelConfig.from_dict({"model_type": "mistral", "vocab_size": 64, "hidden_size": 32,
+                                   "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                   "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]})
+    assert graphs_unavailable(True, "triton", FULL_ATTENTION, llama) is None
+    assert "MLA" in graphs_unavailable(True, "triton", FULL_ATTENTION, mla)
+    assert "mixed" in graphs_unavailable(True, "triton", FULL_ATTENTION, mixed)
