@@ -16,14 +16,19 @@ PAGE = 4
 CONFIG = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
           "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+# A DeepSeek-V3 with MLA (dense MLPs): its pages hold one latent plane, and move through the tier the same way.
+MLA_CONFIG = {**CONFIG, "model_type": "deepseek_v3", "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+              "qk_nope_head_dim": 8, "v_head_dim": 8, "q_lora_rank": None, "first_k_dense_replace": 2,
+              "n_routed_experts": 0}
 
 
 @contextlib.contextmanager
-def tier_runners(tmp_path: Path):
-    """Yields ``make(**RunnerConfig overrides) -> ModelRunner``, each runner on the block's store unless given
-    another ``kv_store_url`` ("" for none); their tiers are flushed and closed, and the store stopped, after."""
+def tier_runners(tmp_path: Path, config: dict = CONFIG):
+    """Yields ``make(**RunnerConfig overrides) -> ModelRunner`` of ``config``'s model, each runner on the block's
+    store unless given another ``kv_store_url`` ("" for none); their tiers are flushed and closed, and the store
+    stopped, after."""
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
     server = EmbeddedRedis(tmp_path / "store")
     runners: list[ModelRunner] = []
 

@@ -1,4 +1,5 @@
-"""The shared KV tier through the model runner (a tiny random-weight Llama, a real embedded redis-server): a
+"""The shared KV tier through the model runner (a tiny random-weight Llama, and an MLA model whose pages hold one
+latent plane; a real embedded redis-server): a
 writes-only step sends a prompt's pages to the store; a second worker, its pool empty, fills them from the store
 and samples exactly what recomputing them gives; an item whose load fails is not computed (unloaded), the
 step's others are."""
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import xxhash
-from tier_runners import tier_runners
+from tier_runners import CONFIG, MLA_CONFIG, tier_runners
 
 from kvserve.common.wire.tier import StoreLoad, StoreWrite
 from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
@@ -24,12 +25,19 @@ def make_runner(tmp_path):
         yield make
 
 
+@pytest.fixture(params=["llama", "mla"])
+def make_any_runner(request, tmp_path):
+    with tier_runners(tmp_path, {"llama": CONFIG, "mla": MLA_CONFIG}[request.param]) as make:
+        yield make
+
+
 def last_token(table, loads=(), req_id="r") -> StepItem:
     """The prompt's last token, its first 12 positions cached (in the pool, or as store loads)."""
     return StepItem(req_id, PROMPT[12:], 12, table, sampling=TOP, store_loads=tuple(loads))
 
 
-def test_pages_a_worker_wrote_load_into_another_and_sample_what_recomputing_gives(make_runner):
+def test_pages_a_worker_wrote_load_into_another_and_sample_what_recomputing_gives(make_any_runner):
+    make_runner = make_any_runner
     a = make_runner()
     reports = []
     a.tier.set_report(reports.append)

@@ -47,6 +47,10 @@ PAGE, NUM_PULLED = 16, 20
 CONFIG = {"model_type": "llama", "vocab_size": 256, "hidden_size": 256, "intermediate_size": 256,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 1024,
           "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+# A DeepSeek-V3 with MLA (dense MLPs): a page holds one latent plane, and is pulled the same way.
+MLA_CONFIG = {**CONFIG, "model_type": "deepseek_v3", "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+              "qk_nope_head_dim": 32, "v_head_dim": 32, "q_lora_rank": None, "first_k_dense_replace": 2,
+              "n_routed_experts": 0}
 PROMPT = tuple((7 * i + 3) % 256 for i in range(NUM_PULLED * PAGE + 1))
 SRC_TABLE, DST_TABLE = tuple(range(20, 41)), tuple(range(21))
 NS = xxhash.xxh3_128_digest(b"tenant model")
@@ -72,15 +76,17 @@ class Worker:
 
 @pytest.fixture
 def make_worker(tmp_path):
-    """``make(kv_cache_dtype=..., tls=..., reader=..., transfers=..., tracer=..., role=..., metrics=...) -> Worker``,
-    stopped after."""
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(CONFIG))
+    """``make(kv_cache_dtype=..., tls=..., reader=..., transfers=..., tracer=..., role=..., metrics=...,
+    config=...) -> Worker``, stopped after."""
     made: list[tuple[Worker, grpc.Channel]] = []
 
     def make(kv_cache_dtype="auto", tls=None, reader=None, transfers=None, tracer=None, role="both",
-             metrics=None) -> Worker:
-        cfg = RunnerConfig(model_dir=tmp_path / "model", num_pages=48, page_size=PAGE, device="cpu", dtype="float32",
+             metrics=None, config=CONFIG) -> Worker:
+        model_dir = tmp_path / config["model_type"]
+        if not model_dir.exists():
+            model_dir.mkdir()
+            (model_dir / "config.json").write_text(json.dumps(config))
+        cfg = RunnerConfig(model_dir=model_dir, num_pages=48, page_size=PAGE, device="cpu", dtype="float32",
                            attention_backend="reference", kv_cache_dtype=kv_cache_dtype, role=role)
         runner = ModelRunner(cfg, make_weights=lambda m, dtype, device: random_weights(m, dtype, device, std=0.1))
         if transfers is None and tracer is None:
@@ -150,6 +156,19 @@ def test_a_pulled_prompt_decodes_on_the_receiver_as_on_the_source(make_worker, k
     assert (pulled("kvserve:worker_pulls_total", {"result": "ok"}), pulled("kvserve:worker_pull_seconds_count"),
             pulled("kvserve:worker_pulled_bytes_total")) == (1, 1, result.num_bytes)
     assert served("kvserve:worker_served_bytes_total") == result.num_bytes
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_mla_latent_pages_are_pulled_and_decode_as_on_the_source(make_worker, kv_cache_dtype):
+    source = make_worker(kv_cache_dtype, role="prefill", config=MLA_CONFIG)
+    receiver = make_worker(kv_cache_dtype, role="decode", config=MLA_CONFIG)
+    assert source.runner.kv_cache.shape[1] == 1  # one latent plane, not K and V
+    expected = prefill(source)
+    result = receiver.pull(order_for(source, receiver))
+    assert result.ok and result.num_pages == NUM_PULLED
+    assert result.num_bytes == NUM_PULLED * value_size(source.runner.kv_cache, source.runner.kv_scales)
+    assert pages_equal(source, receiver)
+    assert decode_on(receiver, recompute=False) == expected
 
 
 def test_a_pull_over_mutual_tls_uses_the_workers_own_certificate(make_worker, tmp_path):
