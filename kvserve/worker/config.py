@@ -11,6 +11,8 @@ from kvserve.common.kvmem import kv_bytes_per_token, mla_bytes_per_token
 from kvserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaParams, gemma_layer_kinds, gemma_overrides
 from kvserve.worker.mla_config import MLA_MODEL_TYPES, MLAParams, mla_params
 
+# Multimodal wrappers whose text model is served alone (text in, text out): their model_type -> the text model's.
+WRAPPED_TEXT_MODELS = {"gemma3": "gemma3_text"}
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "ministral", *GEMMA_MODEL_TYPES)
 
 
@@ -56,8 +58,10 @@ class ModelConfig:
                                    "unquantised (bf16/fp16/fp32) folder")
         if model_type in MLA_MODEL_TYPES:
             return _mla_model(cls, raw)
+        if model_type in WRAPPED_TEXT_MODELS and isinstance(raw.get("text_config"), dict):
+            return cls.from_dict(_text_model(raw))
         if model_type not in SUPPORTED_MODEL_TYPES:
-            served = ", ".join((*SUPPORTED_MODEL_TYPES, *MLA_MODEL_TYPES))
+            served = ", ".join((*SUPPORTED_MODEL_TYPES, *MLA_MODEL_TYPES, *WRAPPED_TEXT_MODELS))
             architectures = ", ".join(raw.get("architectures") or []) or "no architectures listed"
             raise UnsupportedModel(f"model_type {model_type!r} ({architectures}) is not served; served: {served}")
         if model_type not in GEMMA_MODEL_TYPES and raw.get("hidden_act", "silu") != "silu":
@@ -128,6 +132,16 @@ def _layer_windows(raw: dict, model_type: str) -> tuple[int, ...]:
     if len(kinds) != num_layers:
         raise UnsupportedModel(f"layer_types has {len(kinds)} entries for {num_layers} layers")
     return tuple(int(window) if kind == "sliding_attention" else 0 for kind in kinds)
+
+
+def _text_model(raw: dict) -> dict:
+    """A multimodal wrapper's text model as a config of its own (Gemma 3 4B-27B are Gemma3ForConditionalGeneration):
+    its text_config, tied as the wrapper says, with the wrapper's token ids where the text_config has none."""
+    text = dict(raw["text_config"], model_type=WRAPPED_TEXT_MODELS[raw["model_type"]])
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        if key in raw and (key == "tie_word_embeddings" or text.get(key) is None):
+            text[key] = raw[key]
+    return text
 
 
 def _with_gemma(cfg: ModelConfig, raw: dict) -> ModelConfig:

@@ -79,9 +79,28 @@ def _optional(t: dict[str, torch.Tensor], name: str, cast) -> torch.Tensor | Non
     return cast(t[name]) if name in t else None
 
 
+# Where a multimodal wrapper keeps its text model's tensors (checkpoints, and transformers 5's own names).
+TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                       "language_model.lm_head.": "lm_head."}
+
+
+def text_model_tensors(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A multimodal checkpoint's text-model tensors under a text model's names (``model.layers.0...``); the
+    vision tower and projector are left out. A text-only checkpoint is returned as it is."""
+    if "model.embed_tokens.weight" in t:
+        return t
+    out = {}
+    for name, tensor in t.items():
+        for prefix, to in TEXT_MODEL_PREFIXES.items():
+            if name.startswith(prefix):
+                out[to + name[len(prefix):]] = tensor
+    return out
+
+
 def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
-    """Reads every tensor of the folder, fuses projections, and moves them to ``device`` in ``dtype``."""
-    t = _read_tensors(folder)
+    """Reads every tensor of the folder (a multimodal one's text model), fuses projections, and moves them to
+    ``device`` in ``dtype``."""
+    t = text_model_tensors(_read_tensors(folder))
 
     def cast(x: torch.Tensor) -> torch.Tensor:
         return x.to(device=device, dtype=dtype).contiguous()

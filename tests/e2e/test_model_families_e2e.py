@@ -9,7 +9,7 @@ import pytest
 import torch
 from family_models import save_tiny_qwen3
 from gateway_stack import running_stack
-from gemma_models import WINDOW, save_gemma3
+from gemma_models import WINDOW, save_gemma3, save_gemma3_multimodal
 from mla_models import save_tiny_mla
 from test_cli_process import cli_env
 from window_models import hf_model
@@ -21,6 +21,7 @@ NEW_TOKENS = 32
 PROMPT = ("The printing press spread across Europe within fifty years of its invention, and with it came cheaper "
           "books, new readers and arguments about what they should read. ") * 3
 BUILDERS = {"qwen3": save_tiny_qwen3, "gemma3": save_gemma3,  # sliding and full layers mixed: every page kept
+            "gemma3_multimodal": save_gemma3_multimodal,  # Gemma 3 4B-27B's wrapper: its text model served
             "deepseek_v3": lambda folder, tok: save_tiny_mla(folder, tok, "moe_yarn")}  # MLA, MoE, yarn
 
 

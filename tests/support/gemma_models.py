@@ -49,6 +49,23 @@ def save_gemma3(folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -
     return save_model(model, folder, tokenizer_dir)
 
 
+def save_gemma3_multimodal(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A tiny Gemma3ForConditionalGeneration (what Gemma 3 4B to 27B are): gemma3_config's text model, random
+    norms as in save_gemma3, and a one-layer vision tower the worker leaves out."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = Gemma3Config(text_config=gemma3_config().to_dict(), vision_config=vision, mm_tokens_per_image=4)
+    model = Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "vision" not in name:
+                p.normal_(0.0, 0.3)
+    return save_model(model, folder, tokenizer_dir)
+
+
 def save_mixed(folder: Path, tokenizer_dir: Path, model_type: str, seed: int = 0, drop: tuple[str, ...] = (),
                **overrides) -> Path:
     """A 4-layer tiny model of ``model_type`` ("qwen2", "ministral", "mistral", "llama") with ``overrides`` in its

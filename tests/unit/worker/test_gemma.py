@@ -10,7 +10,16 @@ import shutil
 
 import pytest
 import torch
-from gemma_models import MIXED, WINDOW, hf_generate, hf_model, run_on_cached_prefix, save_gemma3, save_mixed
+from gemma_models import (
+    MIXED,
+    WINDOW,
+    hf_generate,
+    hf_model,
+    run_on_cached_prefix,
+    save_gemma3,
+    save_gemma3_multimodal,
+    save_mixed,
+)
 from window_models import run_windowed
 
 from kvserve.common.attention_window import FULL_ATTENTION
@@ -73,6 +82,20 @@ def test_gemma3_greedy_matches_hf_with_chunked_prefill(tiny, backend):
     # a mixed model's worker serves (and reports) full attention: the gateway releases none of its pages
     assert runner.window == FULL_ATTENTION and runner.info.sliding_window == 0
     assert_matches_hf(runner, hf_model(tiny["gemma3"]))
+
+
+def test_the_text_model_of_a_multimodal_gemma3_matches_hfs_conditional_generation(tmp_path, model_dir):
+    """Gemma 3 4B-27B are Gemma3ForConditionalGeneration folders (model_type gemma3, a text_config, the text
+    model's tensors under language_model.*, a vision tower): the worker serves their text model, and generates
+    what HF's multimodal class generates from text alone."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    folder = save_gemma3_multimodal(tmp_path / "gemma3-mm", model_dir)
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["model_type"] == "gemma3" and "text_config" in raw
+    runner = make_runner(folder)
+    assert isinstance(runner.model, GemmaDecoder) and runner.model_cfg.layer_windows == GEMMA_WINDOWS
+    assert_matches_hf(runner, hf_model(folder, Gemma3ForConditionalGeneration))
 
 
 def test_gemma3_prefix_hit_matches_hf(tiny):
