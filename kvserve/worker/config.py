@@ -10,10 +10,11 @@ from kvserve.common.attention_window import FLAG_NAMES, AttentionWindow
 from kvserve.common.kvmem import kv_bytes_per_token, mla_bytes_per_token
 from kvserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaParams, gemma_layer_kinds, gemma_overrides
 from kvserve.worker.mla_config import MLA_MODEL_TYPES, MLAParams, mla_params
+from kvserve.worker.moe import MoEParams
 
 # Multimodal wrappers whose text model is served alone (text in, text out): their model_type -> the text model's.
 WRAPPED_TEXT_MODELS = {"gemma3": "gemma3_text"}
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "ministral", *GEMMA_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "ministral", *GEMMA_MODEL_TYPES)
 
 
 class UnsupportedModel(ValueError):
@@ -47,6 +48,7 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()  # per layer when full and sliding layers mix (0 = full attention);
     # () = every layer attends with sliding_window. A mixed model keeps every page (its sliding_window is 0)
     gemma: GemmaParams | None = None  # Gemma 3's own constants (kvserve/worker/gemma.py runs it)
+    moe: MoEParams | None = None  # Qwen3-MoE's routed experts (kvserve/worker/moe.py); MLA's are mla.moe
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
@@ -89,7 +91,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             sliding_window=0 if mixed else windows[0],
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            moe=_qwen3_moe(raw) if model_type == "qwen3_moe" else None,
             layer_windows=windows if mixed else (),
         )
         return _with_gemma(cfg, raw) if model_type in GEMMA_MODEL_TYPES else cfg
@@ -117,7 +120,7 @@ def _layer_windows(raw: dict, model_type: str) -> tuple[int, ...]:
     if unknown:
         raise UnsupportedModel(f"layer_types {unknown} are not supported; only full_attention and sliding_attention")
     window = raw.get("sliding_window")
-    qwen = model_type in ("qwen2", "qwen3")
+    qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
     if model_type == "llama" or (qwen and not raw.get("use_sliding_window", False)) or not window:
         return (0,) * num_layers  # their HF models ignore the field
     if int(window) <= 0:
@@ -132,6 +135,21 @@ def _layer_windows(raw: dict, model_type: str) -> tuple[int, ...]:
     if len(kinds) != num_layers:
         raise UnsupportedModel(f"layer_types has {len(kinds)} entries for {num_layers} layers")
     return tuple(int(window) if kind == "sliding_attention" else 0 for kind in kinds)
+
+
+def _qwen3_moe(raw: dict) -> MoEParams | None:
+    """Qwen3-MoE's experts: every decoder_sparse_step-th layer but mlp_only_layers routes, softmax top-k
+    (renormalised with norm_topk_prob), no shared experts; None when no layer routes."""
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if not num_experts:
+        return None
+    return MoEParams(first_k_dense_replace=0, n_routed_experts=num_experts,
+                     num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                     moe_intermediate_size=int(raw["moe_intermediate_size"]), n_shared_experts=0, n_group=1,
+                     topk_group=1, norm_topk_prob=bool(raw.get("norm_topk_prob", False)), routed_scaling_factor=1.0,
+                     scoring_func="softmax", topk_method="greedy",
+                     dense_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+                     sparse_step=int(raw.get("decoder_sparse_step") or 1))
 
 
 def _text_model(raw: dict) -> dict:

@@ -27,9 +27,10 @@ from kvserve.kernels.kv_quant import FORMAT_OF_DTYPE, dequantise, quantise
 from kvserve.kernels.paged_attention import AttentionMetadata, PagedAttentionBackend
 from kvserve.kernels.rotary import apply_rotary, cos_sin_table, inverse_frequencies
 from kvserve.worker.config import ModelConfig
-from kvserve.worker.mla_config import MLAParams, MoEParams, yarn_mscale
-from kvserve.worker.mla_weights import MLALayerWeights, MoEWeights, pack_mla_layers
+from kvserve.worker.mla_config import MLAParams, yarn_mscale
+from kvserve.worker.mla_weights import MLALayerWeights, pack_mla_layers
 from kvserve.worker.model import embedding
+from kvserve.worker.moe import MoEWeights, run_moe
 from kvserve.worker.weights import ModelWeights
 
 MODES = ("absorbed", "decompress")
@@ -183,31 +184,6 @@ def attend_decompress(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_b: torch.Te
 ATTEND = {"absorbed": attend_absorbed, "decompress": attend_decompress}
 
 
-def route(x: torch.Tensor, w: MoEWeights, p: MoEParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's experts and their weights, [T, k] each, as HF's DeepseekV3TopkRouter (sigmoid scores, the
-    correction bias for choosing only, the best groups' experts) or DeepseekV2's (softmax, greedy or
-    group-limited) computes them, in float32."""
-    scores = F.linear(x.float(), w.router)
-    num_tokens, groups = scores.shape[0], p.n_group
-    if p.scoring_func == "sigmoid":
-        scores = scores.sigmoid()
-        choice = scores if w.score_bias is None else scores + w.score_bias
-        group_scores = choice.view(num_tokens, groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
-    else:
-        scores = choice = scores.softmax(dim=-1, dtype=torch.float32)
-        group_scores = scores.view(num_tokens, groups, -1).max(dim=-1).values
-    if p.topk_method != "greedy":
-        group_idx = torch.topk(group_scores, k=p.topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
-        keep = keep[:, :, None].expand(-1, -1, p.n_routed_experts // groups).reshape(num_tokens, -1)
-        choice = choice.masked_fill(~keep, float("-inf") if p.scoring_func == "sigmoid" else 0.0)
-    topk_idx = torch.topk(choice, k=p.num_experts_per_tok, dim=-1, sorted=False)[1]
-    topk_w = scores.gather(1, topk_idx)
-    if p.norm_topk_prob:
-        topk_w = topk_w / (topk_w.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_w * p.routed_scaling_factor, topk_idx
-
-
 class MLADecoder:
     """LlamaDecoder's interface (forward, logits, backend, weights) for an MLA model; stateless apart from its
     weights. ``mode`` picks the attention (MODES); both give HF's tokens."""
@@ -277,12 +253,4 @@ class MLADecoder:
         return self.linear(self.backend.silu_mul(self.linear(x, gate_up)), down)
 
     def _moe(self, x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
-        """The routed experts' weighted sum, expert by expert in id order (as HF adds them), plus the shared
-        experts."""
-        topk_w, topk_idx = route(x, w, self.mla.moe)
-        out = torch.zeros_like(x)
-        for e in torch.unique(topk_idx).tolist():
-            tokens, slot = torch.where(topk_idx == e)
-            y = self._dense(x[tokens], *w.experts[e]) * topk_w[tokens, slot, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out if w.shared is None else out + self._dense(x, *w.shared)
+        return run_moe(x, w, self.mla.moe, self._dense)

@@ -12,29 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvserve.worker.moe import MoEParams
+
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 ROPE_TYPES = ("default", "yarn")  # the rope_type values an MLA model may use here
-
-
-@dataclass(frozen=True, slots=True)
-class MoEParams:
-    """DeepSeek's routed experts (layers from ``first_k_dense_replace`` on): ``num_experts_per_tok`` of
-    ``n_routed_experts`` chosen per token (within ``topk_group`` of ``n_group`` groups), plus shared experts."""
-
-    first_k_dense_replace: int  # layers [0, k) have a dense MLP
-    n_routed_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    n_shared_experts: int
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    scoring_func: str  # "sigmoid" (V3: + e_score_correction_bias) or "softmax" (V2)
-    topk_method: str  # "noaux_tc" (V3), "greedy" or "group_limited_greedy" (V2)
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,15 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvserve.worker.config import ModelConfig
-from kvserve.worker.mla_config import MLAParams, MoEParams
-
-
-@dataclass(slots=True)
-class MoEWeights:
-    router: torch.Tensor  # [n_routed_experts, hidden] float32 (HF keeps it in fp32)
-    score_bias: torch.Tensor | None  # [n_routed_experts] float32: V3's e_score_correction_bias
-    experts: list[tuple[torch.Tensor, torch.Tensor]]  # per expert: gate_up [2 I, hidden], down [hidden, I]
-    shared: tuple[torch.Tensor, torch.Tensor] | None  # shared experts' gate_up, down (None: none)
+from kvserve.worker.mla_config import MLAParams
+from kvserve.worker.moe import MoEParams, MoEWeights, gate_up, load_moe, pack_moe
 
 
 @dataclass(slots=True)
@@ -57,26 +50,10 @@ def _layer(t: dict[str, torch.Tensor], p: str, mla: MLAParams, i: int, cast) -> 
         kv_b=cast(t[attn + "kv_b_proj.weight"]),
         o=cast(t[attn + "o_proj.weight"]),
         post_norm=cast(t[p + "post_attention_layernorm.weight"]),
-        gate_up=None if moe else cast(_gate_up(t, mlp)),
+        gate_up=None if moe else cast(gate_up(t, mlp)),
         down=None if moe else cast(t[mlp + "down_proj.weight"]),
-        moe=_moe(t, mlp, mla.moe, cast) if moe else None,
+        moe=load_moe(t, mlp, mla.moe, cast) if moe else None,
     )
-
-
-def _gate_up(t: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    return torch.cat([t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"]])
-
-
-def _moe(t: dict[str, torch.Tensor], mlp: str, moe: MoEParams, cast) -> MoEWeights:
-    experts = [(cast(_gate_up(t, f"{mlp}experts.{e}.")), cast(t[f"{mlp}experts.{e}.down_proj.weight"]))
-               for e in range(moe.n_routed_experts)]
-    bias = t.get(mlp + "gate.e_score_correction_bias")
-    shared = (cast(_gate_up(t, mlp + "shared_experts.")), cast(t[mlp + "shared_experts.down_proj.weight"])) \
-        if moe.n_shared_experts else None
-    device = experts[0][1].device
-    return MoEWeights(router=t[mlp + "gate.weight"].to(device, torch.float32),
-                      score_bias=None if bias is None else bias.to(device, torch.float32),
-                      experts=experts, shared=shared)
 
 
 def pack_mla_layers(layers: list[MLALayerWeights], pack) -> list[MLALayerWeights]:
@@ -88,10 +65,7 @@ def pack_mla_layers(layers: list[MLALayerWeights], pack) -> list[MLALayerWeights
 
     out = []
     for layer in layers:
-        moe = layer.moe
-        if moe is not None:
-            moe = replace(moe, experts=[(pack(gu), pack(d)) for gu, d in moe.experts],
-                          shared=None if moe.shared is None else (pack(moe.shared[0]), pack(moe.shared[1])))
+        moe = pack_moe(layer.moe, pack)
         out.append(replace(layer, a_proj=pack(layer.a_proj), q_b=opt(layer.q_b), o=pack(layer.o),
                            gate_up=opt(layer.gate_up), down=opt(layer.down), moe=moe))
     return out

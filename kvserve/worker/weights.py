@@ -13,6 +13,7 @@ import torch
 
 from kvserve.worker.config import ModelConfig
 from kvserve.worker.mla_weights import mla_layers, random_mla_layers
+from kvserve.worker.moe import MoEWeights, gate_up, load_moe
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [head_dim]: each key head's
     pre_mlp_norm: torch.Tensor | None = None  # [hidden]: Gemma 3's pre_feedforward_layernorm (the MLP's input)
     post_mlp_norm: torch.Tensor | None = None  # [hidden]: Gemma 3's post_feedforward_layernorm (its output)
+    moe: MoEWeights | None = None  # a routed layer's experts (Qwen3-MoE): gate_up and down are then None
 
 
 @dataclass(slots=True)
@@ -52,9 +54,10 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _layer(t: dict[str, torch.Tensor], i: int, cast) -> LayerWeights:
+def _layer(t: dict[str, torch.Tensor], i: int, cast, cfg: ModelConfig) -> LayerWeights:
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
+    routed = cfg.moe is not None and cfg.moe.is_moe_layer(i)
     qkv = torch.cat([t[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")])
     bias = None
     if attn + "q_proj.bias" in t:
@@ -65,8 +68,9 @@ def _layer(t: dict[str, torch.Tensor], i: int, cast) -> LayerWeights:
         qkv_bias=bias,
         o=cast(t[attn + "o_proj.weight"]),
         post_norm=cast(t[p + "post_attention_layernorm.weight"]),
-        gate_up=cast(torch.cat([t[mlp + "gate_proj.weight"], t[mlp + "up_proj.weight"]])),
-        down=cast(t[mlp + "down_proj.weight"]),
+        gate_up=None if routed else cast(gate_up(t, mlp)),
+        down=None if routed else cast(t[mlp + "down_proj.weight"]),
+        moe=load_moe(t, mlp, cfg.moe, cast) if routed else None,
         q_norm=cast(t[attn + "q_norm.weight"]) if attn + "q_norm.weight" in t else None,
         k_norm=cast(t[attn + "k_norm.weight"]) if attn + "k_norm.weight" in t else None,
         pre_mlp_norm=_optional(t, p + "pre_feedforward_layernorm.weight", cast),
@@ -109,7 +113,8 @@ def load_weights(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: tor
     lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in t else cast(t["lm_head.weight"])
     return ModelWeights(
         embed=embed,
-        layers=mla_layers(t, cfg, cast) if cfg.mla is not None else [_layer(t, i, cast) for i in range(cfg.num_layers)],
+        layers=mla_layers(t, cfg, cast) if cfg.mla is not None else
+        [_layer(t, i, cast, cfg) for i in range(cfg.num_layers)],
         final_norm=cast(t["model.norm.weight"]),
         lm_head=lm_head,
     )
@@ -144,17 +149,29 @@ class _Draws:
         return torch.ones(size, device=self.device, dtype=self.dtype)
 
 
-def _llama_layer(cfg: ModelConfig, d: _Draws) -> LayerWeights:
-    """A Llama-family layer: fused QKV (with Qwen2's bias), fused gate/up, norms at 1 (Qwen3's q/k norms too)."""
+def _llama_layer(cfg: ModelConfig, d: _Draws, i: int) -> LayerWeights:
+    """A Llama-family layer: fused QKV (with Qwen2's bias), fused gate/up or Qwen3-MoE's experts, norms at 1
+    (Qwen3's q/k norms too)."""
     h, qkv_rows = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    routed = cfg.moe is not None and cfg.moe.is_moe_layer(i)
     return LayerWeights(input_norm=d.ones(h), qkv=d.mat(qkv_rows, h), qkv_bias=d.mat(qkv_rows) if cfg.attention_bias
                         else None, o=d.mat(h, cfg.num_heads * cfg.head_dim), post_norm=d.ones(h),
-                        gate_up=d.mat(2 * cfg.intermediate_size, h), down=d.mat(h, cfg.intermediate_size),
+                        gate_up=None if routed else d.mat(2 * cfg.intermediate_size, h),
+                        down=None if routed else d.mat(h, cfg.intermediate_size),
+                        moe=_random_moe(cfg, d) if routed else None,
                         q_norm=d.ones(cfg.head_dim) if cfg.qk_norm else None,
                         k_norm=d.ones(cfg.head_dim) if cfg.qk_norm else None)
 
 
-def _gemma_layer(cfg: ModelConfig, d: _Draws) -> LayerWeights:
+def _random_moe(cfg: ModelConfig, d: _Draws) -> MoEWeights:
+    """Qwen3-MoE's experts: a float32 router, each expert's fused gate/up and down (no shared experts)."""
+    p, h = cfg.moe, cfg.hidden_size
+    experts = [(d.mat(2 * p.moe_intermediate_size, h), d.mat(h, p.moe_intermediate_size))
+               for _ in range(p.n_routed_experts)]
+    return MoEWeights(router=d.mat(p.n_routed_experts, h).float(), score_bias=None, experts=experts, shared=None)
+
+
+def _gemma_layer(cfg: ModelConfig, d: _Draws, i: int) -> LayerWeights:
     """A Gemma 3 layer: its six norms drawn near 0 (normal, ``std``), since GemmaDecoder scales by ``1 + w``
     (norms at 1 would double every activation they touch); q/k norms head_dim wide; no bias."""
     h, qkv_rows = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -177,7 +194,7 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, s
         layers = random_mla_layers(cfg, dtype, device, d.gen, std)
     else:
         layer = _gemma_layer if cfg.gemma is not None else _llama_layer
-        layers = [layer(cfg, d) for _ in range(cfg.num_layers)]
+        layers = [layer(cfg, d, i) for i in range(cfg.num_layers)]
     embed = d.mat(cfg.vocab_size, cfg.hidden_size)
     lm_head = embed if cfg.tie_word_embeddings else d.mat(cfg.vocab_size, cfg.hidden_size)
     final_norm = d.mat(cfg.hidden_size) if cfg.gemma is not None else d.ones(cfg.hidden_size)

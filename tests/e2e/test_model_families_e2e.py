@@ -1,13 +1,14 @@
 """The families beyond Llama through the whole stack: `kvserve up --model <tiny random model>` serves HF's own
 greedy tokens for a prompt longer than a step's token budget (so it is prefilled in chunks), and a second request
 hits the first one's prefix in the kvmanager and gets the same tokens: Qwen3 (q/k norms), Gemma 3 (sliding and full
-layers mixed, its norms and scales) and a DeepSeek-V3 (MLA's latent pages, MoE, yarn)."""
+layers mixed, its norms and scales; and the multimodal wrapper's text model), Qwen3-MoE and a DeepSeek-V3 (MLA's
+latent pages, MoE, yarn)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from family_models import save_tiny_qwen3
+from family_models import save_tiny_qwen3, save_tiny_qwen3_moe
 from gateway_stack import running_stack
 from gemma_models import WINDOW, save_gemma3, save_gemma3_multimodal
 from mla_models import save_tiny_mla
@@ -20,7 +21,8 @@ from kvserve.services.client import Client
 NEW_TOKENS = 32
 PROMPT = ("The printing press spread across Europe within fifty years of its invention, and with it came cheaper "
           "books, new readers and arguments about what they should read. ") * 3
-BUILDERS = {"qwen3": save_tiny_qwen3, "gemma3": save_gemma3,  # sliding and full layers mixed: every page kept
+BUILDERS = {"qwen3": save_tiny_qwen3, "qwen3_moe": save_tiny_qwen3_moe,  # q/k norms; routed experts
+            "gemma3": save_gemma3,  # sliding and full layers mixed: every page kept
             "gemma3_multimodal": save_gemma3_multimodal,  # Gemma 3 4B-27B's wrapper: its text model served
             "deepseek_v3": lambda folder, tok: save_tiny_mla(folder, tok, "moe_yarn")}  # MLA, MoE, yarn
 

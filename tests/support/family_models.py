@@ -36,3 +36,20 @@ def save_tiny_qwen3(folder: Path, tokenizer_dir: Path, seed: int = 0, **override
             layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
             layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     return save_model(model, folder, tokenizer_dir)
+
+
+def save_tiny_qwen3_moe(folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A 3-layer Qwen3-MoE (Qwen3-30B-A3B's family): layer 0 dense (mlp_only_layers), layers 1 and 2 routing 2 of
+    4 experts per token, renormalised (norm_topk_prob, as Qwen3-30B-A3B's config sets it)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 3, "head_dim": 32, "num_experts": 4,
+                            "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
+                            "mlp_only_layers": [0], "decoder_sparse_step": 1, **overrides})
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return save_model(model, folder, tokenizer_dir)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_models import save_tiny_qwen3
+from family_models import save_tiny_qwen3, save_tiny_qwen3_moe
 from window_models import hf_model, run_windowed
 
 from kvserve.kernels.paged_attention import build_metadata
@@ -64,6 +64,35 @@ def test_the_q_k_norms_decide_the_tokens(qwen3):
         for layer in hf.model.layers:
             layer.self_attn.q_norm.weight.fill_(1.0)
             layer.self_attn.k_norm.weight.fill_(1.0)
+    assert hf_generate(hf, p) != expected
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory, model_dir):
+    return save_tiny_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe") / "qwen3-moe", model_dir)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_qwen3_moe_greedy_tokens_equal_hfs(qwen3_moe, backend):
+    """Qwen3-MoE: Qwen3's attention, and in its routed layers a softmax top-2 of 4 experts, renormalised."""
+    runner = make_runner(qwen3_moe, backend)
+    cfg = runner.model_cfg
+    assert cfg.qk_norm and [cfg.moe.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    assert runner.model.weights.layers[0].moe is None and runner.model.weights.layers[1].gate_up is None
+    seqs = run_windowed(runner, prompts(70, 23, 41), NEW_TOKENS, budget=24)
+    hf = hf_model(qwen3_moe)
+    for s in seqs:
+        assert s.output == hf_generate(hf, s.prompt)
+
+
+def test_the_experts_routing_decides_qwen3_moes_tokens(qwen3_moe):
+    """Without renormalising the top-2 weights the same model generates other tokens: the test above would catch
+    a router computed otherwise."""
+    hf = hf_model(qwen3_moe)
+    p = prompts(70)[0]
+    expected = hf_generate(hf, p)
+    for layer in hf.model.layers[1:]:
+        layer.mlp.gate.norm_topk_prob = False
     assert hf_generate(hf, p) != expected
 
 
