@@ -59,6 +59,9 @@ def hf_model(family: str):
         return tf.LlamaForCausalLM(tf.LlamaConfig(**DIMS))
     if family == "qwen3":
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**DIMS, head_dim=64))
+    if family == "qwen3_moe":  # 8 experts of a quarter of the dense MLP, 2 per token (half the dense's active MLP)
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**DIMS, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                                                        moe_intermediate_size=384, norm_topk_prob=True))
     if family == "gemma3":  # Gemma 3's pattern: five sliding layers (window 512) to one full one
         n = DIMS["num_hidden_layers"]
         types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
@@ -72,7 +75,7 @@ def hf_model(family: str):
     raise ValueError(f"unknown family {family!r}")
 
 
-FAMILIES = ("llama", "qwen3", "gemma3", "deepseek_v3")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "deepseek_v3")
 
 
 def save_family(family: str, root: Path, tokenizer_dir: Path) -> Path:
