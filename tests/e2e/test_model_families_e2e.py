@@ -7,13 +7,11 @@ latent pages, MoE, yarn)."""
 from __future__ import annotations
 
 import pytest
-import torch
-from family_models import save_tiny_qwen3, save_tiny_qwen3_moe
+from family_models import hf_generate, hf_model, save_tiny_qwen3, save_tiny_qwen3_moe
 from gateway_stack import running_stack
 from gemma_models import WINDOW, save_gemma3, save_gemma3_multimodal
 from mla_models import save_tiny_mla
 from test_cli_process import cli_env
-from window_models import hf_model
 
 from kvserve.common.tokenizer import Tokenizer
 from kvserve.services.client import Client
@@ -33,9 +31,7 @@ def test_the_stack_serves_hfs_tokens_in_chunks_and_again_from_a_prefix_hit(tmp_p
     folder = BUILDERS[family](tmp_path / family, model_dir)
     prompt_ids = Tokenizer(folder).encode(PROMPT)
     assert len(prompt_ids) > 64 > 2 * WINDOW  # several of the Gemma's windows
-    with torch.no_grad():
-        out = hf_model(folder).generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    expected = out[0, len(prompt_ids):].tolist()
+    expected = hf_generate(hf_model(folder), prompt_ids, NEW_TOKENS)
 
     with running_stack(tmp_path, cli_env(), "--model", str(folder), "--num-pages", "32",
                        "--max-num-batched-tokens", "32") as stack:

@@ -5,10 +5,10 @@ prefix and gets the same tokens, and the kvmanager counts the pages the window r
 from __future__ import annotations
 
 import pytest
-import torch
+from family_models import hf_generate, hf_model
 from gateway_stack import running_stack
 from test_cli_process import cli_env
-from window_models import WINDOW, hf_model, save_tiny
+from window_models import WINDOW, save_tiny
 
 from kvserve.common.tokenizer import Tokenizer
 from kvserve.services.client import Client
@@ -23,9 +23,7 @@ def test_a_windowed_stack_serves_hfs_tokens_and_a_prefix_hit_the_same(tmp_path, 
     folder = save_tiny(tmp_path / "mistral", "mistral", model_dir, sliding_window=WINDOW)
     prompt_ids = Tokenizer(folder).encode(PROMPT)
     assert len(prompt_ids) > 2 * WINDOW
-    with torch.no_grad():
-        out = hf_model(folder).generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    expected = out[0, len(prompt_ids):].tolist()
+    expected = hf_generate(hf_model(folder), prompt_ids, NEW_TOKENS)
 
     with running_stack(tmp_path, cli_env(), "--model", str(folder), "--num-pages", "24",
                        "--max-num-batched-tokens", "32") as stack:

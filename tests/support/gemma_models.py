@@ -1,8 +1,7 @@
 """Tiny random-weight models that mix full-attention and sliding-window layers, saved as HF folders: Gemma 3 text,
 Qwen2 with ``max_window_layers``, Ministral/Mistral and Llama with a ``layer_types`` list. They share the default
 model's vocabulary (so its tokenizer serves them) and have weights large enough that attention decides the tokens
-(a window changes them). Also: greedy HF generation, and a paged loop that runs a second request on the first
-one's cached pages (a prefix hit).
+(a window changes them). HF's reference and the one-request loop are family_models'.
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ from pathlib import Path
 
 import torch
 from family_models import save_model
-
-from kvserve.common.pages import num_pages_for
 
 VOCAB = 49152  # the default model's
 WINDOW = 24  # tokens of the sliding layers' window: 1.5 pages of 16
@@ -80,47 +77,3 @@ def save_mixed(folder: Path, tokenizer_dir: Path, model_type: str, seed: int = 0
     raw = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k not in drop}, indent=2))
     return folder
-
-
-def hf_model(folder: Path, model_class=None, **overrides):
-    """The folder's HF model in float32 (``model_class``: other than AutoModelForCausalLM's choice)."""
-    from transformers import AutoModelForCausalLM
-
-    cls = model_class or AutoModelForCausalLM
-    model = cls.from_pretrained(folder, dtype=torch.float32, local_files_only=True, **overrides)
-    model.generation_config.eos_token_id = None  # the paged loops never stop early either
-    model.generation_config.pad_token_id = 0
-    return model.eval()
-
-
-def hf_generate(model, prompt: list[int], new_tokens: int, use_cache: bool = True) -> list[int]:
-    """HF's greedy tokens; ``use_cache=False`` runs the whole sequence through the model for every token."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, use_cache=use_cache)
-    return out[0, len(prompt):].tolist()
-
-
-def run_on_cached_prefix(runner, prompt: list[int], new_tokens: int, chunk: int,
-                         cached: tuple[list[int], int] = ([], 0), first_page: int = 0) -> tuple[list[int], list[int]]:
-    """Greedy generation of one request through runner.step, its prompt fed in chunks of ``chunk`` tokens after
-    its ``cached = (page_ids, num_cached_tokens)`` prefix (pages another request filled: a prefix hit), its own
-    pages numbered from ``first_page``. Every page is kept (a mixed model's worker reports full attention).
-    Returns (generated tokens, page table)."""
-    from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
-
-    page_size = runner.info.page_size
-    table, computed = list(cached[0]), cached[1]
-    tokens, out = list(prompt), []
-    while len(out) < new_tokens:
-        n = min(chunk, len(prompt) - computed) if computed < len(prompt) else 1
-        while len(table) < num_pages_for(computed + n, page_size):
-            table.append(first_page + len(table))
-        sample = computed + n >= len(prompt)
-        item = StepItem("r", tuple(tokens[computed:computed + n]), computed, tuple(table), sample=sample,
-                        sampling=SamplingParams(temperature=0.0))
-        sampled = runner.step(StepBatch((item,))).sampled
-        computed += n
-        if sample:
-            out.append(sampled[0].token_id)
-            tokens.append(out[-1])
-    return out, table

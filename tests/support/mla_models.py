@@ -1,6 +1,5 @@
 """Tiny random-weight DeepSeek-V3 (and one V2) models saved as HF folders, for the MLA tests
-(tests/unit/worker/test_mla.py), and a one-request greedy loop through ModelRunner.step that can start on another
-request's pages (a prefix hit)."""
+(tests/unit/worker/test_mla.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +7,6 @@ from pathlib import Path
 
 import torch
 from family_models import save_model
-
-from kvserve.common.pages import num_pages_for
 
 VARIANTS = {
     # q through q_a_proj / q_a_layernorm / q_b_proj, interleaved rope, every layer dense
@@ -46,43 +43,3 @@ def save_tiny_mla(folder: Path, tokenizer_dir: Path, variant: str = "dense", see
         with torch.no_grad():
             model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.1)
     return save_model(model, folder, tokenizer_dir)
-
-
-def hf_mla(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
-    model.generation_config.eos_token_id = None  # the loops here never stop early either
-    model.generation_config.pad_token_id = 0
-    return model.eval()
-
-
-def hf_generate(model, prompt: list[int], new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
-def generate_one(runner, req_id: str, prompt: list[int], new_tokens: int, chunk: int, free: list[int],
-                 page_table: list[int] | None = None, num_cached_tokens: int = 0) -> tuple[list[int], list[int]]:
-    """Greedy generation of one request through runner.step: its prompt from ``num_cached_tokens`` on in chunks of
-    ``chunk`` tokens, then one token a step. ``page_table`` starts with the pages that hold the cached tokens;
-    pages are taken from ``free`` as it grows. Returns the new tokens and the final page table."""
-    from kvserve.common.wire.worker import SamplingParams, StepBatch, StepItem
-
-    page_size, table, tokens, out = runner.info.page_size, list(page_table or []), list(prompt), []
-    computed = num_cached_tokens
-    while len(out) < new_tokens:
-        n = min(chunk, len(tokens) - computed) if computed < len(prompt) else 1
-        while len(table) < num_pages_for(computed + n, page_size):
-            table.append(free.pop(0))
-        item = StepItem(req_id, tuple(tokens[computed:computed + n]), computed, tuple(table),
-                        sample=computed + n >= len(prompt), sampling=SamplingParams(temperature=0.0))
-        step = runner.step(StepBatch((item,)))
-        assert not step.rejected, step.rejected
-        sampled = step.sampled
-        computed += n
-        if sampled:
-            out.append(sampled[0].token_id)
-            tokens.append(sampled[0].token_id)
-    return out, table

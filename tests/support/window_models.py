@@ -1,4 +1,5 @@
-"""Tiny random-weight models saved as HF folders, for the sliding-window and attention-sink tests; a minimal
+"""Tiny random-weight models saved as HF folders, for the sliding-window and attention-sink tests (HF's reference
+to them is family_models.hf_model); a minimal
 paged loop that releases the pages a window leaves behind; and a slow, obviously-correct StreamingLLM reference.
 """
 
@@ -149,12 +150,3 @@ def paged_logits(runner, tokens: list[int], chunks: list[int]) -> torch.Tensor:
         out.append(runner.call(run))
         at, i = at + n, i + 1
     return torch.cat(out)
-
-
-def hf_model(folder, **overrides):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True, **overrides)
-    model.generation_config.eos_token_id = None  # the loop here never stops early either
-    model.generation_config.pad_token_id = 0
-    return model.eval()

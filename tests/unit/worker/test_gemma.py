@@ -10,16 +10,8 @@ import shutil
 
 import pytest
 import torch
-from gemma_models import (
-    MIXED,
-    WINDOW,
-    hf_generate,
-    hf_model,
-    run_on_cached_prefix,
-    save_gemma3,
-    save_gemma3_multimodal,
-    save_mixed,
-)
+from family_models import generate_one, hf_generate, hf_model
+from gemma_models import MIXED, WINDOW, save_gemma3, save_gemma3_multimodal, save_mixed
 from window_models import run_windowed
 
 from kvserve.common.attention_window import FULL_ATTENTION
@@ -103,10 +95,12 @@ def test_gemma3_prefix_hit_matches_hf(tiny):
     by the first request, in every layer, sliding and full), and still generates HF's tokens."""
     runner, hf = make_runner(tiny["gemma3"]), hf_model(tiny["gemma3"])
     first = prompts()[0]  # 100 tokens: pages 0 .. 5 full (positions 0 .. 95)
-    out, table = run_on_cached_prefix(runner, first, NEW_TOKENS, chunk=40)
+    free = list(range(runner.info.num_pages))
+    out, table = generate_one(runner, "a", first, NEW_TOKENS, chunk=40, free=free)
     assert out == hf_generate(hf, first, NEW_TOKENS)
     second = first[:96] + prompts()[1][:20]
-    out2, table2 = run_on_cached_prefix(runner, second, NEW_TOKENS, chunk=7, cached=(table[:6], 96), first_page=100)
+    out2, table2 = generate_one(runner, "b", second, NEW_TOKENS, chunk=7, free=free, page_table=table[:6],
+                                num_cached_tokens=96)
     assert table2[:6] == table[:6] and set(table2[6:]).isdisjoint(table)  # the hit pages, then its own
     assert out2 == hf_generate(hf, second, NEW_TOKENS)
 

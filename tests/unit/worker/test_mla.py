@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mla_models import generate_one, hf_generate, hf_mla, save_tiny_mla
+from family_models import generate_one, hf_generate, hf_model
+from mla_models import save_tiny_mla
 from window_models import paged_logits, run_windowed
 
 from kvserve.common.kvmem import get_dtype, per_token
@@ -38,7 +39,7 @@ def hf_tokens(tiny):
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {v: [hf_generate(hf_mla(folder), p, NEW_TOKENS) for p in prompts()] for v, folder in tiny.items()}
+        return {v: [hf_generate(hf_model(folder), p, NEW_TOKENS) for p in prompts()] for v, folder in tiny.items()}
     finally:
         torch.set_num_threads(num_threads)
 
@@ -94,7 +95,7 @@ def test_prefix_hit_reuses_the_first_requests_full_pages(tiny, hf_tokens, mode):
                                 page_table=table[:shared], num_cached_tokens=shared * PAGE)
     assert table2[:shared] == table[:shared] and not set(table2[shared:]) & set(table)
     assert torch.equal(runner.kv_cache[:, :, table[:shared]], before)  # the shared pages were only read
-    assert out2 == hf_generate(hf_mla(tiny["dense"]), second, NEW_TOKENS)
+    assert out2 == hf_generate(hf_model(tiny["dense"]), second, NEW_TOKENS)
 
 
 @pytest.mark.parametrize(("kv_dtype", "kv_scales", "calc_dtype"), [

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_models import save_tiny_qwen3, save_tiny_qwen3_moe
-from window_models import hf_model, run_windowed
+from family_models import hf_generate, hf_model, save_tiny_qwen3, save_tiny_qwen3_moe
+from window_models import run_windowed
 
 from kvserve.kernels.paged_attention import build_metadata
 from kvserve.worker.config import ModelConfig
@@ -32,12 +32,6 @@ def prompts(*lengths: int) -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
 
 
-def hf_generate(model, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
 def test_the_config_reads_qwen3s_head_dim_and_q_k_norms(qwen3):
     cfg = ModelConfig.from_folder(qwen3)
     assert (cfg.model_type, cfg.qk_norm, cfg.head_dim, cfg.hidden_size // cfg.num_heads) == ("qwen3", True, 32, 16)
@@ -51,7 +45,7 @@ def test_greedy_tokens_equal_hfs_through_chunked_prefill(qwen3, backend):
     seqs = run_windowed(runner, prompts(70, 23, 41), NEW_TOKENS, budget=24)  # chunks of 24 across pages of 16
     hf = hf_model(qwen3)
     for s in seqs:
-        assert s.output == hf_generate(hf, s.prompt)
+        assert s.output == hf_generate(hf, s.prompt, NEW_TOKENS)
 
 
 def test_the_q_k_norms_decide_the_tokens(qwen3):
@@ -59,12 +53,12 @@ def test_the_q_k_norms_decide_the_tokens(qwen3):
     them."""
     hf = hf_model(qwen3)
     p = prompts(70)[0]
-    expected = hf_generate(hf, p)
+    expected = hf_generate(hf, p, NEW_TOKENS)
     with torch.no_grad():
         for layer in hf.model.layers:
             layer.self_attn.q_norm.weight.fill_(1.0)
             layer.self_attn.k_norm.weight.fill_(1.0)
-    assert hf_generate(hf, p) != expected
+    assert hf_generate(hf, p, NEW_TOKENS) != expected
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +76,7 @@ def test_qwen3_moe_greedy_tokens_equal_hfs(qwen3_moe, backend):
     seqs = run_windowed(runner, prompts(70, 23, 41), NEW_TOKENS, budget=24)
     hf = hf_model(qwen3_moe)
     for s in seqs:
-        assert s.output == hf_generate(hf, s.prompt)
+        assert s.output == hf_generate(hf, s.prompt, NEW_TOKENS)
 
 
 def test_the_experts_routing_decides_qwen3_moes_tokens(qwen3_moe):
@@ -90,10 +84,10 @@ def test_the_experts_routing_decides_qwen3_moes_tokens(qwen3_moe):
     a router computed otherwise."""
     hf = hf_model(qwen3_moe)
     p = prompts(70)[0]
-    expected = hf_generate(hf, p)
+    expected = hf_generate(hf, p, NEW_TOKENS)
     for layer in hf.model.layers[1:]:
         layer.mlp.gate.norm_topk_prob = False
-    assert hf_generate(hf, p) != expected
+    assert hf_generate(hf, p, NEW_TOKENS) != expected
 
 
 def test_a_prefix_hit_on_another_requests_pages_gives_the_same_logits(qwen3):

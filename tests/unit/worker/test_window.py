@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from window_models import WINDOW, hf_model, paged_logits, run_windowed, save_tiny, streaming_reference_logits
+from family_models import hf_generate, hf_model
+from window_models import WINDOW, paged_logits, run_windowed, save_tiny, streaming_reference_logits
 
 from kvserve.common.attention_window import AttentionWindow
 from kvserve.common.pages import num_pages_for
@@ -45,12 +46,6 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def hf_generate(model, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sliding_window_greedy_matches_hf_mistral_and_holds_a_window_of_pages(tiny, backend, monkeypatch):
     runner = make_runner(tiny["mistral"], backend)
@@ -59,7 +54,7 @@ def test_sliding_window_greedy_matches_hf_mistral_and_holds_a_window_of_pages(ti
     seqs = run_windowed(runner, prompts(), NEW_TOKENS, budget=48)
     hf = hf_model(tiny["mistral"])
     for s in seqs:
-        assert s.output == hf_generate(hf, s.prompt)
+        assert s.output == hf_generate(hf, s.prompt, NEW_TOKENS)
         assert s.most_decode_pages <= num_pages_for(WINDOW, PAGE) + 1  # ceil(W / page_size) + 1
         assert s.most_pages <= runner.window.max_pages_held(len(s.prompt) + NEW_TOKENS, PAGE, chunk=48)
         assert len(s.page_table) > num_pages_for(WINDOW, PAGE) + 1  # it did outgrow the window
@@ -71,7 +66,7 @@ def test_the_window_decides_the_tokens(tiny):
     would catch a worker that ignored the window)."""
     windowed, dense = hf_model(tiny["mistral"]), hf_model(tiny["mistral"], sliding_window=None)
     p = prompts()[0]
-    assert hf_generate(windowed, p) != hf_generate(dense, p)
+    assert hf_generate(windowed, p, NEW_TOKENS) != hf_generate(dense, p, NEW_TOKENS)
 
 
 SINKS, SINK_WINDOW = 4, 32
