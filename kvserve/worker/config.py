@@ -9,7 +9,7 @@ from pathlib import Path
 from kvserve.common.attention_window import FLAG_NAMES, AttentionWindow
 from kvserve.common.kvmem import kv_bytes_per_token, mla_bytes_per_token
 from kvserve.worker.gemma_config import GEMMA_MODEL_TYPES, GemmaParams, gemma_layer_kinds, gemma_overrides
-from kvserve.worker.mla_config import MLA_MODEL_TYPES, MLAParams, mla_params
+from kvserve.worker.mla_config import MLA_MODEL_TYPES, MLAParams, mla_moe_params, mla_params
 from kvserve.worker.moe import MoEParams
 
 # Multimodal wrappers whose text model is served alone (text in, text out): their model_type -> the text model's.
@@ -48,7 +48,7 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()  # per layer when full and sliding layers mix (0 = full attention);
     # () = every layer attends with sliding_window. A mixed model keeps every page (its sliding_window is 0)
     gemma: GemmaParams | None = None  # Gemma 3's own constants (kvserve/worker/gemma.py runs it)
-    moe: MoEParams | None = None  # Qwen3-MoE's routed experts (kvserve/worker/moe.py); MLA's are mla.moe
+    moe: MoEParams | None = None  # routed experts (Qwen3-MoE, DeepSeek; kvserve/worker/moe.py); None: every MLP dense
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
@@ -100,6 +100,10 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
         return cls.from_dict(json.loads((Path(folder) / "config.json").read_text()))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP routes over experts."""
+        return self.moe is not None and self.moe.is_moe_layer(layer)
 
     def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
         """Exact KV-cache bytes of one token: K and V, every layer, every KV head, elements and per-head scale
@@ -219,4 +223,5 @@ def _mla_model(cls, raw: dict) -> ModelConfig:
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         bos_token_id=raw.get("bos_token_id"),
         mla=mla,
+        moe=mla_moe_params(raw, UnsupportedModel),
     )

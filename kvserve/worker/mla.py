@@ -18,6 +18,7 @@ the backend's ``linear`` so packed weights work, the sampler's ops) is LlamaDeco
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +30,8 @@ from kvserve.kernels.rotary import apply_rotary, cos_sin_table, inverse_frequenc
 from kvserve.worker.config import ModelConfig
 from kvserve.worker.mla_config import MLAParams, yarn_mscale
 from kvserve.worker.mla_weights import MLALayerWeights, pack_mla_layers
-from kvserve.worker.model import embedding
-from kvserve.worker.moe import MoEWeights, run_moe
+from kvserve.worker.model import embedding, pack_lm_head
+from kvserve.worker.moe import feed_forward
 from kvserve.worker.weights import ModelWeights
 
 MODES = ("absorbed", "decompress")
@@ -72,8 +73,6 @@ def rope_tables(cfg: ModelConfig, positions: int) -> tuple[torch.Tensor, torch.T
 
 def yarn_frequencies(dim: int, theta: float, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:
     """YaRN inverse frequencies and attention factor, as transformers' _compute_yarn_parameters computes them."""
-    import math
-
     old = float(s["original_max_position_embeddings"])
     factor = float(s["factor"]) if s.get("factor") is not None else max_positions / old
     attention = s.get("attention_factor")
@@ -194,11 +193,8 @@ class MLADecoder:
             raise ValueError(f"unknown MLA attention mode {mode!r}; known: {', '.join(MODES)}")
         self.cfg, self.mla, self.mode = cfg, cfg.mla, mode
         weights.layers = pack_mla_layers(weights.layers, backend.pack_weight)
-        tied = weights.lm_head is weights.embed
-        weights.lm_head = backend.pack_weight(weights.lm_head)
-        if tied and weights.lm_head is not weights.embed:
-            weights.embed = None  # read from the packed LM head (model.embedding)
-        self.weights, self.backend, self.linear = weights, backend, backend.linear
+        self.weights = pack_lm_head(weights, backend.pack_weight)
+        self.backend, self.linear = backend, backend.linear
         cos, sin = rope_tables(cfg, cfg.max_position_embeddings)
         device = weights.final_norm.device
         self.cos, self.sin = cos.to(device), sin.to(device)
@@ -221,7 +217,7 @@ class MLADecoder:
             attn = self._attention(h, layer, cos, sin, kv_cache[i], scales, meta.slot_mapping, spans)
             h = b.add_rms_norm_(x, attn, layer.post_norm, eps)
             following = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.final_norm
-            h = b.add_rms_norm_(x, self._mlp(h, layer), following, eps)
+            h = b.add_rms_norm_(x, feed_forward(h, layer, self.cfg.moe, b), following, eps)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -243,14 +239,3 @@ class MLADecoder:
         q_rope = rotate(q[..., m.qk_nope_head_dim:], cos, sin, m)
         out = ATTEND[self.mode](q[..., :m.qk_nope_head_dim], q_rope, layer.kv_b, cache, scales, spans, m)
         return self.linear(out.reshape(num_tokens, -1), layer.o)
-
-    def _mlp(self, x: torch.Tensor, layer: MLALayerWeights) -> torch.Tensor:
-        if layer.moe is None:
-            return self._dense(x, layer.gate_up, layer.down)
-        return self._moe(x, layer.moe)
-
-    def _dense(self, x: torch.Tensor, gate_up, down) -> torch.Tensor:
-        return self.linear(self.backend.silu_mul(self.linear(x, gate_up)), down)
-
-    def _moe(self, x: torch.Tensor, w: MoEWeights) -> torch.Tensor:
-        return run_moe(x, w, self.mla.moe, self._dense)

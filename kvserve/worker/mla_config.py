@@ -1,5 +1,5 @@
 """The shapes of multi-head latent attention (MLA, DeepSeek-V2/V3) and of DeepSeek's routed mixture of experts, read
-from an HF ``config.json``. ModelConfig holds them as its one optional ``mla`` field; everything else about the
+from an HF ``config.json``. ModelConfig holds them as its ``mla`` and ``moe`` fields; everything else about the
 model (vocabulary, hidden size, norms, layer count) stays in ModelConfig's own fields.
 
 For the pool an MLA model is one "KV head" of width ``latent_dim`` with no separate V plane::
@@ -20,8 +20,7 @@ ROPE_TYPES = ("default", "yarn")  # the rope_type values an MLA model may use he
 
 @dataclass(frozen=True, slots=True)
 class MLAParams:
-    """MLA's projection ranks and head widths, its RoPE flavour and softmax scale, and the MoE (None: every layer
-    dense)."""
+    """MLA's projection ranks and head widths, its RoPE flavour and softmax scale."""
 
     q_lora_rank: int | None  # None: one q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
     kv_lora_rank: int
@@ -31,7 +30,6 @@ class MLAParams:
     rope_interleave: bool  # the rope part's pairs are (x0, x1), (x2, x3), ... (DeepSeek's checkpoints)
     interleave_output: bool  # V3's rotation writes the rotated evens then the odds; V2's keeps the pairs in place
     softmax_scale: float  # qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) ** 2
-    moe: MoEParams | None = None
 
     @property
     def latent_dim(self) -> int:
@@ -67,7 +65,6 @@ def mla_params(raw: dict, rope_scaling: dict | None, unsupported: type[ValueErro
         rope_interleave=bool(raw.get("rope_interleave", True)) if v3 else True,  # V2 always rotates pairs
         interleave_output=v3,
         softmax_scale=_softmax_scale(nope + rope, rope_scaling if kind != "default" else None),
-        moe=_moe_params(raw, unsupported),
     )
 
 
@@ -85,9 +82,9 @@ def _softmax_scale(qk_head_dim: int, yarn: dict | None) -> float:
     return scale
 
 
-def _moe_params(raw: dict, unsupported: type[ValueError]) -> MoEParams | None:
-    """The routed experts, or None when every layer is dense (first_k_dense_replace >= num_hidden_layers, or no
-    routed experts)."""
+def mla_moe_params(raw: dict, unsupported: type[ValueError]) -> MoEParams | None:
+    """DeepSeek's routed experts (ModelConfig.moe), or None when every layer is dense (first_k_dense_replace >=
+    num_hidden_layers, or no routed experts)."""
     v3 = raw["model_type"] == "deepseek_v3"
     num_layers = int(raw["num_hidden_layers"])
     first_dense = int(raw.get("first_k_dense_replace") or 0)

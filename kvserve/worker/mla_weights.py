@@ -12,8 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvserve.worker.config import ModelConfig
-from kvserve.worker.mla_config import MLAParams
-from kvserve.worker.moe import MoEParams, MoEWeights, gate_up, load_moe, pack_moe
+from kvserve.worker.moe import MoEWeights, gate_up, load_moe, pack_moe, random_moe
 
 
 @dataclass(slots=True)
@@ -33,14 +32,14 @@ class MLALayerWeights:
 
 def mla_layers(t: dict[str, torch.Tensor], cfg: ModelConfig, cast) -> list[MLALayerWeights]:
     """Every layer's weights from HF-named tensors (``model.layers.{i}.self_attn.kv_b_proj.weight``, ...)."""
-    return [_layer(t, f"model.layers.{i}.", cfg.mla, i, cast) for i in range(cfg.num_layers)]
+    return [_layer(t, f"model.layers.{i}.", cfg, i, cast) for i in range(cfg.num_layers)]
 
 
-def _layer(t: dict[str, torch.Tensor], p: str, mla: MLAParams, i: int, cast) -> MLALayerWeights:
+def _layer(t: dict[str, torch.Tensor], p: str, cfg: ModelConfig, i: int, cast) -> MLALayerWeights:
     attn, mlp = p + "self_attn.", p + "mlp."
-    lora = mla.q_lora_rank is not None
+    lora = cfg.mla.q_lora_rank is not None
     q_first = t[attn + ("q_a_proj.weight" if lora else "q_proj.weight")]
-    moe = mla.moe is not None and mla.moe.is_moe_layer(i)
+    moe = cfg.is_moe_layer(i)
     return MLALayerWeights(
         input_norm=cast(t[p + "input_layernorm.weight"]),
         a_proj=cast(torch.cat([q_first, t[attn + "kv_a_proj_with_mqa.weight"]])),
@@ -52,7 +51,7 @@ def _layer(t: dict[str, torch.Tensor], p: str, mla: MLAParams, i: int, cast) -> 
         post_norm=cast(t[p + "post_attention_layernorm.weight"]),
         gate_up=None if moe else cast(gate_up(t, mlp)),
         down=None if moe else cast(t[mlp + "down_proj.weight"]),
-        moe=load_moe(t, mlp, mla.moe, cast) if moe else None,
+        moe=load_moe(t, mlp, cfg.moe, cast) if moe else None,
     )
 
 
@@ -71,42 +70,23 @@ def pack_mla_layers(layers: list[MLALayerWeights], pack) -> list[MLALayerWeights
     return out
 
 
-def random_mla_layers(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, gen: torch.Generator,
-                      std: float = 0.02) -> list[MLALayerWeights]:
-    """MLA layers of cfg's shapes with random weights (normal, ``std``; norms at 1), in mla_layers' layout: a dense
-    MLP in the first ``first_k_dense_replace`` layers, routed experts (and shared ones) after, as cfg.mla.moe says.
-    Drawn on ``gen``'s device, then moved to ``device``: benchmarks and GPU checks without a checkpoint."""
+def random_mla_layers(cfg: ModelConfig, d) -> list[MLALayerWeights]:
+    """MLA layers of cfg's shapes drawn by ``d`` (random_draws.Draws; norms at 1), in mla_layers' layout: a dense MLP
+    in the first ``first_k_dense_replace`` layers, routed experts (and shared ones) after, as cfg.moe says, their
+    router in float32: benchmarks and GPU checks without a checkpoint."""
     m, h = cfg.mla, cfg.hidden_size
-
-    def mat(*shape: int, out_dtype: torch.dtype = dtype) -> torch.Tensor:
-        x = torch.randn(*shape, generator=gen, device=gen.device, dtype=torch.float32) * std
-        return x.to(device, out_dtype)
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, device=device, dtype=dtype)
-
-    def dense(inter: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return mat(2 * inter, h), mat(h, inter)
-
-    def moe(p: MoEParams) -> MoEWeights:
-        """HF's routed and shared experts; the router in float32, V3's correction bias at 0 as HF starts it."""
-        router = mat(p.n_routed_experts, h, out_dtype=torch.float32)
-        bias = torch.zeros(p.n_routed_experts, device=device) if p.topk_method == "noaux_tc" else None
-        experts = [dense(p.moe_intermediate_size) for _ in range(p.n_routed_experts)]
-        shared = dense(p.moe_intermediate_size * p.n_shared_experts) if p.n_shared_experts else None
-        return MoEWeights(router=router, score_bias=bias, experts=experts, shared=shared)
 
     def layer(i: int) -> MLALayerWeights:
         q_rows = m.q_lora_rank or cfg.num_heads * m.qk_head_dim
-        routed = m.moe is not None and m.moe.is_moe_layer(i)
-        a_proj = mat(q_rows + m.latent_dim, h)
-        q_b = None if m.q_lora_rank is None else mat(cfg.num_heads * m.qk_head_dim, m.q_lora_rank)
-        kv_b = mat(cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
-        o = mat(h, cfg.num_heads * m.v_head_dim)
-        gate_up, down = (None, None) if routed else dense(cfg.intermediate_size)
-        return MLALayerWeights(input_norm=ones(h), a_proj=a_proj, q_b=q_b, o=o, kv_b=kv_b, post_norm=ones(h),
-                               q_a_norm=None if m.q_lora_rank is None else ones(m.q_lora_rank),
-                               kv_a_norm=ones(m.kv_lora_rank), gate_up=gate_up, down=down,
-                               moe=moe(m.moe) if routed else None)
+        routed = cfg.is_moe_layer(i)
+        a_proj = d.mat(q_rows + m.latent_dim, h)
+        q_b = None if m.q_lora_rank is None else d.mat(cfg.num_heads * m.qk_head_dim, m.q_lora_rank)
+        kv_b = d.mat(cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        o = d.mat(h, cfg.num_heads * m.v_head_dim)
+        gate_up, down = (None, None) if routed else d.gated_mlp(h, cfg.intermediate_size)
+        return MLALayerWeights(input_norm=d.ones(h), a_proj=a_proj, q_b=q_b, o=o, kv_b=kv_b, post_norm=d.ones(h),
+                               q_a_norm=None if m.q_lora_rank is None else d.ones(m.q_lora_rank),
+                               kv_a_norm=d.ones(m.kv_lora_rank), gate_up=gate_up, down=down,
+                               moe=random_moe(cfg.moe, h, d, torch.float32) if routed else None)
 
     return [layer(i) for i in range(cfg.num_layers)]

@@ -16,17 +16,22 @@ from kvserve.kernels.paged_attention import AttentionMetadata, PagedAttentionBac
 from kvserve.kernels.rotary import cos_sin_table, inverse_frequencies
 from kvserve.worker.config import ModelConfig
 from kvserve.worker.layer_windows import layer_steps
-from kvserve.worker.moe import pack_moe, run_moe
+from kvserve.worker.moe import feed_forward, pack_moe
 from kvserve.worker.weights import LayerWeights, ModelWeights
 
 
 def pack_weights(weights: ModelWeights, pack) -> ModelWeights:
     """Puts the projection weights and the LM head, in place, in the layout the attention backend's ``linear``
-    reads, one matrix at a time (the unpacked copy of a layer is freed before the next is packed). A tied
-    embedding is then read from the packed LM head (``embed`` becomes None), so the matrix is still held once."""
+    reads, one matrix at a time (the unpacked copy of a layer is freed before the next is packed)."""
     for i, layer in enumerate(weights.layers):
         weights.layers[i] = replace(layer, qkv=pack(layer.qkv), o=pack(layer.o), gate_up=_pack(pack, layer.gate_up),
                                     down=_pack(pack, layer.down), moe=pack_moe(layer.moe, pack))
+    return pack_lm_head(weights, pack)
+
+
+def pack_lm_head(weights: ModelWeights, pack) -> ModelWeights:
+    """The LM head packed, in place; a tied embedding is then read from it (``embed`` becomes None), so the
+    matrix is held once."""
     tied = weights.lm_head is weights.embed
     weights.lm_head = pack(weights.lm_head)
     if tied and weights.lm_head is not weights.embed:
@@ -159,9 +164,4 @@ class LlamaDecoder:
         return torch.cat([q, k, v], dim=-1)
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        if layer.moe is not None:  # Qwen3-MoE's routed layers
-            return run_moe(x, layer.moe, self.cfg.moe, self._dense)
-        return self._dense(x, layer.gate_up, layer.down)
-
-    def _dense(self, x: torch.Tensor, gate_up, down) -> torch.Tensor:
-        return self.linear(self.backend.silu_mul(self.linear(x, gate_up)), down)
+        return feed_forward(x, layer, self.cfg.moe, self.backend)  # Qwen3-MoE's routed layers run their experts

@@ -102,6 +102,25 @@ def route(x: torch.Tensor, w: MoEWeights, p: MoEParams) -> tuple[torch.Tensor, t
     return topk_w * p.routed_scaling_factor, topk_idx
 
 
+def random_moe(p: MoEParams, hidden: int, d, router_dtype: torch.dtype | None = None) -> MoEWeights:
+    """Random experts in load_moe's layout, drawn by ``d`` (random_draws.Draws): the router (in ``router_dtype``,
+    else the weights' own, then float32 as load_moe keeps it), V3's correction bias at 0 as HF starts it, the
+    routed experts, the shared ones."""
+    router = d.mat(p.n_routed_experts, hidden, dtype=router_dtype).float()
+    bias = torch.zeros(p.n_routed_experts, device=d.device) if p.topk_method == "noaux_tc" else None
+    experts = [d.gated_mlp(hidden, p.moe_intermediate_size) for _ in range(p.n_routed_experts)]
+    shared = d.gated_mlp(hidden, p.moe_intermediate_size * p.n_shared_experts) if p.n_shared_experts else None
+    return MoEWeights(router=router, score_bias=bias, experts=experts, shared=shared)
+
+
+def feed_forward(x: torch.Tensor, layer, p: MoEParams | None, backend) -> torch.Tensor:
+    """A layer's MLP on the backend: its routed experts when it has them (``layer.moe``), else its gated MLP."""
+    def dense(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+        return backend.linear(backend.silu_mul(backend.linear(x, gate_up)), down)
+
+    return dense(x, layer.gate_up, layer.down) if layer.moe is None else run_moe(x, layer.moe, p, dense)
+
+
 def run_moe(x: torch.Tensor, w: MoEWeights, p: MoEParams,
             dense: Callable[[torch.Tensor, object, object], torch.Tensor]) -> torch.Tensor:
     """The routed experts' weighted sum, expert by expert in id order (as HF adds them), plus the shared experts;

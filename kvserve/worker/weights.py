@@ -13,7 +13,8 @@ import torch
 
 from kvserve.worker.config import ModelConfig
 from kvserve.worker.mla_weights import mla_layers, random_mla_layers
-from kvserve.worker.moe import MoEWeights, gate_up, load_moe
+from kvserve.worker.moe import MoEWeights, gate_up, load_moe, random_moe
+from kvserve.worker.random_draws import Draws
 
 
 @dataclass(slots=True)
@@ -57,7 +58,7 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def _layer(t: dict[str, torch.Tensor], i: int, cast, cfg: ModelConfig) -> LayerWeights:
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
-    routed = cfg.moe is not None and cfg.moe.is_moe_layer(i)
+    routed = cfg.is_moe_layer(i)
     qkv = torch.cat([t[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")])
     bias = None
     if attn + "q_proj.bias" in t:
@@ -133,45 +134,22 @@ def model_fingerprint(folder: Path) -> str:
     return h.hexdigest()
 
 
-class _Draws:
-    """Normal draws of one seeded generator on ``draw`` (float32, times ``std``), moved to ``device`` in ``dtype``:
-    one generator for the whole model, so a seed gives the same weights whatever builds them."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype, seed: int, std: float, draw: torch.device):
-        self.device, self.dtype, self.std, self.draw = device, dtype, std, draw
-        self.gen = torch.Generator(device=draw).manual_seed(seed)
-
-    def mat(self, *shape: int) -> torch.Tensor:
-        x = torch.randn(*shape, generator=self.gen, device=self.draw, dtype=torch.float32) * self.std
-        return x.to(self.device, self.dtype)
-
-    def ones(self, size: int) -> torch.Tensor:
-        return torch.ones(size, device=self.device, dtype=self.dtype)
-
-
-def _llama_layer(cfg: ModelConfig, d: _Draws, i: int) -> LayerWeights:
+def _llama_layer(cfg: ModelConfig, d: Draws, i: int) -> LayerWeights:
     """A Llama-family layer: fused QKV (with Qwen2's bias), fused gate/up or Qwen3-MoE's experts, norms at 1
     (Qwen3's q/k norms too)."""
     h, qkv_rows = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    routed = cfg.moe is not None and cfg.moe.is_moe_layer(i)
-    return LayerWeights(input_norm=d.ones(h), qkv=d.mat(qkv_rows, h), qkv_bias=d.mat(qkv_rows) if cfg.attention_bias
-                        else None, o=d.mat(h, cfg.num_heads * cfg.head_dim), post_norm=d.ones(h),
-                        gate_up=None if routed else d.mat(2 * cfg.intermediate_size, h),
-                        down=None if routed else d.mat(h, cfg.intermediate_size),
-                        moe=_random_moe(cfg, d) if routed else None,
+    qkv = d.mat(qkv_rows, h)  # drawn in this order: one seed, the same model as ever
+    qkv_bias = d.mat(qkv_rows) if cfg.attention_bias else None
+    o = d.mat(h, cfg.num_heads * cfg.head_dim)
+    routed = cfg.is_moe_layer(i)
+    gate_up, down = (None, None) if routed else d.gated_mlp(h, cfg.intermediate_size)
+    return LayerWeights(input_norm=d.ones(h), qkv=qkv, qkv_bias=qkv_bias, o=o, post_norm=d.ones(h), gate_up=gate_up,
+                        down=down, moe=random_moe(cfg.moe, h, d) if routed else None,
                         q_norm=d.ones(cfg.head_dim) if cfg.qk_norm else None,
                         k_norm=d.ones(cfg.head_dim) if cfg.qk_norm else None)
 
 
-def _random_moe(cfg: ModelConfig, d: _Draws) -> MoEWeights:
-    """Qwen3-MoE's experts: a float32 router, each expert's fused gate/up and down (no shared experts)."""
-    p, h = cfg.moe, cfg.hidden_size
-    experts = [(d.mat(2 * p.moe_intermediate_size, h), d.mat(h, p.moe_intermediate_size))
-               for _ in range(p.n_routed_experts)]
-    return MoEWeights(router=d.mat(p.n_routed_experts, h).float(), score_bias=None, experts=experts, shared=None)
-
-
-def _gemma_layer(cfg: ModelConfig, d: _Draws, i: int) -> LayerWeights:
+def _gemma_layer(cfg: ModelConfig, d: Draws, i: int) -> LayerWeights:
     """A Gemma 3 layer: its six norms drawn near 0 (normal, ``std``), since GemmaDecoder scales by ``1 + w``
     (norms at 1 would double every activation they touch); q/k norms head_dim wide; no bias."""
     h, qkv_rows = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -189,9 +167,9 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, s
     seconds. Llama-family, Gemma 3 (cfg.gemma) and MLA (cfg.mla, DeepSeek-V2/V3, MoE layers included) shapes, in
     load_weights' layout. CPU and CUDA generators draw different numbers from one seed: ``draw_device="cpu"``
     gives every device the same weights."""
-    d = _Draws(device, dtype, seed, std, torch.device(draw_device or device))
+    d = Draws(device, dtype, seed, std, torch.device(draw_device or device))
     if cfg.mla is not None:
-        layers = random_mla_layers(cfg, dtype, device, d.gen, std)
+        layers = random_mla_layers(cfg, d)
     else:
         layer = _gemma_layer if cfg.gemma is not None else _llama_layer
         layers = [layer(cfg, d, i) for i in range(cfg.num_layers)]

@@ -152,7 +152,7 @@ def test_yarn_frequencies_and_scale_match_transformers():
     raw = hf_cfg.to_dict()
     cfg = ModelConfig.from_dict(raw)
     assert cfg.mla.latent_dim == 512 + 64 and cfg.num_kv_heads == 1 and cfg.mla.q_lora_rank == 1536
-    assert cfg.mla.moe.first_k_dense_replace == 3 and cfg.mla.moe.n_routed_experts == 256
+    assert cfg.moe.first_k_dense_replace == 3 and cfg.moe.n_routed_experts == 256
     assert cfg.mla.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * 1.0 * torch.tensor(40.0).log().item() + 1) ** 2)
 
 
