@@ -1,4 +1,5 @@
-"""Model configuration: the subset of an HF ``config.json`` that a Llama-family decoder needs."""
+"""Model configuration: the subset of an HF ``config.json`` that the worker's decoders need (model.py, gemma.py,
+mla.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shapes and constants of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)."""
+    """Shapes and constants of a decoder: a Llama-family one's fields, and each other family's own in ``mla``,
+    ``gemma`` and ``moe``."""
 
     model_type: str
     vocab_size: int
@@ -66,30 +68,16 @@ class ModelConfig:
             served = ", ".join((*SUPPORTED_MODEL_TYPES, *MLA_MODEL_TYPES, *WRAPPED_TEXT_MODELS))
             architectures = ", ".join(raw.get("architectures") or []) or "no architectures listed"
             raise UnsupportedModel(f"model_type {model_type!r} ({architectures}) is not served; served: {served}")
-        if model_type not in GEMMA_MODEL_TYPES and raw.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported; only silu")
+        if model_type not in GEMMA_MODEL_TYPES:
+            _check_silu(raw)
         num_heads = int(raw["num_attention_heads"])
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         windows = _layer_windows(raw, model_type)
         mixed = len(set(windows)) > 1
         cfg = cls(
-            model_type=model_type,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=num_heads,
+            **_shared_fields(raw),
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-            rope_scaling=_rope_scaling(raw),
-            eos_token_ids=eos_ids,
-            bos_token_id=raw.get("bos_token_id"),
             sliding_window=0 if mixed else windows[0],
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             moe=_qwen3_moe(raw) if model_type == "qwen3_moe" else None,
@@ -201,27 +189,32 @@ def _rope_scaling(raw: dict) -> dict | None:
 def _mla_model(cls, raw: dict) -> ModelConfig:
     """A DeepSeek-V2/V3 config: the Llama-shaped fields (intermediate_size is the dense layers' MLP) and MLAParams;
     the pool sees one "KV head" of the latent's width."""
+    _check_silu(raw)
+    fields = _shared_fields(raw)
+    mla = mla_params(raw, fields["rope_scaling"], UnsupportedModel)
+    return cls(**fields, num_kv_heads=1, head_dim=mla.latent_dim, mla=mla, moe=mla_moe_params(raw, UnsupportedModel))
+
+
+def _check_silu(raw: dict) -> None:
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported; only silu")
-    rope_scaling = _rope_scaling(raw)
-    mla = mla_params(raw, rope_scaling, UnsupportedModel)
+
+
+def _shared_fields(raw: dict) -> dict:
+    """The fields every family reads alike from an HF config: sizes, norms' eps, RoPE, embeddings, special tokens."""
     eos = raw.get("eos_token_id")
-    return cls(
+    return dict(
         model_type=raw["model_type"],
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
         intermediate_size=int(raw["intermediate_size"]),
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=int(raw["num_attention_heads"]),
-        num_kv_heads=1,
-        head_dim=mla.latent_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        rope_scaling=rope_scaling,
+        rope_scaling=_rope_scaling(raw),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         bos_token_id=raw.get("bos_token_id"),
-        mla=mla,
-        moe=mla_moe_params(raw, UnsupportedModel),
     )

@@ -56,7 +56,7 @@ class CudaStep:
         return hidden.index_select(0, last) if rows else None
 
 
-def graphs_unavailable(enabled: bool, backend: str, window: AttentionWindow, model_cfg=None) -> str | None:
+def graphs_unavailable(enabled: bool, backend: str, window: AttentionWindow, model_cfg) -> str | None:
     """Why decode steps run without CUDA graphs, or None when they use them. ``model_cfg`` (a ModelConfig): the
     families a graph cannot capture (MLA reads its sequences' spans on the host; mixed layers prepare per window)."""
     if not enabled:
@@ -65,8 +65,8 @@ def graphs_unavailable(enabled: bool, backend: str, window: AttentionWindow, mod
         return f"the {backend} backend runs eagerly; graphs need {', '.join(GRAPH_BACKENDS)}"
     if window.slides:
         return "sliding-window steps run eagerly"
-    if model_cfg is not None and model_cfg.mla is not None:
+    if model_cfg.mla is not None:
         return "MLA attention reads each sequence's span on the host (no capture)"
-    if model_cfg is not None and model_cfg.layer_windows:
+    if model_cfg.layer_windows:
         return "sliding and full layers mixed run eagerly"
     return None

@@ -72,15 +72,15 @@ def _layer(t: dict[str, torch.Tensor], i: int, cast, cfg: ModelConfig) -> LayerW
         gate_up=None if routed else cast(gate_up(t, mlp)),
         down=None if routed else cast(t[mlp + "down_proj.weight"]),
         moe=load_moe(t, mlp, cfg.moe, cast) if routed else None,
-        q_norm=cast(t[attn + "q_norm.weight"]) if attn + "q_norm.weight" in t else None,
-        k_norm=cast(t[attn + "k_norm.weight"]) if attn + "k_norm.weight" in t else None,
+        q_norm=_optional(t, attn + "q_norm.weight", cast),
+        k_norm=_optional(t, attn + "k_norm.weight", cast),
         pre_mlp_norm=_optional(t, p + "pre_feedforward_layernorm.weight", cast),
         post_mlp_norm=_optional(t, p + "post_feedforward_layernorm.weight", cast),
     )
 
 
 def _optional(t: dict[str, torch.Tensor], name: str, cast) -> torch.Tensor | None:
-    """cast(t[name]), or None for a checkpoint without that tensor (Gemma 3's extra norms)."""
+    """cast(t[name]), or None for a checkpoint without that tensor (Qwen3's q/k norms, Gemma 3's extra norms)."""
     return cast(t[name]) if name in t else None
 
 
