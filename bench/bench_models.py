@@ -6,9 +6,9 @@ saved by transformers' own classes, is loaded by the worker:
   memory   bytes per token and tokens in a 512 MiB pool: the calculator (kvserve kv-mem on the folder's
            config.json) against the worker's real pool tensors (kv_cache + kv_scales nbytes / slots), for the
            model dtype and int8 with per-token scales
-  decode   batch-1 decode steps at 1k and 4k tokens of context on the cpu backend (the context prefilled in
-           chunks first), median of the steps, as tok/s and against the same-size dense Llama measured in the
-           same run, families alternated over rounds
+  decode   batch-1 decode steps through the runner at 1k and 4k tokens of context on the cpu backend (the longest
+           context prefilled in chunks once, bench/decode_steps.py), tok/s over the steps, median of the rounds,
+           and against the same-size dense Llama measured in the same run, families alternated over rounds
   modes    MLA's two attention modes (bench/models_mla.py): absorbed up-projections against decompressing the
            latents every step, one layer's batch-1 decode at 1k and 4k context, DeepSeek-V2-Lite's shape
   mla      the latent cache's saving against the same model's per-head equivalent (K of qk_nope + qk_rope and V of
@@ -25,17 +25,16 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from decode_steps import Decode  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 from kvserve.common.kvmem import get_dtype, per_token  # noqa: E402
 from kvserve.common.kvmem_models import find_model, load_hf_config  # noqa: E402
-from kvserve.kernels.paged_attention import build_metadata  # noqa: E402
 from kvserve.services.model_store import prepare_default_model  # noqa: E402
 from kvserve.worker.config import UnsupportedModel  # noqa: E402
 from kvserve.worker.runner import ModelRunner, RunnerConfig  # noqa: E402
@@ -111,38 +110,20 @@ def memory(folder: Path) -> list[dict]:
     return rows
 
 
-def decode_step_s(runner: ModelRunner, context: int, steps: int) -> float:
-    """Median seconds of a batch-1 decode step after ``context`` tokens (prefilled in CHUNKs first)."""
-    g = torch.Generator().manual_seed(context)
-    tokens = torch.randint(3, 49152, (context,), generator=g).tolist()
-    table = list(range((context + steps) // PAGE + 1))
-
-    def forward(ids: list[int], start: int):
-        meta = build_metadata([start], [len(ids)], [table], PAGE, runner.device)
-        return runner.call(lambda: runner.model.logits(runner.model.forward(torch.tensor(ids), meta,
-                                                                              runner.kv_cache, runner.kv_scales)))
-
-    for at in range(0, context, CHUNK):
-        forward(tokens[at:at + CHUNK], at)
-    times, token = [], tokens[-1]
-    for i in range(steps):
-        t0 = time.perf_counter()
-        token = int(forward([token], context + i)[-1].argmax())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def decode(folders: dict[str, Path], rounds: int, steps: int) -> dict:
-    """{family: {context: [seconds per step, one per round]}}, families alternated within each round."""
-    runners = {f: make_runner(folder, num_pages=max(CONTEXTS) // PAGE + steps // PAGE + 2)
+    """{family: {context: [tok/s, one per round]}}: each family's longest context prefilled once (decode_steps.Decode),
+    then ``steps`` batch-1 decode steps from each context, families alternated within each round."""
+    longest = max(CONTEXTS)
+    ids = torch.randint(3, DIMS["vocab_size"], (longest + 1,), generator=torch.Generator().manual_seed(0)).tolist()
+    benches = {f: Decode(make_runner(folder, num_pages=longest // PAGE + 1), ids, longest, 1, CHUNK)
                for f, folder in folders.items()}
     out = {f: {c: [] for c in CONTEXTS} for f in folders}
     for r in range(rounds):
         order = list(folders)[r % len(folders):] + list(folders)[:r % len(folders)]
         for context in CONTEXTS:
             for f in order:
-                out[f][context].append(decode_step_s(runners[f], context, steps))
-                print(f"round {r + 1} {f} @ {context}: {out[f][context][-1] * 1e3:.1f} ms", flush=True)
+                out[f][context].append(benches[f].run(context, steps))
+                print(f"round {r + 1} {f} @ {context}: {out[f][context][-1]:.1f} tok/s", flush=True)
     return out
 
 
@@ -180,9 +161,9 @@ def markdown(report: dict) -> str:
             lines.append(f"| {family} | {m['kv_dtype']} | {m['calc_bytes_per_token']:,} | "
                          f"{m['pool_bytes_per_token']:,.0f} | {m['calc_tokens_512mib']:,} | "
                          f"{m['pool_tokens_512mib']:,} |")
-    lines += ["", f"Decode, batch 1, cpu backend, float32, {report['decode_steps']} steps, median of "
-              f"{report['rounds']} rounds (families alternated); ratio = the dense Llama's step time over the "
-              "family's.", "", "| family | " + " | ".join(f"{c} ctx tok/s | vs Llama" for c in CONTEXTS) + " |",
+    lines += ["", f"Decode, batch 1, cpu backend, float32: tok/s over {report['decode_steps']} steps through the "
+              f"runner, median of {report['rounds']} rounds (families alternated); ratio = the family's tok/s over the "
+              "dense Llama's.", "", "| family | " + " | ".join(f"{c} ctx tok/s | vs Llama" for c in CONTEXTS) + " |",
               "|---|" + "---:|---:|" * len(CONTEXTS)]
     for family, r in report["families"].items():
         if "decode" in r:
@@ -229,9 +210,9 @@ def main() -> None:
         times = decode(folders, args.rounds, args.steps)
         for family, by_ctx in times.items():
             report["families"][family]["decode"] = {
-                str(c): {"step_s": statistics.median(ts), "tok_s": 1 / statistics.median(ts),
-                         "vs_llama": statistics.median(times["llama"][c]) / statistics.median(ts) if "llama" in times
-                         else None, "rounds_s": ts} for c, ts in by_ctx.items()}
+                str(c): {"tok_s": statistics.median(rates), "rounds_tok_s": rates,
+                         "vs_llama": statistics.median(rates) / statistics.median(times["llama"][c]) if "llama" in times
+                         else None} for c, rates in by_ctx.items()}
         report["mla_saving"] = mla_saving(folders.get("deepseek_v3"))
     if "deepseek_v3" in folders:
         from models_mla import V2_LITE, time_modes

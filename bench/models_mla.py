@@ -4,8 +4,7 @@ kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128). The figures decided the decod
 bench-models (bench/bench_models.py) runs this and reports them, results in bench/results/models-<date>.*.
 
 Decompress up-projects every cached token's latent into the heads' keys and values each step (context x 512 x
-4096 multiply-adds per layer), absorbed only the one query and its output (16 x 128 x 512 twice), so absorbed
-should win by more the longer the context.
+4096 multiply-adds per layer), absorbed only the one query and its output (16 x 128 x 512 twice).
 
     .venv/bin/python bench/models_mla.py            # prints the dict as JSON
 """
