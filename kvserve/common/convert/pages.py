@@ -27,7 +27,8 @@ OK = pb.PAGE_OP_STATUS_OK
 def spec_from_proto(r: pb.PoolSpec) -> wire.PoolSpec:
     return wire.PoolSpec(r.worker_id, r.epoch, r.num_pages, r.page_size, r.model_fingerprint, r.kv_dtype,
                          r.bytes_per_token, r.kv_scales, r.sliding_window, r.attention_sinks, r.kv_store,
-                         r.role or "both")
+                         r.role or "both", r.sliding_group_pages, r.sliding_group_window,
+                         r.sliding_group_bytes_per_token)
 
 
 def register_to_proto(r: wire.RegisterResult) -> pb.RegisterResult:
@@ -78,7 +79,8 @@ def peer_loads_from_proto(loads) -> list[PeerLoad]:
 def _add_allocation(add, a: wire.PageAllocationResult) -> None:
     msg = add(req_id=a.req_id, status=OP_STATUS[a.status], worker_id=a.worker_id, epoch=a.epoch,
               page_table=a.page_table, num_cached_tokens=a.num_cached_tokens, num_pages_short=a.num_pages_short,
-              num_committed_tokens=a.num_committed_tokens, num_pinned_tokens=a.num_pinned_tokens)
+              num_committed_tokens=a.num_committed_tokens, num_pinned_tokens=a.num_pinned_tokens,
+              group_page_table=a.group_page_table)
     for load in a.store_loads:
         msg.store_loads.add(page_id=load.page_id, block_hash=load.block_hash, namespace=load.namespace)
     if a.peer_loads:
@@ -88,11 +90,11 @@ def _add_allocation(add, a: wire.PageAllocationResult) -> None:
 
 
 def _add_extension(add, e: wire.PageExtensionResult) -> None:
-    if e.status is wire.OpStatus.OK and not e.new_page_ids:  # most of a decode step's extensions
+    if e.status is wire.OpStatus.OK and not e.new_page_ids and not e.group_new_page_ids:  # most decode steps
         add(req_id=e.req_id, status=OK, num_pages=e.num_pages)
     else:
         add(req_id=e.req_id, status=OP_STATUS[e.status], new_page_ids=e.new_page_ids, num_pages=e.num_pages,
-            num_pages_short=e.num_pages_short)
+            num_pages_short=e.num_pages_short, group_new_page_ids=e.group_new_page_ids)
 
 
 def _add_commit(add, c: wire.PageCommitResult) -> None:
@@ -175,12 +177,12 @@ def _allocation_result(a: pb.PageAllocationResult) -> wire.PageAllocationResult:
                                      a.num_cached_tokens, a.num_pages_short,
                                      [StoreLoad(x.page_id, x.block_hash, x.namespace) for x in a.store_loads],
                                      a.num_committed_tokens, a.num_pinned_tokens, peer_loads_from_proto(a.peer_loads),
-                                     a.peer_worker_id, a.peer_epoch, a.lease_expires_ms)
+                                     a.peer_worker_id, a.peer_epoch, a.lease_expires_ms, list(a.group_page_table))
 
 
 def _extension_result(e: pb.PageExtensionResult) -> wire.PageExtensionResult:
     return wire.PageExtensionResult(e.req_id, STATUS_OF[e.status], list(e.new_page_ids), e.num_pages,
-                                    e.num_pages_short)
+                                    e.num_pages_short, list(e.group_new_page_ids))
 
 
 def step_results_from_proto(r: pb.StepResults) -> wire.StepResults:

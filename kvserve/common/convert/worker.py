@@ -24,6 +24,7 @@ def batch_from_proto(req: worker_pb2.StepBatch) -> StepBatch:
             token_ids=tuple(i.token_ids),
             start_pos=i.start_pos,
             page_table=tuple(i.page_table),
+            group_page_table=tuple(i.group_page_table),
             sample=i.sample,
             sampling=sampling_from_proto(i.sampling),
             store_loads=tuple(store_load_from_proto(s) for s in i.store_loads),
@@ -39,7 +40,8 @@ def batch_to_proto(batch: StepBatch, traceparents: Mapping[str, str] = NO_TRACES
     items = [worker_pb2.StepItem(req_id=i.req_id, token_ids=i.token_ids, start_pos=i.start_pos,
                                  page_table=i.page_table, sample=i.sample, sampling=sampling_to_proto(i.sampling),
                                  traceparent=traceparents.get(i.req_id, ""),
-                                 store_loads=[store_load_to_proto(s) for s in i.store_loads])
+                                 store_loads=[store_load_to_proto(s) for s in i.store_loads],
+                                 group_page_table=i.group_page_table)
              for i in batch.items]
     return worker_pb2.StepBatch(items=items, epoch=batch.epoch,
                                 store_writes=[store_write_to_proto(w) for w in batch.store_writes])

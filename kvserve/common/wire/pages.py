@@ -28,13 +28,25 @@ class PoolSpec:
     attention_sinks: int = 0  # leading tokens never released (their pages stay with the request); 0 = none
     kv_store: bool = False  # the worker reads and writes the shared KV tier
     role: str = "both"  # "prefill", "decode" or "both" (kvserve/common/wire/transfer.py): what the gateway sends it
+    # Page groups (a model mixing full-attention and sliding-window layers): the fields above describe the full
+    # layers' pool; the sliding layers' pages are a second pool of sliding_group_pages pages, each request with a
+    # second page table (group_page_table) whose pages fall out of sliding_group_window. 0 pages: one group.
+    sliding_group_pages: int = 0
+    sliding_group_window: int = 0
+    sliding_group_bytes_per_token: int = 0
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the pool has a sliding layers' group beside its full layers' pages."""
+        return self.sliding_group_pages > 0
 
     @classmethod
     def of(cls, info: WorkerInfo) -> PoolSpec:
         """The pool a worker's Info describes, as the kvmanager registers it."""
         return cls(info.worker_id, info.epoch, info.num_pages, info.page_size, info.model_fingerprint,
                    info.kv_dtype, info.bytes_per_token, info.kv_scales, info.sliding_window, info.attention_sinks,
-                   info.kv_store, info.role)
+                   info.kv_store, info.role, info.sliding_group_pages, info.sliding_group_window,
+                   info.sliding_group_bytes_per_token)
 
     def attention_window(self) -> AttentionWindow:
         """The policy of which positions this pool's requests keep and which pages they may release. Raises
@@ -105,7 +117,9 @@ class PageFree:
 @dataclass(frozen=True, slots=True)
 class PageRelease:
     """A sliding-window request gives back pages that hold only positions older than its window: each index of
-    its page table becomes a hole (common.pages.HOLE). An index that is a hole already releases nothing."""
+    its page table becomes a hole (common.pages.HOLE). An index that is a hole already releases nothing. On a
+    grouped pool (PoolSpec.sliding_group_pages) the indices are of its group_page_table: only the sliding
+    layers' pages fall out of a window."""
 
     req_id: str
     page_indices: tuple[int, ...]  # indices into the request's page table, not page ids
@@ -153,6 +167,8 @@ class PageAllocationResult(PageOpResult):
     peer_worker_id: str = ""
     peer_epoch: int = 0
     lease_expires_ms: int = 0
+    # A grouped pool (PoolSpec.sliding_group_pages): the sliding layers' page table, HOLE where no page is held
+    group_page_table: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -160,6 +176,7 @@ class PageExtensionResult(PageOpResult):
     new_page_ids: list[int] = field(default_factory=list)  # appended to the page table, in order
     num_pages: int = 0  # the page table's length after the op
     num_pages_short: int = 0
+    group_new_page_ids: list[int] = field(default_factory=list)  # a grouped pool: appended to group_page_table
 
 
 @dataclass(slots=True)

@@ -38,6 +38,8 @@ class StepItem:
     # Pages of its cached prefix to fill from the shared KV tier's store before it computes (with its first
     # chunk). If any load fails, the item is not computed: StepOutput.unloaded.
     store_loads: tuple[StoreLoad, ...] = ()
+    # A grouped pool: the sliding layers' page table (HOLE where released), beside page_table (the full layers')
+    group_page_table: tuple[int, ...] = ()
 
     @property
     def end_pos(self) -> int:
@@ -105,6 +107,10 @@ class WorkerInfo:
     attention_sinks: int = 0  # leading tokens kept beside the window (StreamingLLM); 0 = none
     kv_store: bool = False  # it reads and writes the shared KV tier (--kv-store-url)
     role: str = "both"  # "prefill", "decode" or "both": the work the gateway sends it (--role)
+    # Page groups (PoolSpec's fields of the same names): the sliding layers' pool, beside the full layers' above
+    sliding_group_pages: int = 0
+    sliding_group_window: int = 0
+    sliding_group_bytes_per_token: int = 0
 
     def attention_window(self) -> AttentionWindow:
         """The policy of which positions this worker's requests keep. Raises InvalidRequest for bad settings."""

@@ -21,7 +21,7 @@ PAGE_OP_STATUS_STALE_EPOCH: PageOpStatus
 PAGE_OP_STATUS_UNKNOWN_REQUEST: PageOpStatus
 
 class PoolSpec(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests", "kv_scales", "sliding_window", "attention_sinks", "kv_store", "role")
+    __slots__ = ("worker_id", "epoch", "num_pages", "page_size", "model_fingerprint", "kv_dtype", "bytes_per_token", "release_requests", "kv_scales", "sliding_window", "attention_sinks", "kv_store", "role", "sliding_group_pages", "sliding_group_window", "sliding_group_bytes_per_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,9 @@ class PoolSpec(_message.Message):
     ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_GROUP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_GROUP_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_GROUP_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     num_pages: int
@@ -48,7 +51,10 @@ class PoolSpec(_message.Message):
     attention_sinks: int
     kv_store: bool
     role: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., kv_store: _Optional[bool] = ..., role: _Optional[str] = ...) -> None: ...
+    sliding_group_pages: int
+    sliding_group_window: int
+    sliding_group_bytes_per_token: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., release_requests: _Optional[bool] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., kv_store: _Optional[bool] = ..., role: _Optional[str] = ..., sliding_group_pages: _Optional[int] = ..., sliding_group_window: _Optional[int] = ..., sliding_group_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class RegisterResult(_message.Message):
     __slots__ = ("ok", "previous_epoch", "dropped_req_ids", "released_req_ids")
@@ -211,7 +217,7 @@ class StoreWrite(_message.Message):
     def __init__(self, page_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PageAllocationResult(_message.Message):
-    __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short", "store_loads", "num_committed_tokens", "num_pinned_tokens", "peer_loads", "peer_worker_id", "peer_epoch", "lease_expires_ms")
+    __slots__ = ("req_id", "status", "worker_id", "epoch", "page_table", "num_cached_tokens", "num_pages_short", "store_loads", "num_committed_tokens", "num_pinned_tokens", "peer_loads", "peer_worker_id", "peer_epoch", "lease_expires_ms", "group_page_table")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +232,7 @@ class PageAllocationResult(_message.Message):
     PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PAGE_TABLE_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     status: PageOpStatus
     worker_id: str
@@ -240,7 +247,8 @@ class PageAllocationResult(_message.Message):
     peer_worker_id: str
     peer_epoch: int
     lease_expires_ms: int
-    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_pages_short: _Optional[int] = ..., store_loads: _Optional[_Iterable[_Union[StoreLoad, _Mapping]]] = ..., num_committed_tokens: _Optional[int] = ..., num_pinned_tokens: _Optional[int] = ..., peer_loads: _Optional[_Iterable[_Union[PeerLoad, _Mapping]]] = ..., peer_worker_id: _Optional[str] = ..., peer_epoch: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ...) -> None: ...
+    group_page_table: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_pages_short: _Optional[int] = ..., store_loads: _Optional[_Iterable[_Union[StoreLoad, _Mapping]]] = ..., num_committed_tokens: _Optional[int] = ..., num_pinned_tokens: _Optional[int] = ..., peer_loads: _Optional[_Iterable[_Union[PeerLoad, _Mapping]]] = ..., peer_worker_id: _Optional[str] = ..., peer_epoch: _Optional[int] = ..., lease_expires_ms: _Optional[int] = ..., group_page_table: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PageExtension(_message.Message):
     __slots__ = ("req_id", "num_tokens", "traceparent")
@@ -253,18 +261,20 @@ class PageExtension(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PageExtensionResult(_message.Message):
-    __slots__ = ("req_id", "status", "new_page_ids", "num_pages", "num_pages_short")
+    __slots__ = ("req_id", "status", "new_page_ids", "num_pages", "num_pages_short", "group_new_page_ids")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NEW_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_SHORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NEW_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     status: PageOpStatus
     new_page_ids: _containers.RepeatedScalarFieldContainer[int]
     num_pages: int
     num_pages_short: int
-    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., new_page_ids: _Optional[_Iterable[int]] = ..., num_pages: _Optional[int] = ..., num_pages_short: _Optional[int] = ...) -> None: ...
+    group_new_page_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_id: _Optional[str] = ..., status: _Optional[_Union[PageOpStatus, str]] = ..., new_page_ids: _Optional[_Iterable[int]] = ..., num_pages: _Optional[int] = ..., num_pages_short: _Optional[int] = ..., group_new_page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PageCommit(_message.Message):
     __slots__ = ("req_id", "start_pos", "packed_token_ids", "num_computed_tokens", "traceparent")

@@ -26,7 +26,7 @@ from kvserve.v1 import common_pb2 as kvserve_dot_v1_dot_common__pb2
 from kvserve.v1 import kvmanager_pb2 as kvserve_dot_v1_dot_kvmanager__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvserve/v1/worker.proto\x12\nkvserve.v1\x1a\x17kvserve/v1/common.proto\x1a\x1akvserve/v1/kvmanager.proto\"\xd3\x01\n\x08StepItem\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tstart_pos\x18\x03 \x01(\x05\x12\x12\n\npage_table\x18\x04 \x03(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12*\n\x0bstore_loads\x18\x08 \x03(\x0b\x32\x15.kvserve.v1.StoreLoad\"m\n\tStepBatch\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.kvserve.v1.StepItem\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12,\n\x0cstore_writes\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.StoreWrite\"q\n\x0cSampledToken\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\"@\n\x0cRejectedItem\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07invalid\x18\x03 \x01(\x08\"\xc8\x01\n\nStepOutput\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvserve.v1.SampledToken\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12*\n\x08rejected\x18\x04 \x03(\x0b\x32\x18.kvserve.v1.RejectedItem\x12\x10\n\x08unloaded\x18\x05 \x03(\t\x12\x18\n\x10num_loaded_pages\x18\x06 \x01(\x05\x12\x0f\n\x07load_ms\x18\x07 \x01(\x02\"\r\n\x0bInfoRequest\"\xe2\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x11\n\tnum_pages\x18\x06 \x01(\x05\x12\x10\n\x08kv_dtype\x18\x07 \x01(\t\x12\x17\n\x0f\x62ytes_per_token\x18\x08 \x01(\x03\x12\x12\n\npool_bytes\x18\t \x01(\x03\x12\x12\n\nnum_layers\x18\n \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x0b \x01(\x05\x12\x11\n\tnum_heads\x18\x0c \x01(\x05\x12\x10\n\x08head_dim\x18\r \x01(\x05\x12\x12\n\nvocab_size\x18\x0e \x01(\x05\x12\x15\n\rmax_model_len\x18\x0f \x01(\x05\x12\x15\n\reos_token_ids\x18\x10 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x11 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x12 \x01(\t\x12\x11\n\tkv_scales\x18\x13 \x01(\t\x12\x16\n\x0esliding_window\x18\x14 \x01(\x05\x12\x17\n\x0f\x61ttention_sinks\x18\x15 \x01(\x05\x12\x10\n\x08kv_store\x18\x16 \x01(\x08\x12\x0c\n\x04role\x18\x17 \x01(\t\"\xc6\x01\n\tPullOrder\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x18\n\x10source_worker_id\x18\x03 \x01(\t\x12\x14\n\x0csource_epoch\x18\x04 \x01(\x04\x12\x16\n\x0esource_address\x18\x05 \x01(\t\x12\x18\n\x10lease_expires_ms\x18\x06 \x01(\x03\x12#\n\x05loads\x18\x07 \x03(\x0b\x32\x14.kvserve.v1.PeerLoad\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\"R\n\nPullResult\x12\x11\n\tnum_pages\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"Y\n\tReadOrder\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10lease_expires_ms\x18\x02 \x01(\x03\x12#\n\x05pages\x18\x03 \x03(\x0b\x32\x14.kvserve.v1.PeerLoad\"\x1b\n\tPageFrame\x12\x0e\n\x06values\x18\x01 \x03(\x0c\x32\xf8\x01\n\rWorkerService\x12\x35\n\x04Step\x12\x15.kvserve.v1.StepBatch\x1a\x16.kvserve.v1.StepOutput\x12\x37\n\x04Info\x12\x17.kvserve.v1.InfoRequest\x1a\x16.kvserve.v1.WorkerInfo\x12:\n\tPullPages\x12\x15.kvserve.v1.PullOrder\x1a\x16.kvserve.v1.PullResult\x12;\n\tReadPages\x12\x15.kvserve.v1.ReadOrder\x1a\x15.kvserve.v1.PageFrame0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvserve/v1/worker.proto\x12\nkvserve.v1\x1a\x17kvserve/v1/common.proto\x1a\x1akvserve/v1/kvmanager.proto\"\xed\x01\n\x08StepItem\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tstart_pos\x18\x03 \x01(\x05\x12\x12\n\npage_table\x18\x04 \x03(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12*\n\x0bstore_loads\x18\x08 \x03(\x0b\x32\x15.kvserve.v1.StoreLoad\x12\x18\n\x10group_page_table\x18\t \x03(\x05\"m\n\tStepBatch\x12#\n\x05items\x18\x01 \x03(\x0b\x32\x14.kvserve.v1.StepItem\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12,\n\x0cstore_writes\x18\x03 \x03(\x0b\x32\x16.kvserve.v1.StoreWrite\"q\n\x0cSampledToken\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\"@\n\x0cRejectedItem\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07invalid\x18\x03 \x01(\x08\"\xc8\x01\n\nStepOutput\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvserve.v1.SampledToken\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12*\n\x08rejected\x18\x04 \x03(\x0b\x32\x18.kvserve.v1.RejectedItem\x12\x10\n\x08unloaded\x18\x05 \x03(\t\x12\x18\n\x10num_loaded_pages\x18\x06 \x01(\x05\x12\x0f\n\x07load_ms\x18\x07 \x01(\x02\"\r\n\x0bInfoRequest\"\xc4\x04\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x11\n\tnum_pages\x18\x06 \x01(\x05\x12\x10\n\x08kv_dtype\x18\x07 \x01(\t\x12\x17\n\x0f\x62ytes_per_token\x18\x08 \x01(\x03\x12\x12\n\npool_bytes\x18\t \x01(\x03\x12\x12\n\nnum_layers\x18\n \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x0b \x01(\x05\x12\x11\n\tnum_heads\x18\x0c \x01(\x05\x12\x10\n\x08head_dim\x18\r \x01(\x05\x12\x12\n\nvocab_size\x18\x0e \x01(\x05\x12\x15\n\rmax_model_len\x18\x0f \x01(\x05\x12\x15\n\reos_token_ids\x18\x10 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x11 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x12 \x01(\t\x12\x11\n\tkv_scales\x18\x13 \x01(\t\x12\x16\n\x0esliding_window\x18\x14 \x01(\x05\x12\x17\n\x0f\x61ttention_sinks\x18\x15 \x01(\x05\x12\x10\n\x08kv_store\x18\x16 \x01(\x08\x12\x0c\n\x04role\x18\x17 \x01(\t\x12\x1b\n\x13sliding_group_pages\x18\x18 \x01(\x05\x12\x1c\n\x14sliding_group_window\x18\x19 \x01(\x05\x12%\n\x1dsliding_group_bytes_per_token\x18\x1a \x01(\x03\"\xc6\x01\n\tPullOrder\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x18\n\x10source_worker_id\x18\x03 \x01(\t\x12\x14\n\x0csource_epoch\x18\x04 \x01(\x04\x12\x16\n\x0esource_address\x18\x05 \x01(\t\x12\x18\n\x10lease_expires_ms\x18\x06 \x01(\x03\x12#\n\x05loads\x18\x07 \x03(\x0b\x32\x14.kvserve.v1.PeerLoad\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\"R\n\nPullResult\x12\x11\n\tnum_pages\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"Y\n\tReadOrder\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x18\n\x10lease_expires_ms\x18\x02 \x01(\x03\x12#\n\x05pages\x18\x03 \x03(\x0b\x32\x14.kvserve.v1.PeerLoad\"\x1b\n\tPageFrame\x12\x0e\n\x06values\x18\x01 \x03(\x0c\x32\xf8\x01\n\rWorkerService\x12\x35\n\x04Step\x12\x15.kvserve.v1.StepBatch\x1a\x16.kvserve.v1.StepOutput\x12\x37\n\x04Info\x12\x17.kvserve.v1.InfoRequest\x1a\x16.kvserve.v1.WorkerInfo\x12:\n\tPullPages\x12\x15.kvserve.v1.PullOrder\x1a\x16.kvserve.v1.PullResult\x12;\n\tReadPages\x12\x15.kvserve.v1.ReadOrder\x1a\x15.kvserve.v1.PageFrame0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserve.v1.worker_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STEPITEM']._serialized_start=93
-  _globals['_STEPITEM']._serialized_end=304
-  _globals['_STEPBATCH']._serialized_start=306
-  _globals['_STEPBATCH']._serialized_end=415
-  _globals['_SAMPLEDTOKEN']._serialized_start=417
-  _globals['_SAMPLEDTOKEN']._serialized_end=530
-  _globals['_REJECTEDITEM']._serialized_start=532
-  _globals['_REJECTEDITEM']._serialized_end=596
-  _globals['_STEPOUTPUT']._serialized_start=599
-  _globals['_STEPOUTPUT']._serialized_end=799
-  _globals['_INFOREQUEST']._serialized_start=801
-  _globals['_INFOREQUEST']._serialized_end=814
-  _globals['_WORKERINFO']._serialized_start=817
-  _globals['_WORKERINFO']._serialized_end=1299
-  _globals['_PULLORDER']._serialized_start=1302
-  _globals['_PULLORDER']._serialized_end=1500
-  _globals['_PULLRESULT']._serialized_start=1502
-  _globals['_PULLRESULT']._serialized_end=1584
-  _globals['_READORDER']._serialized_start=1586
-  _globals['_READORDER']._serialized_end=1675
-  _globals['_PAGEFRAME']._serialized_start=1677
-  _globals['_PAGEFRAME']._serialized_end=1704
-  _globals['_WORKERSERVICE']._serialized_start=1707
-  _globals['_WORKERSERVICE']._serialized_end=1955
+  _globals['_STEPITEM']._serialized_end=330
+  _globals['_STEPBATCH']._serialized_start=332
+  _globals['_STEPBATCH']._serialized_end=441
+  _globals['_SAMPLEDTOKEN']._serialized_start=443
+  _globals['_SAMPLEDTOKEN']._serialized_end=556
+  _globals['_REJECTEDITEM']._serialized_start=558
+  _globals['_REJECTEDITEM']._serialized_end=622
+  _globals['_STEPOUTPUT']._serialized_start=625
+  _globals['_STEPOUTPUT']._serialized_end=825
+  _globals['_INFOREQUEST']._serialized_start=827
+  _globals['_INFOREQUEST']._serialized_end=840
+  _globals['_WORKERINFO']._serialized_start=843
+  _globals['_WORKERINFO']._serialized_end=1423
+  _globals['_PULLORDER']._serialized_start=1426
+  _globals['_PULLORDER']._serialized_end=1624
+  _globals['_PULLRESULT']._serialized_start=1626
+  _globals['_PULLRESULT']._serialized_end=1708
+  _globals['_READORDER']._serialized_start=1710
+  _globals['_READORDER']._serialized_end=1799
+  _globals['_PAGEFRAME']._serialized_start=1801
+  _globals['_PAGEFRAME']._serialized_end=1828
+  _globals['_WORKERSERVICE']._serialized_start=1831
+  _globals['_WORKERSERVICE']._serialized_end=2079
 # @@protoc_insertion_point(module_scope)

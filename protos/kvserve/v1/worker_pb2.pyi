@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StepItem(_message.Message):
-    __slots__ = ("req_id", "token_ids", "start_pos", "page_table", "sample", "sampling", "traceparent", "store_loads")
+    __slots__ = ("req_id", "token_ids", "start_pos", "page_table", "sample", "sampling", "traceparent", "store_loads", "group_page_table")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class StepItem(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     STORE_LOADS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PAGE_TABLE_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
@@ -26,7 +27,8 @@ class StepItem(_message.Message):
     sampling: _common_pb2.SamplingParams
     traceparent: str
     store_loads: _containers.RepeatedCompositeFieldContainer[_kvmanager_pb2.StoreLoad]
-    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., store_loads: _Optional[_Iterable[_Union[_kvmanager_pb2.StoreLoad, _Mapping]]] = ...) -> None: ...
+    group_page_table: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., store_loads: _Optional[_Iterable[_Union[_kvmanager_pb2.StoreLoad, _Mapping]]] = ..., group_page_table: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepBatch(_message.Message):
     __slots__ = ("items", "epoch", "store_writes")
@@ -83,7 +85,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "epoch", "model_name", "model_fingerprint", "page_size", "num_pages", "kv_dtype", "bytes_per_token", "pool_bytes", "num_layers", "num_kv_heads", "num_heads", "head_dim", "vocab_size", "max_model_len", "eos_token_ids", "device", "attention_backend", "kv_scales", "sliding_window", "attention_sinks", "kv_store", "role")
+    __slots__ = ("worker_id", "epoch", "model_name", "model_fingerprint", "page_size", "num_pages", "kv_dtype", "bytes_per_token", "pool_bytes", "num_layers", "num_kv_heads", "num_heads", "head_dim", "vocab_size", "max_model_len", "eos_token_ids", "device", "attention_backend", "kv_scales", "sliding_window", "attention_sinks", "kv_store", "role", "sliding_group_pages", "sliding_group_window", "sliding_group_bytes_per_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,9 @@ class WorkerInfo(_message.Message):
     ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_GROUP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_GROUP_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_GROUP_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     model_name: str
@@ -130,7 +135,10 @@ class WorkerInfo(_message.Message):
     attention_sinks: int
     kv_store: bool
     role: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., kv_store: _Optional[bool] = ..., role: _Optional[str] = ...) -> None: ...
+    sliding_group_pages: int
+    sliding_group_window: int
+    sliding_group_bytes_per_token: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., kv_store: _Optional[bool] = ..., role: _Optional[str] = ..., sliding_group_pages: _Optional[int] = ..., sliding_group_window: _Optional[int] = ..., sliding_group_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class PullOrder(_message.Message):
     __slots__ = ("req_id", "epoch", "source_worker_id", "source_epoch", "source_address", "lease_expires_ms", "loads", "traceparent")
