@@ -4,6 +4,10 @@ Plain Python like the rest of the domain. Reads (``stats``, ``list_tenants``, ``
 ``page_table``) change nothing at all: no ref_cnt, LRU order, counter, logical clock or ``mgr.changes``.
 Mutations (``evict_tenant``, ``pin``, ``unpin``, ``reset``, ``forget_worker``) mark ``mgr.changes`` when they
 change something, so that the service logs the call (one that changed nothing is not logged).
+
+A grouped pool (page groups, manager.py): its counts and blocks here are its full layers' (PoolStats has no
+fields for the sliding group yet); a probe counts the joint hit (placement.py), page_table shows the sliding
+group's table too, and evict_tenant evicts the tenant's blocks in both groups.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from kvserve.common.pages import HOLE
 from kvserve.common.tokens import check_token_ids
 from kvserve.common.wire.pages import MAX_PIN_TTL_S
 from kvserve.kvmanager.errors import RequestsRunning, UnknownTenant
-from kvserve.kvmanager.hashing import hex_hash, iter_chain_hashes
+from kvserve.kvmanager.hashing import chain_hashes, hex_hash, iter_chain_hashes
 from kvserve.kvmanager.manager import KVManager
+from kvserve.kvmanager.placement import joint_hit
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.state import TenantCounters
 from kvserve.kvmanager.step_validate import check_tenant
@@ -214,6 +219,7 @@ class PageTable:
     num_prompt_tokens: int
     last_step_id: int
     page_size: int
+    group_page_table: list[int] = field(default_factory=list)  # a grouped pool: the sliding layers' table
 
 
 @dataclass(slots=True)
@@ -379,6 +385,15 @@ def _prefix_blocks(mgr: KVManager, pool: PagePool, tenant: str, token_ids: tuple
     return pool.longest_prefix(iter_chain_hashes(pool.seed_for(tenant), token_ids, ps))
 
 
+def _cached_tokens(mgr: KVManager, pool: PagePool, tenant: str, token_ids: tuple[int, ...]) -> int:
+    """The prompt's leading tokens the pool holds; a grouped pool: its joint hit (placement.py)."""
+    ps = pool.spec.page_size
+    n = len(_prefix_blocks(mgr, pool, tenant, token_ids))
+    if pool.group is not None:
+        n = joint_hit(pool.group, chain_hashes(pool.group.seed_for(tenant), token_ids[:n * ps], ps))
+    return n * ps
+
+
 def probe(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str = "") -> ProbeResult:
     """Leading tokens of a prompt in cached full pages, per pool. No side effect of any kind.
 
@@ -386,7 +401,7 @@ def probe(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: st
     """
     check_tenant(tenant)
     check_token_ids("", token_ids)
-    hits = [ProbeHit(p.spec.worker_id, p.spec.epoch, len(_prefix_blocks(mgr, p, tenant, token_ids)) * p.spec.page_size)
+    hits = [ProbeHit(p.spec.worker_id, p.spec.epoch, _cached_tokens(mgr, p, tenant, token_ids))
             for p in _pools_in_scope(mgr, worker_id)]
     best = max(hits, key=lambda h: h.num_cached_tokens, default=None)  # max keeps the first of equals
     if best is None or best.num_cached_tokens == 0:
@@ -415,7 +430,8 @@ def page_table(mgr: KVManager, req_id: str) -> PageTable:
         pages.append(PageInfo(page_id, pool.ref_cnt[page_id], hex_hash(block.block_hash) if block else "",
                               bool(block and block.pinned), PAGE_SINK if i < num_sinks else PAGE_HELD))
     return PageTable(req.req_id, req.tenant, req.worker_id, req.epoch, list(req.page_table), pages,
-                     req.num_committed_tokens, req.num_prompt_tokens, req.last_step_id, pool.spec.page_size)
+                     req.num_committed_tokens, req.num_prompt_tokens, req.last_step_id, pool.spec.page_size,
+                     list(req.group.page_table) if req.group is not None else [])
 
 
 # -- mutations ----------------------------------------------------------------------------------------------
@@ -437,7 +453,7 @@ def evict_tenant(mgr: KVManager, tenant: str, worker_id: str = "", include_pinne
             mgr.mark_pinned(h, False)
         mgr.changes.changed |= bool(doomed)
     evicted = kept = 0
-    for pool in pools:
+    for pool in [*pools, *(p.group for p in pools if p.group is not None)]:
         # In page order, not the index's: pages join the free list (and unpinned blocks the LRU) in this order,
         # which later allocations see, and the index's insertion order is not the same after a restart.
         for block in sorted((b for b in pool.index.values() if b.tenant == tenant), key=lambda b: b.page_id):

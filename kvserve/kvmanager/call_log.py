@@ -11,7 +11,7 @@ and same calls give the same pages, hits and answers (the restart tests check ex
     <prefix>:log:<g>   the records after snapshot g, oldest first: a JSON header {"k": kind, ...}, then, for a
                        step, its token ids as little-endian uint16 or uint32 (see encode). Kinds:
                        step      a StepPages call (its window releases in the header)
-                       register  a RegisterWorker call
+                       register  a RegisterWorker call (its whole PoolSpec, page groups included)
                        admin     an admin mutation (evict_tenant, pin, unpin, forget_worker; a reset is a snapshot)
                        join      a worker joined: its pool registered, its member record (address) set
                        drain     a member's draining flag changed

@@ -21,16 +21,29 @@ its capacity (none with the tier off); its LRU holds exactly its unpinned entrie
 
 A hole (HOLE, a page its sliding window released) holds nothing and counts for no page. Holes exist only on
 pools with a window, never among the sink pages, and never at the end of a page table (the next token's page).
+
+Page groups: a grouped pool's sliding group (pool.group) is checked as a pool of its own against the requests'
+group tables (holes allowed there, never in their full layers' tables). A request on a grouped pool has a group
+record and no other request has one; its group chain is as long as its full chain, under the group's seed.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
 from kvserve.common.pages import HOLE
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.pool import PagePool
+from kvserve.kvmanager.pool import PagePool, group_spec
 from kvserve.kvmanager.state import RequestPages
+
+
+class _Table(NamedTuple):
+    """What the pool checks read of a request: a sliding group's checks see its group table as its table."""
+
+    req_id: str
+    tenant: str
+    page_table: list[int]
 
 
 def check_invariants(mgr: KVManager) -> None:
@@ -51,15 +64,31 @@ def check_invariants(mgr: KVManager) -> None:
     for worker_id, pool in mgr.pools.items():
         assert pool.spec.worker_id == worker_id, f"pool under {worker_id!r} is {pool.spec.worker_id!r}"
         _check_pool(pool, by_worker[worker_id], _held_for_pulls(mgr, pool))
+        _check_group(pool, by_worker[worker_id])
     for tenant, counters in mgr.tenants.items():
         assert 0 <= counters.prefix_cache_hits <= counters.prefix_cache_queries, f"tenant {tenant!r}: {counters}"
     _check_tier(mgr)
     _check_pins(mgr)
 
 
+def _check_group(pool: PagePool, live: list[RequestPages]) -> None:
+    w, group = pool.spec.worker_id, pool.group
+    assert (group is not None) == pool.spec.grouped, f"{w}: a sliding group iff the spec has one"
+    assert all((r.group is not None) == pool.spec.grouped for r in live), f"{w}: a request without its group"
+    if group is None:
+        return
+    assert group.spec == group_spec(pool.spec) and group.group is None, f"{w}: a sliding group of another spec"
+    for r in live:
+        g = r.group
+        assert len(g.block_hashes) == len(r.block_hashes), f"{w}: {r.req_id!r}'s group chain is not its chain"
+        assert g.seed == group.seed_for(r.tenant), f"{w}: {r.req_id!r}'s group seed is not its group's"
+        assert HOLE not in r.page_table, f"{w}: {r.req_id!r} has a hole in its full layers' table"
+    _check_pool(group, [_Table(r.req_id, r.tenant, r.group.page_table) for r in live], {})
+
+
 def _check_pins(mgr: KVManager) -> None:
     pins = mgr.pins
-    for pool in mgr.pools.values():
+    for pool in [*mgr.pools.values(), *(p.group for p in mgr.pools.values() if p.group is not None)]:
         for h, block in pool.index.items():
             assert block.pinned == (h in pins), (f"{pool.spec.worker_id}: block {h.hex()} pinned={block.pinned} "
                                                  f"but {'in' if h in pins else 'not in'} the pin table")

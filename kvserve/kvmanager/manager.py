@@ -25,6 +25,19 @@ call, logged with it, so a replay takes and lapses the same pins.
 
 A release turns page table entries into holes (HOLE): the page is released as a free releases it (ref_cnt - 1;
 at 0 it joins the LRU if it holds a block, else the free list), and the request's later ops skip its holes.
+
+Page groups (PoolSpec.grouped, issue 42: a model mixing full-attention and sliding-window layers): the pool holds
+the full layers' pages and its ``group`` the sliding layers' (pool.py), each request a page table in each
+(RequestPages.group). Both tables mean the same positions (index i: [i * page_size, (i + 1) * page_size)):
+
+    full     page_table        [ 7 | 8 | 9 | 3 | 4 ]   dense: never released
+    sliding  group_page_table  [ - | - | 2 | 0 | 5 ]   a windowed table: holes (-) out of the window
+
+Allocation takes the joint prefix hit (placement.py: a token is cached only when every group holds what reading
+it needs), the full group as a dense pool, the sliding group as a windowed one, atomically (short in either:
+nothing taken). Extensions grow both tables, commits index the same token blocks in both (each group under its
+own chain), releases name indices of the sliding group's table, frees release both. Pins keep the full group's
+chain only; grouped pools have no peers, no shared tier and role "both".
 """
 
 from __future__ import annotations
@@ -32,7 +45,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from itertools import repeat
 
-from kvserve.common.errors import InvalidRequest, StaleEpoch
+from kvserve.common.errors import StaleEpoch
 from kvserve.common.pages import HOLE, num_pages_for
 from kvserve.common.wire.pages import (
     OpStatus,
@@ -54,14 +67,15 @@ from kvserve.common.wire.pages import (
     StoreWriteOrder,
 )
 from kvserve.common.wire.tier import PAGE_VALUE_HEADER_BYTES, StoreLoad, StoreWrite, TierReport
-from kvserve.common.wire.transfer import DEFAULT_LEASE_MS, ROLES, UNCOMMITTED_BLOCK, PeerLoad, TransferDone
+from kvserve.common.wire.transfer import DEFAULT_LEASE_MS, UNCOMMITTED_BLOCK, PeerLoad, TransferDone
 from kvserve.kvmanager.errors import UnknownRequest, UnknownWorker
 from kvserve.kvmanager.fair_share import FairShare
 from kvserve.kvmanager.hashing import chain_hashes
 from kvserve.kvmanager.pins import PinTable
-from kvserve.kvmanager.placement import Placement, fit, place
+from kvserve.kvmanager.placement import Fit, Placement, fit, place
 from kvserve.kvmanager.pool import Block, PagePool
-from kvserve.kvmanager.state import Changes, RequestPages, TenantCounters
+from kvserve.kvmanager.spec_checks import check_roles, check_spec
+from kvserve.kvmanager.state import Changes, GroupPages, RequestPages, TenantCounters
 from kvserve.kvmanager.step_validate import validate_step
 from kvserve.kvmanager.tenants import CachePolicy
 from kvserve.kvmanager.tier import StoreIndex
@@ -107,8 +121,8 @@ class KVManager:
 
         Raises InvalidRequest (bad sizes), StaleEpoch (older epoch, or a changed pool under the same epoch).
         """
-        _check_spec(spec)
-        _check_roles(self.pools, spec)
+        check_spec(spec)
+        check_roles(self.pools, spec)
         old = self.pools.get(spec.worker_id)
         if old is not None:
             if spec.epoch < old.spec.epoch:
@@ -239,7 +253,8 @@ class KVManager:
 
     def mark_pinned(self, block_hash: bytes, pinned: bool) -> None:
         """Sets the pin flag of a block in every pool that holds it and in the tier. Unpinned, it counts as used
-        now (a reload orders the LRUs by last_used)."""
+        now (a reload orders the LRUs by last_used). Sliding groups are not searched: their chains are their own
+        (their seeds include their window), so no pin names their blocks."""
         for pool in self.pools.values():
             block = pool.index.get(block_hash)
             if block is not None and block.pinned != pinned:
@@ -332,6 +347,8 @@ class KVManager:
         req = RequestPages(op.req_id, op.tenant, spec.worker_id, spec.epoch, table, seed,
                            [b.block_hash for b in own], len(op.token_ids), num_committed, op.skip_prefix_cache,
                            pins=op.pins)
+        if pool.group is not None:
+            req.group = self._allocate_group(pool.group, op, chosen)
         if peer:
             req.transfer = self._hold(hits.source, [pulled[i - len(own)] for i in filled if i < first_stored],
                                       [partial[1]] if partial is not None else [])
@@ -358,7 +375,23 @@ class KVManager:
         if req.transfer is not None:
             result.peer_loads, result.peer_worker_id = peer, req.transfer.worker_id
             result.peer_epoch, result.lease_expires_ms = req.transfer.epoch, req.transfer.expires_ms
+        if req.group is not None:
+            result.group_page_table = list(req.group.page_table)
         return result
+
+    def _allocate_group(self, group: PagePool, op: PageAllocation, chosen: Fit) -> GroupPages:
+        """A grouped allocation's sliding layers' pages, as fit planned them: of the hit, the pages its first
+        chunk reads (the others are holes), then fresh pages. Its chain is the hit's, held or not."""
+        hashes = chosen.hits.group_hashes
+        table = [HOLE] * len(hashes)
+        blocks = [group.index[hashes[i]] for i in chosen.group_held]
+        for i, block in zip(chosen.group_held, blocks, strict=True):
+            table[i] = block.page_id
+        group.acquire([b.page_id for b in blocks])
+        self._touch(blocks)
+        table += group.allocate(chosen.group_num_fresh, op.tenant, self.fair)
+        group.num_requests += 1
+        return GroupPages(table, group.seed_for(op.tenant), list(hashes))
 
     # -- transfers ----------------------------------------------------------------------------------------
     def _partial_page(self, op: PageAllocation, moving, chosen, pool: PagePool) -> tuple[int, int] | None:
@@ -425,6 +458,8 @@ class KVManager:
             return PageExtensionResult(op.req_id, OpStatus.STALE_EPOCH)
         req = self.requests[op.req_id]
         pool = self.pools[req.worker_id]
+        if req.group is not None:
+            return self._extend_grouped(op, req, pool)
         need = num_pages_for(op.num_tokens, pool.spec.page_size) - len(req.page_table)
         if need <= 0:
             return PageExtensionResult(op.req_id, OpStatus.OK, [], len(req.page_table))
@@ -435,6 +470,24 @@ class KVManager:
         req.page_table.extend(fresh)
         self.changes.changed = True
         return PageExtensionResult(op.req_id, OpStatus.OK, fresh, len(req.page_table))
+
+    def _extend_grouped(self, op: PageExtension, req: RequestPages, pool: PagePool) -> PageExtensionResult:
+        """Both tables to cover op.num_tokens, atomically: short in either group, nothing is taken."""
+        group, num_pages = pool.group, num_pages_for(op.num_tokens, pool.spec.page_size)
+        need = max(0, num_pages - len(req.page_table))
+        group_need = max(0, num_pages - len(req.group.page_table))
+        if not need and not group_need:
+            return PageExtensionResult(op.req_id, OpStatus.OK, [], len(req.page_table))
+        short = max(need - pool.available(), group_need - group.available())
+        if short > 0:
+            return PageExtensionResult(op.req_id, OpStatus.OUT_OF_PAGES, [], len(req.page_table), short)
+        fresh = pool.allocate(need, req.tenant, self.fair) if need else []
+        group_fresh = group.allocate(group_need, req.tenant, self.fair) if group_need else []
+        req.page_table.extend(fresh)
+        req.group.page_table.extend(group_fresh)
+        self.changes.changed = True
+        return PageExtensionResult(op.req_id, OpStatus.OK, fresh, len(req.page_table),
+                                   group_new_page_ids=group_fresh)
 
     def _commit(self, op: PageCommit) -> PageCommitResult:
         if op.req_id in self.stale:
@@ -448,14 +501,7 @@ class KVManager:
             hashes = req.block_hashes
             prev = hashes[-1] if hashes else req.seed
             new = chain_hashes(prev, op.token_ids, page_size)
-            first, clock, k = len(hashes), self.clock, len(new)
-            pages = req.page_table[first:first + k]
-            blocks = list(map(Block, new, [prev, *new[:-1]], repeat(req.tenant, k), pages, range(first, first + k),
-                              range(clock + 1, clock + k + 1)))
-            self.clock += k
-            if HOLE in pages:  # a late commit of pages its window released: the chain goes on, without their blocks
-                blocks = [b for b in blocks if b.page_id != HOLE]
-            added = pool.cache_blocks(blocks)
+            added = self._cache_chain(pool, req.tenant, req.page_table, prev, new, len(hashes))
             if self.pins:  # a block pinned while elsewhere (another pool, the tier) is pinned here too
                 for b in added:
                     if b.block_hash in self.pins:
@@ -463,12 +509,33 @@ class KVManager:
             if pool.spec.kv_store and self.tier.enabled:
                 self._order_writes(pool, req, added)
             hashes.extend(new)
+            if req.group is not None:  # the same token blocks, in the sliding group under its own chain
+                g = req.group
+                prev = g.block_hashes[-1] if g.block_hashes else g.seed
+                new = chain_hashes(prev, op.token_ids, page_size)
+                self._cache_chain(pool.group, req.tenant, g.page_table, prev, new, len(g.block_hashes))
+                g.block_hashes.extend(new)
         req.num_committed_tokens += len(op.token_ids)
         self.fair.touch(req.tenant)
         self.changes.changed = True
         return PageCommitResult(op.req_id, OpStatus.OK, req.num_committed_tokens, self._take_pins(req, pool))
 
+    def _cache_chain(self, pool: PagePool, tenant: str, table: list[int], prev: bytes, new: list[bytes],
+                     first: int) -> list[Block]:
+        """Indexes a chain's new blocks ``new`` (after ``prev``, from block ``first``) in the pages of ``table``
+        at their positions, one clock tick each. Returns those indexed."""
+        clock, k = self.clock, len(new)
+        pages = table[first:first + k]
+        blocks = list(map(Block, new, [prev, *new[:-1]], repeat(tenant, k), pages, range(first, first + k),
+                          range(clock + 1, clock + k + 1)))
+        self.clock += k
+        if HOLE in pages:  # a late commit of pages its window released: the chain goes on, without their blocks
+            blocks = [b for b in blocks if b.page_id != HOLE]
+        return pool.cache_blocks(blocks)
+
     # -- pins -------------------------------------------------------------------------------------------
+    # Pins follow the full layers' chain (a grouped pool's full group): a pin keeps the full layers' blocks; the
+    # sliding group's blocks are never pinned, so a pinned prefix may lose its hit when its window's blocks go.
     def _take_pins(self, req: RequestPages, pool: PagePool) -> int:
         """Pins the request's chain as far as its pins reach and its chain goes, each block with the longest TTL
         of the pins covering it, until its tenant's pin budget is spent. Returns its pinned prompt tokens."""
@@ -530,26 +597,33 @@ class KVManager:
             return PageFreeResult(op.req_id, OpStatus.OK)  # freeing twice is harmless
         self._end_transfer(req)
         pool = self.pools[req.worker_id]
-        # Tail first: the chain's end is evicted first. Blocks joining the LRU get their place in it stamped.
-        pages = reversed(req.page_table)
-        if HOLE in req.page_table:  # what its window released is not held any more
+        self._release_table(pool, req.page_table)
+        if req.group is not None:
+            self._release_table(pool.group, req.group.page_table)
+        self.changes.changed = True
+        return PageFreeResult(op.req_id, OpStatus.OK)
+
+    def _release_table(self, pool: PagePool, table: list[int]) -> None:
+        """A freed request's pages in one pool. Tail first: the chain's end is evicted first. Blocks joining the
+        LRU get their place in it stamped."""
+        pages = reversed(table)
+        if HOLE in table:  # what its window released is not held any more
             pages = [p for p in pages if p != HOLE]
         self._touch(pool.release(pages))
         pool.num_requests -= 1
-        self.changes.changed = True
-        return PageFreeResult(op.req_id, OpStatus.OK)
 
     def _release(self, op: PageRelease) -> PageReleaseResult:
         if op.req_id in self.stale:
             return PageReleaseResult(op.req_id, OpStatus.STALE_EPOCH)
         req = self.requests[op.req_id]
-        table = req.page_table
+        pool, table = self.pools[req.worker_id], req.page_table
+        if req.group is not None:  # a grouped pool: only the sliding layers' pages fall out of a window
+            pool, table = pool.group, req.group.page_table
         pages = [table[i] for i in op.page_indices if table[i] != HOLE]  # in the order given; each index once
         if not pages:
             return PageReleaseResult(op.req_id, OpStatus.OK, 0)
         for i in op.page_indices:
             table[i] = HOLE
-        pool = self.pools[req.worker_id]
         self._touch(pool.release(pages))  # committed pages join the LRU still indexed: they can still be hit
         pool.num_window_released += len(pages)
         self.changes.changed = True
@@ -576,50 +650,3 @@ class KVManager:
             raise UnknownWorker(f"every {what} is draining or gone: nowhere to place a new request")
         return place(pools, tenant, token_ids, num_queued, self.load_penalty_pages, self.tier,
                      self.pools if pull_peers else None)
-
-
-MAX_POOL_PAGES = 1 << 24  # ~0.9 GB of bookkeeping here; an H200 of SmolLM2 K/V holds ~0.4M pages of 16 tokens
-MAX_PAGE_SIZE = 1 << 16
-
-
-def _check_spec(spec: PoolSpec) -> None:
-    if not spec.worker_id:
-        raise InvalidRequest("worker_id must not be empty")
-    for name in ("epoch", "num_pages", "page_size", "bytes_per_token"):
-        if getattr(spec, name) <= 0:
-            raise InvalidRequest(f"{name} must be > 0, got {getattr(spec, name)}")
-    if spec.num_pages > MAX_POOL_PAGES or spec.page_size > MAX_PAGE_SIZE:
-        raise InvalidRequest(f"a pool of {spec.num_pages} pages of {spec.page_size} tokens is past what the "
-                             f"kvmanager tracks ({MAX_POOL_PAGES} pages of at most {MAX_PAGE_SIZE} tokens)")
-    if spec.bytes_per_token * spec.page_size * spec.num_pages >= 1 << 63:
-        raise InvalidRequest(f"the pool's size in bytes ({spec.bytes_per_token} bytes per token) does not fit "
-                             "in an int64")
-    if not spec.model_fingerprint or not spec.kv_dtype:
-        raise InvalidRequest("model_fingerprint and kv_dtype must not be empty")
-    spec.attention_window()  # raises InvalidRequest for bad window or sinks settings
-    if spec.role not in ROLES:
-        raise InvalidRequest(f"worker {spec.worker_id!r}: role {spec.role!r} is not one of {', '.join(ROLES)}")
-
-
-# What a prefill worker and a decode worker must share: the decode worker reads the pages the prefill wrote.
-SHARED_BY_ROLES = ("model_fingerprint", "kv_dtype", "kv_scales", "page_size", "sliding_window", "attention_sinks",
-                   "bytes_per_token")
-
-
-def _check_roles(pools: dict[str, PagePool], spec: PoolSpec) -> None:
-    """A prefill or decode worker's pool must be of the same format as every other prefill or decode worker's
-    (a "both" worker is not constrained: its requests' pages never move). Raises InvalidRequest naming both
-    workers and what differs."""
-    if spec.role == "both":
-        return
-    for worker_id in sorted(pools):
-        other = pools[worker_id].spec
-        if worker_id == spec.worker_id or other.role == "both":
-            continue
-        differ = [f"{name} {getattr(spec, name)!r} on {spec.worker_id!r}, {getattr(other, name)!r} on {worker_id!r}"
-                  for name in SHARED_BY_ROLES if getattr(spec, name) != getattr(other, name)]
-        if differ:
-            raise InvalidRequest(f"prefill and decode workers must share {', '.join(SHARED_BY_ROLES)}: worker "
-                                 f"{spec.worker_id!r} ({spec.role}) is not compatible with the registered worker "
-                                 f"{worker_id!r} ({other.role}): {'; '.join(differ)}")
-

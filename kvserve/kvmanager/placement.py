@@ -13,6 +13,19 @@ pool hit: cheap to move, but not free like a page the pool holds. So a busy work
 worker that pulls it, once the busy one's queue outweighs half the prefix.
 The gateway asks Place when a request arrives and queues it on that worker; its allocation then names the
 worker (``fit`` only looks at that pool), so the ranking runs in one place.
+
+A grouped pool (page groups: full layers and sliding layers, pool.py) has no peer or store hits, and is no peer
+of another pool. Its prefix hit is the joint one (grouped_hits): a token counts as cached only when every group
+holds what reading it needs. The full group gives m, its longest run of chain blocks; the hit is the largest
+n <= m such that every block the first query at n * page_size reads in the sliding group (its window's pages
+below n) is in the sliding group's index under its own chain::
+
+    page_size 4, window 8, m = 5:  full  [0][1][2][3][4]      sliding  [0][ ][2][3][4]   (block 1 evicted)
+    n = 5: the query at 20 reads sliding pages 3, 4 -> held: n = 5 (block 1 is out of its window)
+    had sliding block 3 gone instead: the queries at 20 and 16 read page 3, the one at 12 pages 1, 2: n = 3
+
+A sliding block out of the window may be evicted without shortening the hit; a missing block in the window, or
+in the full group anywhere before n, shortens it.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ from kvserve.common.pages import num_pages_for
 from kvserve.common.tokens import check_token_ids
 from kvserve.common.wire.pages import PageAllocation
 from kvserve.kvmanager.errors import UnknownWorker
-from kvserve.kvmanager.hashing import iter_chain_hashes
+from kvserve.kvmanager.hashing import chain_hashes, iter_chain_hashes
 from kvserve.kvmanager.pool import Block, PagePool
 from kvserve.kvmanager.step_validate import check_tenant
 from kvserve.kvmanager.tier import StoreIndex
@@ -46,6 +59,7 @@ class Hits:
     pulled: list[Block] = field(default_factory=list)
     source: PagePool | None = None
     stored: list[bytes] = field(default_factory=list)
+    group_hashes: list[bytes] = field(default_factory=list)  # a grouped pool: the sliding group's chain of the hit
 
     @property
     def num(self) -> int:
@@ -57,7 +71,9 @@ def tiered_hits(pool: PagePool, tier: StoreIndex | None, tenant: str, token_ids:
     """The longest prefix of the prompt's cacheable pages found in the pool; past it, the longest run another
     pool of ``peers`` with the same hash chains holds (ties: ``prefer``, then the pool with fewer requests, then
     the smallest worker_id); past that, the longest run of blocks the shared KV tier holds (``tier`` None, or the
-    pool without a store: none)."""
+    pool without a store: none). A grouped pool: its joint hit alone (grouped_hits)."""
+    if pool.group is not None:
+        return grouped_hits(pool, tenant, token_ids)
     page_size = pool.spec.page_size
     seed = pool.seed_for(tenant)
     hashes = iter_chain_hashes(seed, cacheable_prefix(token_ids, page_size), page_size)
@@ -82,13 +98,39 @@ def tiered_hits(pool: PagePool, tier: StoreIndex | None, tenant: str, token_ids:
     return out
 
 
+def grouped_hits(pool: PagePool, tenant: str, token_ids: tuple[int, ...]) -> Hits:
+    """A grouped pool's hit (the rule in the module's docstring): the full group's blocks of it, and the
+    sliding group's chain over it (held or not: its later commits continue the chain)."""
+    page_size = pool.spec.page_size
+    prefix = cacheable_prefix(token_ids, page_size)
+    full = pool.longest_prefix(iter_chain_hashes(pool.seed_for(tenant), prefix, page_size))
+    hashes = chain_hashes(pool.group.seed_for(tenant), prefix[:len(full) * page_size], page_size)
+    n = joint_hit(pool.group, hashes)
+    return Hits(full[:n], group_hashes=hashes[:n])
+
+
+def joint_hit(group: PagePool, hashes: list[bytes]) -> int:
+    """The largest n <= len(hashes) such that the sliding group's index holds every block the query at
+    n * page_size reads below n (its window: the group has no sinks). A missing block j in that window rules out
+    every n' in (j, n] too (their windows start no later), so the next candidate is j: one pass from the end."""
+    page_size, window, index = group.spec.page_size, group.window, group.index
+    n = len(hashes)
+    while n:
+        lo = window.first_page_read(n * page_size, page_size)
+        missing = next((i for i in range(n - 1, lo - 1, -1) if hashes[i] not in index), None)
+        if missing is None:
+            return n
+        n = missing
+    return 0
+
+
 def _peer_run(pool: PagePool, peers: Mapping[str, PagePool], tenant: str, seed: bytes, hashes: list[bytes],
               prefer: str) -> tuple[PagePool | None, list[Block]]:
     best, best_key, best_run = None, None, []
     for worker_id in sorted(peers):
         q = peers[worker_id]
-        if q is pool or q.seed_for(tenant) != seed:
-            continue
+        if q is pool or q.group is not None or q.seed_for(tenant) != seed:  # a grouped pool's pages hold only
+            continue  # its full layers
         run, index = [], q.index
         for h in hashes:
             block = index.get(h)
@@ -133,6 +175,8 @@ class Fit:
     held: list[int] = field(default_factory=list)
     num_fresh: int = 0
     num_pages_short: int = 0
+    group_held: list[int] = field(default_factory=list)  # a grouped pool: held and num_fresh in its sliding group
+    group_num_fresh: int = 0
 
 
 def allocation_plan(pool: PagePool, num_hits: int, op: PageAllocation) -> tuple[list[int], int]:
@@ -150,6 +194,8 @@ def allocation_plan(pool: PagePool, num_hits: int, op: PageAllocation) -> tuple[
 
 def fit(pool: PagePool, op: PageAllocation, tier: StoreIndex | None = None,
         peers: Mapping[str, PagePool] | None = None) -> Fit:
+    if pool.group is not None:
+        return _fit_grouped(pool, op)
     if op.skip_prefix_cache:
         hits = Hits()
     else:
@@ -162,6 +208,20 @@ def fit(pool: PagePool, op: PageAllocation, tier: StoreIndex | None = None,
     need += sum(1 for i in held if i >= own)  # a peer or store hit it reads takes a fresh page to fill
     available = pool.available([hits.pool[i].page_id for i in held if i < own])
     return Fit(hits, held, need) if available >= need else Fit(num_pages_short=need - available)
+
+
+def _fit_grouped(pool: PagePool, op: PageAllocation) -> Fit:
+    """A grouped pool's allocation: the full group as a dense pool, the sliding group as a windowed one
+    (allocation_plan), both over the joint hit. Short in either: the larger shortage, and it fits not now."""
+    hits = Hits() if op.skip_prefix_cache else grouped_hits(pool, op.tenant, op.token_ids)
+    group = pool.group
+    held, need = allocation_plan(pool, hits.num, op)
+    group_held, group_need = allocation_plan(group, hits.num, op)
+    short = max(need - pool.available([b.page_id for b in hits.pool]),
+                group_need - group.available([group.index[hits.group_hashes[i]].page_id for i in group_held]))
+    if short > 0:
+        return Fit(num_pages_short=short)
+    return Fit(hits, held, need, group_held=group_held, group_num_fresh=group_need)
 
 
 @dataclass(frozen=True, slots=True)

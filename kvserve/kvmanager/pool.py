@@ -12,12 +12,17 @@ free pages first (FIFO), then evicts cached pages: the tenant fair_share.py pick
 used one (a tenant at its cap gives up its own first, before any free page). Both structures are O(1) per
 page: a deque and a TenantLRU (an OrderedDict per tenant, so a page can leave the middle of its LRU when a
 request hits it).
+
+Page groups (PoolSpec.grouped: a model mixing full-attention and sliding-window layers): the pool holds the full
+layers' pages, and ``group`` is a second PagePool of its own page ids for the sliding layers' pages, with the
+group's window (group_spec). Each group has its own ref_cnts, free list, LRU and index; the sliding group's seed
+includes its window, so its hash chains are its own.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvserve.common.wire.pages import PoolSpec
 from kvserve.kvmanager.fair_share import FairShare, TenantLRU, pool_limits
@@ -37,9 +42,19 @@ class Block:
     pinned: bool = False  # under a pin of the manager's PinTable (pins.py): not evictable
 
 
+def group_spec(spec: PoolSpec) -> PoolSpec:
+    """The sliding layers' pool of a grouped spec: the same worker, epoch, model, dtype, scales and page size,
+    its own pages, bytes per token and window."""
+    return replace(spec, num_pages=spec.sliding_group_pages, bytes_per_token=spec.sliding_group_bytes_per_token,
+                   sliding_window=spec.sliding_group_window, attention_sinks=0, sliding_group_pages=0,
+                   sliding_group_window=0, sliding_group_bytes_per_token=0)
+
+
 class PagePool:
     def __init__(self, spec: PoolSpec):
         self.spec = spec
+        # A grouped pool: the sliding layers' pages, a pool of their own (this one holds the full layers')
+        self.group: PagePool | None = PagePool(group_spec(spec)) if spec.grouped else None
         self.window = spec.attention_window()  # which pages its requests keep and which they may release
         self.ref_cnt = [0] * spec.num_pages
         self.block_of: list[Block | None] = [None] * spec.num_pages
@@ -211,16 +226,22 @@ class PagePool:
         self.usage[tenant] -= 1
 
     def recount_owners(self, requests) -> None:
-        """Owners and usage from the blocks and the live requests' page tables (after a snapshot's load)."""
+        """Owners and usage from the blocks and the live requests' page tables (after a snapshot's load), in the
+        group's pool too."""
+        mine = [r for r in requests if r.worker_id == self.spec.worker_id and r.epoch == self.spec.epoch]
+        self._recount([(r.tenant, r.page_table) for r in mine])
+        if self.group is not None:
+            self.group._recount([(r.tenant, r.group.page_table) for r in mine])
+
+    def _recount(self, tables: list[tuple[str, list[int]]]) -> None:
         owner = [None] * self.spec.num_pages
         for p, block in enumerate(self.block_of):
             if block is not None:
                 owner[p] = block.tenant
-        for req in requests:
-            if req.worker_id == self.spec.worker_id and req.epoch == self.spec.epoch:
-                for p in req.page_table:
-                    if p >= 0:
-                        owner[p] = req.tenant
+        for tenant, table in tables:
+            for p in table:
+                if p >= 0:
+                    owner[p] = tenant
         self.owner, self.usage = owner, {}
         for tenant in owner:
             if tenant is not None:

@@ -5,7 +5,9 @@ live and stale requests, counters, remembered answers) and the member table, enc
 a pool's blocks column by column, their hashes as one hex string), cut into chunks of CHUNK_BYTES. decode()
 restores exactly what it reads, nothing derived, then check_invariants checks it (never serve from a state that
 could hand out a page twice). A replayed allocation takes the free list's first pages, and must take the pages
-the live kvmanager answered: so the orders are part of the state, like everything else.
+the live kvmanager answered: so the orders are part of the state, like everything else. A grouped pool's
+sliding group is a pool dict of its own under its pool's "group", and a request's group record (its group table,
+seed and chain) under its "group"; both are absent elsewhere, so older snapshots load as they are.
 
 The call log (call_log.py) is cut into generations. Generation g is a snapshot plus the calls made after it::
 
@@ -66,7 +68,7 @@ from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.membership import MemberRecord
 from kvserve.kvmanager.pins import PinTable
 from kvserve.kvmanager.pool import Block, PagePool
-from kvserve.kvmanager.state import RequestPages, TenantCounters
+from kvserve.kvmanager.state import GroupPages, RequestPages, TenantCounters
 from kvserve.kvmanager.tenants import policy_from_dict, policy_to_dict
 from kvserve.kvmanager.tier import StoreEntry, StoreIndex, TierTotals
 from kvserve.kvmanager.transfers import TransferHold, TransferTotals
@@ -180,17 +182,30 @@ def _decode_tier(d: dict, tier: StoreIndex) -> None:
 
 def _pool_dict(pool: PagePool) -> dict:
     blocks = pool.index.values()
-    return {"spec": asdict(pool.spec), "ref_cnt": pool.ref_cnt, "free": list(pool.free),
-            "lru": list(pool.evictable), "num_requests": pool.num_requests, "num_evicted": pool.num_evicted,
-            "num_window_released": pool.num_window_released, "evicted_from": pool.num_evicted_from,
-            "evicted_by": pool.num_evicted_by,
-            "blocks": [b"".join(b.block_hash for b in blocks).hex(), b"".join(b.parent_hash for b in blocks).hex(),
-                       [b.tenant for b in blocks], [b.page_id for b in blocks], [b.block_index for b in blocks],
-                       [b.last_used for b in blocks], [b.pinned for b in blocks]]}
+    d = {"spec": asdict(pool.spec), "ref_cnt": pool.ref_cnt, "free": list(pool.free),
+         "lru": list(pool.evictable), "num_requests": pool.num_requests, "num_evicted": pool.num_evicted,
+         "num_window_released": pool.num_window_released, "evicted_from": pool.num_evicted_from,
+         "evicted_by": pool.num_evicted_by,
+         "blocks": [b"".join(b.block_hash for b in blocks).hex(), b"".join(b.parent_hash for b in blocks).hex(),
+                    [b.tenant for b in blocks], [b.page_id for b in blocks], [b.block_index for b in blocks],
+                    [b.last_used for b in blocks], [b.pinned for b in blocks]]}
+    if pool.group is not None:
+        d["group"] = _pool_dict(pool.group)
+    return d
 
 
 def _decode_pool(p: dict) -> PagePool:
     pool = PagePool(PoolSpec(**p["spec"]))
+    _fill_pool(pool, p)
+    assert (pool.group is None) == ("group" not in p), f"{pool.spec.worker_id}: its sliding group is missing"
+    if pool.group is not None:
+        _fill_pool(pool.group, p["group"])
+        assert pool.group.spec == PoolSpec(**p["group"]["spec"]), f"{pool.spec.worker_id}: a bad sliding group"
+    return pool
+
+
+def _fill_pool(pool: PagePool, p: dict) -> None:
+    """A fresh pool's state, as _pool_dict wrote it."""
     pool.ref_cnt, pool.free = p["ref_cnt"], deque(p["free"])
     pool.num_requests, pool.num_evicted, pool.num_window_released = (
         p["num_requests"], p["num_evicted"], p["num_window_released"])
@@ -205,7 +220,6 @@ def _decode_pool(p: dict) -> PagePool:
         block = pool.block_of[page_id]
         assert block is not None, f"{pool.spec.worker_id}: page {page_id} is in the LRU without a block"
         pool.evictable.add(page_id, block.tenant)
-    return pool
 
 
 def _request_dict(req: RequestPages) -> dict:
@@ -214,16 +228,26 @@ def _request_dict(req: RequestPages) -> dict:
     d["pins"] = [[p.num_tokens, p.ttl_s] for p in req.pins]
     d["last_ops"] = {kind: [step_id, result_dict(result)] for kind, (step_id, result) in req.last_ops.items()}
     d["transfer"] = asdict(req.transfer) if req.transfer is not None else None
+    g = req.group
+    if g is None:
+        del d["group"]
+    else:
+        d["group"] = {"page_table": g.page_table, "seed": g.seed.hex(), "block_hashes": b"".join(g.block_hashes).hex()}
     return d
 
 
+def _split_hashes(joined: str) -> list[bytes]:
+    hashes = bytes.fromhex(joined)
+    return [hashes[i:i + HASH_BYTES] for i in range(0, len(hashes), HASH_BYTES)]
+
+
 def _decode_request(d: dict) -> RequestPages:
-    hashes = bytes.fromhex(d["block_hashes"])
     pins = tuple(PinPoint(*p) for p in d.get("pins", ()))
-    hold = d.get("transfer")
-    return RequestPages(**{**d, "seed": bytes.fromhex(d["seed"]), "pins": pins,
+    hold, g = d.get("transfer"), d.get("group")
+    group = GroupPages(g["page_table"], bytes.fromhex(g["seed"]), _split_hashes(g["block_hashes"])) if g else None
+    return RequestPages(**{**d, "seed": bytes.fromhex(d["seed"]), "pins": pins, "group": group,
                            "transfer": TransferHold(**hold) if hold else None,
-                           "block_hashes": [hashes[i:i + HASH_BYTES] for i in range(0, len(hashes), HASH_BYTES)],
+                           "block_hashes": _split_hashes(d["block_hashes"]),
                            "last_ops": {kind: (step_id, result_from_dict(kind, result))
                                         for kind, (step_id, result) in d["last_ops"].items()}})
 

@@ -6,6 +6,18 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class GroupPages:
+    """A request on a grouped pool, in its sliding layers' pool (PagePool.group): its page table there (index i:
+    positions [i * page_size, (i + 1) * page_size), as in the full layers' table; HOLE where its window released
+    the page or a hit its first chunk does not read) and its chain under the group's seed, as long as the full
+    layers' chain (the same token blocks)."""
+
+    page_table: list[int]
+    seed: bytes  # h_0 of the tenant's namespace in the sliding layers' pool
+    block_hashes: list[bytes]
+
+
+@dataclass(slots=True)
 class RequestPages:
     """A live request: where it runs, its pages, and the hash chain of its committed (or hit) blocks."""
 
@@ -13,7 +25,8 @@ class RequestPages:
     tenant: str
     worker_id: str
     epoch: int
-    page_table: list[int]  # page ids by position; HOLE where its sliding window released the page
+    page_table: list[int]  # page ids by position; HOLE where its sliding window released the page (on a grouped
+    # pool, the full layers' pages: never a hole)
     seed: bytes  # h_0 of the tenant's namespace on this pool
     block_hashes: list[bytes]  # chain of the full pages committed or hit so far, from position 0
     num_prompt_tokens: int
@@ -24,6 +37,7 @@ class RequestPages:
     transfer: object | None = None  # a TransferHold (transfers.py): the source pages its pull reads, held
     # op kind ("allocate", "extend", "commit", "release") -> (step_id, result): replayed for a retried call
     last_ops: dict[str, tuple[int, object]] = field(default_factory=dict)
+    group: GroupPages | None = None  # a grouped pool: its sliding layers' pages; None on other pools
 
     @property
     def last_step_id(self) -> int:

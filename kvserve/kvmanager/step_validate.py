@@ -23,6 +23,7 @@ from kvserve.kvmanager.state import RequestPages
 
 if TYPE_CHECKING:
     from kvserve.kvmanager.manager import KVManager
+    from kvserve.kvmanager.pool import PagePool
 
 
 
@@ -140,10 +141,12 @@ def _check_placed(mgr: KVManager, a: PageAllocation, where: str) -> None:
     if a.chunk_tokens < 0:
         raise InvalidRequest(f"{where}: chunk_tokens must be >= 0 (0 = the whole prompt), got {a.chunk_tokens}")
     _check_pins(where, a)
-    if pool.window.slides and a.chunk_tokens:  # a window's pages at a time: the prompt may outgrow the pool
-        return
-    if num_pages_for(len(a.token_ids), pool.spec.page_size) > pool.spec.num_pages:
-        raise InvalidRequest(f"{where}: {len(a.token_ids)} tokens need more pages than pool {a.worker_id!r} has")
+    for p, what in ((pool, "pool"), (pool.group, "the sliding group of pool")):
+        if p is None or (p.window.slides and a.chunk_tokens):  # a window's pages at a time: it may outgrow p
+            continue
+        if num_pages_for(len(a.token_ids), p.spec.page_size) > p.spec.num_pages:
+            raise InvalidRequest(f"{where}: {len(a.token_ids)} tokens need more pages than {what} "
+                                 f"{a.worker_id!r} has")
 
 
 def _check_pins(where: str, a: PageAllocation) -> None:
@@ -163,16 +166,26 @@ def _check_extend(mgr: KVManager, e: PageExtension, step_id: int, releasing: tup
     _check_not_stale(mgr, e.req_id, "extend", step_id, req)
     if e.num_tokens <= 0:
         raise InvalidRequest(f"extension {e.req_id!r}: num_tokens must be > 0, got {e.num_tokens}")
-    pool = mgr.pools.get(req.worker_id)
-    if req.req_id in mgr.requests and e.num_tokens > pool.spec.num_pages * pool.spec.page_size:
-        # Past the pool's size only with holes: pages its window released, or releases in this call, are not
-        # held (counted only here, so that a dense request's extension never scans its table).
-        table = req.page_table
-        holes = table.count(HOLE) + sum(1 for i in releasing if table[i] != HOLE)
-        if num_pages_for(e.num_tokens, pool.spec.page_size) - holes > pool.spec.num_pages:
-            released = f", {holes} of its pages released" if holes else ""
-            raise InvalidRequest(f"extension {e.req_id!r}: num_tokens {e.num_tokens} exceeds the pool's "
-                                 f"{pool.spec.num_pages * pool.spec.page_size} token slots{released}")
+    if req.req_id not in mgr.requests:
+        return
+    pool = mgr.pools[req.worker_id]
+    if req.group is None:
+        _check_room(e, pool, req.page_table, releasing, "the pool's")
+    else:  # a grouped pool's releases are of the sliding group's table
+        _check_room(e, pool, req.page_table, (), "the pool's")
+        _check_room(e, pool.group, req.group.page_table, releasing, "the sliding group's")
+
+
+def _check_room(e: PageExtension, pool: PagePool, table: list[int], releasing: tuple[int, ...], what: str) -> None:
+    """An extension past the pool's size is only possible with holes: pages its window released, or releases in
+    this call, are not held (counted only here, so that a dense request's extension never scans its table)."""
+    if e.num_tokens <= pool.spec.num_pages * pool.spec.page_size:
+        return
+    holes = table.count(HOLE) + sum(1 for i in releasing if table[i] != HOLE)
+    if num_pages_for(e.num_tokens, pool.spec.page_size) - holes > pool.spec.num_pages:
+        released = f", {holes} of its pages released" if holes else ""
+        raise InvalidRequest(f"extension {e.req_id!r}: num_tokens {e.num_tokens} exceeds {what} "
+                             f"{pool.spec.num_pages * pool.spec.page_size} token slots{released}")
 
 
 def _check_commit(mgr: KVManager, c: PageCommit, step_id: int) -> None:
@@ -195,23 +208,29 @@ def _check_commit(mgr: KVManager, c: PageCommit, step_id: int) -> None:
         raise InvalidRequest(f"{where}: start_pos {c.start_pos} must equal the {req.num_committed_tokens} tokens "
                              f"committed so far")
     end = c.start_pos + len(c.token_ids)
-    if not end <= c.num_computed_tokens <= len(req.page_table) * page_size:
+    num_slots = len(req.page_table) * page_size
+    if req.group is not None:  # its sliding group's table may cover fewer positions (chunked prefill)
+        num_slots = min(num_slots, len(req.group.page_table) * page_size)
+    if not end <= c.num_computed_tokens <= num_slots:
         raise InvalidRequest(f"{where}: need start_pos + len(token_ids) = {end} <= num_computed_tokens = "
-                             f"{c.num_computed_tokens} <= {len(req.page_table) * page_size} slots of its pages")
+                             f"{c.num_computed_tokens} <= {num_slots} slots of its pages")
 
 
 def _check_release(mgr: KVManager, r: PageRelease, step_id: int) -> None:
-    """A release names pages of a live request's table on a windowed pool: never a sink page, never the last
-    page (the next token goes there), each index once. A stale request's release answers STALE_EPOCH."""
+    """A release names pages of a live request's table on a windowed pool (on a grouped pool: of its sliding
+    group's table): never a sink page, never the last page (the next token goes there), each index once. A stale
+    request's release answers STALE_EPOCH."""
     where = f"release {r.req_id!r}"
     req = _live_or_stale(mgr, r.req_id)
     _check_not_stale(mgr, r.req_id, "release", step_id, req)
     if r.req_id in mgr.stale or req.is_replay("release", step_id):
         return
-    pool = mgr.pools[req.worker_id]
+    pool, table = mgr.pools[req.worker_id], req.page_table
+    if req.group is not None:
+        pool, table = pool.group, req.group.page_table
     if not pool.window.slides:
         raise InvalidRequest(f"{where}: pool {req.worker_id!r} has no sliding window: nothing to release")
-    table, num_sinks = req.page_table, pool.num_sink_pages
+    num_sinks = pool.num_sink_pages
     if len(set(r.page_indices)) != len(r.page_indices):
         raise InvalidRequest(f"{where}: a page index appears twice in {list(r.page_indices)}")
     for i in r.page_indices:
