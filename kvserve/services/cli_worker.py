@@ -61,6 +61,21 @@ def add_cuda_flags(p: argparse.ArgumentParser) -> None:
                         "64, the gateway's --max-num-seqs)")
 
 
+def add_page_group_flags(p: argparse.ArgumentParser) -> None:
+    """--page-groups/--no-page-groups and --sliding-group-pages: how a model mixing sliding and full layers keeps
+    its pages (kvserve/worker/page_groups.py)."""
+    from kvserve.services.cli_flags import env_switch, positive_int
+
+    p.add_argument("--page-groups", action=argparse.BooleanOptionalAction, default=env_switch("page_groups", True),
+                   help="for a model mixing sliding-window and full-attention layers (Gemma 3, Qwen2's "
+                        "max_window_layers, a layer_types list), keep the sliding layers' pages in a pool of their "
+                        "own, released as they leave the window (default on; off, or with --kv-store-url, a role "
+                        "other than both or attention sinks: one pool, every page kept, the sliding layers masking)")
+    p.add_argument("--sliding-group-pages", type=positive_int, default=_env("sliding_group_pages"),
+                   help="with page groups, pages of the sliding layers' pool (default: the windows of 256 requests, "
+                        "at most the full layers' pages; the KV budget holds both pools)")
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     from kvserve.services.cli_flags import parse_bytes, positive_int
 
@@ -78,6 +93,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     add_kv_format_flags(p, _env("kv_cache_dtype", "auto"), _env("kv_scales", "token_head"))
     add_window_flags(p, _env("sliding_window", "0"), _env("attention_sinks", "0"))
     add_cuda_flags(p)
+    add_page_group_flags(p)
     p.add_argument("--attention-backend", default=_env("attention_backend", "auto"),
                    choices=["auto", "cpu", "triton", "reference", "flash-attn"],
                    help="auto (default): cpu for float32 on CPU when its C++ module builds, else reference; on "
@@ -193,12 +209,14 @@ def _runner_config(args, **extra):
 
     kv_bytes = int(args.kv_cache_bytes) if args.kv_cache_bytes is not None else None
     num_pages = int(args.num_pages) if args.num_pages is not None else None
+    group_pages = int(args.sliding_group_pages) if args.sliding_group_pages is not None else None
     return RunnerConfig(model_dir=resolve_model(args.model, args.cache_dir), device=args.device, dtype=args.dtype,
                         page_size=args.page_size, kv_cache_bytes=kv_bytes, num_pages=num_pages,
                         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
                         kv_scales=args.kv_scales, sliding_window=args.sliding_window,
                         attention_sinks=args.attention_sinks, cuda_graphs=args.cuda_graphs,
-                        cuda_graph_max_seqs=int(args.cuda_graph_max_seqs), **extra)
+                        cuda_graph_max_seqs=int(args.cuda_graph_max_seqs), page_groups=args.page_groups,
+                        sliding_group_pages=group_pages, **extra)
 
 
 def _make_runner(args, **extra):
@@ -250,7 +268,8 @@ def run_worker(args) -> int:
           f"{i.num_pages} pages x {i.page_size} tokens x {i.bytes_per_token} B/token = {i.pool_bytes} B "
           f"({i.kv_dtype}{scales}); linear weights: {describe_weights(runner.model.weights)}; {describe(binding)}"
           f"{metrics_note(args.host, metrics_port)}{tls_note(tls)}{_member_note(keeper)}{_store_note(runner)}"
-          f"{'; role ' + i.role if i.role != 'both' else ''}",
+          f"{'; role ' + i.role if i.role != 'both' else ''}"
+          f"{'; ' + runner.page_groups_note if runner.page_groups_note else ''}",
           flush=True)
     code = _serve(args, runner, ws, stop, keeper)
     shutdown_tracing()

@@ -48,7 +48,8 @@ class ModelConfig:
     mla: MLAParams | None = None  # multi-head latent attention (DeepSeek-V2/V3): one latent "KV head" of width
     # head_dim = kv_lora_rank + qk_rope_head_dim, no V plane (kvserve/worker/mla_config.py)
     layer_windows: tuple[int, ...] = ()  # per layer when full and sliding layers mix (0 = full attention);
-    # () = every layer attends with sliding_window. A mixed model keeps every page (its sliding_window is 0)
+    # () = every layer attends with sliding_window. A mixed model's sliding_window is 0: its worker keeps the
+    # sliding layers' pages in a group of their own (page_groups.py), or every page in one pool
     gemma: GemmaParams | None = None  # Gemma 3's own constants (kvserve/worker/gemma.py runs it)
     moe: MoEParams | None = None  # routed experts (Qwen3-MoE, DeepSeek; kvserve/worker/moe.py); None: every MLP dense
 
@@ -93,13 +94,14 @@ class ModelConfig:
         """Whether ``layer``'s MLP routes over experts."""
         return self.moe is not None and self.moe.is_moe_layer(layer)
 
-    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
-        """Exact KV-cache bytes of one token: K and V, every layer, every KV head, elements and per-head scale
-        (kvserve kv-mem's formula). MLA: one latent per layer and one scale per layer."""
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0, num_layers: int | None = None) -> int:
+        """Exact KV-cache bytes of one token: K and V, every layer (or ``num_layers`` of them: a page group's),
+        every KV head, elements and per-head scale (kvserve kv-mem's formula). MLA: one latent per layer and one
+        scale per layer."""
+        L = self.num_layers if num_layers is None else num_layers
         if self.mla is not None:
-            L = self.num_layers
             return mla_bytes_per_token(L, self.mla.latent_dim, dtype_bytes) + L * scale_bytes
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes, scale_bytes)
+        return kv_bytes_per_token(L, self.num_kv_heads, self.head_dim, dtype_bytes, scale_bytes)
 
 
 def _layer_windows(raw: dict, model_type: str) -> tuple[int, ...]:

@@ -9,13 +9,16 @@ is captured.) CPU workers never build this: their runner path is unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kvserve.common.attention_window import AttentionWindow
 from kvserve.kernels.paged_attention import build_metadata
 from kvserve.worker.cuda_graphs import DecodeGraphs
+from kvserve.worker.layer_windows import SlidingGroup
 from kvserve.worker.staging import stage, stage_metadata
 
 log = logging.getLogger(__name__)
@@ -26,8 +29,11 @@ class CudaStep:
     """Runs a step's forward pass on the GPU; ``forward`` returns the hidden states of the rows to sample."""
 
     def __init__(self, model, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, page_size: int,
-                 window: AttentionWindow, graphs: bool, max_graph_seqs: int, max_model_len: int):
-        self.model, self.kv_cache, self.kv_scales = model, kv_cache, kv_scales
+                 window: AttentionWindow, graphs: bool, max_graph_seqs: int, max_model_len: int,
+                 sliding: Callable[[Sequence, torch.device], SlidingGroup] | None = None):
+        """``sliding``: with page groups, the sliding layers' side of a step over its items (metadata built on
+        the given device; ModelRunner._sliding); ``kv_cache`` and ``kv_scales`` are then the full layers'."""
+        self.model, self.kv_cache, self.kv_scales, self.sliding = model, kv_cache, kv_scales, sliding
         self.page_size, self.window = page_size, window
         self.device = kv_cache.device
         self.stream = torch.cuda.Stream(self.device)
@@ -36,6 +42,7 @@ class CudaStep:
         why_not = graphs_unavailable(graphs, model.backend.name, window, model.cfg)
         self.graphs = None if why_not else DecodeGraphs(model, kv_cache, kv_scales, page_size, max_graph_seqs,
                                                         max_model_len, capture=True)
+        assert sliding is None or self.graphs is None, "page groups' steps run eagerly (mixed layers)"
         log.info("cuda path: one stream, pinned staging; decode CUDA graphs %s",
                  f"off ({why_not})" if why_not else f"on, buckets {self.graphs.buckets}, captured lazily")
 
@@ -52,7 +59,11 @@ class CudaStep:
         tokens = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.int64)
         last = meta.cu_q_lens[1:][torch.tensor(rows, dtype=torch.int64)] - 1
         meta, (tokens, last) = stage_metadata(meta, [tokens, last], self.device)
-        hidden = self.model.forward(tokens, meta, self.kv_cache, self.kv_scales)
+        groups = []  # page groups: the sliding layers' metadata, staged too (a second copy)
+        if self.sliding is not None:
+            sliding = self.sliding(items, torch.device("cpu"))
+            groups = [dataclasses.replace(sliding, meta=stage_metadata(sliding.meta, [], self.device)[0])]
+        hidden = self.model.forward(tokens, meta, self.kv_cache, self.kv_scales, *groups)
         return hidden.index_select(0, last) if rows else None
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from kvserve.kernels.paged_attention import AttentionMetadata, PagedAttentionBackend
 from kvserve.kernels.rotary import cos_sin_table, inverse_frequencies
 from kvserve.worker.config import ModelConfig
-from kvserve.worker.layer_windows import layer_steps
+from kvserve.worker.layer_windows import SlidingGroup, layer_steps
 from kvserve.worker.model import LlamaDecoder, embedding
 from kvserve.worker.weights import LayerWeights, ModelWeights
 
@@ -68,6 +68,7 @@ class GemmaDecoder(LlamaDecoder):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
         kv_scales: torch.Tensor | None = None,  # [num_layers, 2, num_pages, page_size, num_kv_heads] or None
+        sliding: SlidingGroup | None = None,  # page groups: the sliding layers' pool and metadata (LlamaDecoder's)
     ) -> torch.Tensor:  # [num_tokens, hidden], after the final norm
         assert meta.sink_positions is None, "Gemma 3 is served without attention sinks"
         x = embedding(token_ids, self.weights)
@@ -75,12 +76,12 @@ class GemmaDecoder(LlamaDecoder):
         pos = meta.positions
         ropes = {False: (self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype)),
                  True: (self.local_cos[pos].to(x.dtype), self.local_sin[pos].to(x.dtype))}
-        steps = layer_steps(self.cfg, meta, self.backend.prepare)  # (meta, state) per layer: windows may differ
-        layers, eps, sliding = self.weights.layers, self.cfg.rms_norm_eps, self.cfg.gemma.sliding_layers
+        # per layer (cache, scales, meta, state): windows and pools may differ
+        steps = layer_steps(self.cfg, meta, self.backend.prepare, kv_cache, kv_scales, sliding)
+        layers, eps, local = self.weights.layers, self.cfg.rms_norm_eps, self.cfg.gemma.sliding_layers
         h = gemma_rms_norm(x, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
-            scales = None if kv_scales is None else kv_scales[i]
-            out = self._attention(h, layer, *ropes[sliding[i]], kv_cache[i], scales, *steps[i])
+            out = self._attention(h, layer, *ropes[local[i]], *steps[i])
             h = gemma_rms_norm(x.add_(gemma_rms_norm(out, layer.post_norm, eps)), layer.pre_mlp_norm, eps)
             following = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.final_norm
             h = gemma_rms_norm(x.add_(gemma_rms_norm(self._mlp(h, layer), layer.post_mlp_norm, eps)), following, eps)

@@ -1,5 +1,6 @@
 """The KV page pool: one zero-initialised tensor holding every page of every layer, and for a quantised pool with
-per-(token, kv head) scales, one beside it holding those scales.
+per-(token, kv head) scales, one beside it holding those scales. A worker with page groups (page_groups.py) has
+two such pools, each of its group's layers only (``num_layers``).
 
 Layout ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`` in the pool's element type (float32,
 bfloat16, float16, or the 1-byte int8 / fp8 of kvserve/kernels/kv_quant.py), and the scales
@@ -29,6 +30,7 @@ class PoolSize:
     fmt: KVFormat
     kv_scales: str  # "token_head" or "tensor" for a quantised format, "" for the others
     bytes_per_token: int
+    num_layers: int  # the layers whose K/V it holds: the model's, or a page group's
 
     @property
     def dtype(self) -> torch.dtype:
@@ -67,9 +69,11 @@ def size_pool(
     kv_scales: str = "token_head",
     kv_cache_bytes: int | None = None,
     num_pages: int | None = None,
+    num_layers: int | None = None,
 ) -> PoolSize:
     """Sizes the pool of element type ``kv`` (a torch dtype, a format name or a format) from a byte budget (rounded
     down to whole pages) or an explicit page count. ``kv_scales`` applies to quantised formats only.
+    ``num_layers``: a pool of that many of the model's layers (a page group's; default all of them).
 
     Raises ValueError when neither or both are given, when the budget holds no page, or on an unknown format or
     scale scheme.
@@ -81,14 +85,17 @@ def size_pool(
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
     scales = kv_scales if fmt.quantised else ""
-    per_token = cfg.kv_bytes_per_token(dtype_bytes(fmt.dtype), SCALE_BYTES if scales == "token_head" else 0)
+    num_layers = cfg.num_layers if num_layers is None else num_layers
+    per_token = cfg.kv_bytes_per_token(dtype_bytes(fmt.dtype), SCALE_BYTES if scales == "token_head" else 0,
+                                       num_layers)
     if num_pages is None:
         num_pages = kv_cache_bytes // (per_token * page_size)
     if num_pages <= 0:
         raise ValueError(
             f"the KV budget holds no page: one page of {page_size} tokens needs {per_token * page_size} bytes"
         )
-    return PoolSize(num_pages=num_pages, page_size=page_size, fmt=fmt, kv_scales=scales, bytes_per_token=per_token)
+    return PoolSize(num_pages=num_pages, page_size=page_size, fmt=fmt, kv_scales=scales, bytes_per_token=per_token,
+                    num_layers=num_layers)
 
 
 def kv_planes(cfg: ModelConfig) -> int:
@@ -98,7 +105,7 @@ def kv_planes(cfg: ModelConfig) -> int:
 
 def allocate_pool(cfg: ModelConfig, size: PoolSize, device: torch.device) -> torch.Tensor:
     """The pool's elements, zero-initialised, shaped as in the module docstring."""
-    shape = (cfg.num_layers, kv_planes(cfg), size.num_pages, size.page_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (size.num_layers, kv_planes(cfg), size.num_pages, size.page_size, cfg.num_kv_heads, cfg.head_dim)
     return torch.zeros(shape, dtype=size.dtype, device=device)
 
 
@@ -107,5 +114,5 @@ def allocate_scales(cfg: ModelConfig, size: PoolSize, device: torch.device) -> t
     pool stores none."""
     if not size.stores_scales:
         return None
-    shape = (cfg.num_layers, kv_planes(cfg), size.num_pages, size.page_size, cfg.num_kv_heads)
+    shape = (size.num_layers, kv_planes(cfg), size.num_pages, size.page_size, cfg.num_kv_heads)
     return torch.ones(shape, dtype=torch.float32, device=device)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kvserve.kernels.paged_attention import AttentionMetadata, PagedAttentionBackend
 from kvserve.kernels.rotary import cos_sin_table, inverse_frequencies
 from kvserve.worker.config import ModelConfig
-from kvserve.worker.layer_windows import layer_steps
+from kvserve.worker.layer_windows import SlidingGroup, layer_steps
 from kvserve.worker.moe import feed_forward, pack_moe
 from kvserve.worker.weights import LayerWeights, ModelWeights
 
@@ -109,6 +109,8 @@ class LlamaDecoder:
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
         kv_scales: torch.Tensor | None = None,  # [num_layers, 2, num_pages, page_size, num_kv_heads] or None
+        sliding: SlidingGroup | None = None,  # page groups: the sliding layers' pool and metadata (kv_cache and
+        # kv_scales then hold the full layers only; kvserve/worker/layer_windows.py)
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = embedding(token_ids, self.weights)  # the residual stream: updated in place by add_rms_norm_
         dtype = x.dtype
@@ -118,13 +120,12 @@ class LlamaDecoder:
         sin = self.sin[meta.positions].to(dtype)
         sink_rope = None if meta.sink_positions is None else \
             (self.cos[meta.sink_positions].to(dtype), self.sin[meta.sink_positions].to(dtype))
-        steps = layer_steps(self.cfg, meta, self.backend.prepare)  # (meta, state) per layer: windows may differ
+        # per layer (cache, scales, meta, state): windows and pools may differ
+        steps = layer_steps(self.cfg, meta, self.backend.prepare, kv_cache, kv_scales, sliding)
         b, eps, layers = self.backend, self.cfg.rms_norm_eps, self.weights.layers
         h = b.rms_norm(x, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
-            scales = None if kv_scales is None else kv_scales[i]
-            h = b.add_rms_norm_(x, self._attention(h, layer, cos, sin, kv_cache[i], scales, *steps[i], sink_rope),
-                                layer.post_norm, eps)
+            h = b.add_rms_norm_(x, self._attention(h, layer, cos, sin, *steps[i], sink_rope), layer.post_norm, eps)
             following = layers[i + 1].input_norm if i + 1 < len(layers) else self.weights.final_norm
             h = b.add_rms_norm_(x, self._mlp(h, layer), following, eps)
         return h

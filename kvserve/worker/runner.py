@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.common.attention_window import AttentionWindow
 from kvserve.common.errors import InvalidRequest, StaleEpoch
 from kvserve.common.wire.tier import TierCounters
 from kvserve.common.wire.transfer import check_role
@@ -23,14 +24,16 @@ from kvserve.common.wire.worker import RejectedItem, SampledToken, StepBatch, St
 from kvserve.kernels.backends import get_backend
 from kvserve.kernels.kv_quant import FORMAT_OF_DTYPE, KVFormat, kv_format
 from kvserve.kernels.paged_attention import build_metadata
+from kvserve.worker import page_groups
 from kvserve.worker.config import ModelConfig, resolve_window
 from kvserve.worker.gemma import GemmaDecoder
-from kvserve.worker.kv_pool import allocate_pool, allocate_scales, size_pool
+from kvserve.worker.kv_pool import PoolSize, allocate_pool, allocate_scales, size_pool
+from kvserve.worker.layer_windows import SlidingGroup
 from kvserve.worker.mla import MLADecoder
 from kvserve.worker.model import LlamaDecoder
 from kvserve.worker.sampler import non_finite_rows, sample
 from kvserve.worker.tier import KVTier, store_client
-from kvserve.worker.validate import validate_batch
+from kvserve.worker.validate import SlidingGroupPages, validate_batch
 from kvserve.worker.weights import load_weights, model_fingerprint
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
@@ -60,6 +63,11 @@ class RunnerConfig:
     cuda_graph_max_seqs: int = 64  # the largest decode batch captured (larger ones run eagerly)
     kv_store_url: str = ""  # the shared KV tier's store (a Redis URL, as common/redis_client.py takes); "" = none
     role: str = "both"  # the work the gateway sends it: "prefill", "decode" or "both" (common/wire/transfer.py)
+    # A model mixing sliding and full layers keeps the sliding layers' pages in a pool of their own, released out
+    # of the window (worker/page_groups.py: when it falls back to one pool). Off here, so that drivers handing the
+    # runner one page table per item keep working; `kvserve worker` turns it on unless --no-page-groups.
+    page_groups: bool = False
+    sliding_group_pages: int | None = None  # pages of the sliding layers' pool; None: page_groups.size_groups's
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,17 +135,34 @@ class ModelRunner:
         self.device, self.dtype = resolve_device_dtype(cfg.device, cfg.dtype)
         self.model_cfg = ModelConfig.from_folder(cfg.model_dir)
         self.window = resolve_window(self.model_cfg, cfg.sliding_window, cfg.attention_sinks, cfg.page_size)
-        budget = cfg.kv_cache_bytes
-        if budget is None and cfg.num_pages is None:
-            budget = DEFAULT_KV_CACHE_BYTES
-        self.pool_size = size_pool(self.model_cfg, resolve_kv_format(cfg.kv_cache_dtype, self.dtype), cfg.page_size,
-                                   kv_scales=cfg.kv_scales, kv_cache_bytes=budget, num_pages=cfg.num_pages)
+        self.groups, why_not = page_groups.plan(self.model_cfg, enabled=cfg.page_groups,
+                                                kv_store=bool(cfg.kv_store_url), role=cfg.role,
+                                                sinks=self.window.sinks, page_size=cfg.page_size)
+        self.pool_size, self.group_size = self._size_pools()
+        self.page_groups_note = page_groups.describe(self.groups, why_not, self.group_size)
+        self._group_pages = None if self.groups is None else \
+            SlidingGroupPages(self.group_size.num_pages, AttentionWindow(self.groups.window))  # steps' validation
         self.epoch = time.time_ns()
         self._make_weights = make_weights or (lambda m, dtype, device: load_weights(cfg.model_dir, m, dtype, device))
         self.call(self._load)
         self.tier = self._make_tier() if cfg.kv_store_url else None
         self._seen = threading.local()  # each calling thread's last TierStep, until take_tier_step()
         self.info = self._describe(model_fingerprint(cfg.model_dir) if make_weights is None else "made-weights")
+
+    def _size_pools(self) -> tuple[PoolSize, PoolSize | None]:
+        """The pool (with page groups: the full layers' one) and the sliding layers' pool, or None."""
+        cfg = self.cfg
+        budget = cfg.kv_cache_bytes
+        if budget is None and cfg.num_pages is None:
+            budget = DEFAULT_KV_CACHE_BYTES
+        fmt = resolve_kv_format(cfg.kv_cache_dtype, self.dtype)
+        if self.groups is None:
+            return size_pool(self.model_cfg, fmt, cfg.page_size, kv_scales=cfg.kv_scales, kv_cache_bytes=budget,
+                             num_pages=cfg.num_pages), None
+        return page_groups.size_groups(self.model_cfg, self.groups, fmt, cfg.page_size, kv_scales=cfg.kv_scales,
+                                       kv_cache_bytes=budget, num_pages=cfg.num_pages,
+                                       sliding_group_pages=cfg.sliding_group_pages,
+                                       max_model_len=self.model_cfg.max_position_embeddings)
 
     def _load(self) -> None:
         self._compute_thread = threading.get_ident()
@@ -146,6 +171,10 @@ class ModelRunner:
                               self.pool_size.page_size)
         self.kv_cache = allocate_pool(self.model_cfg, self.pool_size, self.device)
         self.kv_scales = allocate_scales(self.model_cfg, self.pool_size, self.device)
+        self.group_cache = self.group_scales = None
+        if self.group_size is not None:  # page groups: the sliding layers' pool
+            self.group_cache = allocate_pool(self.model_cfg, self.group_size, self.device)
+            self.group_scales = allocate_scales(self.model_cfg, self.group_size, self.device)
         weights = self._make_weights(self.model_cfg, self.dtype, self.device)
         decoder = GemmaDecoder if self.model_cfg.gemma is not None else LlamaDecoder
         if self.model_cfg.mla is not None:  # DeepSeek-V2/V3: multi-head latent attention
@@ -160,13 +189,27 @@ class ModelRunner:
 
         return CudaStep(self.model, self.kv_cache, self.kv_scales, self.pool_size.page_size, self.window,
                         self.cfg.cuda_graphs, self.cfg.cuda_graph_max_seqs,
-                        self.model_cfg.max_position_embeddings)
+                        self.model_cfg.max_position_embeddings, self._sliding if self.groups else None)
+
+    def _sliding(self, items, device: torch.device) -> SlidingGroup | None:
+        """With page groups, the sliding layers' side of a step (its metadata built on ``device``); else None."""
+        if self.groups is None:
+            return None
+        return page_groups.sliding_step(items, self.groups, self.pool_size.page_size, self.group_cache,
+                                        self.group_scales, device)
 
     def _make_tier(self) -> KVTier:
         """The shared KV tier over this pool. It reports to no kvmanager (so writes nothing) until the worker
-        joins one: tier.set_report()."""
+        joins one: tier.set_report(). Never with page groups (page_groups.plan: the store holds every layer)."""
+        assert self.groups is None, "a worker with page groups has no shared KV tier"
         return KVTier(store_client(self.cfg.kv_store_url), self.kv_cache, self.kv_scales, None,
                       self.cfg.worker_id, lambda: self.epoch)
+
+    @property
+    def transfers_off(self) -> str:
+        """Why no page moves to or from another worker ("" when pages may): with page groups a page's K/V is in
+        two pools, and transfers move one (page_groups.plan keeps grouped workers to role both)."""
+        return "it keeps page groups (its sliding layers' K/V in a pool apart)" if self.groups else ""
 
     def close_tier(self, timeout_s: float) -> None:
         """Writes and reports what the tier has queued (for up to ``timeout_s``), then stops it. Call once no
@@ -196,6 +239,9 @@ class ModelRunner:
             device=str(self.device), attention_backend=self.model.backend.name,
             sliding_window=self.window.window, attention_sinks=self.window.sinks, kv_store=self.tier is not None,
             role=self.cfg.role,
+            sliding_group_pages=self.group_size.num_pages if self.group_size else 0,
+            sliding_group_window=self.groups.window if self.groups else 0,
+            sliding_group_bytes_per_token=self.group_size.bytes_per_token if self.group_size else 0,
         )
 
     def renew_epoch(self) -> int:
@@ -219,7 +265,8 @@ class ModelRunner:
         info = self.info
         malformed = validate_batch(batch, vocab_size=info.vocab_size, num_pages=info.num_pages,
                                    page_size=info.page_size, max_model_len=info.max_model_len,
-                                   max_step_tokens=self.cfg.max_step_tokens, window=self.window)
+                                   max_step_tokens=self.cfg.max_step_tokens, window=self.window,
+                                   sliding_group=self._group_pages)
         rejected = [RejectedItem(req_id, message) for req_id, message in malformed.items()]
         items = tuple(i for i in batch.items if i.req_id not in malformed)
         if not items and not batch.store_writes:
@@ -292,7 +339,8 @@ class ModelRunner:
                               [list(i.page_table) for i in items], self.pool_size.page_size, self.device,
                               self.window)
         tokens = torch.tensor([t for i in items for t in i.token_ids], dtype=torch.int64, device=self.device)
-        hidden = self.model.forward(tokens, meta, self.kv_cache, self.kv_scales)
+        sliding = self._sliding(items, self.device)
+        hidden = self.model.forward(tokens, meta, self.kv_cache, self.kv_scales, *([sliding] if sliding else []))
         if not rows:
             return None
         last = meta.cu_q_lens[1:][torch.tensor(rows, device=self.device)] - 1  # last token of each sampled item

@@ -30,7 +30,8 @@ def start_worker_server(runner: ModelRunner, host: str = "127.0.0.1", port: int 
     value_bytes = value_size(runner.kv_cache, runner.kv_scales)
     transfers = PeerTransfers(runner.kv_cache, runner.kv_scales, lambda: runner.epoch,
                               reader or GrpcPageReader(tls, value_bytes, peer_server_name),
-                              written_on=runner.cuda.stream if runner.cuda is not None else None)
+                              written_on=runner.cuda.stream if runner.cuda is not None else None,
+                              unavailable=runner.transfers_off)
     servicer = WorkerServicer(runner, metrics, transfers)
     return start_grpc_server(
         host, port, lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, s),

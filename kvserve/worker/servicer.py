@@ -26,7 +26,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                  transfers: PeerTransfers | None = None):
         self.runner = runner
         self.metrics = metrics
-        self.transfers = transfers or PeerTransfers(runner.kv_cache, runner.kv_scales, lambda: runner.epoch)
+        self.transfers = transfers or PeerTransfers(runner.kv_cache, runner.kv_scales, lambda: runner.epoch,
+                                                    unavailable=runner.transfers_off)
         self.tracer = tracer("kvserve.worker")
 
     def Step(self, request, context):

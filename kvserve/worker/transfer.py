@@ -99,12 +99,15 @@ class PeerTransfers:
     """One worker's page transfers over its pool ``[num_layers, 2, num_pages, page_size, kv_heads, head_dim]`` and
     its ``scales`` (or None). ``epoch`` gives the worker's incarnation now; ``reader`` is the link to sources
     (None: pulls fail, reads are still served). ``written_on``: on CUDA, the stream the pool is written on (the
-    compute thread's): a read waits for what it has queued. ``wall_ms``: the wall clock leases are judged by."""
+    compute thread's): a read waits for what it has queued. ``wall_ms``: the wall clock leases are judged by.
+    ``unavailable``: why this worker's pages never move (a worker with page groups, whose sliding layers' pages
+    are not in ``pool``): every read is refused and every pull fails with it (the request recomputes)."""
 
     def __init__(self, pool: torch.Tensor, scales: torch.Tensor | None, epoch: Callable[[], int],
                  reader: PageReader | None = None, *, written_on=None, frame_bytes: int = FRAME_BYTES,
-                 max_pulls: int = MAX_PULLS, wall_ms: Callable[[], float] = _wall_ms):
+                 max_pulls: int = MAX_PULLS, wall_ms: Callable[[], float] = _wall_ms, unavailable: str = ""):
         self.pool, self.scales, self.epoch, self.reader = pool, scales, epoch, reader
+        self.unavailable = unavailable
         self.num_pages = pool.shape[2]
         self.value_bytes = value_size(pool, scales)
         self.pages_per_frame = max(1, frame_bytes // self.value_bytes)
@@ -124,6 +127,8 @@ class PeerTransfers:
         LEASE_MARGIN_MS of the lease left) or InvalidRequest (a page id out of range, a hash not 16 bytes) before
         the first frame; StaleEpoch or LeaseOver again from the iterator when either happens mid-stream."""
         try:
+            if self.unavailable:
+                raise FailedPrecondition(f"this worker serves no pages: {self.unavailable}")
             self._check_live(order)
             self._check_pages(order)
         except (FailedPrecondition, InvalidRequest):
@@ -189,7 +194,9 @@ class PeerTransfers:
         once, is an answer with ``error`` set: the request recomputes. Its pages may be partly filled then."""
         self._check_order(order)
         t0 = time.perf_counter()
-        if self.reader is None:
+        if self.unavailable:
+            result = PullResult(error=f"this worker pulls no pages: {self.unavailable}")
+        elif self.reader is None:
             result = PullResult(error="this worker has no transport to pull pages with")
         elif not self._slots.acquire(blocking=False):
             result = PullResult(error=f"{self.max_pulls} pulls are running on this worker already")
