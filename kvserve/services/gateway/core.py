@@ -35,6 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
+from kvserve.common.attention_window import FULL_ATTENTION, AttentionWindow
 from kvserve.common.tokenizer import Tokenizer
 from kvserve.common.wire.pages import PoolSpec, StepResults
 from kvserve.common.wire.tier import StoreWrite
@@ -105,7 +106,15 @@ def scheduler_config(info: WorkerInfo, *, max_num_seqs: int, max_num_batched_tok
     return SchedulerConfig(info.worker_id, info.page_size, info.num_pages, info.max_model_len, info.eos_token_ids,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            prefix_caching=prefix_caching, long_prefill_token_threshold=long_prefill_token_threshold,
-                           window=info.attention_window(), reserve_ahead=reserve_ahead, pull_peers=pull_peers)
+                           window=info.attention_window(), group_window=group_window(info),
+                           reserve_ahead=reserve_ahead, pull_peers=pull_peers)
+
+
+def group_window(info: WorkerInfo) -> AttentionWindow:
+    """The window of a grouped worker's sliding layers (full attention for a worker without page groups)."""
+    if not info.sliding_group_pages:
+        return FULL_ATTENTION
+    return AttentionWindow.checked(info.sliding_group_window, 0, info.page_size)
 
 
 class EngineCore:
@@ -514,5 +523,6 @@ def incompatible_change(old: WorkerInfo, new: WorkerInfo) -> str:
         ("model", old.model_fingerprint, new.model_fingerprint), ("page size", old.page_size, new.page_size),
         ("max_model_len", old.max_model_len, new.max_model_len), ("sliding window", old.sliding_window,
                                                                    new.sliding_window),
-        ("attention sinks", old.attention_sinks, new.attention_sinks)) if a != b]
+        ("attention sinks", old.attention_sinks, new.attention_sinks),
+        ("sliding layers' window", old.sliding_group_window, new.sliding_group_window)) if a != b]
     return ", ".join(changes)

@@ -53,6 +53,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     page_table: list[int] = field(default_factory=list)
+    # On a worker with page groups: its sliding layers' page table (HOLE where released); empty elsewhere
+    group_page_table: list[int] = field(default_factory=list)
     epoch: int = 0
     num_computed_tokens: int = 0
     num_committed_tokens: int = 0
@@ -117,6 +119,24 @@ class Request:
         return (self.prefill_until or self.num_tokens) - self.num_computed_tokens
 
     @property
+    def sliding_table(self) -> list[int]:
+        """The page table whose pages fall out of a window: its sliding layers' on a grouped worker."""
+        return self.group_page_table if self.group_page_table else self.page_table
+
+    @property
+    def num_covered_pages(self) -> int:
+        """Leading pages every one of its page tables has (a grouped admission's sliding table covers its first
+        chunk only, its full one the whole prompt)."""
+        if self.group_page_table:
+            return min(len(self.page_table), len(self.group_page_table))
+        return len(self.page_table)
+
+    def extend_pages(self, result) -> None:
+        """Appends a PageExtensionResult's pages to its tables."""
+        self.page_table.extend(result.new_page_ids)
+        self.group_page_table.extend(result.group_new_page_ids)
+
+    @property
     def prefilled(self) -> bool:
         """On a prefill worker: its prompt is computed (its first token sampled) and its full pages committed,
         ready for its decode worker to pull."""
@@ -127,6 +147,7 @@ class Request:
         """Preempted: forget the pages; everything known so far is a prompt to recompute on readmission."""
         self.status = RequestStatus.WAITING
         self.page_table = []
+        self.group_page_table = []
         self.epoch = 0
         self.num_computed_tokens = 0
         self.num_committed_tokens = 0

@@ -85,6 +85,11 @@ class SchedulerConfig:
     # positions before its window are released as it advances (holes in its page table); an admission holds
     # only the pages its first chunk reads.
     window: AttentionWindow = FULL_ATTENTION
+    # A worker with page groups (WorkerInfo.sliding_group_pages): the window of its sliding layers. window above
+    # is then full attention (the full layers keep every page); the pages a request's sliding layers no longer
+    # read are released from its group_page_table instead, and an admission holds only the pages of it that its
+    # first chunk reads.
+    group_window: AttentionWindow = FULL_ATTENTION
     # Admissions and frees ride with the call made while the worker computes, whenever this step's running
     # requests need no page they lack (the module docstring); off, only commits and headroom do. The engine
     # turns it on when it overlaps page ops with compute; a caller that answers every call before computing
@@ -93,6 +98,11 @@ class SchedulerConfig:
     # Pages of a prefix another worker's pool holds may be pulled instead of recomputed (the engine pulls them
     # before the request's first chunk; the kvmanager decides per request from the measured costs).
     pull_peers: bool = False
+
+    @property
+    def releasing(self) -> AttentionWindow:
+        """The window whose pages running requests release: the sliding group's on a grouped worker."""
+        return self.group_window if self.group_window.slides else self.window
 
 
 @dataclass(slots=True)
@@ -133,7 +143,8 @@ class ScheduledBatch:
         items = tuple(StepItem(c.req.req_id, c.req.token_ids(c.start_pos, c.start_pos + c.num_tokens),
                                c.start_pos, tuple(c.req.page_table), sample=c.start_pos + c.num_tokens ==
                                c.req.num_tokens, sampling=c.req.params.sampling,
-                               store_loads=c.req.store_loads if c.admitted else ()) for c in self.chunks)
+                               store_loads=c.req.store_loads if c.admitted else (),
+                               group_page_table=tuple(c.req.group_page_table)) for c in self.chunks)
         return StepBatch(items=items, epoch=epoch, store_writes=store_writes)
 
 
@@ -349,9 +360,9 @@ class Scheduler:
             budget -= n
             running.append(Chunk(req, n, req.num_computed_tokens, admitted=req.admitted_ahead))
             end = req.num_computed_tokens + n
-            if end > len(req.page_table) * page_size:
+            if end > req.num_covered_pages * page_size:
                 extensions.append(PageExtension(req.req_id, end))
-                pages_needed += num_pages_for(end, page_size) - len(req.page_table)
+                pages_needed += max(0, num_pages_for(end, page_size) - len(req.page_table))
         releases = self._releases(running)
         spare = self.num_available_pages - pages_needed + sum(len(r.page_indices) for r in releases)
         admitted = self._admit(budget, spare, freeing, cap, suspect_computing)
@@ -361,7 +372,7 @@ class Scheduler:
             return SchedulerOutput(None, running, admitted)
         spare -= sum(self._pages_needed(c.req, c.num_tokens) for c in admitted)
         extensions, headroom_only = self._with_headroom(running, extensions, spare)
-        chunk = (lambda c: c.num_tokens) if self.cfg.window.slides else (lambda c: 0)  # dense: the whole prompt
+        chunk = (lambda c: c.num_tokens) if self.cfg.releasing.slides else (lambda c: 0)  # dense: the whole prompt
         tier, skip_store = self.tier, self.tier.skip_store
         allocations = tuple(PageAllocation(c.req.req_id, c.req.tenant, tuple(c.req.all_token_ids), self.cfg.worker_id,
                                            skip_prefix_cache=not self.cfg.prefix_caching, chunk_tokens=chunk(c),
@@ -378,10 +389,10 @@ class Scheduler:
 
     def _releases(self, running: list[Chunk]) -> tuple[PageRelease, ...]:
         """With a sliding window: each running request's pages before the window of this step's first position
-        (its sink pages and its last page stay)."""
-        window, page_size, out = self.cfg.window, self.cfg.page_size, []
+        (its sink pages and its last page stay); on a grouped worker, those of its sliding layers' table."""
+        window, page_size, out = self.cfg.releasing, self.cfg.page_size, []
         for chunk in running:
-            table = chunk.req.page_table
+            table = chunk.req.sliding_table
             gone = [k for k in window.releasable_pages(chunk.start_pos, page_size)
                     if window.may_release(k, len(table), page_size) and table[k] != HOLE]
             if gone:
@@ -408,7 +419,7 @@ class Scheduler:
                        # the kvmanager refuses a call extending past its pool (a window's holes hold no page)
                        self.cfg.window.max_request_tokens(self.cfg.max_model_len, self.cfg.num_pages * page_size))
             target = max(end, min(end + page_size, last))
-            have = max(len(req.page_table), num_pages_for(needed.get(req.req_id, 0), page_size))
+            have = max(req.num_covered_pages, num_pages_for(needed.get(req.req_id, 0), page_size))
             extra = num_pages_for(target, page_size) - have
             if 0 < extra <= budget:
                 budget -= extra
@@ -484,7 +495,7 @@ class Scheduler:
         for e in results.extensions:
             req = self.requests.get(e.req_id)
             if e.status is OpStatus.OK and req is not None and req.status is RequestStatus.RUNNING:
-                req.page_table.extend(e.new_page_ids)
+                req.extend_pages(e)
         if out.admitted:
             self._apply_allocations(out.admitted, results, None)
 
@@ -504,8 +515,9 @@ class Scheduler:
         for r in results.releases:  # the window's pages are gone: holes in the request's copy of its table
             req = self.requests.get(r.req_id)
             if r.status is OpStatus.OK and req is not None and req.status is RequestStatus.RUNNING:
+                table = req.sliding_table
                 for k in released[r.req_id].page_indices:
-                    req.page_table[k] = HOLE
+                    table[k] = HOLE
 
     def _apply_extensions(self, results: StepResults, headroom_only: frozenset[str]) -> set[str]:
         """Appends new pages; on out of pages preempts the newest running request (unless the request only
@@ -516,7 +528,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # preempted by an earlier extension of this step
                 continue
             if e.status is OpStatus.OK:
-                req.page_table.extend(e.new_page_ids)
+                req.extend_pages(e)
             elif e.status is OpStatus.STALE_EPOCH:
                 self.preempt(req)
             elif e.req_id in headroom_only:
@@ -538,6 +550,7 @@ class Scheduler:
                 short.append(req)
                 continue
             req.status, req.page_table, req.epoch = RequestStatus.RUNNING, list(a.page_table), a.epoch
+            req.group_page_table = list(a.group_page_table)
             req.num_computed_tokens, req.num_committed_tokens = a.num_cached_tokens, a.num_committed_tokens
             req.store_loads = tuple(a.store_loads)
             req.num_pinned_tokens = max(req.num_pinned_tokens, a.num_pinned_tokens)
