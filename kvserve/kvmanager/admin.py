@@ -5,9 +5,9 @@ Plain Python like the rest of the domain. Reads (``stats``, ``list_tenants``, ``
 Mutations (``evict_tenant``, ``pin``, ``unpin``, ``reset``, ``forget_worker``) mark ``mgr.changes`` when they
 change something, so that the service logs the call (one that changed nothing is not logged).
 
-A grouped pool (page groups, manager.py): its counts and blocks here are its full layers' (PoolStats has no
-fields for the sliding group yet); a probe counts the joint hit (placement.py), page_table shows the sliding
-group's table too, and evict_tenant evicts the tenant's blocks in both groups.
+A grouped pool (page groups, manager.py): its counts are its full layers', with the sliding layers' pool counted
+alike in PoolStats.sliding_group; a probe counts the joint hit (placement.py), page_table shows the sliding
+group's table and pages too, and evict_tenant evicts the tenant's blocks in both groups.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class PoolStats:
     attention_sinks: int
     num_window_released_pages: int  # pages released by requests' windows since registration (cumulative)
     role: str = "both"  # what the gateway sends the worker: "both", "prefill" or "decode"
+    sliding_group: PoolStats | None = None  # a grouped pool: its sliding layers' pool, counted alike
 
 
 @dataclass(slots=True)
@@ -220,6 +221,7 @@ class PageTable:
     last_step_id: int
     page_size: int
     group_page_table: list[int] = field(default_factory=list)  # a grouped pool: the sliding layers' table
+    group_pages: list[PageInfo] = field(default_factory=list)  # ... and its pages, as ``pages``
 
 
 @dataclass(slots=True)
@@ -238,7 +240,8 @@ def _pool_stats(pool: PagePool) -> PoolStats:
     return PoolStats(s.worker_id, s.epoch, s.model_fingerprint, s.kv_dtype, s.page_size, s.num_pages,
                      pool.num_used, num_cached, pool.num_free, sum(b.pinned for b in pool.index.values()),
                      pool.num_requests, page_bytes * s.num_pages, page_bytes * pool.num_used, page_bytes * num_cached,
-                     s.kv_scales, s.sliding_window, s.attention_sinks, pool.num_window_released, s.role)
+                     s.kv_scales, s.sliding_window, s.attention_sinks, pool.num_window_released, s.role,
+                     _pool_stats(pool.group) if pool.group is not None else None)
 
 
 def _tenant_stats(mgr: KVManager) -> dict[str, TenantStats]:
@@ -421,17 +424,23 @@ def page_table(mgr: KVManager, req_id: str) -> PageTable:
                          f"{req.worker_id!r}; free it and recompute")
     req = mgr.request(req_id)
     pool = mgr.pools[req.worker_id]
+    group = req.group.page_table if req.group is not None else []
+    return PageTable(req.req_id, req.tenant, req.worker_id, req.epoch, list(req.page_table),
+                     _page_infos(pool, req.page_table), req.num_committed_tokens, req.num_prompt_tokens,
+                     req.last_step_id, pool.spec.page_size, list(group),
+                     _page_infos(pool.group, group) if group else [])
+
+
+def _page_infos(pool: PagePool, table: list[int]) -> list[PageInfo]:
     pages, num_sinks = [], pool.num_sink_pages
-    for i, page_id in enumerate(req.page_table):
+    for i, page_id in enumerate(table):
         if page_id == HOLE:
             pages.append(PageInfo(HOLE, 0, "", False, PAGE_RELEASED))
             continue
         block = pool.block_of[page_id]
         pages.append(PageInfo(page_id, pool.ref_cnt[page_id], hex_hash(block.block_hash) if block else "",
                               bool(block and block.pinned), PAGE_SINK if i < num_sinks else PAGE_HELD))
-    return PageTable(req.req_id, req.tenant, req.worker_id, req.epoch, list(req.page_table), pages,
-                     req.num_committed_tokens, req.num_prompt_tokens, req.last_step_id, pool.spec.page_size,
-                     list(req.group.page_table) if req.group is not None else [])
+    return pages
 
 
 # -- mutations ----------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ kvserve/common/convert/pages.py). No logic beyond renaming and copying."""
 
 from __future__ import annotations
 
-from kvserve.common.convert.fields import to_message
+from kvserve.common.convert.fields import as_kwargs, to_message
 from kvserve.common.convert.tier import tier_report_from_proto
 from kvserve.common.errors import InvalidRequest
 from kvserve.common.wire.tier import TierReport
@@ -36,8 +36,14 @@ def tenant_to_proto(t: admin.TenantStats) -> pb.TenantStats:
     return to_message(t, pb.TenantStats)
 
 
+def pool_stats_to_proto(p: admin.PoolStats) -> pb.PoolStats:
+    fields = as_kwargs(p)
+    group = fields.pop("sliding_group")
+    return pb.PoolStats(**fields, sliding_group=pool_stats_to_proto(group) if group is not None else None)
+
+
 def stats_to_proto(s: admin.ClusterStats, store_ok: bool) -> pb.ClusterStats:
-    return pb.ClusterStats(pools=[to_message(p, pb.PoolStats) for p in s.pools],
+    return pb.ClusterStats(pools=[pool_stats_to_proto(p) for p in s.pools],
                            tenants=[tenant_to_proto(t) for t in s.tenants],
                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
                            num_evicted_blocks=s.num_evicted_blocks, store_ok=store_ok,
@@ -60,7 +66,8 @@ def page_table_to_proto(t: admin.PageTable) -> pb.PageTable:
     return pb.PageTable(
         req_id=t.req_id, tenant=t.tenant, worker_id=t.worker_id, epoch=t.epoch, page_table=t.page_table,
         pages=[to_message(p, pb.PageInfo) for p in t.pages], num_committed_tokens=t.num_committed_tokens,
-        num_prompt_tokens=t.num_prompt_tokens, last_step_id=t.last_step_id, page_size=t.page_size)
+        num_prompt_tokens=t.num_prompt_tokens, last_step_id=t.last_step_id, page_size=t.page_size,
+        group_page_table=t.group_page_table, group_pages=[to_message(p, pb.PageInfo) for p in t.group_pages])
 
 
 def input_of(request) -> tuple[tuple[int, ...] | None, str | None]:

@@ -320,14 +320,26 @@ def _transfers_table(r) -> str:
                    f"{x.num_bytes / 1e6:.1f}", mb_s, x.num_holds]])
 
 
+def _pools_and_groups(pools):
+    """Each pool, then its sliding layers' group if it has page groups (a row "<worker>/sliding")."""
+    for p in pools:
+        yield p, p.worker_id
+        if p.HasField("sliding_group"):
+            yield p.sliding_group, f"{p.worker_id}/sliding"
+
+
+def _pool_row(p, name: str) -> list:
+    return [name, p.epoch, p.role or "both", p.kv_dtype, p.kv_scales or "-", p.page_size, p.num_pages,
+            p.num_used_pages, p.num_cached_pages, p.num_free_pages, p.num_pinned_pages, p.num_requests,
+            p.pool_bytes, p.used_bytes, p.cached_bytes, p.sliding_window or "-", p.attention_sinks or "-",
+            p.num_window_released_pages]
+
+
 def _render_stats(r, args) -> str:
     pools = table(["WORKER", "EPOCH", "ROLE", "KV_DTYPE", "KV_SCALES", "PAGE_SIZE", "PAGES", "USED", "CACHED",
                    "FREE", "PINNED", "REQUESTS", "POOL_BYTES", "USED_BYTES", "CACHED_BYTES", "WINDOW", "SINKS",
                    "WINDOW_RELEASED"],
-                  [[p.worker_id, p.epoch, p.role or "both", p.kv_dtype, p.kv_scales or "-", p.page_size, p.num_pages,
-                    p.num_used_pages, p.num_cached_pages, p.num_free_pages, p.num_pinned_pages, p.num_requests,
-                    p.pool_bytes, p.used_bytes, p.cached_bytes, p.sliding_window or "-", p.attention_sinks or "-",
-                    p.num_window_released_pages] for p in r.pools]
+                  [_pool_row(p, name) for p, name in _pools_and_groups(r.pools)]
                   ) if r.pools else "(no pools registered)"
     total = (f"prefix cache: {r.prefix_cache_hits} of {r.prefix_cache_queries} query tokens hit "
              f"({_rate(r.prefix_cache_hits, r.prefix_cache_queries)}), {r.num_evicted_blocks} blocks evicted, "
@@ -357,15 +369,21 @@ def _render_probe(r, args) -> str:
 
 def _render_page_table(r, args) -> str:
     """One row per page table index; a page its window released shows as "-", of kind "released"."""
-    num_released = sum(p.kind == "released" for p in r.pages)
+    num_released = sum(p.kind == "released" for p in [*r.pages, *r.group_pages])
     released = f" ({num_released} released by its window)" if num_released else ""
     head = (f"request {r.req_id} (tenant {r.tenant}) on {r.worker_id} epoch {r.epoch}: {len(r.page_table)} pages "
             f"of {r.page_size} tokens{released}, {r.num_prompt_tokens} prompt tokens, {r.num_committed_tokens} "
             f"committed, last step {r.last_step_id}")
-    pages = table(["INDEX", "PAGE", "KIND", "REF_CNT", "PINNED", "BLOCK_HASH"],
-                  [[i, "-" if p.kind == "released" else p.page_id, p.kind or "held", p.ref_cnt, _yes(p.pinned),
-                    p.block_hash or "-"] for i, p in enumerate(r.pages)])
-    return f"{head}\n{pages}"
+    if not r.group_pages:
+        return f"{head}\n{_pages_table(r.pages)}"
+    return (f"{head}\nfull layers\n{_pages_table(r.pages)}\n\nsliding layers (their own pool; \"-\": released by "
+            f"the window, or a hit the first chunk did not read)\n{_pages_table(r.group_pages)}")
+
+
+def _pages_table(pages) -> str:
+    return table(["INDEX", "PAGE", "KIND", "REF_CNT", "PINNED", "BLOCK_HASH"],
+                 [[i, "-" if p.kind == "released" else p.page_id, p.kind or "held", p.ref_cnt, _yes(p.pinned),
+                   p.block_hash or "-"] for i, p in enumerate(pages)])
 
 
 RENDER = {

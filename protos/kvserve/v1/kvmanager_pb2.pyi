@@ -500,7 +500,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("worker_id", "epoch", "model_fingerprint", "kv_dtype", "page_size", "num_pages", "num_used_pages", "num_cached_pages", "num_free_pages", "num_pinned_pages", "num_requests", "pool_bytes", "used_bytes", "cached_bytes", "kv_scales", "sliding_window", "attention_sinks", "num_window_released_pages", "role")
+    __slots__ = ("worker_id", "epoch", "model_fingerprint", "kv_dtype", "page_size", "num_pages", "num_used_pages", "num_cached_pages", "num_free_pages", "num_pinned_pages", "num_requests", "pool_bytes", "used_bytes", "cached_bytes", "kv_scales", "sliding_window", "attention_sinks", "num_window_released_pages", "role", "sliding_group")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -520,6 +520,7 @@ class PoolStats(_message.Message):
     ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
     NUM_WINDOW_RELEASED_PAGES_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_GROUP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     model_fingerprint: str
@@ -539,7 +540,8 @@ class PoolStats(_message.Message):
     attention_sinks: int
     num_window_released_pages: int
     role: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., num_window_released_pages: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
+    sliding_group: PoolStats
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pinned_pages: _Optional[int] = ..., num_requests: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., kv_scales: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_sinks: _Optional[int] = ..., num_window_released_pages: _Optional[int] = ..., role: _Optional[str] = ..., sliding_group: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "num_blocks", "num_pinned_blocks", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "store_hits", "num_store_blocks", "weight", "active", "num_pages", "share_pages", "floor_pages", "cap_pages", "store_bytes", "store_floor_bytes", "store_cap_bytes", "num_pin_blocks", "num_soft_pin_blocks", "pin_budget_blocks", "num_evicted_pages", "num_evictions_caused", "num_store_evicted", "num_store_rejected")
@@ -826,7 +828,7 @@ class PageInfo(_message.Message):
     def __init__(self, page_id: _Optional[int] = ..., ref_cnt: _Optional[int] = ..., block_hash: _Optional[str] = ..., pinned: _Optional[bool] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class PageTable(_message.Message):
-    __slots__ = ("req_id", "tenant", "worker_id", "epoch", "page_table", "pages", "num_committed_tokens", "num_prompt_tokens", "last_step_id", "page_size")
+    __slots__ = ("req_id", "tenant", "worker_id", "epoch", "page_table", "pages", "num_committed_tokens", "num_prompt_tokens", "last_step_id", "page_size", "group_page_table", "group_pages")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -837,6 +839,8 @@ class PageTable(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PAGE_TABLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PAGES_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     tenant: str
     worker_id: str
@@ -847,7 +851,9 @@ class PageTable(_message.Message):
     num_prompt_tokens: int
     last_step_id: int
     page_size: int
-    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[_Union[PageInfo, _Mapping]]] = ..., num_committed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., last_step_id: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+    group_page_table: _containers.RepeatedScalarFieldContainer[int]
+    group_pages: _containers.RepeatedCompositeFieldContainer[PageInfo]
+    def __init__(self, req_id: _Optional[str] = ..., tenant: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., page_table: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[_Union[PageInfo, _Mapping]]] = ..., num_committed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., last_step_id: _Optional[int] = ..., page_size: _Optional[int] = ..., group_page_table: _Optional[_Iterable[int]] = ..., group_pages: _Optional[_Iterable[_Union[PageInfo, _Mapping]]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("confirm", "force")

@@ -319,3 +319,28 @@ def test_a_restart_replays_the_call_log_into_the_same_grouped_state(redis_url, s
     CallLog(connect(redis_url)).load(loaded)  # runs check_invariants
     assert exact(loaded) == exact(svc.manager)
     assert loaded.pools["w0"].group.num_window_released == 2 and loaded.stale["c"].group is not None
+
+
+def test_admin_stats_and_page_table_show_the_sliding_group_over_the_wire_and_in_the_cli():
+    """What `kvserve admin stats` and `page-table` print for a grouped pool: a "w0/sliding" row counted from the
+    sliding pool, and both of a request's tables, the sliding one with its holes."""
+    from types import SimpleNamespace
+
+    from kvserve.kvmanager.convert import page_table_to_proto, stats_to_proto
+    from kvserve.services.cli_admin import RENDER
+
+    m = cached_prompt()
+    alloc(m, "b", PROMPT)  # a hit: the sliding group holds only the pages its window reads
+    step(m, releases=[PageRelease("b", (2,))])
+    stats = stats_to_proto(admin.stats(m), store_ok=True)
+    (pool,) = stats.pools
+    assert pool.sliding_group.sliding_window == WINDOW and pool.sliding_group.num_pages == 12
+    assert (pool.sliding_group.num_used_pages, pool.sliding_group.num_window_released_pages) == (2, 1)
+    assert (pool.num_used_pages, pool.num_window_released_pages) == (5, 0)
+    rows = [line.split() for line in RENDER["stats"](stats, SimpleNamespace()).splitlines()]
+    assert [r[0] for r in rows[2:4]] == ["w0", "w0/sliding"] and rows[3][-3:] == [str(WINDOW), "-", "1"]
+    t = page_table_to_proto(admin.page_table(m, "b"))
+    assert list(t.group_page_table) == [HOLE, HOLE, HOLE, 3, 5]
+    assert [p.kind for p in t.group_pages] == ["released"] * 3 + ["held"] * 2
+    out = RENDER["page-table"](t, SimpleNamespace())
+    assert "full layers" in out and "sliding layers" in out and "(3 released by its window)" in out
