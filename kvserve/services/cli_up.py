@@ -44,7 +44,7 @@ def add_commands(sub) -> None:
     from kvserve.services.cli_flags import non_negative_int, parse_bytes, parse_bytes_or_zero, positive_int
     from kvserve.services.cli_gateway import DEFAULT_GATEWAY_PORT, add_gateway_flags
     from kvserve.services.cli_kvmanager import DEFAULT_KVMANAGER_PORT
-    from kvserve.services.cli_worker import add_kv_format_flags, add_window_flags
+    from kvserve.services.cli_worker import add_kv_format_flags, add_page_group_flags, add_window_flags
 
     u = sub.add_parser("up", help="run the whole stack: embedded Redis, kvmanager, workers, gateway")
     u.add_argument("--host", default="127.0.0.1")
@@ -78,6 +78,7 @@ def add_commands(sub) -> None:
     u.add_argument("--page-size", type=positive_int, default=16)
     add_kv_format_flags(u, "auto", "token_head")
     add_window_flags(u, "0", "0")
+    add_page_group_flags(u)
     add_gateway_flags(u)
     # The worker counts are checked together, as argparse checks one flag: usage and exit code 2.
     u.set_defaults(func=functools.partial(run_up, usage_error=u.error))
@@ -152,6 +153,8 @@ def _worker_argv(args, spec: WorkerSpec, kvmanager: str) -> list[str]:
             str(args.attention_sinks)]
     argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)] if args.kv_cache_bytes else []
     argv += ["--num-pages", str(args.num_pages)] if args.num_pages else []
+    argv += ["--page-groups" if args.page_groups else "--no-page-groups"]
+    argv += ["--sliding-group-pages", str(args.sliding_group_pages)] if args.sliding_group_pages else []
     return argv + cpu_argv(spec) + kv_store_argv(args, worker=True) + _model_argv(args)
 
 

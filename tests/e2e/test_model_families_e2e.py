@@ -2,7 +2,8 @@
 greedy tokens for a prompt longer than a step's token budget (so it is prefilled in chunks), and a second request
 hits the first one's prefix in the kvmanager and gets the same tokens: Qwen3 (q/k norms), Gemma 3 (sliding and full
 layers mixed, its norms and scales; and the multimodal wrapper's text model), Qwen3-MoE and a DeepSeek-V3 (MLA's
-latent pages, MoE, yarn)."""
+latent pages, MoE, yarn). Gemma 3 runs with page groups: its sliding layers' pages are released past their
+window while its full layers keep theirs."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ NEW_TOKENS = 32
 PROMPT = ("The printing press spread across Europe within fifty years of its invention, and with it came cheaper "
           "books, new readers and arguments about what they should read. ") * 3
 BUILDERS = {"qwen3": save_tiny_qwen3, "qwen3_moe": save_tiny_qwen3_moe,  # q/k norms; routed experts
-            "gemma3": save_gemma3,  # sliding and full layers mixed: every page kept
+            "gemma3": save_gemma3,  # sliding and full layers mixed: page groups
             "gemma3_multimodal": save_gemma3_multimodal,  # Gemma 3 4B-27B's wrapper: its text model served
             "deepseek_v3": lambda folder, tok: save_tiny_mla(folder, tok, "moe_yarn")}  # MLA, MoE, yarn
 
@@ -38,6 +39,12 @@ def test_the_stack_serves_hfs_tokens_in_chunks_and_again_from_a_prefix_hit(tmp_p
         with Client(stack.gateway, timeout_s=120) as client:
             first = client.complete(prompt=PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
             again = client.complete(prompt=PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
+        (pool,) = stack.admin_stats().pools
+    if family.startswith("gemma3"):  # the sliding layers' pages fell out of their window; the full ones stayed
+        assert pool.sliding_group.sliding_window == WINDOW and pool.sliding_group.num_window_released_pages > 0
+        assert pool.num_window_released_pages == 0
+    else:
+        assert not pool.HasField("sliding_group")
     assert list(first.token_ids) == expected
     assert list(again.token_ids) == expected
     assert again.usage.cached_tokens >= len(prompt_ids) // 16 * 16 - 16  # every full page but the last
