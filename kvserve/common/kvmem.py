@@ -160,9 +160,9 @@ class Capacity:
 
 @dataclass(frozen=True, slots=True)
 class PageGroups:
-    """A model of sliding and full layers mixed (Gemma 3), per sequence: what a page table per layer group would
-    hold (vLLM's hybrid KV cache manager: sliding layers release what their window left behind), against what
-    kvserve's worker holds, every layer's pages (docs/features/models.md)."""
+    """A model of sliding and full layers mixed (Gemma 3), per sequence: what its page table per layer group holds
+    (the worker's page groups, as vLLM's hybrid KV cache manager: sliding layers release what their window left
+    behind), against every layer's pages (a worker without page groups; docs/features/models.md#page-groups)."""
 
     full_layers: int
     sliding_layers: int
@@ -170,7 +170,7 @@ class PageGroups:
     full_tokens: int  # every token (whole pages when paged)
     sliding_tokens: int  # the window's (its pages while a decode step runs, when paged)
     bytes_per_sequence: int  # full layers x full tokens + sliding layers x sliding tokens
-    every_page_bytes: int  # every layer x full tokens: what the worker holds
+    every_page_bytes: int  # every layer x full tokens: what one pool for every layer holds
     saving: float  # every_page_bytes / bytes_per_sequence
 
 

@@ -201,8 +201,9 @@ def format_report(r: KvMemReport) -> str:
         ]
     if g := r.page_groups:
         lines += [
-            "page groups   not built in kvserve, whose worker keeps every layer's pages of a mixed model: a page "
-            "table per layer group (vLLM's hybrid allocator) would hold",
+            "page groups   what kvserve's worker holds by default for a mixed model, a page table per layer group "
+            "(the sliding layers' pages released past their window); the figures above keep every layer's pages "
+            "(--no-page-groups)",
             f"  per seq     {g.full_layers} full layers x {g.full_tokens:,} tokens + {g.sliding_layers} sliding layers "
             f"x {g.sliding_tokens:,} tokens (window {g.window:,}) = {human_bytes(g.bytes_per_sequence)}, "
             f"{g.saving:.2f}x less than {human_bytes(g.every_page_bytes)}",
