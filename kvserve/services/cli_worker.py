@@ -72,7 +72,7 @@ def add_page_group_flags(p: argparse.ArgumentParser) -> None:
                         "own, released as they leave the window (default on; off, or with --kv-store-url, a role "
                         "other than both or attention sinks: one pool, every page kept, the sliding layers masking)")
     p.add_argument("--sliding-group-pages", type=positive_int, default=_env("sliding_group_pages"),
-                   help="with page groups, pages of the sliding layers' pool (default: the windows of 256 requests, "
+                   help="with page groups, pages of the sliding layers' pool (default: the windows of 64 requests, "
                         "at most the full layers' pages; the KV budget holds both pools)")
 
 

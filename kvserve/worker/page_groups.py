@@ -29,7 +29,10 @@ from kvserve.worker.config import ModelConfig
 from kvserve.worker.kv_pool import PoolSize, size_pool
 from kvserve.worker.layer_windows import LayerGroups, SlidingGroup
 
-GROUP_REQUESTS = 256  # the default sliding layers' pool holds the windows of this many requests
+# The default sliding layers' pool holds the windows of this many requests: the gateway's --max-num-seqs default,
+# the most it runs on a worker at once. More would only split the budget towards equal page counts, where the
+# full pool (which bounds how many tokens fit) gains nothing over one pool for every layer.
+GROUP_REQUESTS = 64
 
 
 def plan(cfg: ModelConfig, *, enabled: bool, kv_store: bool, role: str, sinks: int, page_size: int

@@ -180,18 +180,19 @@ def sizes(**kw) -> tuple[int, int, int, int]:
     return full.num_pages, sliding.num_pages, full.page_bytes, sliding.page_bytes
 
 
-def test_the_sliding_pool_holds_256_requests_windows_and_never_more_pages_than_the_full_one():
+def test_the_sliding_pool_holds_64_requests_windows_and_never_more_pages_than_the_full_one():
     """Window 24, pages of 16: a request holds at most 4 sliding pages (a page's tokens computed at once), so the
-    default cap is 1,024 pages. fp32: a full page is 2 layers x 256 B x 16 = 8 KiB, a sliding one 16 KiB."""
+    default cap is 256 pages. fp32: a full page is 2 layers x 256 B x 16 = 8 KiB, a sliding one 16 KiB."""
     assert page_groups.window_pages(WINDOW, 1024, PAGE) == 4
     assert sizes(num_pages=100)[:2] == (100, 100)  # explicit pages: min(P, cap)
-    assert sizes(num_pages=5000)[:2] == (5000, 1024)
+    assert sizes(num_pages=5000)[:2] == (5000, 256)
     assert sizes(num_pages=100, sliding_group_pages=7)[:2] == (100, 7)
     full_pages, sliding_pages, f, s = sizes(kv_cache_bytes=1 << 20)  # under the cap: both pools alike
+    assert full_pages < 256
     assert (f, s) == (8192, 16384) and full_pages == sliding_pages == (1 << 20) // (f + s)
     budget = 64 << 20
     full_pages, sliding_pages, f, s = sizes(kv_cache_bytes=budget)  # over: the cap, and the full pool the rest
-    assert sliding_pages == 1024 and full_pages == (budget - 1024 * s) // f
+    assert sliding_pages == 256 and full_pages == (budget - 256 * s) // f
     assert full_pages * f + sliding_pages * s <= budget < (full_pages + 1) * f + sliding_pages * s
     assert sizes(kv_cache_bytes=budget, sliding_group_pages=10)[:2] == ((budget - 10 * s) // f, 10)
     with pytest.raises(ValueError, match="more than the full layers' 100 pages"):
