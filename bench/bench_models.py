@@ -11,6 +11,9 @@ saved by transformers' own classes, is loaded by the worker:
            and against the same-size dense Llama measured in the same run, families alternated over rounds
   modes    MLA's two attention modes (bench/models_mla.py): absorbed up-projections against decompressing the
            latents every step, one layer's batch-1 decode at 1k and 4k context, DeepSeek-V2-Lite's shape
+  groups   Gemma 3's page groups: per group, bytes per token, calculator against the worker's two real pools, and
+           how many sequences of 8,192 tokens a 512 MiB budget holds with page groups (the sliding pool sized for
+           the windows of as many requests as the full pool then holds) against one pool for every layer
   mla      the latent cache's saving against the same model's per-head equivalent (K of qk_nope + qk_rope and V of
            v_head_dim per head per layer, what an MHA model of those heads caches): DeepSeek-V3's shapes through
            the calculator, and the test model through its real pool
@@ -110,6 +113,37 @@ def memory(folder: Path) -> list[dict]:
     return rows
 
 
+GROUP_SEQ = 8192  # the sequences page_groups() fits
+
+
+def page_groups(folder: Path) -> dict:
+    """A mixed model's two pools against the calculator, per group, and sequences of GROUP_SEQ tokens in POOL_BYTES
+    with page groups against one pool for every layer (the worker's real pool sizes in both)."""
+    from kvserve.worker.page_groups import window_pages
+
+    spec = load_hf_config(folder)
+    per_layer = per_token(spec, get_dtype("fp32")).bytes // spec.num_layers
+    full_layers = spec.num_layers - spec.sliding_layers
+    seq_pages = GROUP_SEQ // PAGE
+    one = make_runner(folder)
+    one_pool = one.pool_size.num_pages // seq_pages
+    del one
+    window = window_pages(spec.layer_window, GROUP_SEQ, PAGE)
+    f, s = full_layers * per_layer * PAGE, spec.sliding_layers * per_layer * PAGE  # the calculator's page bytes
+    n = POOL_BYTES // (seq_pages * f + window * s)  # requests whose pages fit both pools
+    runner = make_runner(folder, kv_cache_bytes=POOL_BYTES, page_groups=True, sliding_group_pages=n * window)
+    full_pool, sliding_pool = runner.pool_size, runner.group_size
+    pool_bytes = lambda t, p: t.nbytes / (p.num_pages * PAGE)  # noqa: E731
+    return {"full_layers": full_layers, "sliding_layers": spec.sliding_layers, "window": spec.layer_window,
+            "calc_full_bytes_per_token": full_layers * per_layer, "pool_full_bytes_per_token":
+            pool_bytes(runner.kv_cache, full_pool), "calc_sliding_bytes_per_token": spec.sliding_layers * per_layer,
+            "pool_sliding_bytes_per_token": pool_bytes(runner.group_cache, sliding_pool),
+            "full_pages": full_pool.num_pages, "sliding_pages": sliding_pool.num_pages,
+            "window_pages": window, "seq_tokens": GROUP_SEQ,
+            "sequences_grouped": min(full_pool.num_pages // seq_pages, sliding_pool.num_pages // window),
+            "sequences_one_pool": one_pool}
+
+
 def decode(folders: dict[str, Path], rounds: int, steps: int) -> dict:
     """{family: {context: [tok/s, one per round]}}: each family's longest context prefilled once (decode_steps.Decode),
     then ``steps`` batch-1 decode steps from each context, families alternated within each round."""
@@ -170,6 +204,20 @@ def markdown(report: dict) -> str:
             cells = " | ".join(f"{r['decode'][str(c)]['tok_s']:.1f} | {r['decode'][str(c)]['vs_llama']:.2f}x"
                                for c in CONTEXTS)
             lines.append(f"| {family} | {cells} |")
+    g = report.get("page_groups")
+    if g:
+        lines += ["", f"Gemma 3's page groups ({g['full_layers']} full layers, {g['sliding_layers']} sliding, window "
+                  f"{g['window']}), float32: bytes per token per group, calculator vs the worker's two pools, and "
+                  f"sequences of {g['seq_tokens']:,} tokens in 512 MiB.", "",
+                  "| group | bytes/token calc | bytes/token pool | pages |", "|---|---:|---:|---:|",
+                  f"| full layers | {g['calc_full_bytes_per_token']:,} | {g['pool_full_bytes_per_token']:,.0f} | "
+                  f"{g['full_pages']:,} |",
+                  f"| sliding layers | {g['calc_sliding_bytes_per_token']:,} | "
+                  f"{g['pool_sliding_bytes_per_token']:,.0f} | {g['sliding_pages']:,} |", "",
+                  f"Sequences of {g['seq_tokens']:,} tokens held at once: **{g['sequences_grouped']}** with page "
+                  f"groups (each holds {g['seq_tokens'] // PAGE} full pages and at most {g['window_pages']} sliding "
+                  f"ones) against {g['sequences_one_pool']} in one pool for every layer, "
+                  f"{g['sequences_grouped'] / max(1, g['sequences_one_pool']):.1f}x."]
     mla = report.get("mla_saving", {})
     if mla:
         lines += ["", "MLA: the latent cache against the per-head K and V of the same heads.", "",
@@ -214,6 +262,8 @@ def main() -> None:
                          "vs_llama": statistics.median(rates) / statistics.median(times["llama"][c]) if "llama" in times
                          else None} for c, rates in by_ctx.items()}
         report["mla_saving"] = mla_saving(folders.get("deepseek_v3"))
+        if "gemma3" in folders:
+            report["page_groups"] = page_groups(folders["gemma3"])
     if "deepseek_v3" in folders:
         from models_mla import V2_LITE, time_modes
 
