@@ -18,7 +18,6 @@ the backend's ``linear`` so packed weights work, the sampler's ops) is LlamaDeco
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +25,9 @@ import torch.nn.functional as F
 
 from kvserve.kernels.kv_quant import FORMAT_OF_DTYPE, dequantise, quantise
 from kvserve.kernels.paged_attention import AttentionMetadata, PagedAttentionBackend
-from kvserve.kernels.rotary import apply_rotary, cos_sin_table, inverse_frequencies
+from kvserve.kernels.rotary import apply_rotary, cos_sin_table, frequencies, scaling_kind
 from kvserve.worker.config import ModelConfig
-from kvserve.worker.mla_config import MLAParams, yarn_mscale
+from kvserve.worker.mla_config import MLAParams
 from kvserve.worker.mla_weights import MLALayerWeights, pack_mla_layers
 from kvserve.worker.model import embedding, pack_lm_head
 from kvserve.worker.moe import feed_forward
@@ -62,37 +61,9 @@ def seq_spans(meta: AttentionMetadata) -> list[SeqSpan]:
 def rope_tables(cfg: ModelConfig, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [positions, qk_rope_head_dim] as HF's DeepSeek rotary embedding makes them: default or yarn
     frequencies, times yarn's attention factor."""
-    dim, scaling = cfg.mla.qk_rope_head_dim, cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type", "default")) == "yarn":
-        inv_freq, factor = yarn_frequencies(dim, cfg.rope_theta, scaling, cfg.max_position_embeddings)
-    else:
-        inv_freq, factor = inverse_frequencies(dim, cfg.rope_theta, None), 1.0
-    cos, sin = cos_sin_table(inv_freq, positions)
-    return cos * factor, sin * factor
-
-
-def yarn_frequencies(dim: int, theta: float, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:
-    """YaRN inverse frequencies and attention factor, as transformers' _compute_yarn_parameters computes them."""
-    old = float(s["original_max_position_embeddings"])
-    factor = float(s["factor"]) if s.get("factor") is not None else max_positions / old
-    attention = s.get("attention_factor")
-    if attention is None:
-        mscale, all_dim = s.get("mscale"), s.get("mscale_all_dim")
-        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim) if mscale and all_dim else \
-            yarn_mscale(factor)
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
-    if s.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high else high) - low))
-    extrapolation = 1 - ramp.clamp(0, 1)
-    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
-    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
-    return inv_freq, float(attention)
+    scaling = cfg.rope_scaling if scaling_kind(cfg.rope_scaling) == "yarn" else None
+    inv_freq, factor = frequencies(cfg.mla.qk_rope_head_dim, cfg.rope_theta, scaling, cfg.max_position_embeddings)
+    return cos_sin_table(inv_freq, positions, factor)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mla: MLAParams) -> torch.Tensor:

@@ -9,9 +9,9 @@ For the pool an MLA model is one "KV head" of width ``latent_dim`` with no separ
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from kvserve.kernels.rotary import yarn_mscale
 from kvserve.worker.moe import MoEParams
 
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -66,11 +66,6 @@ def mla_params(raw: dict, rope_scaling: dict | None, unsupported: type[ValueErro
         interleave_output=v3,
         softmax_scale=_softmax_scale(nope + rope, rope_scaling if kind != "default" else None),
     )
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention scale, Eq. 21: ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _softmax_scale(qk_head_dim: int, yarn: dict | None) -> float:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.paged_attention import AttentionMetadata, PagedAttentionBackend
-from kvserve.kernels.rotary import cos_sin_table, inverse_frequencies
+from kvserve.kernels.rotary import cos_sin_table, frequencies
 from kvserve.worker.config import ModelConfig
 from kvserve.worker.layer_windows import SlidingGroup, layer_steps
 from kvserve.worker.moe import feed_forward, pack_moe
@@ -95,8 +95,9 @@ class LlamaDecoder:
         self.backend = backend
         self.linear = backend.linear
         device = weights.lm_head.device
-        self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = cos_sin_table(self.inv_freq, cfg.max_position_embeddings)
+        self.inv_freq, self.rope_factor = frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                                      cfg.max_position_embeddings)
+        cos, sin = cos_sin_table(self.inv_freq, cfg.max_position_embeddings, self.rope_factor)
         self.cos, self.sin = cos.to(device), sin.to(device)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -139,7 +140,7 @@ class LlamaDecoder:
         size = self.cos.shape[0]
         while size < positions:
             size *= 2
-        cos, sin = cos_sin_table(self.inv_freq, size)
+        cos, sin = cos_sin_table(self.inv_freq, size, self.rope_factor)
         self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
 
     def _attention(self, x, layer: LayerWeights, cos, sin, kv_cache, kv_scales, meta, state,

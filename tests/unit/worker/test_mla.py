@@ -14,9 +14,10 @@ from window_models import paged_logits, run_windowed
 
 from kvserve.common.kvmem import get_dtype, per_token
 from kvserve.common.kvmem_models import ModelSpec
+from kvserve.kernels.rotary import yarn_frequencies
 from kvserve.worker.config import ModelConfig, UnsupportedModel
 from kvserve.worker.kv_pool import allocate_pool, allocate_scales, size_pool
-from kvserve.worker.mla import MLADecoder, yarn_frequencies
+from kvserve.worker.mla import MLADecoder
 from kvserve.worker.page_codec import decode_page, encode_page
 from kvserve.worker.runner import ModelRunner, RunnerConfig
 

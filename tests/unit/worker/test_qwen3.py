@@ -107,3 +107,21 @@ def test_a_prefix_hit_on_another_requests_pages_gives_the_same_logits(qwen3):
     alone = forward(b, 0, [20, 21, 22, 23, 24])
     torch.testing.assert_close(hit, alone[48:], rtol=1e-4, atol=1e-4)
     assert torch.equal(hit.argmax(-1), alone[48:].argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def qwen3_yarn(tmp_path_factory, model_dir):
+    """Qwen3's long-context setting: yarn over its original 256 positions, four times longer (max 1,024)."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}
+    return save_tiny_qwen3(tmp_path_factory.mktemp("qwen3-yarn") / "qwen3-yarn", model_dir, rope_parameters=rope)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_yarn_rope_scaling_gives_hfs_tokens(qwen3_yarn, backend):
+    """YaRN's blended frequencies and its attention factor on cos and sin (rotary.frequencies), for every
+    decoder, not only MLA's: a prompt past the original 256 positions generates HF's tokens."""
+    runner = make_runner(qwen3_yarn, backend)
+    assert runner.model.rope_factor == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
+    seqs = run_windowed(runner, prompts(300), NEW_TOKENS, budget=128)
+    hf = hf_model(qwen3_yarn)
+    assert seqs[0].output == hf_generate(hf, seqs[0].prompt, NEW_TOKENS)
