@@ -100,7 +100,7 @@ def run_grouped(runner: ModelRunner, seqs: list[Seq], budget: int, free: list[in
                 s.output.append(out[item.req_id])
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
 @pytest.mark.parametrize("name", ["gemma3", "qwen2"])
 def test_hfs_greedy_tokens_while_the_sliding_pages_fall_out_of_the_window_and_serve_others(tiny, name, backend):
     runner = grouped_runner(tiny[name], backend)
