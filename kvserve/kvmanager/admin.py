@@ -22,7 +22,7 @@ from kvserve.kvmanager.errors import RequestsRunning, UnknownTenant
 from kvserve.kvmanager.hashing import chain_hashes, hex_hash, iter_chain_hashes
 from kvserve.kvmanager.manager import KVManager
 from kvserve.kvmanager.placement import joint_hit
-from kvserve.kvmanager.pool import Block, PagePool
+from kvserve.kvmanager.pool import Block, PagePool, with_groups
 from kvserve.kvmanager.state import TenantCounters
 from kvserve.kvmanager.step_validate import check_tenant
 from kvserve.kvmanager.transfers import TransferTotals
@@ -462,7 +462,7 @@ def evict_tenant(mgr: KVManager, tenant: str, worker_id: str = "", include_pinne
             mgr.mark_pinned(h, False)
         mgr.changes.changed |= bool(doomed)
     evicted = kept = 0
-    for pool in [*pools, *(p.group for p in pools if p.group is not None)]:
+    for pool in with_groups(pools):
         # In page order, not the index's: pages join the free list (and unpinned blocks the LRU) in this order,
         # which later allocations see, and the index's insertion order is not the same after a restart.
         for block in sorted((b for b in pool.index.values() if b.tenant == tenant), key=lambda b: b.page_id):

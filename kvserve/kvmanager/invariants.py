@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from kvserve.common.pages import HOLE
 from kvserve.kvmanager.manager import KVManager
-from kvserve.kvmanager.pool import PagePool, group_spec
+from kvserve.kvmanager.pool import PagePool, group_spec, with_groups
 from kvserve.kvmanager.state import RequestPages
 
 
@@ -88,7 +88,7 @@ def _check_group(pool: PagePool, live: list[RequestPages]) -> None:
 
 def _check_pins(mgr: KVManager) -> None:
     pins = mgr.pins
-    for pool in [*mgr.pools.values(), *(p.group for p in mgr.pools.values() if p.group is not None)]:
+    for pool in with_groups(mgr.pools.values()):
         for h, block in pool.index.items():
             assert block.pinned == (h in pins), (f"{pool.spec.worker_id}: block {h.hex()} pinned={block.pinned} "
                                                  f"but {'in' if h in pins else 'not in'} the pin table")

@@ -73,7 +73,7 @@ from kvserve.kvmanager.fair_share import FairShare
 from kvserve.kvmanager.hashing import chain_hashes
 from kvserve.kvmanager.pins import PinTable
 from kvserve.kvmanager.placement import Fit, Placement, fit, place
-from kvserve.kvmanager.pool import Block, PagePool
+from kvserve.kvmanager.pool import Block, PagePool, releasing
 from kvserve.kvmanager.spec_checks import check_roles, check_spec
 from kvserve.kvmanager.state import Changes, GroupPages, RequestPages, TenantCounters
 from kvserve.kvmanager.step_validate import validate_step
@@ -458,36 +458,23 @@ class KVManager:
             return PageExtensionResult(op.req_id, OpStatus.STALE_EPOCH)
         req = self.requests[op.req_id]
         pool = self.pools[req.worker_id]
-        if req.group is not None:
-            return self._extend_grouped(op, req, pool)
-        need = num_pages_for(op.num_tokens, pool.spec.page_size) - len(req.page_table)
-        if need <= 0:
+        # The request's tables and their pools: with page groups, the sliding layers' too. Atomically: short in
+        # either, nothing is taken.
+        tables = [(pool, req.page_table)] + ([(pool.group, req.group.page_table)] if req.group is not None else [])
+        num_pages = num_pages_for(op.num_tokens, pool.spec.page_size)
+        needs = [max(0, num_pages - len(table)) for _, table in tables]
+        if not any(needs):
             return PageExtensionResult(op.req_id, OpStatus.OK, [], len(req.page_table))
-        if pool.available() < need:
-            return PageExtensionResult(op.req_id, OpStatus.OUT_OF_PAGES, [], len(req.page_table),
-                                       need - pool.available())
-        fresh = pool.allocate(need, req.tenant, self.fair)
-        req.page_table.extend(fresh)
-        self.changes.changed = True
-        return PageExtensionResult(op.req_id, OpStatus.OK, fresh, len(req.page_table))
-
-    def _extend_grouped(self, op: PageExtension, req: RequestPages, pool: PagePool) -> PageExtensionResult:
-        """Both tables to cover op.num_tokens, atomically: short in either group, nothing is taken."""
-        group, num_pages = pool.group, num_pages_for(op.num_tokens, pool.spec.page_size)
-        need = max(0, num_pages - len(req.page_table))
-        group_need = max(0, num_pages - len(req.group.page_table))
-        if not need and not group_need:
-            return PageExtensionResult(op.req_id, OpStatus.OK, [], len(req.page_table))
-        short = max(need - pool.available(), group_need - group.available())
+        short = max(need - p.available() for (p, _), need in zip(tables, needs, strict=True))
         if short > 0:
             return PageExtensionResult(op.req_id, OpStatus.OUT_OF_PAGES, [], len(req.page_table), short)
-        fresh = pool.allocate(need, req.tenant, self.fair) if need else []
-        group_fresh = group.allocate(group_need, req.tenant, self.fair) if group_need else []
-        req.page_table.extend(fresh)
-        req.group.page_table.extend(group_fresh)
+        fresh = []
+        for (p, table), need in zip(tables, needs, strict=True):
+            fresh.append(p.allocate(need, req.tenant, self.fair) if need else [])
+            table.extend(fresh[-1])
         self.changes.changed = True
-        return PageExtensionResult(op.req_id, OpStatus.OK, fresh, len(req.page_table),
-                                   group_new_page_ids=group_fresh)
+        return PageExtensionResult(op.req_id, OpStatus.OK, fresh[0], len(req.page_table),
+                                   group_new_page_ids=fresh[1] if req.group is not None else [])
 
     def _commit(self, op: PageCommit) -> PageCommitResult:
         if op.req_id in self.stale:
@@ -616,9 +603,7 @@ class KVManager:
         if op.req_id in self.stale:
             return PageReleaseResult(op.req_id, OpStatus.STALE_EPOCH)
         req = self.requests[op.req_id]
-        pool, table = self.pools[req.worker_id], req.page_table
-        if req.group is not None:  # a grouped pool: only the sliding layers' pages fall out of a window
-            pool, table = pool.group, req.group.page_table
+        pool, table = releasing(self.pools[req.worker_id], req)
         pages = [table[i] for i in op.page_indices if table[i] != HOLE]  # in the order given; each index once
         if not pages:
             return PageReleaseResult(op.req_id, OpStatus.OK, 0)

@@ -50,6 +50,20 @@ def group_spec(spec: PoolSpec) -> PoolSpec:
                    sliding_group_window=0, sliding_group_bytes_per_token=0)
 
 
+def with_groups(pools) -> list[PagePool]:
+    """The pools, then the sliding groups of those that have page groups: every PagePool holding blocks."""
+    pools = list(pools)
+    return [*pools, *(p.group for p in pools if p.group is not None)]
+
+
+def releasing(pool: PagePool, req) -> tuple[PagePool, list[int]]:
+    """The pool and the page table a request's releases name (``req``: a RequestPages on ``pool``): on a grouped
+    pool, its sliding layers' (only their pages fall out of a window)."""
+    if req.group is not None:
+        return pool.group, req.group.page_table
+    return pool, req.page_table
+
+
 class PagePool:
     def __init__(self, spec: PoolSpec):
         self.spec = spec

@@ -19,11 +19,11 @@ from kvserve.common.wire.pages import (
     StepOps,
 )
 from kvserve.kvmanager.errors import StaleStep, UnknownRequest
+from kvserve.kvmanager.pool import PagePool, releasing
 from kvserve.kvmanager.state import RequestPages
 
 if TYPE_CHECKING:
     from kvserve.kvmanager.manager import KVManager
-    from kvserve.kvmanager.pool import PagePool
 
 
 
@@ -225,9 +225,7 @@ def _check_release(mgr: KVManager, r: PageRelease, step_id: int) -> None:
     _check_not_stale(mgr, r.req_id, "release", step_id, req)
     if r.req_id in mgr.stale or req.is_replay("release", step_id):
         return
-    pool, table = mgr.pools[req.worker_id], req.page_table
-    if req.group is not None:
-        pool, table = pool.group, req.group.page_table
+    pool, table = releasing(mgr.pools[req.worker_id], req)
     if not pool.window.slides:
         raise InvalidRequest(f"{where}: pool {req.worker_id!r} has no sliding window: nothing to release")
     num_sinks = pool.num_sink_pages
