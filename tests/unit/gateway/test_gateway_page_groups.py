@@ -10,7 +10,7 @@ while still read, fails the check.
 
 from __future__ import annotations
 
-from engine_fakes import InlineExecutor
+from scheduler_steps import drain, request, run_step
 
 from kvserve.common.attention_window import AttentionWindow
 from kvserve.common.pages import HOLE
@@ -20,14 +20,9 @@ from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.services.gateway.core import EngineCore, scheduler_config
 from kvserve.services.gateway.inprocess import InProcessKVManager
-from kvserve.services.gateway.request import Request, RequestParams
 
 PS = 4
 WINDOW = 8  # the sliding layers' window: two pages
-
-
-def request(req_id, prompt, max_tokens=3, tenant="t"):
-    return Request(req_id, tenant, list(prompt), RequestParams(max_tokens=max_tokens, ignore_eos=True))
 
 
 class GroupedWorker:
@@ -85,24 +80,8 @@ def grouped_setup(num_pages=40, sliding_pages=10, budget=8, max_num_seqs=8):
     return mgr, EngineCore(GroupedWorker(info), info, InProcessKVManager(mgr), cfg)
 
 
-def run_step(core: EngineCore, overlap=False):
-    core.executor = InlineExecutor() if overlap else None
-    core.worker.batch = StepBatch(())
-    events = core.step()
-    return events.scheduled, core.worker.batch
-
-
 def held(table) -> list[int]:
     return [p for p in table if p != HOLE]
-
-
-def drain(core: EngineCore, overlap=False, max_steps=200) -> list[StepBatch]:
-    steps = []
-    while core.has_work() and len(steps) < max_steps:
-        steps.append(run_step(core, overlap)[1])
-        check_invariants(core.kv.mgr)
-    assert not core.has_work()
-    return steps
 
 
 def test_page_group_bounds_at_every_step_of_a_request_longer_than_the_sliding_pool():

@@ -4,7 +4,7 @@ f(position)) because what is tested here is which tokens get computed where, not
 
 from __future__ import annotations
 
-from engine_fakes import InlineExecutor
+from scheduler_steps import drain, request, run_step
 
 from kvserve.common.attention_window import AttentionWindow
 from kvserve.common.wire.pages import PageAllocation, PoolSpec, StepOps, StepResults
@@ -13,7 +13,7 @@ from kvserve.kvmanager.invariants import check_invariants
 from kvserve.kvmanager.manager import KVManager
 from kvserve.services.gateway.core import EngineCore
 from kvserve.services.gateway.inprocess import InProcessKVManager
-from kvserve.services.gateway.request import FinishReason, Request, RequestParams, RequestStatus
+from kvserve.services.gateway.request import FinishReason, RequestStatus
 from kvserve.services.gateway.scheduler import SchedulerConfig
 
 PS = 4
@@ -26,10 +26,6 @@ def setup(num_pages=16, budget=8, max_num_seqs=8, prefix_caching=True, long_pref
                           max_num_batched_tokens=budget, prefix_caching=prefix_caching,
                           long_prefill_token_threshold=long_prefill, reserve_ahead=reserve_ahead)
     return mgr, core_over(mgr, cfg)
-
-
-def request(req_id, prompt, max_tokens=3, tenant="t"):
-    return Request(req_id, tenant, list(prompt), RequestParams(max_tokens=max_tokens, ignore_eos=True))
 
 
 class PositionWorker:
@@ -59,25 +55,6 @@ def core_over(mgr: KVManager, cfg: SchedulerConfig) -> EngineCore:
     info = WorkerInfo("w0", 1, "position", "fp", PS, cfg.num_pages, "float32", 1, 1, 1, 1, 1, 1, 49152,
                       cfg.max_model_len, cfg.eos_token_ids, "cpu", "position")
     return EngineCore(PositionWorker(info), info, InProcessKVManager(mgr), cfg)
-
-
-def run_step(core: EngineCore, overlap=False):
-    """One step of the engine core with the position model: (the step's schedule, the batch it computed).
-    ``overlap``: with an executor, as the engine loop runs a step whose call can overlap compute (the batch
-    first, the answer applied before update)."""
-    core.executor = InlineExecutor() if overlap else None
-    core.worker.batch = StepBatch(())
-    events = core.step()
-    return events.scheduled, core.worker.batch
-
-
-def drain(core: EngineCore, max_steps=100, overlap=False):
-    steps = []
-    while core.has_work() and len(steps) < max_steps:
-        steps.append(run_step(core, overlap))
-        check_invariants(core.kv.mgr)
-    assert not core.has_work()
-    return steps
 
 
 def test_chunked_prefill_then_decode_exact_chunks_and_pages():
