@@ -10,7 +10,8 @@ table in each. Only the sliding group's pages fall out of the window.
 from __future__ import annotations
 
 import pytest
-from step_ids import step_id_for
+from kvmanager_steps import checked_step as step
+from kvmanager_steps import manager_with
 
 from kvserve.common.embedded_redis import EmbeddedRedis
 from kvserve.common.errors import InvalidRequest
@@ -25,7 +26,6 @@ from kvserve.common.wire.pages import (
     PageRelease,
     PoolSpec,
     StepOps,
-    StepResults,
 )
 from kvserve.kvmanager import admin
 from kvserve.kvmanager import snapshot as snapshot_format
@@ -48,17 +48,8 @@ def gspec(worker="w0", epoch=1, num_pages=16, group_pages=12, **changes) -> Pool
 
 
 def mgr_with(*specs) -> KVManager:
-    m = KVManager()
-    for s in specs or (gspec(),):
-        m.register_worker(s)
-    return m
+    return manager_with(*(specs or (gspec(),)))
 
-
-def step(m: KVManager, step_id=None, **ops) -> StepResults:
-    """One call, then the invariants (both groups) in full."""
-    out = m.step(StepOps(step_id_for(m, step_id), **{k: tuple(v) for k, v in ops.items()}))
-    check_invariants(m)
-    return out
 
 
 def alloc(m, req_id, tokens, worker="w0", chunk_tokens=0, tenant="t"):

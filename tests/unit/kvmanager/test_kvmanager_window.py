@@ -14,11 +14,12 @@ import re
 import grpc
 import pytest
 from kvmanager_soak import snapshot  # noqa: E402
+from kvmanager_steps import checked_step as step
+from kvmanager_steps import manager_with
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import generate_latest
-from step_ids import step_id_for
 
 from kvserve.common.convert import pages as page_cv
 from kvserve.common.convert import worker as worker_cv
@@ -85,17 +86,8 @@ def wspec(worker="w0", epoch=1, num_pages=12, window=8, sinks=4) -> PoolSpec:
 
 
 def mgr_with(*specs) -> KVManager:
-    m = KVManager()
-    for s in specs or (wspec(),):
-        m.register_worker(s)
-    return m
+    return manager_with(*(specs or (wspec(),)))
 
-
-def step(m: KVManager, step_id=None, **ops) -> StepResults:
-    """One call, then the invariants (hole-aware) in full."""
-    out = m.step(StepOps(step_id_for(m, step_id), **{k: tuple(v) for k, v in ops.items()}))
-    check_invariants(m)
-    return out
 
 
 def alloc(m, req_id, tokens, tenant="t", worker="w0", step_id=None):
