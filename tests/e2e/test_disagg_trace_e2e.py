@@ -48,10 +48,13 @@ def test_a_request_prefilled_on_one_worker_and_decoded_on_another_is_one_trace(t
             result = client.complete(prompt=PROMPT, max_tokens=4)
         req_id = result.req_id
 
-        def complete(spans):
+        def complete(spans):  # every span the asserts read, the decode steps exported in a later batch included
             mine = [s for s in spans if s.attributes.get("kvserve.req_id") == req_id]
+            requests = [(s.trace_id, s.span_id) for s in mine if s.name == "gateway.request"]
             return {"gateway.request", "worker.pull", "worker.prefill_chunk"} <= {s.name for s in mine} and \
-                any(s.name == "worker.read_pages" for s in spans)
+                any(s.name == "worker.read_pages" for s in spans) and \
+                any(s.name == "worker.decode_step" and set(requests) & set(s.links) for s in spans) and \
+                any(s.service_name == "kvserve-kvmanager" and s.trace_id in {t for t, _ in requests} for s in spans)
 
         spans = collector.wait_for(complete, SPAN_TIMEOUT_S, what=f"the spans of {req_id}")
         (request,) = [s for s in spans if s.name == "gateway.request" and s.attributes["kvserve.req_id"] == req_id]
