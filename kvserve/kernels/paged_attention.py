@@ -44,6 +44,8 @@ class AttentionMetadata:
     window: AttentionWindow = FULL_ATTENTION  # the keys each query reads; with a sliding one, page tables may
     # hold HOLEs (kvserve/kernels/window.py)
     sink_positions: torch.Tensor | None = None  # [num_tokens] int64, each query's in-cache position (sinks only)
+    logits_soft_cap: float = 0.0  # > 0: every score s (after the scale) becomes cap * tanh(s / cap) before the
+    # softmax (Gemma 2's attn_logit_softcapping); 0: none
 
     @property
     def num_seqs(self) -> int:

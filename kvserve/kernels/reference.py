@@ -27,7 +27,7 @@ from kvserve.common.pages import num_pages_for
 from kvserve.kernels.kv_quant import FORMATS, dequantise
 from kvserve.kernels.paged_attention import AttentionMetadata, write_kv
 from kvserve.kernels.rotary import apply_rotary
-from kvserve.kernels.window import sink_attention, window_keys
+from kvserve.kernels.window import scored_attention, window_keys
 
 
 @dataclass(slots=True)
@@ -44,6 +44,7 @@ class GroupState:
     kv_rows: torch.Tensor | None = None  # rows of the layer cache viewed as [2 * num_pages, page]: K rows, V rows
     kv_buf: torch.Tensor | None = None  # the gathered pages, reused by every layer of the step
     sink_keys: torch.Tensor | None = None  # [num_seqs, 1, 1, num_keys] bool: attention sinks (window.py)
+    logits_soft_cap: float = 0.0  # the metadata's soft cap on the scores (0: none)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask as SDPA would convert it (0 = may attend, -inf = may not), once per step rather than in
@@ -88,11 +89,11 @@ def group_state(meta: AttentionMetadata, seqs: list[int] | None) -> GroupState:
         query_pos = torch.minimum(query_pos, seq_lens[:, None] - 1)  # padded rows: as the last row (never empty)
         seen = meta.window.sees(query_pos[:, :, None], key_pos[:, None, :])
         return GroupState(token_index, q_index, page_ids, int(q_lens.shape[0]), max_q, key_pos.shape[1],
-                          seen.unsqueeze(1), sink_keys=sink_keys)
+                          seen.unsqueeze(1), sink_keys=sink_keys, logits_soft_cap=meta.logits_soft_cap)
     seen = key_pos[None, None, :] <= query_pos[:, :, None]
     seen &= key_pos[None, None, :] < seq_lens[:, None, None]
     return GroupState(token_index, q_index, tables[:, :num_pages].reshape(-1), int(q_lens.shape[0]), max_q,
-                      num_keys, seen.unsqueeze(1))
+                      num_keys, seen.unsqueeze(1), logits_soft_cap=meta.logits_soft_cap)
 
 
 def _window_keys(meta: AttentionMetadata, tables: torch.Tensor, start_pos: torch.Tensor, seq_lens: torch.Tensor):
@@ -278,8 +279,9 @@ def _attend(q: torch.Tensor, kv_cache: torch.Tensor, g: GroupState, scale: float
     kv = _gather_dequantised(kv_cache, kv_scales, g, q.dtype)
     kv = kv.view(2, g.num_seqs, g.num_keys, num_kv_heads, head_dim).transpose(2, 3)  # [2, seqs, kv_heads, k, d]
     q_pad = _padded(q, g)
-    if g.sink_keys is not None:
-        out = sink_attention(q_pad, _padded(q_sink, g), kv[0], kv[1], g.additive_mask(q.dtype), g.sink_keys, scale)
+    if g.sink_keys is not None or g.logits_soft_cap:
+        out = scored_attention(q_pad, kv[0], kv[1], g.additive_mask(q.dtype), scale, g.logits_soft_cap,
+                               None if g.sink_keys is None else _padded(q_sink, g), g.sink_keys)
     else:
         out = F.scaled_dot_product_attention(q_pad, kv[0], kv[1], attn_mask=g.additive_mask(q.dtype), scale=scale,
                                              enable_gqa=True)

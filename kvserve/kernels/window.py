@@ -54,13 +54,21 @@ def window_keys(start_pos: list[int], seq_lens: list[int], tables: torch.Tensor,
     return page_ids.reshape(-1).to(tables.device), key_pos.reshape(len(reads), -1).to(tables.device)
 
 
-def sink_attention(q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   sink_keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dense attention where sink keys are scored against q_sink and the others against q.
+def scored_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     logits_soft_cap: float = 0.0, q_sink: torch.Tensor | None = None,
+                     sink_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense attention with its scores written out, for what SDPA does not compute: a soft cap on the scores
+    (``cap * tanh(s / cap)`` after the scale, as HF's eager Gemma 2 attention) and attention sinks (sink keys
+    scored against q_sink, the others against q).
 
     q, q_sink [seqs, heads, q_len, d]; k, v [seqs, kv_heads, keys, d]; mask additive [seqs, 1, q_len, keys];
     sink_keys bool [seqs, 1, 1, keys]."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.where(sink_keys, q_sink @ k.transpose(-1, -2), q @ k.transpose(-1, -2)) * scale
+    scores = q @ k.transpose(-1, -2)
+    if sink_keys is not None:
+        scores = torch.where(sink_keys, q_sink @ k.transpose(-1, -2), scores)
+    scores = scores * scale
+    if logits_soft_cap:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     return torch.softmax(scores + mask, dim=-1) @ v

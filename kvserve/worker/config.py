@@ -50,7 +50,7 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()  # per layer when full and sliding layers mix (0 = full attention);
     # () = every layer attends with sliding_window. A mixed model's sliding_window is 0: its worker keeps the
     # sliding layers' pages in a group of their own (page_groups.py), or every page in one pool
-    gemma: GemmaParams | None = None  # Gemma 3's own constants (kvserve/worker/gemma.py runs it)
+    gemma: GemmaParams | None = None  # Gemma 2's and 3's own constants (kvserve/worker/gemma.py runs them)
     moe: MoEParams | None = None  # routed experts (Qwen3-MoE, DeepSeek; kvserve/worker/moe.py); None: every MLP dense
 
     @classmethod
@@ -89,6 +89,11 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
         return cls.from_dict(json.loads((Path(folder) / "config.json").read_text()))
+
+    @property
+    def logits_soft_cap(self) -> float:
+        """The soft cap on every attention score (Gemma 2's attn_logit_softcapping); 0.0: none."""
+        return (self.gemma.attn_logit_softcapping or 0.0) if self.gemma is not None else 0.0
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether ``layer``'s MLP routes over experts."""
@@ -157,7 +162,7 @@ def _text_model(raw: dict) -> dict:
 
 
 def _with_gemma(cfg: ModelConfig, raw: dict) -> ModelConfig:
-    """A gemma3_text config: its full layers' rope, tied embeddings by default, and GemmaParams."""
+    """A gemma2 or gemma3_text config: its full layers' rope, tied embeddings by default, and GemmaParams."""
     try:
         return replace(cfg, **gemma_overrides(raw))
     except ValueError as e:

@@ -1,4 +1,5 @@
-"""Gemma 3 text models (``gemma3_text``) over the paged KV cache, computed as HF's modeling_gemma3 computes them.
+"""Gemma 2 and Gemma 3 text models (``gemma2``, ``gemma3_text``) over the paged KV cache, computed as HF's
+modeling_gemma2 and modeling_gemma3 compute them.
 
 A layer differs from LlamaDecoder's in four places, everything else (the fused QKV and gate/up projections through
 the backend's ``linear``, RoPE, the K/V write and the paged attention through ``backend.qkv_attention``) is shared:
@@ -8,11 +9,13 @@ the backend's ``linear``, RoPE, the K/V write and the paged attention through ``
 
       h = input_norm(x);  x += post_norm(attention(h));  h = pre_mlp_norm(x);  x += post_mlp_norm(mlp(h))
 
-- q_norm / k_norm over each head before RoPE; queries scaled by ``query_pre_attn_scalar ** -0.5``.
-- Sliding layers rotate with their own RoPE base (``rope_local_base_freq``) and attend within the window;
-  full layers use ``rope_theta`` and the checkpoint's rope scaling. The embedding is scaled by
-  ``sqrt(hidden_size)`` (cast to the weights' dtype, as HF casts it); the MLP is gelu(tanh)-gated; logits
-  are soft-capped when ``final_logit_softcapping`` is set.
+- Gemma 3: q_norm / k_norm over each head before RoPE. Gemma 2: none, but every attention score is soft-capped
+  (``cap * tanh(s / cap)``, in the backend's kernels: AttentionMetadata.logits_soft_cap). Queries are scaled by
+  ``query_pre_attn_scalar ** -0.5``.
+- Sliding layers attend within the window. Gemma 3's rotate with their own RoPE base (``rope_local_base_freq``),
+  its full layers with ``rope_theta`` and the checkpoint's rope scaling; Gemma 2 has one rope.
+- The embedding is scaled by ``sqrt(hidden_size)`` (cast to the weights' dtype, as HF casts it); the MLP is
+  gelu(tanh)-gated; logits are soft-capped when ``final_logit_softcapping`` is set.
 """
 
 from __future__ import annotations
@@ -37,23 +40,25 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
 
 
-def one_plus_norms(weights: ModelWeights) -> ModelWeights:
+def one_plus_norms(weights: ModelWeights, qk_norm: bool) -> ModelWeights:
     """Replaces, in place, every norm weight w by ``1 + w`` in float32 (what Gemma3RMSNorm multiplies by)."""
+    names = NORMS if qk_norm else NORMS[:4]
     for layer in weights.layers:
-        for name in NORMS:
+        for name in names:
             w = getattr(layer, name)
-            assert w is not None, f"a Gemma 3 layer needs its {name} weight"
+            assert w is not None, f"a Gemma layer needs its {name} weight"
             setattr(layer, name, 1.0 + w.float())
     weights.final_norm = 1.0 + weights.final_norm.float()
     return weights
 
 
 class GemmaDecoder(LlamaDecoder):
-    """LlamaDecoder's weights, packing and backend, with Gemma 3's norms, rope per layer type and MLP."""
+    """LlamaDecoder's weights, packing and backend, with Gemma's norms, rope per layer type and MLP."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, backend: PagedAttentionBackend):
-        assert cfg.gemma is not None, "GemmaDecoder runs gemma3_text configs"
-        super().__init__(cfg, one_plus_norms(weights), backend)  # the full layers' rope: rope_theta, scaling
+        assert cfg.gemma is not None, "GemmaDecoder runs gemma2 and gemma3_text configs"
+        # the full layers' rope: rope_theta, scaling
+        super().__init__(cfg, one_plus_norms(weights, cfg.gemma.qk_norm), backend)
         g = cfg.gemma
         self.scale = g.query_pre_attn_scalar ** -0.5
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5)  # float32, cast to the embedding's dtype (HF)
@@ -70,7 +75,7 @@ class GemmaDecoder(LlamaDecoder):
         kv_scales: torch.Tensor | None = None,  # [num_layers, 2, num_pages, page_size, num_kv_heads] or None
         sliding: SlidingGroup | None = None,  # page groups: the sliding layers' pool and metadata (LlamaDecoder's)
     ) -> torch.Tensor:  # [num_tokens, hidden], after the final norm
-        assert meta.sink_positions is None, "Gemma 3 is served without attention sinks"
+        assert meta.sink_positions is None, "Gemma is served without attention sinks"
         x = embedding(token_ids, self.weights)
         x = x * self.embed_scale.to(device=x.device, dtype=x.dtype)  # the residual stream, updated in place
         pos = meta.positions
@@ -94,14 +99,17 @@ class GemmaDecoder(LlamaDecoder):
         return (torch.tanh(logits / cap) * cap if cap else logits).float()
 
     def _attention(self, x, layer: LayerWeights, cos, sin, kv_cache, kv_scales, meta, state) -> torch.Tensor:
-        """q_norm / k_norm per head on the fused projection's q and k, then the backend's RoPE and paged attention."""
+        """q_norm / k_norm per head on the fused projection's q and k (Gemma 3), then the backend's RoPE and paged
+        attention (soft-capped through the metadata for Gemma 2)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         qkv = self.linear(x, layer.qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        n, d = qkv.shape[0], cfg.head_dim
-        q = gemma_rms_norm(q.reshape(-1, d), layer.q_norm, eps).reshape(n, self.q_size)
-        k = gemma_rms_norm(k.reshape(-1, d), layer.k_norm, eps).reshape(n, self.kv_size)
-        out = self.backend.qkv_attention(torch.cat([q, k, v], dim=-1), cos, sin, kv_cache, meta, state, self.scale,
+        if cfg.gemma.qk_norm:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            n, d = qkv.shape[0], cfg.head_dim
+            q = gemma_rms_norm(q.reshape(-1, d), layer.q_norm, eps).reshape(n, self.q_size)
+            k = gemma_rms_norm(k.reshape(-1, d), layer.k_norm, eps).reshape(n, self.kv_size)
+            qkv = torch.cat([q, k, v], dim=-1)
+        out = self.backend.qkv_attention(qkv, cos, sin, kv_cache, meta, state, self.scale,
                                          cfg.num_heads, cfg.num_kv_heads, kv_scales)
         return self.linear(out.reshape(-1, self.q_size), layer.o)
 

@@ -78,6 +78,10 @@ def layer_steps(cfg: ModelConfig, meta: AttentionMetadata, prepare, kv_cache: to
     def at(pool, i):
         return None if pool is None else pool[i]
 
+    if cfg.logits_soft_cap:  # a model constant every layer's kernels apply (Gemma 2)
+        meta = replace(meta, logits_soft_cap=cfg.logits_soft_cap)
+        if sliding is not None:
+            sliding = replace(sliding, meta=replace(sliding.meta, logits_soft_cap=cfg.logits_soft_cap))
     if not cfg.layer_windows:
         assert sliding is None, "page groups need a model that mixes sliding and full layers"
         state = prepare(meta)

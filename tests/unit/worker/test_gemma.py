@@ -164,7 +164,6 @@ def gemma_raw(**kw) -> dict:
 
 
 @pytest.mark.parametrize(("raw", "named"), [
-    (gemma_raw(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
     (gemma_raw(use_bidirectional_attention=True), "use_bidirectional_attention"),
     (gemma_raw(hidden_activation="gelu"), "hidden_activation 'gelu'"),
     (gemma_raw(layer_types=["chunked_attention"] * 6), "chunked_attention"),
