@@ -56,6 +56,7 @@ class FlashAttnArgs:
     max_seqlen_k: int
     window_size: tuple[int, int] | None  # (window - 1, 0), or None without a window
     q_rows: torch.Tensor | None = None  # FA2: [num_tokens] int64, token -> row of [num_seqs * max_q_len]
+    softcap: float = 0.0  # both kernels' soft cap on the scores (kvserve's logits_soft_cap; 0: none)
 
 
 def convert_metadata(meta: AttentionMetadata, padded_rows: bool = False) -> FlashAttnArgs:
@@ -68,7 +69,7 @@ def convert_metadata(meta: AttentionMetadata, padded_rows: bool = False) -> Flas
     args = FlashAttnArgs(
         cu_seqlens_q=meta.cu_q_lens.to(torch.int32), seqused_k=meta.seq_lens.to(torch.int32),
         page_table=table.contiguous(), max_seqlen_q=meta.max_q_len, max_seqlen_k=meta.max_seq_len,
-        window_size=(meta.window.window - 1, 0) if meta.window.slides else None)
+        window_size=(meta.window.window - 1, 0) if meta.window.slides else None, softcap=meta.logits_soft_cap)
     if padded_rows:  # row of token t: its sequence's block, counted back from the block's end
         seq = meta.token_seq
         from_end = meta.cu_q_lens[seq + 1] - 1 - torch.arange(meta.num_tokens, device=seq.device)
@@ -118,14 +119,21 @@ class FlashAttnBackend:
         if self.varlen is not None:
             out = self.varlen(q, kv_cache[0], kv_cache[1], cu_seqlens_q=a.cu_seqlens_q, seqused_k=a.seqused_k,
                               page_table=a.page_table, max_seqlen_q=a.max_seqlen_q, max_seqlen_k=a.max_seqlen_k,
-                              softmax_scale=scale, causal=True, window_size=a.window_size or (None, None))
+                              softmax_scale=scale, causal=True, window_size=a.window_size or (None, None),
+                              **_softcap(a))
             return out[0] if isinstance(out, tuple) else out  # flash-attn 4 returns (out, lse)
         num_seqs = a.seqused_k.shape[0]
         padded = q.new_zeros((num_seqs * a.max_seqlen_q, *q.shape[1:])).index_copy_(0, a.q_rows, q)
         out = self.kvcache(padded.view(num_seqs, a.max_seqlen_q, *q.shape[1:]), kv_cache[0], kv_cache[1],
                            cache_seqlens=a.seqused_k, block_table=a.page_table, softmax_scale=scale, causal=True,
-                           window_size=a.window_size or (-1, -1))
+                           window_size=a.window_size or (-1, -1), **_softcap(a))
         return out.reshape(num_seqs * a.max_seqlen_q, *q.shape[1:]).index_select(0, a.q_rows)
+
+
+def _softcap(a: FlashAttnArgs) -> dict:
+    """flash-attn's softcap argument where the model soft-caps its scores (Gemma 2); left out otherwise, so that
+    the call is the one without it."""
+    return {"softcap": a.softcap} if a.softcap else {}
 
 
 def check_cache(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:

@@ -27,10 +27,10 @@ from kvserve.kernels.reference import ReferenceBackend
 DIM = 16
 
 
-def dense_rows(q, k_pages, v_pages, table, num_keys: int, left: int | None) -> torch.Tensor:
+def dense_rows(q, k_pages, v_pages, table, num_keys: int, left: int | None, softcap: float = 0.0) -> torch.Tensor:
     """One sequence's q [L_q, H, D] over its first num_keys keys read through its page table; bottom-right
-    causal (row i sees j <= i + L_k - L_q), and with a left window j >= i + L_k - L_q - left. Rows that see no
-    key are zeros, as flash-attn writes them."""
+    causal (row i sees j <= i + L_k - L_q), and with a left window j >= i + L_k - L_q - left; scores soft-capped
+    (softcap * tanh(s / softcap)) when softcap > 0. Rows that see no key are zeros, as flash-attn writes them."""
     page_size = k_pages.shape[1]
     pages = table[: -(-num_keys // page_size)].long()
     k = k_pages[pages].reshape(-1, *k_pages.shape[2:])[:num_keys].float()
@@ -38,6 +38,8 @@ def dense_rows(q, k_pages, v_pages, table, num_keys: int, left: int | None) -> t
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(q.shape[-1])
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     row = torch.arange(q.shape[0])[:, None] + num_keys - q.shape[0]
     col = torch.arange(num_keys)[None, :]
     seen = col <= row
@@ -49,7 +51,7 @@ def dense_rows(q, k_pages, v_pages, table, num_keys: int, left: int | None) -> t
 
 def fake_fa4_varlen(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                     min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None, page_table=None,
-                    softmax_scale=None, causal=False, window_size=(None, None), **_):
+                    softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0, **_):
     batch = cu_seqlens_q.shape[0] - 1
     assert cu_seqlens_k is None and page_table.dtype == torch.int32 and page_table.shape[0] == batch
     assert k.shape == v.shape and k.dim() == 4 and q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16)
@@ -59,20 +61,20 @@ def fake_fa4_varlen(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_
     out = torch.zeros(q.shape, dtype=torch.float32)
     for b in range(batch):
         lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        out[lo:hi] = dense_rows(q[lo:hi], k, v, page_table[b], int(seqused_k[b]), window_size[0])
+        out[lo:hi] = dense_rows(q[lo:hi], k, v, page_table[b], int(seqused_k[b]), window_size[0], softcap)
     return out.to(q.dtype), torch.zeros(q.shape[1], q.shape[0])
 
 
 def fake_fa2_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, softmax_scale=None,
-                     causal=False, window_size=(-1, -1), **_):
+                     causal=False, window_size=(-1, -1), softcap=0.0, **_):
     assert k is None and v is None and k_cache.shape[1] % 256 == 0 and q.dim() == 4
     assert cache_seqlens.dtype == block_table.dtype == torch.int32 and causal and window_size[1] in (-1, 0)
     left = None if window_size[0] < 0 else window_size[0]
-    return torch.stack([dense_rows(q[b], k_cache, v_cache, block_table[b], int(cache_seqlens[b]), left)
+    return torch.stack([dense_rows(q[b], k_cache, v_cache, block_table[b], int(cache_seqlens[b]), left, softcap)
                         for b in range(q.shape[0])]).to(q.dtype)
 
 
-def step_case(lengths, cached, heads, kv_heads, page_size, window=0, holes=False, seed=0):
+def step_case(lengths, cached, heads, kv_heads, page_size, window=0, holes=False, seed=0, softcap=0.0):
     """A bf16 cache holding each sequence's cached prefix, and the step's q, k, v and metadata."""
     gen = torch.Generator().manual_seed(seed)
     tables, used = [], 0
@@ -84,7 +86,8 @@ def step_case(lengths, cached, heads, kv_heads, page_size, window=0, holes=False
     cache = torch.zeros(2, used + 2, page_size, kv_heads, DIM, dtype=torch.bfloat16)
     new = []
     for n, c, table in zip(lengths, cached, tables, strict=True):
-        q, k, v = (torch.randn(n, h, DIM, generator=gen).bfloat16() for h in (heads, kv_heads, kv_heads))
+        q, k, v = (torch.randn(n, h, DIM, generator=gen) for h in (heads, kv_heads, kv_heads))
+        q, k, v = (q * (4 if softcap else 1)).bfloat16(), k.bfloat16(), v.bfloat16()  # scores a cap bends
         if c:
             slots = build_metadata([0], [c], [table], page_size, torch.device("cpu")).slot_mapping
             write_kv(k[:c], v[:c], cache, slots)
@@ -94,6 +97,7 @@ def step_case(lengths, cached, heads, kv_heads, page_size, window=0, holes=False
                   for t, c in zip(tables, cached, strict=True)]
     meta = build_metadata(cached, [n - c for n, c in zip(lengths, cached, strict=True)], tables, page_size,
                           torch.device("cpu"), window=AttentionWindow(window))
+    meta.logits_soft_cap = softcap
     q, k, v = (torch.cat([t[i] for t in new]) for i in range(3))
     return cache, meta, q, k, v
 
@@ -135,6 +139,21 @@ def test_fa4_adapter_sliding_window_over_released_pages():
 def test_fa2_adapter_front_pads_queries_and_matches_the_reference(window):
     lengths, cached = [600, 300, 257, 512], [256, 299, 0, 511]
     check_against_reference(FlashAttnBackend(kvcache=fake_fa2_kvcache), lengths, cached, 4, 2, 256, window=window)
+
+
+@pytest.mark.parametrize("kernel", ["fa4", "fa2"])
+def test_both_adapters_pass_the_soft_cap(kernel):
+    """Gemma 2's soft cap reaches flash-attn's softcap: the outputs equal the reference's capped ones, and
+    differ from the uncapped ones (so a dropped cap would show)."""
+    fa4 = kernel == "fa4"
+    backend = FlashAttnBackend(varlen=fake_fa4_varlen) if fa4 else FlashAttnBackend(kvcache=fake_fa2_kvcache)
+    page_size = 16 if fa4 else 256
+    lengths, cached = ([40, 17, 1], [16, 0, 0]) if fa4 else ([300, 257], [256, 0])
+    check_against_reference(backend, lengths, cached, 4, 2, page_size, softcap=1.0)
+    capped, plain = (step_case(lengths, cached, 4, 2, page_size, softcap=1.0) for _ in range(2))
+    plain[1].logits_soft_cap = 0.0
+    outs = [backend.forward(q, k, v, c, m, backend.prepare(m), 1 / math.sqrt(DIM)) for c, m, q, k, v in (capped, plain)]
+    assert (outs[0].float() - outs[1].float()).abs().max() > 0.1
 
 
 def test_conversion_is_int32_with_holes_as_page_zero_and_front_padded_rows():
