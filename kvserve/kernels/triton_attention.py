@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # LOG2E for the kernels: they may read only constexpr globals
 
 # KV_KIND: how a cache element becomes a value
 KV_VALUES, KV_INT8, KV_FP8_E4M3, KV_FP8_E5M2 = 0, 1, 2, 3
@@ -80,14 +81,30 @@ def _load_kv(cache_ptr, scales_ptr, table_ptr, pos, valid, kvh, offs_d, d_mask, 
 
 
 @triton.jit
-def _scores(q, q_sink, k, pos, qk_scale, SINKS: tl.constexpr, HAS_SINKS: tl.constexpr,
+def _tanh(x):
+    """tanh in float32 from one exp of -2|x| (in (0, 1]: no overflow, 1 at x = 0, -> 0 far out), the sign put back;
+    the interpreter has no libdevice tanh. Within 1e-7 of torch.tanh (absolute: a score cap * 1e-7 off at most)."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _scores(q, q_sink, k, pos, qk_scale, SINKS: tl.constexpr, HAS_SINKS: tl.constexpr, SOFT_CAP: tl.constexpr,
             DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
-    """q @ k.T times qk_scale (log2 units); with sinks, sink keys scored against q_sink (kvserve/kernels/window.py)."""
+    """q @ k.T times qk_scale (log2 units); with sinks, sink keys scored against q_sink (kvserve/kernels/window.py).
+    SOFT_CAP > 0: the natural-unit score s = q.k * scale is capped, SOFT_CAP * tanh(s / SOFT_CAP), then put in log2
+    units; qk_scale is then scale / SOFT_CAP (tanh's argument in one multiply, see _AttendArgs.build). 0: the
+    branch is compiled out."""
     kt = tl.trans(cast(k, DOT_DTYPE))
     s = tl.dot(q, kt, input_precision=PREC)
     if HAS_SINKS:
         s = tl.where(pos[None, :] < SINKS, tl.dot(q_sink, kt, input_precision=PREC), s)
-    return s * qk_scale
+    if SOFT_CAP > 0:
+        s = _tanh(s * qk_scale) * (SOFT_CAP * LOG2E_C)
+    else:
+        s = s * qk_scale
+    return s
 
 
 @triton.jit
@@ -112,7 +129,7 @@ def decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TOKENS: tl.constexpr, WINDOW: tl.constexpr,
     SINKS: tl.constexpr, KV_KIND: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DIRECT: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
+    SOFT_CAP: tl.constexpr, DIRECT: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
 ):
     """Program (i, kv head, split): decode sequence seq_ids[i]'s query heads of that kv head over keys
     [split * SPLIT_TOKENS, +SPLIT_TOKENS) of its key index space. DIRECT (one split): normalises and writes the
@@ -144,7 +161,7 @@ def decode_split_kernel(
         pos = tl.where(idx < num_sink, idx, window_lo + idx - num_sink)
         k = _load_kv(k_ptr, k_scales_ptr, table, pos, valid, kvh, offs_d, d_mask, stride_page, stride_tok,
                      stride_head, s_stride_page, s_stride_tok, PAGE_SIZE, KV_KIND, HAS_SCALES)
-        s = _scores(q, q_sink, k, pos, qk_scale, SINKS, HAS_SINKS, DOT_DTYPE, PREC)
+        s = _scores(q, q_sink, k, pos, qk_scale, SINKS, HAS_SINKS, SOFT_CAP, DOT_DTYPE, PREC)
         s = tl.where(valid[None, :], s, float("-inf"))
         v = _load_kv(v_ptr, v_scales_ptr, table, pos, valid, kvh, offs_d, d_mask, stride_page, stride_tok,
                      stride_head, s_stride_page, s_stride_tok, PAGE_SIZE, KV_KIND, HAS_SCALES)
@@ -197,7 +214,7 @@ def prefill_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
     SINKS: tl.constexpr, KV_KIND: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
+    SOFT_CAP: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
 ):
     """Program (item, kv head): BLOCK_Q query rows of one prefill chunk (item_seq, first row item_q), all the
     query heads of that kv head folded into the tile's rows (row r: query r // BLOCK_G, head r % BLOCK_G), over
@@ -233,7 +250,7 @@ def prefill_kernel(
         pos = tl.where(idx < num_sink, idx, window_lo + idx - num_sink)
         k = _load_kv(k_ptr, k_scales_ptr, table, pos, valid, kvh, offs_d, d_mask, stride_page, stride_tok,
                      stride_head, s_stride_page, s_stride_tok, PAGE_SIZE, KV_KIND, HAS_SCALES)
-        s = _scores(q, q_sink, k, pos, qk_scale, SINKS, HAS_SINKS, DOT_DTYPE, PREC)
+        s = _scores(q, q_sink, k, pos, qk_scale, SINKS, HAS_SINKS, SOFT_CAP, DOT_DTYPE, PREC)
         seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             seen = seen & ((pos[None, :] > q_pos[:, None] - WINDOW) | (pos[None, :] < SINKS))

@@ -23,7 +23,9 @@ KV pages: float32, bfloat16 and float16 are read as they are; int8 and fp8 (pass
 dequantised in the kernel, times their per-(token, kv head) scale, or 1.0 without scales (the tensor scheme).
 Sliding windows and attention sinks follow kvserve/kernels/window.py: each program walks only the keys its rows read
 (the sinks, then the window), so HOLE pages are never touched; sink keys are scored against the query rotated
-at its in-cache position (``sink_rope``).
+at its in-cache position (``sink_rope``). A soft cap on the scores (``meta.logits_soft_cap``, Gemma 2) turns every
+score s, sink keys' too, into cap * tanh(s / cap) before the masks; the cap is a compile-time constant of the
+kernels, so an uncapped model's kernels do none of it.
 
 RoPE with the K/V write (quantised on write, byte for byte as kvserve/kernels/kv_quant.py) and the norms are Triton
 kernels too (kvserve/kernels/triton_ops.py); linear layers are F.linear, argmax/logsumexp torch's.
@@ -265,7 +267,7 @@ class TritonBackend:
             num_heads, num_splits, GROUP=group, BLOCK_G=max(16, _pow2(group)), HEAD_DIM=a.head_dim,
             BLOCK_D=a.block_d, PAGE_SIZE=meta.page_size, BLOCK_N=BLOCK_N, SPLIT_TOKENS=split_tokens,
             WINDOW=w.window, SINKS=w.sinks, KV_KIND=a.kind, HAS_SCALES=a.has_scales, HAS_SINKS=a.has_sinks,
-            DIRECT=direct, DOT_DTYPE=a.dot_dtype, PREC=a.prec)
+            SOFT_CAP=a.soft_cap, DIRECT=direct, DOT_DTYPE=a.dot_dtype, PREC=a.prec)
         if not direct:
             ka.reduce_splits_kernel[(num_decodes, num_heads)](
                 state.part_acc, state.part_ml, meta.seq_lens, meta.cu_q_lens, state.decode_ids, out, out.stride(0),
@@ -281,7 +283,8 @@ class TritonBackend:
             a.q.stride(0), a.q.stride(1), out.stride(0), out.stride(1), meta.page_tables.stride(0), *a.strides,
             GROUP=group, BLOCK_G=_pow2(group), BLOCK_Q=BLOCK_Q, HEAD_DIM=a.head_dim, BLOCK_D=a.block_d,
             PAGE_SIZE=meta.page_size, BLOCK_N=BLOCK_N, WINDOW=w.window, SINKS=w.sinks, KV_KIND=a.kind,
-            HAS_SCALES=a.has_scales, HAS_SINKS=a.has_sinks, DOT_DTYPE=a.dot_dtype, PREC=a.prec)
+            HAS_SCALES=a.has_scales, HAS_SINKS=a.has_sinks, SOFT_CAP=a.soft_cap, DOT_DTYPE=a.dot_dtype,
+            PREC=a.prec)
 
 
 @dataclass(slots=True)
@@ -300,7 +303,9 @@ class _AttendArgs:
     has_sinks: bool
     head_dim: int
     block_d: int
-    qk_scale: float  # the softmax scale in log2 units (the kernels use exp2)
+    qk_scale: float  # what q.k is multiplied by: the softmax scale in log2 units (the kernels use exp2); with a
+    # soft cap, scale / cap (tanh's argument; the kernels multiply tanh by cap * log2(e))
+    soft_cap: float  # meta.logits_soft_cap, a compile-time constant of the kernels (0.0: no cap, no extra ops)
     dot_dtype: object
     prec: str
 
@@ -313,11 +318,12 @@ class _AttendArgs:
         # fp32 models: exact fp32 dots; bf16/fp16 on a GPU: the tensor cores' dtype. The interpreter keeps
         # bf16 as raw bits in its dots, so it always gets fp32 ones.
         fp32 = q.dtype == torch.float32 or interpreted()
+        cap = float(meta.logits_soft_cap)
+        qk_scale = scale / cap if cap > 0 else scale * math.log2(math.e)
         return _AttendArgs(q, q_sink if has_sinks else q, k_cache, v_cache, k_scales, v_scales,
                            (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *s_strides), kind,
                            kv_scales is not None, has_sinks, q.shape[-1], max(16, _pow2(q.shape[-1])),
-                           scale * math.log2(math.e), _triton_dtype(torch.float32 if fp32 else q.dtype),
-                           "ieee" if fp32 else "tf32")
+                           qk_scale, cap, _triton_dtype(torch.float32 if fp32 else q.dtype), "ieee" if fp32 else "tf32")
 
 
 def _pow2(n: int) -> int:
