@@ -10,14 +10,14 @@ namespace kvserve {
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache,
                            const std::optional<torch::Tensor>& kv_scales, const torch::Tensor& tables,
                            const torch::Tensor& seq_lens, double scale, int64_t window, int64_t sinks,
-                           const std::optional<torch::Tensor>& q_sink);
+                           const std::optional<torch::Tensor>& q_sink, double logits_soft_cap);
 int64_t parallel_threads(int64_t num_tasks);
 bool paged_prefill_supports(int64_t head_dim, int64_t num_heads, int64_t num_kv_heads, int64_t page_size);
 torch::Tensor paged_prefill(const torch::Tensor& q, const torch::Tensor& kv_cache,
                             const std::optional<torch::Tensor>& kv_scales, const torch::Tensor& tables,
                             const torch::Tensor& row_start, const torch::Tensor& q_lens,
                             const torch::Tensor& start_pos, double scale, torch::Tensor& out, int64_t window,
-                            int64_t sinks, const std::optional<torch::Tensor>& q_sink);
+                            int64_t sinks, const std::optional<torch::Tensor>& q_sink, double logits_soft_cap);
 torch::Tensor pack_panels(const torch::Tensor& w);
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& panels);
 std::vector<torch::Tensor> pack_blocks(const torch::Tensor& w, int64_t bits);
@@ -36,16 +36,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("paged_decode", &kvserve::paged_decode,
         "paged decode attention, K/V read in place: float32 q, a float32 / int8 / float8 pool with its kv_scales "
-        "or None; a sliding window (0 = none) and sinks scored against q_sink (CPU)",
+        "or None; a sliding window (0 = none) and sinks scored against q_sink; scores soft-capped at "
+        "cap * tanh(s / cap) (0 = no cap) (CPU)",
         py::arg("q"), py::arg("kv_cache"), py::arg("kv_scales"), py::arg("tables"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("window") = 0, py::arg("sinks") = 0, py::arg("q_sink") = py::none());
+        py::arg("scale"), py::arg("window") = 0, py::arg("sinks") = 0, py::arg("q_sink") = py::none(),
+        py::arg("logits_soft_cap") = 0.0);
   m.def("paged_prefill", &kvserve::paged_prefill,
         "causal attention of prefill chunks' rows of q over their pages, written into out: float32 q, a float32 / "
         "int8 / float8 pool with its kv_scales or None; a sliding window (0 = none) and sinks scored against "
-        "q_sink (CPU)",
+        "q_sink; scores soft-capped at cap * tanh(s / cap) (0 = no cap) (CPU)",
         py::arg("q"), py::arg("kv_cache"), py::arg("kv_scales"), py::arg("tables"), py::arg("row_start"),
         py::arg("q_lens"), py::arg("start_pos"), py::arg("scale"), py::arg("out"), py::arg("window") = 0,
-        py::arg("sinks") = 0, py::arg("q_sink") = py::none());
+        py::arg("sinks") = 0, py::arg("q_sink") = py::none(), py::arg("logits_soft_cap") = 0.0);
   m.def("paged_prefill_supports", &kvserve::paged_prefill_supports,
         "whether paged_prefill takes (head_dim, num_heads, num_kv_heads, page_size)");
   m.def("parallel_threads", &kvserve::parallel_threads, "intra-op threads one parallel_for ran on (a build check)");

@@ -255,20 +255,22 @@ class CPUPagedBackend:
     def _attend(self, q, kv_cache, state: CPUState, scale: float, kv_scales: torch.Tensor | None,
                 q_sink: torch.Tensor | None = None) -> torch.Tensor:
         """Decodes and prefill chunks through the kernels. A sliding window and sinks go with them: the kernels
-        read only the pages of each query's sinks and window (kvserve/kernels/window.py), the sinks against q_sink."""
-        window = state.meta.window
+        read only the pages of each query's sinks and window (kvserve/kernels/window.py), the sinks against q_sink;
+        so does the soft cap on the scores (the reference groups of the prefill fallback read it from the metadata
+        too, through group_state)."""
+        window, cap = state.meta.window, state.meta.logits_soft_cap
         assert not window.sinks or q_sink is not None, "attention sinks need the queries rotated at sink_positions"
         q = q.contiguous()
         q_sink = q_sink.contiguous() if window.sinks else None
         if state.chunks is None:
             return self.ext.paged_decode(q, kv_cache, kv_scales, state.tables, state.seq_lens, scale, window.window,
-                                         window.sinks, q_sink)
+                                         window.sinks, q_sink, cap)
         out = torch.empty_like(q)
         if state.decode_index.numel():
             idx = state.decode_index
             out.index_copy_(0, idx, self.ext.paged_decode(
                 q.index_select(0, idx), kv_cache, kv_scales, state.tables, state.seq_lens, scale, window.window,
-                window.sinks, None if q_sink is None else q_sink.index_select(0, idx)))
+                window.sinks, None if q_sink is None else q_sink.index_select(0, idx), cap))
         if state.native_prefill is None:
             _, heads, head_dim = q.shape
             state.native_prefill = self.prefill_kernel and self.ext.paged_prefill_supports(
@@ -276,7 +278,7 @@ class CPUPagedBackend:
         c = state.chunks
         if state.native_prefill:
             return self.ext.paged_prefill(q, kv_cache, kv_scales, c.tables, c.row_start, c.q_lens, c.start_pos,
-                                          scale, out, window.window, window.sinks, q_sink)
+                                          scale, out, window.window, window.sinks, q_sink, cap)
         if state.prefill is None:
             state.prefill = ReferenceState([group_state(state.meta, [i]) for i in c.seqs])
         return attend_groups(q, kv_cache, state.prefill.groups, scale, out, kv_scales=kv_scales, q_sink=q_sink)

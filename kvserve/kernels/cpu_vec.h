@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -57,8 +58,8 @@ typedef float v4 __attribute__((vector_size(16)));
 // one zmm register. With AVX2 it is two 8-float vectors in a struct: GCC has no machine mode for a 64-byte
 // vector there and keeps one in memory, every operation and every broadcast going through the stack (an
 // order of magnitude slower), while a struct of two ymm halves stays in registers. Both are written alike:
-// v16{} is zero, + - * between vectors and with a float, +=, *=, x[i], and select_lt for a lane-wise a < b ?
-// x : y.
+// v16{} is zero, + - * between vectors and with a float, / between vectors, +=, *=, x[i], and select_lt for a
+// lane-wise a < b ? x : y.
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
 #define KVSERVE_V16_PAIR 1
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
@@ -82,6 +83,7 @@ struct v16 {
 inline v16 operator+(v16 a, v16 b) { return {a.lo + b.lo, a.hi + b.hi}; }
 inline v16 operator-(v16 a, v16 b) { return {a.lo - b.lo, a.hi - b.hi}; }
 inline v16 operator*(v16 a, v16 b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline v16 operator/(v16 a, v16 b) { return {a.lo / b.lo, a.hi / b.hi}; }
 inline v16 operator+(v16 a, float s) { return {a.lo + s, a.hi + s}; }
 inline v16 operator-(v16 a, float s) { return {a.lo - s, a.hi - s}; }
 inline v16 operator*(v16 a, float s) { return {a.lo * s, a.hi * s}; }
@@ -353,6 +355,16 @@ inline KeyWindow checked_window(int64_t window, int64_t sinks, const at::Tensor&
                              q_sink->sizes() == q.sizes()),
               "attention sinks need q_sink: contiguous float32, shaped as q");
   return {window, sinks};
+}
+
+// The paged kernels' logits_soft_cap (0: none; > 0: scores become cap * tanh(s / cap)) as a float, checked on its
+// bits: -ffast-math folds std::isfinite, and comparisons with NaN, as if every value were finite.
+inline float checked_soft_cap(double logits_soft_cap) {
+  const float cap = static_cast<float>(logits_soft_cap);  // past float's range: inf, refused below
+  uint32_t bits;
+  std::memcpy(&bits, &cap, sizeof bits);
+  TORCH_CHECK(((bits >> 23) & 0xff) != 0xff && cap >= 0.f, "logits_soft_cap: finite and >= 0 (0 = none)");
+  return cap;
 }
 
 // packed_linear.cpp: y[:, 0:32 count] = x [M, K] @ panels (count = 1 or 2 adjacent float32 panels [K, 32]).

@@ -31,6 +31,8 @@
 //               p - window < j <= p, and the sinks j < sinks; 0 = every key (sinks 0)
 //   q_sink      [num_seqs, num_heads, head_dim] float32, or None: the queries rotated at their in-cache positions,
 //               against which the sink keys are scored (needed when sinks > 0)
+//   logits_soft_cap  float: > 0 caps every score s (after the scale and the K scale, sinks' too) at
+//               cap * tanh(s / cap) before the softmax (Gemma 2); 0 = none
 //
 // A sequence's keys are at most two spans (seq_spans): its sinks against q_sink, then its window against q. Only
 // the pages of those spans are read, so a page table's HOLE entries (pages released by the window) are never
@@ -53,7 +55,17 @@ namespace {
 struct Shape {
   int64_t num_heads, head_dim, num_pages, page_size, num_kv_heads, max_pages, token_stride;
   float scale;
+  float soft_cap;  // 0: none
 };
+
+// Scores w[0 .. n) capped at cap * tanh(w / cap) (Gemma 2's soft cap), in place. The kernels call it once per
+// page on the page's scores, after the scales and before the running max, so that a step without a cap pays
+// one branch per page and its score and softmax loops stay as they were.
+inline void soft_cap_scores(float* w, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) w[i] = cap * std::tanh(w[i] * inv);
+}
 
 // One layer's pool as the kernels read it: K and V rows of elements stored as T in `format`, and their scales.
 template <typename T>
@@ -172,6 +184,8 @@ inline void decode_pages(const Shape& s, const Pool<T>& pool, const int64_t* tab
         w[g][t] = hsum(dot) * k_scale;
       }
     }
+    if (s.soft_cap > 0.f)
+      for (int g = 0; g < G; ++g) soft_cap_scores(w[g] + t0, t1 - t0, s.soft_cap);
 #pragma GCC unroll 16
     for (int g = 0; g < G; ++g) {
       float page_max = kMinScore;
@@ -259,14 +273,15 @@ void decode_seq_generic(const Shape& s, const Span* spans, int num_spans, const 
         const PageRows<T> rows = page_rows(s, pool, table, p, h / group);
         const int64_t t0 = std::max<int64_t>(spans[sp].k0 - p * s.page_size, 0);
         const int64_t t1 = std::min(s.page_size, spans[sp].k1 - p * s.page_size);
-        float page_max = kMinScore;
         for (int64_t t = t0; t < t1; ++t) {
           const T* k = rows.k + t * s.token_stride;
           float dot = 0.f;
           for (int64_t d = 0; d < D; ++d) dot += qh[d] * element(k, d, pool.format);
           w[t] = dot * s.scale * row_scale<T>(rows.k_scale, t, ss);
-          page_max = std::max(page_max, w[t]);
         }
+        if (s.soft_cap > 0.f) soft_cap_scores(w + t0, t1 - t0, s.soft_cap);
+        float page_max = kMinScore;
+        for (int64_t t = t0; t < t1; ++t) page_max = std::max(page_max, w[t]);
         const float new_max = std::max(run_max, page_max);
         float page_sum = 0.f;
         for (int64_t t = t0; t < t1; ++t) {
@@ -421,13 +436,13 @@ void decode_all(const Shape& s, const Queries& qs, const Pool<T>& pool, const in
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales,
                         const at::Tensor& tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                        int64_t sinks, const std::optional<at::Tensor>& q_sink) {
+                        int64_t sinks, const std::optional<at::Tensor>& q_sink, double logits_soft_cap) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && tables.dim() == 2 && seq_lens.dim() == 1, "bad ranks");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q: float32");
   TORCH_CHECK(tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables and lengths");
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && tables.is_contiguous(), "contiguous inputs only");
   Shape s{q.size(1), q.size(2), kv_cache.size(1), kv_cache.size(2), kv_cache.size(3), tables.size(1), 0,
-          static_cast<float>(scale)};
+          static_cast<float>(scale), checked_soft_cap(logits_soft_cap)};
   const int64_t num_seqs = q.size(0);
   TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == s.head_dim && s.num_heads % s.num_kv_heads == 0,
               "shapes");

@@ -34,6 +34,8 @@
 //               and the sinks j < sinks; 0 = every j <= p (sinks 0)
 //   q_sink      like q, or None: the rows rotated at their in-cache positions, against which the sink keys are
 //               scored (needed when sinks > 0)
+//   logits_soft_cap  float: > 0 caps every score s (after the scale, sinks' too) at cap * tanh(s / cap) before the
+//               causal mask and the softmax (Gemma 2); 0 = none
 // Writes the chunks' rows of out; other rows are left as they are.
 //
 // With a window a chunk reads its sink pages and the pages from its first row's window on, nothing between
@@ -126,6 +128,29 @@ inline v16 exp16(v16 x) {
 #endif
 }
 
+// tanh of 16 lanes: the [13/6] rational minimax approximation Eigen uses for float (generic_fast_tanh_float), on
+// x clamped to +-7.905 (where it reaches +-1), within 4e-7 of tanh relative to it everywhere. Not
+// 1 - 2 / (e^2x + 1) from exp16: near 0 that loses its digits to the cancellation, and s / cap is near 0 for
+// every score small against the cap (Gemma 2's cap is 50), where the error would then be cap * 1e-7.
+inline v16 tanh16(v16 x) {
+  const v16 c = v16{} + 7.90531110763549805f;
+  x = select_lt(x, v16{} - c, v16{} - c, select_lt(c, x, c, x));
+  const v16 x2 = x * x;
+  v16 p = x2 * -2.76076847742355e-16f + 2.00018790482477e-13f;
+  p = p * x2 + -8.60467152213735e-11f;
+  p = p * x2 + 5.12229709037114e-08f;
+  p = p * x2 + 1.48572235717979e-05f;
+  p = p * x2 + 6.37261928875436e-04f;
+  p = p * x2 + 4.89352455891786e-03f;
+  v16 q = x2 * 1.19825839466702e-06f + 1.18534705686654e-04f;
+  q = q * x2 + 2.26843463243900e-03f;
+  q = q * x2 + 4.89352518554385e-03f;
+  return x * p / q;
+}
+
+// cap * tanh(x / cap) of 16 lanes: the soft cap on scores.
+inline v16 soft_cap16(v16 x, float cap) { return tanh16(x * (1.f / cap)) * cap; }
+
 // The pool's V rows of one kv head as attend_rows reads them: row t of page `page` at rows[(page * 16 + t) *
 // token_stride], its scale at scale[(page * 16 + t) * slot_stride] (KVScales in cpu_vec.h).
 template <typename T>
@@ -167,11 +192,13 @@ struct Lanes {
 };
 
 // One page for R (1 or 2) rows x G heads of one chunk against one kv head: the scores of the rows' queries qr
-// against the page's 16 keys (ktp: the page transposed, one vector per dimension), the mask (row r reads lanes
-// [lo, hi)), the online-softmax update and the weighted sum of the visible values, into the pair's state.
+// against the page's 16 keys (ktp: the page transposed, one vector per dimension), scaled and soft-capped
+// (soft_cap > 0; before the mask, so that masked lanes stay kMinScore), the mask (row r reads lanes [lo, hi)),
+// the online-softmax update and the weighted sum of the visible values, into the pair's state.
 template <typename T, int NV, int G, int R>
 inline void attend_page(PairState<NV, G>& state, const float* const* qr, const float* ktp, const T* vp,
-                        const float* vs, const ValueRows<T>& v, const Lanes<R>& lanes, float scale, v16 lane) {
+                        const float* vs, const ValueRows<T>& v, const Lanes<R>& lanes, float scale, float soft_cap,
+                        v16 lane) {
   constexpr int D = 16 * NV, NC = value_chunk(NV, R * G);
   v16 sc[R][G];
 #pragma GCC unroll 16
@@ -185,6 +212,13 @@ inline void attend_page(PairState<NV, G>& state, const float* const* qr, const f
 #pragma GCC unroll 16
       for (int g = 0; g < G; ++g) sc[r][g] += qr[r][g * D + d] * k;
   }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) sc[r][g] = sc[r][g] * scale;
+  if (soft_cap > 0.f)  // one branch per page: without a cap the loops are as they were
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) sc[r][g] = soft_cap16(sc[r][g], soft_cap);
   alignas(64) float w[R][G][kPage];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -196,7 +230,7 @@ inline void attend_page(PairState<NV, G>& state, const float* const* qr, const f
         store(w[r][g], v16{});
         continue;
       }
-      const v16 s = select_lt(lane, hi, select_lt(lane, lo, v16{} + kMinScore, sc[r][g] * scale), v16{} + kMinScore);
+      const v16 s = select_lt(lane, hi, select_lt(lane, lo, v16{} + kMinScore, sc[r][g]), v16{} + kMinScore);
       const float run_max = state.run_max[r][g];
       const float new_max = std::max(run_max, hmax(s));
       const v16 e = exp16(s - new_max);
@@ -258,7 +292,8 @@ struct BlockKeys {
 // window, against q). v: the pool's V rows of this kv head.
 template <typename T, int NV, int G>
 void attend_block(const float* q, const float* q_sink, float* out, int64_t row_stride, const BlockKeys& keys,
-                  const ValueRows<T>& v, int64_t first_pos, int rows, int64_t kv_head, float scale) {
+                  const ValueRows<T>& v, int64_t first_pos, int rows, int64_t kv_head, float scale,
+                  float soft_cap) {
   constexpr int D = 16 * NV;
   PairState<NV, G> state[kBlockRows / 2];
   const int pairs = (rows + 1) / 2;
@@ -299,10 +334,10 @@ void attend_block(const float* q, const float* q_sink, float* out, int64_t row_s
         const float* qr[2] = {qp + 2 * pr * row_stride + kv_head * G * D,
                               qp + (2 * pr + 1) * row_stride + kv_head * G * D};
         if (r == 2) {
-          attend_page<T, NV, G, 2>(state[pr], qr, ktp, vp, vs, v, lanes, scale, lane);
+          attend_page<T, NV, G, 2>(state[pr], qr, ktp, vp, vs, v, lanes, scale, soft_cap, lane);
         } else {
           attend_page<T, NV, G, 1>(state[pr], qr, ktp, vp, vs, v, Lanes<1>{{lanes.lo[0]}, {lanes.hi[0]}}, scale,
-                                   lane);
+                                   soft_cap, lane);
         }
       }
     }
@@ -320,7 +355,7 @@ void attend_block(const float* q, const float* q_sink, float* out, int64_t row_s
 
 template <typename T>
 using BlockFn = void (*)(const float*, const float*, float*, int64_t, const BlockKeys&, const ValueRows<T>&, int64_t,
-                         int, int64_t, float);
+                         int, int64_t, float, float);
 
 template <typename T, int NV>
 BlockFn<T> block_for_group(int64_t group) {
@@ -357,6 +392,7 @@ struct Step {
   int64_t kt_pages;  // pages in the transposed-keys buffer
   int64_t num_heads, head_dim, num_pages, num_kv_heads;
   float scale;
+  float soft_cap;  // 0: none
   KeyWindow window;
 };
 
@@ -405,7 +441,7 @@ void prefill_all(const Step& st, const float* q_ptr, const float* q_sink_ptr, co
     const BlockKeys keys{kt.data() + ch.kt_offset * kt_page + it.kv_head * st.head_dim * kPage, kt_page, &ch,
                          st.window};
     kernel(q_ptr + row * row_stride, q_sink_ptr + row * row_stride, out_ptr + row * row_stride, row_stride, keys, v,
-           ch.start_pos + it.row, static_cast<int>(rows_of(it)), it.kv_head, st.scale);
+           ch.start_pos + it.row, static_cast<int>(rows_of(it)), it.kv_head, st.scale, st.soft_cap);
   });
 }
 
@@ -452,7 +488,7 @@ bool paged_prefill_supports(int64_t head_dim, int64_t num_heads, int64_t num_kv_
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales,
                          const at::Tensor& tables, const at::Tensor& row_start, const at::Tensor& q_lens,
                          const at::Tensor& start_pos, double scale, at::Tensor& out, int64_t window, int64_t sinks,
-                         const std::optional<at::Tensor>& q_sink) {
+                         const std::optional<at::Tensor>& q_sink, double logits_soft_cap) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && tables.dim() == 2, "bad ranks");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q: float32");
   TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && tables.is_contiguous() && out.is_contiguous() &&
@@ -460,7 +496,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const 
   TORCH_CHECK(tables.scalar_type() == at::kLong && row_start.scalar_type() == at::kLong &&
                   q_lens.scalar_type() == at::kLong && start_pos.scalar_type() == at::kLong, "int64 metadata");
   Step st{{}, 0, q.size(1), q.size(2), kv_cache.size(1), kv_cache.size(3), static_cast<float>(scale),
-          checked_window(window, sinks, q, q_sink)};
+          checked_soft_cap(logits_soft_cap), checked_window(window, sinks, q, q_sink)};
   TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == st.head_dim,
               "kv_cache: [2, pages, 16, kv_heads, head_dim]");
   TORCH_CHECK(paged_prefill_supports(st.head_dim, st.num_heads, st.num_kv_heads, kv_cache.size(2)),
