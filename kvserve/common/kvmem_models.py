@@ -158,13 +158,13 @@ def model_from_hf_config(raw: dict, name: str = "config.json", source: str = "co
 
 def _sliding_layers(raw: dict, model_type: str, num_layers: int) -> int:
     """How many layers slide when sliding-window and full-attention layers mix (0 when they do not): a
-    layer_types list of both, Gemma 3 (every sliding_window_pattern-th layer full, 6 by default), or Qwen2/3's
-    max_window_layers inside the stack."""
+    layer_types list of both, Gemma 3 (every sliding_window_pattern-th layer full, 6 by default), Gemma 2 (every
+    other layer full), or Qwen2/3's max_window_layers inside the stack."""
     if raw.get("layer_types"):
         kinds = list(raw["layer_types"])
         return kinds.count("sliding_attention") if len(set(kinds)) > 1 else 0
-    if model_type.startswith("gemma3"):
-        pattern = int(raw.get("sliding_window_pattern") or 6)
+    if model_type.startswith("gemma3") or model_type == "gemma2":
+        pattern = int(raw.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
         return num_layers - num_layers // pattern
     first = raw.get("max_window_layers")
     return num_layers - first if model_type in ("qwen2", "qwen3") and isinstance(first, int) and \

@@ -1,7 +1,7 @@
-"""Tiny random-weight models that mix full-attention and sliding-window layers, saved as HF folders: Gemma 3 text,
-Qwen2 with ``max_window_layers``, Ministral/Mistral and Llama with a ``layer_types`` list. They share the default
-model's vocabulary (so its tokenizer serves them) and have weights large enough that attention decides the tokens
-(a window changes them). HF's reference and the one-request loop are family_models'.
+"""Tiny random-weight models that mix full-attention and sliding-window layers, saved as HF folders: Gemma 2,
+Gemma 3 text, Qwen2 with ``max_window_layers``, Ministral/Mistral and Llama with a ``layer_types`` list. They share
+the default model's vocabulary (so its tokenizer serves them) and have weights large enough that attention decides
+the tokens (a window changes them). HF's reference and the one-request loop are family_models'.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from family_models import save_model
 VOCAB = 49152  # the default model's
 WINDOW = 24  # tokens of the sliding layers' window: 1.5 pages of 16
 MIXED = ["sliding_attention", "sliding_attention", "full_attention"] * 2  # six layers, two of them full
+GEMMA2_ATTN_CAP, GEMMA2_FINAL_CAP = 2.0, 8.0  # Gemma 2's are 50 and 30, for scores of real checkpoints
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=1024, initializer_range=0.08, tie_word_embeddings=True, bos_token_id=1,
               eos_token_id=2)
@@ -43,6 +44,33 @@ def save_gemma3(folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.normal_(0.0, 0.3)
+    return save_model(model, folder, tokenizer_dir)
+
+
+def gemma2_config(**overrides):
+    """A 6-layer Gemma 2 config: layer_types left to HF (every other layer slides, window 24), one RoPE, a query
+    scale other than head_dim's, and soft caps small enough to bend this model's attention scores and logits."""
+    from transformers import Gemma2Config
+
+    kw = dict(COMMON, num_hidden_layers=6, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+              rms_norm_eps=1e-6, pad_token_id=0, attn_logit_softcapping=GEMMA2_ATTN_CAP,
+              final_logit_softcapping=GEMMA2_FINAL_CAP, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    return Gemma2Config(**(kw | overrides))
+
+
+def save_gemma2(folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny Gemma2ForCausalLM with random norm weights (as save_gemma3) and larger projections, so that the
+    attention scores reach the soft cap (a worker that left it out generates other tokens)."""
+    from transformers import Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(gemma2_config(**overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(3.0)
     return save_model(model, folder, tokenizer_dir)
 
 

@@ -180,6 +180,10 @@ def test_hf_config_json(tmp_path):
                                   "layer_types": ["sliding_attention"] * 5 + ["full_attention"]})
     assert gemma.sliding_window is None  # mixed layers: not one window for every layer
     assert (gemma.sliding_layers, gemma.layer_window) == (5, 512)
+    gemma2 = model_from_hf_config({"model_type": "gemma2", "num_hidden_layers": 42, "num_attention_heads": 16,
+                                   "num_key_value_heads": 8, "head_dim": 256, "hidden_size": 3584,
+                                   "sliding_window": 4096})  # gemma-2-9b's config.json: no layer_types
+    assert (gemma2.sliding_window, gemma2.sliding_layers, gemma2.layer_window) == (None, 21, 4096)
     for mixed in ({"model_type": "gemma3_text", "sliding_window_pattern": 6},
                   {"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 3}):
         assert model_from_hf_config({**mixed, "num_hidden_layers": 6, "num_attention_heads": 4, "hidden_size": 64,

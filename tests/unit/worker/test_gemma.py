@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from family_models import generate_one, hf_generate, hf_model
-from gemma_models import MIXED, WINDOW, save_gemma3, save_gemma3_multimodal, save_mixed
+from gemma_models import GEMMA2_ATTN_CAP, MIXED, WINDOW, save_gemma2, save_gemma3, save_gemma3_multimodal, save_mixed
 from window_models import run_windowed
 
 from kvserve.common.attention_window import FULL_ATTENTION
@@ -37,6 +37,7 @@ def tiny(tmp_path_factory, model_dir):
     (mistral / "config.json").write_text(json.dumps(raw | {"model_type": "mistral"}))
     return {
         "gemma3": save_gemma3(root / "gemma3", model_dir),
+        "gemma2": save_gemma2(root / "gemma2", model_dir),  # layer_types left to HF: every other layer slides
         # layer_types left out: the worker and HF both derive it from max_window_layers (layers 2 and 3 slide)
         "qwen2": save_mixed(root / "qwen2", model_dir, "qwen2", use_sliding_window=True, sliding_window=WINDOW,
                             max_window_layers=2, drop=("layer_types",)),
@@ -74,6 +75,29 @@ def test_gemma3_greedy_matches_hf_with_chunked_prefill(tiny, backend):
     # a mixed model's worker serves (and reports) full attention: the gateway releases none of its pages
     assert runner.window == FULL_ATTENTION and runner.info.sliding_window == 0
     assert_matches_hf(runner, hf_model(tiny["gemma3"]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gemma2_greedy_matches_hf_with_chunked_prefill(tiny, backend):
+    """Gemma 2: no q/k norms, one rope, every other layer sliding, and every attention score soft-capped in the
+    backend's kernels (HF computes it in its eager attention)."""
+    runner = make_runner(tiny["gemma2"], backend)
+    assert isinstance(runner.model, GemmaDecoder) and not runner.model_cfg.gemma.qk_norm
+    assert runner.model_cfg.layer_windows == (WINDOW, 0) * 3
+    assert runner.model_cfg.logits_soft_cap == GEMMA2_ATTN_CAP
+    assert_matches_hf(runner, hf_model(tiny["gemma2"]))
+
+
+def test_gemma2_logits_match_hfs_forward(tiny):
+    """Every position's logits, fed in chunks across pages and the window, equal HF's forward pass: both soft
+    caps (attention scores and final logits) as HF applies them."""
+    from window_models import paged_logits
+
+    runner, tokens = make_runner(tiny["gemma2"]), prompts()[0]
+    ours = paged_logits(runner, tokens, [37, 5, 1, 1, 30])
+    with torch.no_grad():
+        theirs = hf_model(tiny["gemma2"])(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
 
 
 def test_the_text_model_of_a_multimodal_gemma3_matches_hfs_conditional_generation(tmp_path, model_dir):
@@ -125,9 +149,16 @@ def test_the_windows_decide_the_tokens(tiny):
     """The tiny models are ones where the sliding layers' window matters: with a window longer than every
     prompt, HF generates other tokens (so the tests above would catch a worker that ignored the window)."""
     p = prompts()[0]
-    for name in ("gemma3", "qwen2"):
+    for name in ("gemma3", "gemma2", "qwen2"):
         windowed, dense = hf_model(tiny[name]), hf_model(tiny[name], sliding_window=1024)
         assert hf_generate(windowed, p, NEW_TOKENS) != hf_generate(dense, p, NEW_TOKENS), name
+
+
+def test_the_soft_cap_decides_gemma2s_tokens(tiny):
+    """Likewise the attention soft cap: without it HF generates other tokens from the tiny Gemma 2."""
+    p = prompts()[0]
+    capped, uncapped = hf_model(tiny["gemma2"]), hf_model(tiny["gemma2"], attn_logit_softcapping=None)
+    assert hf_generate(capped, p, NEW_TOKENS) != hf_generate(uncapped, p, NEW_TOKENS)
 
 
 def test_qwen2_max_window_layers_matches_hf(tiny):

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 from family_models import hf_generate, hf_model
-from gemma_models import WINDOW, save_gemma3, save_mixed
+from gemma_models import WINDOW, save_gemma2, save_gemma3, save_mixed
 
 from kvserve.common.attention_window import AttentionWindow
 from kvserve.common.errors import FailedPrecondition, InvalidRequest
@@ -35,6 +35,7 @@ def tiny(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("groups")
     return {
         "gemma3": save_gemma3(root / "gemma3", model_dir),  # layers 2 and 5 full, the others window 24
+        "gemma2": save_gemma2(root / "gemma2", model_dir),  # layers 1, 3 and 5 full; scores soft-capped
         "qwen2": save_mixed(root / "qwen2", model_dir, "qwen2", use_sliding_window=True, sliding_window=WINDOW,
                             max_window_layers=2, drop=("layer_types",)),  # layers 2 and 3 slide
     }
@@ -101,7 +102,7 @@ def run_grouped(runner: ModelRunner, seqs: list[Seq], budget: int, free: list[in
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
-@pytest.mark.parametrize("name", ["gemma3", "qwen2"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "qwen2"])
 def test_hfs_greedy_tokens_while_the_sliding_pages_fall_out_of_the_window_and_serve_others(tiny, name, backend):
     runner = grouped_runner(tiny[name], backend)
     info, groups = runner.info, runner.groups
