@@ -69,6 +69,9 @@ def hf_model(family: str):
         types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
         return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**DIMS, head_dim=64, sliding_window=512, layer_types=types,
                                                         query_pre_attn_scalar=64))
+    if family == "gemma2":  # Gemma 2's pattern: sliding and full layers alternate; scores soft-capped at 50
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**DIMS, head_dim=64, sliding_window=512,
+                                                    query_pre_attn_scalar=64, attn_logit_softcapping=50.0))
     if family == "deepseek_v3":  # MLA at DeepSeek-V3's ratios (latent 512 + 64 for 128 heads of 128 + 64 / 128)
         mla = dict(kv_lora_rank=128, q_lora_rank=192, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
                    first_k_dense_replace=DIMS["num_hidden_layers"], n_routed_experts=4, num_experts_per_tok=2,
@@ -77,7 +80,7 @@ def hf_model(family: str):
     raise ValueError(f"unknown family {family!r}")
 
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3", "deepseek_v3")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3")
 
 
 def save_family(family: str, root: Path, tokenizer_dir: Path) -> Path:
