@@ -282,7 +282,7 @@ def _add_shares(mgr: KVManager, tenant: str, t: TenantStats) -> None:
     fair, tier = mgr.fair, mgr.tier
     q = fair.policy.quota(tenant)
     t.weight, t.active = q.weight, fair.is_active(tenant)
-    for pool in mgr.pools.values():
+    for pool in with_groups(mgr.pools.values()):  # a sliding group's pages and evictions are the tenant's too
         n = pool.spec.num_pages
         t.num_pages += pool.usage.get(tenant, 0)
         t.share_pages += int(fair.share(tenant, n))

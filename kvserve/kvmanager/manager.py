@@ -73,7 +73,7 @@ from kvserve.kvmanager.fair_share import FairShare
 from kvserve.kvmanager.hashing import chain_hashes
 from kvserve.kvmanager.pins import PinTable
 from kvserve.kvmanager.placement import Fit, Placement, fit, place
-from kvserve.kvmanager.pool import Block, PagePool, releasing
+from kvserve.kvmanager.pool import Block, PagePool, releasing, with_groups
 from kvserve.kvmanager.spec_checks import check_roles, check_spec
 from kvserve.kvmanager.state import Changes, GroupPages, RequestPages, TenantCounters
 from kvserve.kvmanager.step_validate import validate_step
@@ -151,11 +151,12 @@ class KVManager:
         return released
 
     def _drop_pool(self, pool: PagePool) -> tuple[str, ...]:
-        for retired, counts in ((self.retired_evicted_from, pool.num_evicted_from),
-                                (self.retired_evicted_by, pool.num_evicted_by)):
-            for tenant, n in counts.items():
-                retired[tenant] = retired.get(tenant, 0) + n
-        pool.num_evicted_from, pool.num_evicted_by = {}, {}  # counted once, even if it is dropped again
+        for group in with_groups([pool]):  # its sliding group's evictions too
+            for retired, counts in ((self.retired_evicted_from, group.num_evicted_from),
+                                    (self.retired_evicted_by, group.num_evicted_by)):
+                for tenant, n in counts.items():
+                    retired[tenant] = retired.get(tenant, 0) + n
+            group.num_evicted_from, group.num_evicted_by = {}, {}  # counted once, even if it is dropped again
         worker_id = pool.spec.worker_id
         for req in self.requests.values():  # pulls from it: its pages are gone, the pulls fail and recompute
             if req.transfer is not None and req.transfer.worker_id == worker_id:

@@ -335,3 +335,21 @@ def test_admin_stats_and_page_table_show_the_sliding_group_over_the_wire_and_in_
     assert [p.kind for p in t.group_pages] == ["released"] * 3 + ["held"] * 2
     out = RENDER["page-table"](t, SimpleNamespace())
     assert "full layers" in out and "sliding layers" in out and "(3 released by its window)" in out
+
+
+def test_a_tenants_evictions_in_the_sliding_group_are_its_own_and_outlive_its_pool():
+    """A sliding group smaller than the full one evicts there first: tenant b's allocation takes tenant a's cached
+    sliding pages while the full pool still has free ones. Admin stats count those evictions as a's (evicted) and
+    b's (caused), and keep them when the pool is dropped (a new epoch), as for the full pool's."""
+    m = cached_prompt(gspec(group_pages=6))  # a's 4 blocks cached in each group: the sliding group has 2 free
+    pool, group = m.pools["w0"], m.pools["w0"].group
+    alloc(m, "b", range(300, 316), tenant="b")  # 4 pages in each group: 2 of a's sliding blocks go
+    assert (group.num_evicted_from, group.num_evicted_by) == ({"t": 2}, {"b": 2})
+    assert pool.num_evicted_from == {}  # the full pool had room
+    def counts():
+        return {t.tenant: (t.num_evicted_pages, t.num_evictions_caused) for t in admin.stats(m).tenants}
+
+    assert counts()["t"] == (2, 0) and counts()["b"] == (0, 2)
+    step(m, frees=[PageFree("b")])
+    m.register_worker(gspec(epoch=2, group_pages=6))  # restarted: both groups are new
+    assert counts()["t"] == (2, 0) and counts()["b"] == (0, 2)
