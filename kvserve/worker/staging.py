@@ -45,7 +45,7 @@ def stage(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tenso
 
 
 _INT_FIELDS = [f.name for f in dataclasses.fields(AttentionMetadata)
-               if f.name not in ("page_size", "max_q_len", "max_seq_len", "window")]
+               if f.name not in ("page_size", "max_q_len", "max_seq_len", "window", "logits_soft_cap")]
 
 
 def stage_metadata(meta: AttentionMetadata, extra: list[torch.Tensor],

@@ -68,7 +68,9 @@ def test_staging_packs_one_block_and_views_it_back():
     assert block.shape == (11,) and [x.tolist() for x in unpack(block, layout)] == [a.tolist(), b.tolist()]
     assert [x.tolist() for x in stage([a, b], CPU)] == [a.tolist(), b.tolist()]
     meta = build_metadata([3, 0], [1, 4], [[2], [0, 1]], PAGE, CPU, window=AttentionWindow(4, 1))
+    meta.logits_soft_cap = 50.0  # a float constant: not staged, kept
     staged, (extra,) = stage_metadata(meta, [torch.tensor([9, 8])], CPU)
+    assert staged.logits_soft_cap == 50.0
     assert extra.tolist() == [9, 8] and staged.max_seq_len == meta.max_seq_len and staged.window.sinks == 1
     for name in ("q_lens", "start_pos", "seq_lens", "cu_q_lens", "positions", "token_seq", "slot_mapping",
                  "page_tables", "sink_positions"):

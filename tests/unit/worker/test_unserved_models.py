@@ -16,7 +16,7 @@ SHAPE = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidd
          "num_attention_heads": 2}
 
 
-@pytest.mark.parametrize("model_type, cls", [("phi3", "Phi3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
+@pytest.mark.parametrize("model_type, cls", [("phi3", "Phi3ForCausalLM"), ("olmo2", "Olmo2ForCausalLM"),
                                              ("llama4", "Llama4ForConditionalGeneration")])
 def test_an_architecture_not_served_is_named_with_what_is(model_type, cls):
     with pytest.raises(UnsupportedModel) as e:
