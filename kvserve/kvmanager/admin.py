@@ -456,7 +456,7 @@ def evict_tenant(mgr: KVManager, tenant: str, worker_id: str = "", include_pinne
     pools = _pools_in_scope(mgr, worker_id)
     if include_pinned:
         doomed = mgr.pins.of_tenant(tenant) if not worker_id else [
-            b.block_hash for b in pools[0].index.values() if b.tenant == tenant and b.pinned]
+            b.block_hash for p in with_groups(pools) for b in p.index.values() if b.tenant == tenant and b.pinned]
         for h in sorted(doomed):
             mgr.pins.remove(h)
             mgr.mark_pinned(h, False)
@@ -500,6 +500,7 @@ def pin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str 
     best = max(pools, key=lambda p: len(found[p.spec.worker_id]), default=None)
     hashes = list(dict.fromkeys(b.block_hash for p in pools for b in found[p.spec.worker_id]))
     room = (mgr.pin_budget(tenant, best) - mgr.pins.num_soft.get(tenant, 0)) if ttl_s and best else 0
+    windows = [(p, len(found[p.spec.worker_id])) for p in pools if p.group is not None and found[p.spec.worker_id]]
     over = 0
     for h in hashes:
         is_new = h not in mgr.pins
@@ -514,9 +515,18 @@ def pin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str 
             mgr.mark_pinned(h, True)
         if before != (mgr.pins.get(h).ttl_ms, mgr.pins.get(h).expires_ms):
             mgr.changes.changed = True
+    for pool, n in windows:  # a grouped pool: the sliding blocks a hit on the pinned prefix reads (manager.py)
+        room = mgr.pin_window(pool.group, tenant, _group_chain(pool, tenant, token_ids, n), n, ttl_s * 1000, room)
+        mgr.changes.changed = True
     reached = sum(b.pinned for bs in found.values() for b in bs)
     best_tokens = max((_leading_pinned(found[p.spec.worker_id]) * p.spec.page_size for p in pools), default=0)
     return PinResult(reached, best_tokens, _first_expiry(mgr, hashes), over)
+
+
+def _group_chain(pool: PagePool, tenant: str, token_ids: tuple[int, ...], n: int) -> list[bytes]:
+    """The chain of the first ``n`` full pages of ``token_ids`` in a grouped pool's sliding group."""
+    ps = pool.spec.page_size
+    return chain_hashes(pool.group.seed_for(tenant), token_ids[:n * ps], ps)
 
 
 def _first_expiry(mgr: KVManager, hashes: list[bytes]) -> int:
@@ -541,7 +551,9 @@ def unpin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: st
     pools = _pools_in_scope(mgr, worker_id)
     found = [_prefix_blocks(mgr, p, tenant, token_ids) for p in pools]
     changed = sum(b.pinned for bs in found for b in bs)
-    for h in reversed(list(dict.fromkeys(b.block_hash for bs in found for b in bs))):
+    sliding = [h for p in pools if p.group is not None  # every sliding block of the prefix a pin's window took
+               for h in _group_chain(p, tenant, token_ids, len(token_ids) // p.spec.page_size)]
+    for h in reversed(list(dict.fromkeys([*(b.block_hash for bs in found for b in bs), *sliding]))):
         if mgr.pins.remove(h) is not None:
             mgr.mark_pinned(h, False)
             mgr.changes.changed = True

@@ -253,10 +253,9 @@ class KVManager:
         return True
 
     def mark_pinned(self, block_hash: bytes, pinned: bool) -> None:
-        """Sets the pin flag of a block in every pool that holds it and in the tier. Unpinned, it counts as used
-        now (a reload orders the LRUs by last_used). Sliding groups are not searched: their chains are their own
-        (their seeds include their window), so no pin names their blocks."""
-        for pool in self.pools.values():
+        """Sets the pin flag of a block in every pool (sliding groups included) that holds it and in the tier.
+        Unpinned, it counts as used now (a reload orders the LRUs by last_used)."""
+        for pool in with_groups(self.pools.values()):
             block = pool.index.get(block_hash)
             if block is not None and block.pinned != pinned:
                 if not pinned:
@@ -359,7 +358,8 @@ class KVManager:
             self.transfers.num_moved += 1
         self.requests[op.req_id] = req
         if self.pins:  # a hit refreshes the pins of what it hit
-            for h in [*req.block_hashes, *(b.block_hash for b in pulled), *stored]:
+            group_hit = req.group.block_hashes if req.group is not None else []
+            for h in [*req.block_hashes, *(b.block_hash for b in pulled), *stored, *group_hit]:
                 self.pins.refresh(h, self.now_ms)
         pool.num_requests += 1
         counters = self.tenants.setdefault(op.tenant, TenantCounters())
@@ -490,10 +490,7 @@ class KVManager:
             prev = hashes[-1] if hashes else req.seed
             new = chain_hashes(prev, op.token_ids, page_size)
             added = self._cache_chain(pool, req.tenant, req.page_table, prev, new, len(hashes))
-            if self.pins:  # a block pinned while elsewhere (another pool, the tier) is pinned here too
-                for b in added:
-                    if b.block_hash in self.pins:
-                        pool.set_pinned(b, True)
+            self._flag_pinned(pool, added)
             if pool.spec.kv_store and self.tier.enabled:
                 self._order_writes(pool, req, added)
             hashes.extend(new)
@@ -501,12 +498,20 @@ class KVManager:
                 g = req.group
                 prev = g.block_hashes[-1] if g.block_hashes else g.seed
                 new = chain_hashes(prev, op.token_ids, page_size)
-                self._cache_chain(pool.group, req.tenant, g.page_table, prev, new, len(g.block_hashes))
+                self._flag_pinned(pool.group, self._cache_chain(pool.group, req.tenant, g.page_table, prev, new,
+                                                                len(g.block_hashes)))
                 g.block_hashes.extend(new)
         req.num_committed_tokens += len(op.token_ids)
         self.fair.touch(req.tenant)
         self.changes.changed = True
         return PageCommitResult(op.req_id, OpStatus.OK, req.num_committed_tokens, self._take_pins(req, pool))
+
+    def _flag_pinned(self, pool: PagePool, added: list[Block]) -> None:
+        """A block pinned while elsewhere (another pool, the tier, or evicted) is pinned here too."""
+        if self.pins:
+            for b in added:
+                if b.block_hash in self.pins:
+                    pool.set_pinned(b, True)
 
     def _cache_chain(self, pool: PagePool, tenant: str, table: list[int], prev: bytes, new: list[bytes],
                      first: int) -> list[Block]:
@@ -522,8 +527,9 @@ class KVManager:
         return pool.cache_blocks(blocks)
 
     # -- pins -------------------------------------------------------------------------------------------
-    # Pins follow the full layers' chain (a grouped pool's full group): a pin keeps the full layers' blocks; the
-    # sliding group's blocks are never pinned, so a pinned prefix may lose its hit when its window's blocks go.
+    # Pins follow the full layers' chain. On a grouped pool a pin that reaches its end also pins, in the sliding
+    # group, the window its last block's successor reads (pin_window): what a hit on the whole pinned prefix
+    # needs (placement.joint_hit), and no more, so a pinned prefix holds a window of sliding pages, not its length.
     def _take_pins(self, req: RequestPages, pool: PagePool) -> int:
         """Pins the request's chain as far as its pins reach and its chain goes, each block with the longest TTL
         of the pins covering it, until its tenant's pin budget is spent. Returns its pinned prompt tokens."""
@@ -546,7 +552,25 @@ class KVManager:
                 room -= 1
                 self.mark_pinned(h, True)
             req.num_pinned_blocks += 1
+        target = max(n for n, _ in reach)
+        if req.group is not None and req.num_pinned_blocks == target:  # the whole reach pinned: its window too
+            ttl_ms = max(ttl for n, ttl in reach if n == target)
+            self.pin_window(pool.group, req.tenant, req.group.block_hashes, target, ttl_ms, room)
         return req.num_pinned_blocks * page_size
+
+    def pin_window(self, group: PagePool, tenant: str, hashes: list[bytes], n: int, ttl_ms: int, room: int) -> int:
+        """Pins a sliding group's blocks (of the chain ``hashes``) that the query after ``n`` blocks reads, while
+        ``room`` (the tenant's pin budget left) allows new soft pins. Returns the room left."""
+        page_size = group.spec.page_size
+        for h in hashes[group.window.first_page_read(n * page_size, page_size):n]:
+            is_new = h not in self.pins
+            if is_new and ttl_ms and room <= 0:
+                break
+            self.pins.add(h, tenant, ttl_ms, self.now_ms)
+            if is_new:
+                room -= 1
+                self.mark_pinned(h, True)
+        return room
 
     def pin_budget(self, tenant: str, pool: PagePool) -> int:
         """Blocks the tenant's soft pins may hold, judged on ``pool``: its pages, and with the shared tier, the

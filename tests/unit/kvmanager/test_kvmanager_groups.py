@@ -24,6 +24,7 @@ from kvserve.common.wire.pages import (
     PageExtension,
     PageFree,
     PageRelease,
+    PinPoint,
     PoolSpec,
     StepOps,
 )
@@ -353,3 +354,60 @@ def test_a_tenants_evictions_in_the_sliding_group_are_its_own_and_outlive_its_po
     step(m, frees=[PageFree("b")])
     m.register_worker(gspec(epoch=2, group_pages=6))  # restarted: both groups are new
     assert counts()["t"] == (2, 0) and counts()["b"] == (0, 2)
+
+
+# -- pins ------------------------------------------------------------------------------------------------------
+PINNED = tuple(range(500, 524))  # 6 full pages: the query after them (at 24) reads blocks 4 and 5 in the window
+
+
+def flood_sliding_group(m, tenant="b") -> None:
+    """Another tenant's prompt that takes every sliding page it can (evicting every unpinned cached block there),
+    computed, committed and freed."""
+    tokens = tuple(range(900, 900 + PS * m.pools["w0"].group.num_free + PS * m.pools["w0"].group.num_evictable))
+    alloc(m, "flood", tokens, tenant=tenant)
+    commit(m, "flood", 0, tokens[:len(tokens) // PS * PS], computed=len(tokens))
+    step(m, frees=[PageFree("flood")])
+
+
+def sliding_pinned(m) -> list[int]:
+    return sorted(b.block_index for b in m.pools["w0"].group.index.values() if b.pinned)
+
+
+def test_a_pinned_prefix_keeps_the_sliding_window_its_hit_reads_and_only_that():
+    """A request's pin over a grouped pool pins the full layers' chain and, in the sliding group, the window the
+    query after the pinned prefix reads (blocks 4 and 5 of 6, window 8): a flood of the sliding group evicts the
+    rest, and the next request still hits the whole pinned prefix (without the window pinned, the joint hit would
+    fall to 0)."""
+    m = mgr_with(gspec(num_pages=32, group_pages=8))
+    op = PageAllocation("a", "t", PINNED + (7,), "w0", pins=(PinPoint(len(PINNED), 60),))
+    a = step(m, allocations=[op]).allocations[0]
+    assert a.status is OpStatus.OK and a.num_pinned_tokens == 0
+    assert commit(m, "a", 0, PINNED, computed=25).num_pinned_tokens == len(PINNED)
+    step(m, frees=[PageFree("a")])
+    assert sliding_pinned(m) == [4, 5]
+    flood_sliding_group(m)
+    assert sliding_pinned(m) == [4, 5] and len(m.pools["w0"].group.index) == 2 + 6  # the flood's 6 blocks
+    hit = alloc(m, "again", PINNED + (8, 9))
+    assert hit.num_cached_tokens == len(PINNED)
+
+
+def test_an_admin_pin_takes_the_window_and_an_unpin_releases_every_sliding_pin():
+    """An operator's or a soft admin pin on a grouped pool pins the window too (and a snapshot keeps it); its unpin
+    removes the pins of every sliding block of the prefix."""
+    m = mgr_with(gspec(num_pages=32, group_pages=8))
+    alloc(m, "a", PINNED + (7,))
+    commit(m, "a", 0, PINNED, computed=25)
+    step(m, frees=[PageFree("a")])
+    result = admin.pin(m, "t", PINNED, ttl_s=60)
+    assert result.num_pinned_tokens == len(PINNED) and sliding_pinned(m) == [4, 5]
+    check_invariants(m)
+    loaded = KVManager()  # a snapshot keeps the sliding pins
+    snapshot_format.decode(snapshot_format.encode(m, []), loaded)
+    check_invariants(loaded)
+    assert sliding_pinned(loaded) == [4, 5]
+    flood_sliding_group(m)
+    assert alloc(m, "again", PINNED + (8, 9)).num_cached_tokens == len(PINNED)
+    step(m, frees=[PageFree("again")])
+    assert admin.unpin(m, "t", PINNED) == 6
+    assert sliding_pinned(m) == [] and not m.pins
+    check_invariants(m)
