@@ -503,16 +503,13 @@ def pin(mgr: KVManager, tenant: str, token_ids: tuple[int, ...], worker_id: str 
     windows = [(p, len(found[p.spec.worker_id])) for p in pools if p.group is not None and found[p.spec.worker_id]]
     over = 0
     for h in hashes:
-        is_new = h not in mgr.pins
-        if ttl_s and is_new and room <= 0:
-            over += 1
-            continue
         was = mgr.pins.get(h)
         before = (was.ttl_ms, was.expires_ms) if was else None
-        mgr.pins.add(h, tenant, ttl_s * 1000, mgr.now_ms)
-        room -= is_new
-        if is_new:
-            mgr.mark_pinned(h, True)
+        left = mgr.take_pin(h, tenant, ttl_s * 1000, room)
+        if left is None:
+            over += 1
+            continue
+        room = left
         if before != (mgr.pins.get(h).ttl_ms, mgr.pins.get(h).expires_ms):
             mgr.changes.changed = True
     for pool, n in windows:  # a grouped pool: the sliding blocks a hit on the pinned prefix reads (manager.py)

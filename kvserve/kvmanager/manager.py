@@ -537,39 +537,44 @@ class KVManager:
         if not req.pins:
             return 0
         reach = [((p.num_tokens or req.num_prompt_tokens) // page_size, p.ttl_s * 1000) for p in req.pins]
-        end = min(max(n for n, _ in reach), len(req.block_hashes))
+        target = max(n for n, _ in reach)
+        end = min(target, len(req.block_hashes))
         if req.num_pinned_blocks >= end:  # most commits of a pinned request: nothing new, no budget to judge
             return req.num_pinned_blocks * page_size
         room = self.pin_budget(req.tenant, pool) - self.pins.num_soft.get(req.tenant, 0)
         while req.num_pinned_blocks < end:
             i = req.num_pinned_blocks
-            h = req.block_hashes[i]
-            is_new = h not in self.pins
-            if is_new and room <= 0:
+            left = self.take_pin(req.block_hashes[i], req.tenant, max(ttl for n, ttl in reach if n > i), room)
+            if left is None:
                 break  # over budget: the rest of its prefix stays unpinned (its answer says how far it got)
-            self.pins.add(h, req.tenant, max(ttl for n, ttl in reach if n > i), self.now_ms)
-            if is_new:
-                room -= 1
-                self.mark_pinned(h, True)
+            room = left
             req.num_pinned_blocks += 1
-        target = max(n for n, _ in reach)
         if req.group is not None and req.num_pinned_blocks == target:  # the whole reach pinned: its window too
             ttl_ms = max(ttl for n, ttl in reach if n == target)
             self.pin_window(pool.group, req.tenant, req.group.block_hashes, target, ttl_ms, room)
         return req.num_pinned_blocks * page_size
+
+    def take_pin(self, block_hash: bytes, tenant: str, ttl_ms: int, room: int) -> int | None:
+        """Pins one block (ttl_ms 0: an operator's pin, outside any budget), or refreshes its pin. A new soft pin
+        takes one of ``room``, the tenant's pin budget left. Returns the room left, or None when a new soft pin
+        found none (nothing pinned)."""
+        is_new = block_hash not in self.pins
+        if is_new and ttl_ms and room <= 0:
+            return None
+        self.pins.add(block_hash, tenant, ttl_ms, self.now_ms)
+        if is_new:
+            self.mark_pinned(block_hash, True)
+        return room - is_new
 
     def pin_window(self, group: PagePool, tenant: str, hashes: list[bytes], n: int, ttl_ms: int, room: int) -> int:
         """Pins a sliding group's blocks (of the chain ``hashes``) that the query after ``n`` blocks reads, while
         ``room`` (the tenant's pin budget left) allows new soft pins. Returns the room left."""
         page_size = group.spec.page_size
         for h in hashes[group.window.first_page_read(n * page_size, page_size):n]:
-            is_new = h not in self.pins
-            if is_new and ttl_ms and room <= 0:
+            left = self.take_pin(h, tenant, ttl_ms, room)
+            if left is None:
                 break
-            self.pins.add(h, tenant, ttl_ms, self.now_ms)
-            if is_new:
-                room -= 1
-                self.mark_pinned(h, True)
+            room = left
         return room
 
     def pin_budget(self, tenant: str, pool: PagePool) -> int:
