@@ -33,18 +33,23 @@ def gemma3_config(**overrides):
     return Gemma3TextConfig(**(kw | overrides))
 
 
+def random_norms(model):
+    """The model with every norm weight of its text layers drawn at random, in place (HF starts them at 0, where
+    every Gemma norm scales by 1 and a wrong ``1 + w`` would go unseen); a vision tower's are left as they are."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "vision" not in name:
+                p.normal_(0.0, 0.3)
+    return model
+
+
 def save_gemma3(folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     """A tiny Gemma3ForCausalLM with random norm weights too (HF starts them at 0, where every norm scales by 1
     and a wrong ``1 + w`` would go unseen)."""
     from transformers import Gemma3ForCausalLM
 
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(gemma3_config(**overrides))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.3)
-    return save_model(model, folder, tokenizer_dir)
+    return save_model(random_norms(Gemma3ForCausalLM(gemma3_config(**overrides))), folder, tokenizer_dir)
 
 
 def gemma2_config(**overrides):
@@ -64,12 +69,10 @@ def save_gemma2(folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -
     from transformers import Gemma2ForCausalLM
 
     torch.manual_seed(seed)
-    model = Gemma2ForCausalLM(gemma2_config(**overrides))
+    model = random_norms(Gemma2ForCausalLM(gemma2_config(**overrides)))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.3)
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(3.0)
     return save_model(model, folder, tokenizer_dir)
 
@@ -83,12 +86,7 @@ def save_gemma3_multimodal(folder: Path, tokenizer_dir: Path, seed: int = 0) -> 
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
     cfg = Gemma3Config(text_config=gemma3_config().to_dict(), vision_config=vision, mm_tokens_per_image=4)
-    model = Gemma3ForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") and "vision" not in name:
-                p.normal_(0.0, 0.3)
-    return save_model(model, folder, tokenizer_dir)
+    return save_model(random_norms(Gemma3ForConditionalGeneration(cfg)), folder, tokenizer_dir)
 
 
 def save_mixed(folder: Path, tokenizer_dir: Path, model_type: str, seed: int = 0, drop: tuple[str, ...] = (),
